@@ -1,0 +1,209 @@
+"""`openlora-otel doctor`: check the configuration and its surroundings before a long run.
+
+Prints the resolved configuration (header values and URL credentials redacted),
+checks that the Prometheus port can be bound and that the OTLP endpoint answers,
+lists the optional packages, and says in plain words what to fix.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from openlora_otel._deps import OPTIONAL_PACKAGES, is_installed
+from openlora_otel.config import ConfigError, TelemetryConfig
+
+__all__ = ["Check", "run_doctor"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: ``ok`` is True, False (a problem) or None (information)."""
+
+    name: str
+    ok: bool | None
+    detail: str
+    fix: str = ""
+
+
+def run_doctor(
+    environ: Mapping[str, str] | None = None,
+    *,
+    timeout_s: float = 2.0,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Print the report; return 0 when nothing needs fixing, 1 otherwise, 2 for invalid configuration."""
+    out("openlora-otel doctor")
+    try:
+        config = TelemetryConfig.from_env(environ)
+    except ConfigError as exc:
+        out(f"  [FAIL] configuration: {exc}")
+        out(f"         fix: set {exc.variable} to {exc.accepted}, or unset it for the default")
+        return 2
+
+    for line in describe_config(config):
+        out("  " + line)
+    out("")
+    checks = [*check_exporters(config, timeout_s=timeout_s), *check_packages(config)]
+    for check in checks:
+        mark = {True: " ok ", False: "FAIL", None: "info"}[check.ok]
+        out(f"  [{mark}] {check.name}: {check.detail}")
+        if check.fix:
+            out(f"         fix: {check.fix}")
+    problems = [c for c in checks if c.ok is False]
+    out("")
+    out(f"{len(problems)} problem(s) found." if problems else "All checks passed.")
+    return 1 if problems else 0
+
+
+def describe_config(config: TelemetryConfig) -> list[str]:
+    """The resolved configuration as printable lines, secrets redacted."""
+    otlp = config.otlp
+    lines = [
+        f"sdk disabled:        {config.sdk_disabled}",
+        f"service.name:        {config.service_name}",
+        f"run id:              {config.run_id or '(generated at setup)'}",
+        f"resource attributes: {dict(config.resource_attributes) or '{}'}",
+        f"exporters:           {','.join(config.exporters)}",
+        f"prometheus endpoint: {config.prometheus_host}:{config.prometheus_port}",
+        f"otlp endpoint:       {otlp.redacted_endpoint()} ({otlp.protocol}, from {otlp.endpoint_variable})",
+        f"otlp headers:        {dict(otlp.redacted_headers()) or '{}'}",
+        f"otlp timeout:        {otlp.timeout_s:g} s, compression {otlp.compression}, "
+        f"temporality {otlp.temporality}",
+    ]
+    if otlp.protocol == "grpc":
+        lines.append(f"otlp insecure:       {otlp.insecure}")
+    if otlp.certificate or otlp.client_key or otlp.client_certificate:
+        lines.append(
+            f"otlp tls files:      ca={otlp.certificate} key={otlp.client_key} cert={otlp.client_certificate}"
+        )
+    lines += [
+        f"export interval:     {config.export_interval_ms:g} ms (timeout {config.export_timeout_ms:g} ms)",
+        f"shutdown bound:      {config.shutdown_timeout_s:g} s",
+    ]
+    return lines
+
+
+def check_exporters(config: TelemetryConfig, *, timeout_s: float) -> list[Check]:
+    if config.sdk_disabled:
+        return [Check("exporters", None, "OTEL_SDK_DISABLED=true: nothing will be exported")]
+    checks: list[Check] = []
+    exporters = config.enabled_exporters
+    if not exporters:
+        checks.append(
+            Check("exporters", None, "OTEL_METRICS_EXPORTER=none: metrics are recorded but not exported")
+        )
+    if "prometheus" in exporters:
+        checks.append(_check_bind(config))
+    if "otlp" in exporters:
+        checks.append(_check_otlp(config, timeout_s))
+    if "console" in exporters:
+        checks.append(Check("console", None, "metrics are printed to standard output every export interval"))
+    return checks
+
+
+def check_packages(config: TelemetryConfig) -> list[Check]:
+    needed: set[str] = set()
+    if "otlp" in config.enabled_exporters:
+        needed.add(
+            f"opentelemetry.exporter.otlp.proto.{'grpc' if config.otlp.protocol == 'grpc' else 'http'}"
+        )
+    checks = []
+    for module, (distribution, extra) in OPTIONAL_PACKAGES.items():
+        installed = is_installed(module)
+        if installed:
+            checks.append(Check(f"package {distribution}", None, "installed"))
+        elif module in needed:
+            checks.append(
+                Check(
+                    f"package {distribution}",
+                    False,
+                    "missing, and the configured exporter needs it",
+                    f"pip install 'openlora-otel[{extra}]'",
+                )
+            )
+        else:
+            checks.append(Check(f"package {distribution}", None, f"not installed (extra [{extra}])"))
+    return checks
+
+
+def _check_bind(config: TelemetryConfig) -> Check:
+    host, port = config.prometheus_host, config.prometheus_port
+    name = "prometheus endpoint"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return Check(
+            name,
+            False,
+            f"cannot resolve {host!r}: {exc}",
+            "set OTEL_EXPORTER_PROMETHEUS_HOST to a valid address",
+        )
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return Check(
+                name,
+                False,
+                f"cannot bind {host}:{port}: {exc.strerror or exc}",
+                f"stop what holds port {port}, or set {config.prometheus_port_variable.split(' ')[0]} "
+                "to another port (0 = any free port)",
+            )
+    shown = "any free port" if port == 0 else str(port)
+    return Check(name, True, f"{host}:{shown} can be bound; scrape http://{host}:{port}/metrics")
+
+
+def _check_otlp(config: TelemetryConfig, timeout_s: float) -> Check:
+    otlp = config.otlp
+    name = "otlp endpoint"
+    url = otlp.endpoint if "://" in otlp.endpoint else "http://" + otlp.endpoint
+    parts = urlsplit(url)
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    where = otlp.redacted_endpoint()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        return Check(
+            name,
+            False,
+            f"nothing answers at {host}:{port} ({exc.strerror or exc})",
+            "start the OpenTelemetry Collector, or point OTEL_EXPORTER_OTLP_ENDPOINT at a running one; "
+            "training will still run, exports fail until it is reachable",
+        )
+    if otlp.protocol == "grpc":
+        return Check(name, True, f"{where} accepts connections (gRPC)")
+    # An empty ExportMetricsServiceRequest is a valid OTLP request: a collector answers 200.
+    request = urllib.request.Request(
+        otlp.endpoint,
+        data=b"",
+        method="POST",
+        headers={"Content-Type": "application/x-protobuf", **dict(otlp.headers)},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError) as exc:
+        return Check(
+            name,
+            False,
+            f"{where} accepts connections but the request failed: {exc}",
+            "check the URL and TLS settings",
+        )
+    if 200 <= status < 300:
+        return Check(name, True, f"{where} answered HTTP {status} to an empty OTLP request")
+    hint = {
+        401: "check OTEL_EXPORTER_OTLP_HEADERS (credentials)",
+        403: "check OTEL_EXPORTER_OTLP_HEADERS (credentials)",
+        404: "the path is wrong: a per-signal OTEL_EXPORTER_OTLP_METRICS_ENDPOINT must end in /v1/metrics",
+    }.get(status, "check that this is an OTLP/HTTP receiver")
+    return Check(name, False, f"{where} answered HTTP {status}", hint)

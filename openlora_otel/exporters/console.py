@@ -1,0 +1,20 @@
+"""Console exporter: periodic dumps of every metric to standard output, for debugging."""
+
+from __future__ import annotations
+
+import sys
+
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+from openlora_otel.config import TelemetryConfig
+
+__all__ = ["build_console_reader"]
+
+
+def build_console_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:
+    """A reader that prints every ``OTEL_METRIC_EXPORT_INTERVAL`` milliseconds."""
+    return PeriodicExportingMetricReader(
+        ConsoleMetricExporter(out=sys.stdout),
+        export_interval_millis=config.export_interval_ms,
+        export_timeout_millis=config.export_timeout_ms,
+    )

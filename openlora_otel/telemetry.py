@@ -1,0 +1,359 @@
+"""`setup_telemetry()` and the `Telemetry` handle it returns.
+
+One call builds one OpenTelemetry ``MeterProvider`` with the run's Resource and
+the readers chosen by configuration, and registers it as the global provider
+when none is set. Bad configuration fails here, before anything starts; once
+running, export problems are logged and survived, and shutdown is bounded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.metrics import Meter, MeterProvider, NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+
+from openlora_otel._deps import require
+from openlora_otel._version import __version__
+from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
+
+__all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
+
+_logger = logging.getLogger(__name__)
+
+METER_NAME = "openlora_otel"
+
+# The provider setup_telemetry() last made global, and whether its Telemetry is still open.
+_global_lock = threading.Lock()
+_global_owner: Telemetry | None = None
+
+
+class Telemetry:
+    """The handle returned by :func:`setup_telemetry`.
+
+    ``meter`` is where instruments are created. ``shutdown()`` is idempotent,
+    bounded by ``OPENLORA_SHUTDOWN_TIMEOUT`` and also runs at interpreter exit;
+    the handle is a context manager that shuts down on exit.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: TelemetryConfig,
+        meter_provider: MeterProvider,
+        resource: Resource | None,
+        run_id: str,
+        owns_provider: bool,
+        prometheus: Any = None,
+    ) -> None:
+        self._config = config
+        self._meter_provider = meter_provider
+        self._resource = resource
+        self._run_id = run_id
+        self._owns_provider = owns_provider
+        self._prometheus = prometheus
+        self._meter = meter_provider.get_meter(METER_NAME, __version__)
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self._shutdown_at_exit)
+
+    # -- what it is ---------------------------------------------------------
+    @property
+    def config(self) -> TelemetryConfig:
+        """The resolved configuration this handle was built from."""
+        return self._config
+
+    @property
+    def meter_provider(self) -> MeterProvider:
+        return self._meter_provider
+
+    @property
+    def meter(self) -> Meter:
+        """The ``openlora_otel`` meter of :attr:`meter_provider`."""
+        return self._meter
+
+    @property
+    def resource(self) -> Resource | None:
+        """The Resource of our provider (None when disabled or reusing someone else's)."""
+        return self._resource
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    @property
+    def enabled(self) -> bool:
+        """False for the no-op handle (``OTEL_SDK_DISABLED=true``)."""
+        return not isinstance(self._meter_provider, NoOpMeterProvider)
+
+    @property
+    def owns_provider(self) -> bool:
+        """False when an already-configured global provider was reused (see the README)."""
+        return self._owns_provider
+
+    @property
+    def prometheus_url(self) -> str | None:
+        """``http://host:port/metrics`` of the pull endpoint, or None when it is not enabled."""
+        return self._prometheus.url if self._prometheus is not None else None
+
+    @property
+    def is_shutdown(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else ("enabled" if self.enabled else "disabled")
+        return f"<Telemetry {state} run_id={self._run_id!r} exporters={self._config.enabled_exporters}>"
+
+    # -- lifecycle ----------------------------------------------------------
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Collect and export now; True when every reader finished within ``timeout_s``.
+
+        Defaults to the shutdown bound. Never raises; a no-op after shutdown.
+        """
+        if self._closed or not self.enabled:
+            return not self._closed
+        timeout = self._config.shutdown_timeout_s if timeout_s is None else timeout_s
+        flush = getattr(self._meter_provider, "force_flush", None)
+        if flush is None:
+            return True
+        return _run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Final collect and export, then stop every reader and the pull endpoint.
+
+        Returns within ``timeout_s`` (default ``OPENLORA_SHUTDOWN_TIMEOUT``) even
+        when the OTLP endpoint hangs; True when everything finished in time.
+        Idempotent and safe from any thread; never raises.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+        atexit.unregister(self._shutdown_at_exit)
+        timeout = self._config.shutdown_timeout_s if timeout_s is None else timeout_s
+        ok = True
+        if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
+            provider = self._meter_provider
+            ok = _run_bounded(lambda: provider.shutdown(timeout_millis=timeout * 1000), timeout, "shutdown")
+        elif self.enabled:
+            # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
+            flush = getattr(self._meter_provider, "force_flush", None)
+            if flush is not None:
+                ok = _run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
+        if self._prometheus is not None:
+            self._prometheus.close()
+        _release_global(self)
+        return ok
+
+    def _shutdown_at_exit(self) -> None:
+        self.shutdown()
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+def _run_bounded(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``; True if it finished and did not fail."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(fn())
+        except Exception:
+            _logger.warning("telemetry %s raised; ignored", what, exc_info=True)
+            outcome.append(False)
+
+    worker = threading.Thread(target=target, name=f"openlora-otel-{what}", daemon=True)
+    started = time.monotonic()
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        _logger.warning(
+            "telemetry %s did not finish within %.1f s (export endpoint unreachable or slow?); "
+            "giving up on it so the program can go on",
+            what,
+            timeout_s,
+        )
+        return False
+    _logger.debug("telemetry %s took %.3f s", what, time.monotonic() - started)
+    return outcome[0] is not False
+
+
+def _current_global_provider() -> MeterProvider | None:
+    """The provider set with ``set_meter_provider``, or None while only the default proxy is there."""
+    provider = metrics.get_meter_provider()
+    # The API hands out a proxy until a real provider is set; it is private, so
+    # recognise it by module rather than importing it.
+    if type(provider).__name__ == "_ProxyMeterProvider":
+        return None
+    return provider
+
+
+def _release_global(telemetry: Telemetry) -> None:
+    global _global_owner
+    with _global_lock:
+        if _global_owner is telemetry:
+            _global_owner = None
+
+
+def setup_telemetry(
+    service_name: str | None = None,
+    *,
+    run_id: str | None = None,
+    resource_attributes: Mapping[str, str | int | float | bool] | None = None,
+    config: TelemetryConfig | None = None,
+) -> Telemetry:
+    """Build the run's MeterProvider from configuration and return its :class:`Telemetry` handle.
+
+    ``config`` defaults to :meth:`TelemetryConfig.from_env`; explicit
+    ``service_name`` and ``run_id`` win over it, and ``resource_attributes`` are
+    added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+
+    Raises :class:`~openlora_otel.config.ConfigError` for invalid configuration
+    (including a Prometheus port that cannot be bound) and
+    :class:`~openlora_otel._deps.MissingDependencyError` when the chosen exporter's
+    package is missing; nothing is left running in either case. Raises
+    ``RuntimeError`` if an earlier ``Telemetry`` of this process is still open.
+
+    When another global MeterProvider is already set (for example by
+    ``opentelemetry-instrument``), it is reused: our meter comes from it, no
+    second provider is built, and ``shutdown()`` only flushes it.
+    """
+    global _global_owner
+    config = config if config is not None else TelemetryConfig.from_env()
+    if service_name is not None:
+        if not service_name:
+            raise ConfigError("service_name", service_name, "a non-empty string")
+        config = config.replace(service_name=service_name)
+    resolved_run_id = run_id or config.run_id or new_run_id()
+    if run_id is not None and not run_id:
+        raise ConfigError("run_id", run_id, "a non-empty string")
+    config = config.replace(run_id=resolved_run_id)
+
+    if config.sdk_disabled:
+        _logger.info("OTEL_SDK_DISABLED=true: telemetry is a no-op")
+        return Telemetry(
+            config=config,
+            meter_provider=NoOpMeterProvider(),
+            resource=None,
+            run_id=resolved_run_id,
+            owns_provider=False,
+        )
+
+    with _global_lock:
+        if _global_owner is not None and not _global_owner.is_shutdown:
+            raise RuntimeError(
+                "setup_telemetry() was already called in this process and that Telemetry is still open; "
+                "use it (telemetry.meter, telemetry.training) or call its shutdown() first"
+            )
+        existing = _current_global_provider()
+        ours_before = existing is not None and getattr(existing, "_openlora_otel", False)
+        if existing is not None and not ours_before:
+            _logger.info(
+                "a global MeterProvider (%s) is already configured, probably by opentelemetry-instrument; "
+                "openlora-otel records into it and does not build its own exporters",
+                type(existing).__name__,
+            )
+            telemetry = Telemetry(
+                config=config,
+                meter_provider=existing,
+                resource=getattr(existing, "_sdk_config", None) and existing._sdk_config.resource,  # type: ignore[attr-defined]
+                run_id=resolved_run_id,
+                owns_provider=False,
+            )
+            _global_owner = telemetry
+            return telemetry
+
+        provider, prometheus = _build_provider(config, resource_attributes)
+        if existing is None:
+            metrics.set_meter_provider(provider)
+        else:
+            # The SDK refuses to replace a global provider; an earlier, already shut
+            # down openlora-otel provider stays global. Ours is still fully usable
+            # through telemetry.meter.
+            _logger.debug("an earlier openlora-otel provider stays the global one")
+        telemetry = Telemetry(
+            config=config,
+            meter_provider=provider,
+            resource=provider._sdk_config.resource,
+            run_id=resolved_run_id,
+            owns_provider=True,
+            prometheus=prometheus,
+        )
+        _global_owner = telemetry
+    _logger.info(
+        "telemetry on: run %s, exporters %s%s",
+        resolved_run_id,
+        ",".join(config.enabled_exporters) or "none",
+        f", metrics at {telemetry.prometheus_url}" if telemetry.prometheus_url else "",
+    )
+    return telemetry
+
+
+def _build_provider(
+    config: TelemetryConfig,
+    resource_attributes: Mapping[str, str | int | float | bool] | None,
+) -> tuple[SDKMeterProvider, Any]:
+    """Create the readers and the provider; on any failure, stop whatever was started."""
+    exporters = config.enabled_exporters
+    # Fail on a missing package before binding a port or starting a thread.
+    if "otlp" in exporters:
+        module = "grpc" if config.otlp.protocol == "grpc" else "http"
+        require(
+            f"opentelemetry.exporter.otlp.proto.{module}",
+            f"OTEL_METRICS_EXPORTER=otlp ({config.otlp.protocol})",
+        )
+
+    assert config.run_id is not None
+    resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
+    if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
+        raise AssertionError("run id missing from the resource")
+
+    readers: list[MetricReader] = []
+    prometheus = None
+    try:
+        if "prometheus" in exporters:
+            from openlora_otel.exporters.prometheus import build_prometheus
+
+            prometheus = build_prometheus(config)
+            readers.append(prometheus.reader)
+        if "otlp" in exporters:
+            from openlora_otel.exporters.otlp import build_otlp_reader
+
+            readers.append(build_otlp_reader(config))
+        if "console" in exporters:
+            from openlora_otel.exporters.console import build_console_reader
+
+            readers.append(build_console_reader(config))
+        # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
+        # the SDK's would wait for its full export timeout on a dead endpoint.
+        provider = SDKMeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    except BaseException:
+        for reader in readers:
+            try:
+                reader.shutdown(timeout_millis=500)
+            except Exception:  # pragma: no cover - best effort cleanup
+                _logger.debug("reader cleanup failed", exc_info=True)
+        if prometheus is not None:
+            prometheus.close()
+        raise
+    provider._openlora_otel = True  # type: ignore[attr-defined]
+    return provider, prometheus
