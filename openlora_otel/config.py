@@ -135,7 +135,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_TIMEOUT",
         "10000",
-        "Time limit of one OTLP export, in milliseconds (as the spec says; the Python SDK alone reads seconds).",
+        "Time limit of one OTLP export with its retries, in milliseconds (as the spec says; the Python SDK alone reads seconds); capped at `OTEL_METRIC_EXPORT_INTERVAL`.",
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "(unset)", "Per-signal export time limit in milliseconds."

@@ -12,7 +12,7 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -220,12 +220,15 @@ def setup_telemetry(
     run_id: str | None = None,
     resource_attributes: Mapping[str, str | int | float | bool] | None = None,
     config: TelemetryConfig | None = None,
+    metric_readers: Sequence[MetricReader] = (),
 ) -> Telemetry:
     """Build the run's MeterProvider from configuration and return its :class:`Telemetry` handle.
 
     ``config`` defaults to :meth:`TelemetryConfig.from_env`; explicit
     ``service_name`` and ``run_id`` win over it, and ``resource_attributes`` are
     added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+    ``metric_readers`` are extra readers attached next to the configured ones
+    (an ``InMemoryMetricReader`` in tests, a custom exporter's reader).
 
     Raises :class:`~openlora_otel.config.ConfigError` for invalid configuration
     (including a Prometheus port that cannot be bound) and
@@ -282,7 +285,7 @@ def setup_telemetry(
             _global_owner = telemetry
             return telemetry
 
-        provider, prometheus = _build_provider(config, resource_attributes)
+        provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
         if existing is None:
             metrics.set_meter_provider(provider)
         else:
@@ -311,6 +314,7 @@ def setup_telemetry(
 def _build_provider(
     config: TelemetryConfig,
     resource_attributes: Mapping[str, str | int | float | bool] | None,
+    extra_readers: Sequence[MetricReader],
 ) -> tuple[SDKMeterProvider, Any]:
     """Create the readers and the provider; on any failure, stop whatever was started."""
     exporters = config.enabled_exporters
@@ -345,7 +349,9 @@ def _build_provider(
             readers.append(build_console_reader(config))
         # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
         # the SDK's would wait for its full export timeout on a dead endpoint.
-        provider = SDKMeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+        provider = SDKMeterProvider(
+            metric_readers=[*readers, *extra_readers], resource=resource, shutdown_on_exit=False
+        )
     except BaseException:
         for reader in readers:
             try:

@@ -9,6 +9,7 @@ error line per export interval for the whole run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -122,8 +123,18 @@ def build_otlp_exporter(otlp: OTLPConfig) -> MetricExporter:
 
 
 def build_otlp_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:
-    """A periodic reader pushing to the configured OTLP endpoint."""
-    exporter = GuardedExporter(build_otlp_exporter(config.otlp), describe=_describe(config.otlp))
+    """A periodic reader pushing to the configured OTLP endpoint.
+
+    One export (the SDK's retries included) is capped at the export interval:
+    the next interval retries anyway and, with cumulative temporality, carries
+    everything the failed one had. So a collector that comes back gets data
+    within two intervals, and no export outlives the shutdown bound by much.
+    """
+    otlp = config.otlp
+    cap_s = config.export_interval_ms / 1000.0
+    if otlp.timeout_s > cap_s:
+        otlp = dataclasses.replace(otlp, timeout_s=cap_s)
+    exporter = GuardedExporter(build_otlp_exporter(otlp), describe=_describe(otlp))
     return PeriodicExportingMetricReader(
         exporter,
         export_interval_millis=config.export_interval_ms,

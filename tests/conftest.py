@@ -1,0 +1,68 @@
+"""Shared fixtures: a clean environment and OpenTelemetry globals per test, free ports, helpers."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.metrics import _internal as metrics_internal
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+
+from openlora_otel import telemetry as telemetry_module
+
+_OWN_PREFIXES = ("OTEL_", "OPENLORA_")
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts with no OTEL_*/OPENLORA_*/torchrun variable set."""
+    for name in list(os.environ):
+        if name.startswith(_OWN_PREFIXES) or name in _TORCHRUN:
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def reset_otel_globals() -> Iterator[None]:
+    """Give each test an unset global MeterProvider, and shut down what it left open."""
+    _reset()
+    yield
+    owner = telemetry_module._global_owner
+    if owner is not None:
+        owner.shutdown(timeout_s=1.0)
+    _reset()
+
+
+def _reset() -> None:
+    # The same reset the OpenTelemetry test utilities do: the API allows one set per process.
+    metrics_internal._METER_PROVIDER_SET_ONCE = metrics_internal.Once()
+    metrics_internal._METER_PROVIDER = None
+    metrics_internal._PROXY_METER_PROVIDER = metrics_internal._ProxyMeterProvider()
+    telemetry_module._global_owner = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def points(data: MetricsData | None, name: str) -> list:
+    """All data points of the metric called ``name`` in ``data``."""
+    found = []
+    if data is None:
+        return found
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    found.extend(metric.data.data_points)
+    return found
+
+
+@pytest.fixture
+def memory_reader() -> InMemoryMetricReader:
+    return InMemoryMetricReader()

@@ -1,0 +1,126 @@
+"""`openlora-otel doctor` and `env`: what they print and their exit status."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from openlora_otel.cli import main, variables_markdown
+from openlora_otel.doctor import run_doctor
+from tests.conftest import free_port
+from tests.otlp_receiver import HttpReceiver
+
+
+def doctor(env: dict[str, str]) -> tuple[int, str]:
+    lines: list[str] = []
+    code = run_doctor(env, timeout_s=1.0, out=lines.append)
+    return code, "\n".join(lines)
+
+
+def test_all_good_with_free_port_and_live_collector() -> None:
+    server = HttpReceiver()
+    try:
+        code, text = doctor(
+            {
+                "OTEL_METRICS_EXPORTER": "prometheus,otlp",
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(free_port()),
+                "OTEL_EXPORTER_OTLP_ENDPOINT": server.http_endpoint,
+                "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20sup3rs3cret",
+            }
+        )
+    finally:
+        server.close()
+    assert code == 0, text
+    assert "All checks passed." in text
+    assert "answered HTTP 200" in text
+    assert "sup3rs3cret" not in text
+    assert "'authorization': '<redacted>'" in text
+
+
+def test_port_in_use_and_dead_collector_are_reported_with_fixes() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        code, text = doctor(
+            {
+                "OTEL_METRICS_EXPORTER": "prometheus,otlp",
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+            }
+        )
+    assert code == 1
+    assert f"cannot bind 127.0.0.1:{port}" in text
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in text
+    assert "nothing answers" in text
+    assert "2 problem(s) found." in text
+
+
+def test_wrong_path_gets_a_plain_hint() -> None:
+    server = HttpReceiver()
+    try:
+        code, text = doctor(
+            {
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": server.http_endpoint + "/wrong",
+            }
+        )
+    finally:
+        server.close()
+    assert code == 1
+    assert "HTTP 404" in text and "must end in /v1/metrics" in text
+
+
+def test_invalid_configuration_exits_2_and_names_the_variable() -> None:
+    code, text = doctor({"OTEL_EXPORTER_PROMETHEUS_PORT": "abc"})
+    assert code == 2
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT='abc'" in text
+    assert "fix: set OTEL_EXPORTER_PROMETHEUS_PORT" in text
+
+
+def test_credentials_in_endpoint_are_redacted() -> None:
+    code, text = doctor(
+        {
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:pw@127.0.0.1:{free_port()}",
+        }
+    )
+    assert code == 1  # nothing listens there
+    assert ":pw@" not in text
+    assert "<redacted>@127.0.0.1" in text
+
+
+def test_lists_optional_packages_with_extras() -> None:
+    _, text = doctor({"OTEL_METRICS_EXPORTER": "none"})
+    for distribution, extra in (("nvidia-ml-py", "gpu"), ("transformers", "hf"), ("lightning", "lightning")):
+        assert (
+            f"package {distribution}: installed" in text
+            or f"package {distribution}: not installed (extra [{extra}])" in text
+        )
+    assert "metrics are recorded but not exported" in text
+
+
+def test_env_command_prints_the_table(capsys) -> None:
+    assert main(["env"]) == 0
+    assert capsys.readouterr().out.strip() == variables_markdown()
+
+
+def test_module_entry_point_and_help() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "openlora_otel", "doctor", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    assert "Exit status" in result.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "openlora_otel", "doctor", "--timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--timeout must be > 0" in bad.stderr

@@ -1,0 +1,76 @@
+"""The README stays true: its variable table, its two commands, and CI running the same test command."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from openlora_otel.cli import variables_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def block(marker: str) -> str:
+    match = re.search(rf"<!-- {marker}:start -->\n```bash\n(.*?)\n```\n<!-- {marker}:end -->", README, re.S)
+    assert match, f"README has no {marker} block"
+    return match.group(1)
+
+
+def test_environment_table_matches_the_config_module() -> None:
+    assert variables_markdown() in README
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    command = block("test-command")
+    assert "pytest" in command
+    extracted = subprocess.run(
+        [
+            "bash",
+            "-c",
+            "sed -n '/<!-- test-command:start -->/,/<!-- test-command:end -->/p' README.md "
+            "| grep -v -e '^<!--' -e '^```'",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert extracted == command
+    assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
+
+
+def test_run_command_script_runs_and_serves() -> None:
+    command = block("run-command")
+    script = re.search(r"python (\S+\.py)", command).group(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
+    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), "--steps", "5", "--step-time", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"metrics -> http://localhost:\d+/metrics", result.stdout)
+    assert "step 5/5" in result.stdout
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / script), "--steps", "-1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "must be > 0" in bad.stderr
+    bad_env = subprocess.run(
+        [sys.executable, str(ROOT / script)],
+        env={**env, "OTEL_METRICS_EXPORTER": "zipkin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad_env.returncode == 2 and "OTEL_METRICS_EXPORTER='zipkin'" in bad_env.stderr
