@@ -251,3 +251,13 @@ def _assert_port_free(port: int) -> None:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
+
+
+def test_console_exporter_prints_on_shutdown(capsys: pytest.CaptureFixture[str]) -> None:
+    config = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "600000"})
+    telemetry = setup_telemetry(config=config)
+    telemetry.meter.create_counter("openlora.console.steps").add(3)
+    assert telemetry.shutdown() is True
+    out = capsys.readouterr().out
+    assert '"name": "openlora.console.steps"' in out
+    assert telemetry.run_id in out
