@@ -26,6 +26,7 @@ from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
+from openlora_otel.training import TrainingMetrics
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
 
@@ -65,6 +66,7 @@ class Telemetry:
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self._lock = threading.Lock()
         self._closed = False
+        self._training: TrainingMetrics | None = None
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -105,6 +107,16 @@ class Telemetry:
     def prometheus_url(self) -> str | None:
         """``http://host:port/metrics`` of the pull endpoint, or None when it is not enabled."""
         return self._prometheus.url if self._prometheus is not None else None
+
+    @property
+    def training(self) -> TrainingMetrics:
+        """The run's :class:`~openlora_otel.training.TrainingMetrics` (created on first use, one per handle)."""
+        with self._lock:
+            if self._training is None:
+                self._training = TrainingMetrics(self._meter)
+                if self._closed:
+                    self._training.close()
+            return self._training
 
     @property
     def is_shutdown(self) -> bool:
@@ -150,6 +162,9 @@ class Telemetry:
             flush = getattr(self._meter_provider, "force_flush", None)
             if flush is not None:
                 ok = _run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
+        if self._training is not None:
+            # After the final collect above, so the last window was exported.
+            self._training.close()
         if self._prometheus is not None:
             self._prometheus.close()
         _release_global(self)

@@ -120,7 +120,7 @@ def test_endpoint_down_at_start_then_up(protocol: str, caplog: pytest.LogCapture
         server.close()  # type: ignore[attr-defined]
     # The outage was reported once, with a reason, and the recovery once; the SDK's
     # per-attempt errors were folded into that one line.
-    ours = [r for r in caplog.records if r.name == "openlora_otel.exporters.otlp"]
+    ours = [r for r in caplog.records if r.name == "openlora_otel.exporters"]
     failed = [r for r in ours if "failed" in r.getMessage()]
     recovered = [r for r in ours if "recovered" in r.getMessage()]
     assert len(failed) == 1 and len(recovered) == 1, [r.getMessage() for r in ours]

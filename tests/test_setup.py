@@ -254,7 +254,9 @@ def _assert_port_free(port: int) -> None:
 
 
 def test_console_exporter_prints_on_shutdown(capsys: pytest.CaptureFixture[str]) -> None:
-    config = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "600000"})
+    config = TelemetryConfig.from_env(
+        {"OTEL_METRICS_EXPORTER": "console", "OTEL_METRIC_EXPORT_INTERVAL": "600000"}
+    )
     telemetry = setup_telemetry(config=config)
     telemetry.meter.create_counter("openlora.console.steps").add(3)
     assert telemetry.shutdown() is True

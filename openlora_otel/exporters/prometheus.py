@@ -8,9 +8,10 @@ global one, so that the endpoint shows exactly this run's metrics (plus
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client import CollectorRegistry, start_http_server
@@ -32,6 +33,7 @@ class PrometheusEndpoint:
     port: int
     _server: object
     _thread: threading.Thread
+    _pid: int = field(default_factory=os.getpid)
 
     @property
     def url(self) -> str:
@@ -39,13 +41,15 @@ class PrometheusEndpoint:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        """Stop serving and release the port (idempotent)."""
+        """Stop serving and release the port (idempotent; in a forked child, only drops the socket)."""
         server = self._server
         if server is None:
             return
         self._server = None
         try:
-            server.shutdown()  # type: ignore[attr-defined]
+            if os.getpid() == self._pid:
+                server.shutdown()  # type: ignore[attr-defined]
+            # else: a forked child has no serving thread; shutdown() would wait for it forever.
             server.server_close()  # type: ignore[attr-defined]
         except Exception:  # pragma: no cover - defensive: closing must never raise
             _logger.debug("closing the Prometheus endpoint failed", exc_info=True)

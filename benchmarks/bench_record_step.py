@@ -1,0 +1,154 @@
+"""Per-step CPU cost of recording six training values, side by side in one run.
+
+- prometheus_client: the seeds' recipe: three gauges set, two counters incremented,
+  one histogram observed per step (six updates).
+- naive OpenTelemetry: the same six values as SDK synchronous instrument calls.
+- openlora-otel: one ``TrainingMetrics.record_step(...)`` call with the same six values.
+
+Each variant runs in the same process, interleaved in rounds, measured with
+``time.process_time`` (CPU time, so other load on the machine counts less); the
+median per-step cost over the rounds is reported, plus ratios. A reader collects
+periodically in the OpenTelemetry variants, as in a real run (off the timed loop).
+
+Then RSS growth over one million ``record_step`` calls (target: under 5 MB).
+
+    python benchmarks/bench_record_step.py [--steps 200000] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import statistics
+import time
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from openlora_otel.names import STEP_DURATION_BUCKETS
+from openlora_otel.training import TrainingMetrics
+
+
+def prometheus_variant():
+    registry = CollectorRegistry()
+    loss = Gauge("openlora_training_loss", "loss", registry=registry)
+    grad = Gauge("openlora_gradient_norm", "grad", registry=registry)
+    lr = Gauge("openlora_learning_rate", "lr", registry=registry)
+    tokens = Counter("openlora_tokens", "tokens", registry=registry)
+    samples = Counter("openlora_samples", "samples", registry=registry)
+    duration = Histogram("openlora_step_seconds", "step", buckets=STEP_DURATION_BUCKETS, registry=registry)
+
+    def step(i: int) -> None:
+        loss.set(2.0)
+        grad.set(1.0)
+        lr.set(1e-4)
+        tokens.inc(512)
+        samples.inc(4)
+        duration.observe(0.1)
+
+    return step, lambda: None
+
+
+def naive_otel_variant():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter("bench")
+    loss = meter.create_gauge("loss")
+    grad = meter.create_gauge("grad")
+    lr = meter.create_gauge("lr")
+    tokens = meter.create_counter("tokens")
+    samples = meter.create_counter("samples")
+    duration = meter.create_histogram(
+        "duration", explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS)
+    )
+
+    def step(i: int) -> None:
+        loss.set(2.0)
+        grad.set(1.0)
+        lr.set(1e-4)
+        tokens.add(512)
+        samples.add(4)
+        duration.record(0.1)
+
+    return step, reader.collect
+
+
+def openlora_variant():
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    training = TrainingMetrics(provider.get_meter("bench"))
+    record = training.record_step
+
+    def step(i: int) -> None:
+        record(loss=2.0, grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4, step_time_s=0.1)
+
+    return step, reader.collect
+
+
+def time_variant(step, collect, steps: int, collect_every: int) -> float:
+    """CPU seconds per step for the timed loop; collections happen between chunks, untimed."""
+    total = 0.0
+    done = 0
+    while done < steps:
+        chunk = min(collect_every, steps - done)
+        gc.disable()
+        started = time.process_time()
+        for i in range(chunk):
+            step(i)
+        total += time.process_time() - started
+        gc.enable()
+        collect()
+        done += chunk
+    return total / steps
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200_000, help="steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--memory-steps", type=int, default=1_000_000)
+    args = parser.parse_args()
+
+    variants = {
+        "prometheus_client (6 updates)": prometheus_variant(),
+        "naive OpenTelemetry (6 calls)": naive_otel_variant(),
+        "openlora-otel record_step": openlora_variant(),
+    }
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (step, collect) in variants.items():
+            results[name].append(time_variant(step, collect, args.steps, collect_every=10_000))
+
+    medians = {name: statistics.median(values) * 1e6 for name, values in results.items()}
+    base = medians["prometheus_client (6 updates)"]
+    ours = medians["openlora-otel record_step"]
+    print(f"CPU time per step, median of {args.rounds} rounds x {args.steps} steps")
+    for name, micros in medians.items():
+        print(f"  {name:<32}{micros:8.3f} us")
+    print(f"ratio openlora-otel / prometheus_client: {ours / base:.2f}  (target <= 1.0)")
+    print(f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry (6 calls)']:.2f}")
+
+    step, collect = openlora_variant()
+    for i in range(10_000):  # warm up allocations before the baseline
+        step(i)
+    collect()
+    gc.collect()
+    before = rss_mb()
+    for i in range(args.memory_steps):
+        step(i)
+        if i % 100_000 == 99_999:
+            collect()
+    gc.collect()
+    print(
+        f"max RSS growth over {args.memory_steps} record_step calls: {rss_mb() - before:.2f} MB (target < 5 MB)"
+    )
+
+
+if __name__ == "__main__":
+    main()

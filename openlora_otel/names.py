@@ -1,0 +1,178 @@
+"""Metric names, units and attribute keys: the one list docs, dashboards and tests are checked against.
+
+Names follow OpenTelemetry conventions: dot-separated, snake_case inside a
+segment, no unit in the name, UCUM units, never ``_total``. Where no semantic
+convention exists (model training has none) they live under ``openlora.*``.
+
+Units are chosen so that the Prometheus series name is the same on both paths:
+pulled from the Python exporter, or pushed over OTLP through the Collector's
+Prometheus exporter. The one unit that differs between them is ``1`` on a gauge
+(the Collector appends ``_ratio``, Python does not), so dimensionless gauges
+here have an empty unit and counts use a ``{annotation}``, which both paths drop.
+:func:`prometheus_name` implements both translations so tests can check this.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ADAPTER_METRICS",
+    "ATTR_EVAL_METRIC",
+    "STEP_DURATION_BUCKETS",
+    "TRAINING_METRICS",
+    "MetricSpec",
+    "prometheus_name",
+]
+
+Kind = Literal["gauge", "counter", "histogram", "updowncounter"]
+
+# Attribute on openlora.training.eval.value naming the evaluation metric (accuracy, perplexity, ...).
+ATTR_EVAL_METRIC = "openlora.eval.metric"
+
+# Step duration buckets in seconds: 1 ms to 60 s, roughly x2-x2.5 apart, so that
+# histogram_quantile stays within about a factor of 2 across that whole range.
+STEP_DURATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One instrument: OpenTelemetry name, kind, unit, meaning, and the seeds' name it replaces (if any)."""
+
+    name: str
+    kind: Kind
+    unit: str
+    description: str
+    seed_name: str = ""
+
+    @property
+    def prometheus(self) -> str:
+        """The Prometheus series name (histograms: the base of ``_bucket``/``_sum``/``_count``)."""
+        return prometheus_name(self.name, self.unit, self.kind, path="pull")
+
+    @property
+    def prometheus_collector(self) -> str:
+        """The series name when it arrives through the Collector's Prometheus exporter."""
+        return prometheus_name(self.name, self.unit, self.kind, path="collector")
+
+
+TRAINING_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "openlora.training.loss",
+        "gauge",
+        "",
+        "Training loss: mean over the finite losses of the steps since the previous collection "
+        "(the previous mean is repeated when no step happened).",
+        "openlora_training_loss",
+    ),
+    MetricSpec(
+        "openlora.training.gradient_norm",
+        "gauge",
+        "",
+        "Gradient norm: mean over the finite values of the steps since the previous collection.",
+        "openlora_gradient_norm",
+    ),
+    MetricSpec("openlora.training.learning_rate", "gauge", "", "Learning rate of the latest step."),
+    MetricSpec(
+        "openlora.training.window.steps",
+        "gauge",
+        "{step}",
+        "Optimizer steps averaged into the latest loss and gradient-norm values.",
+    ),
+    MetricSpec(
+        "openlora.training.epoch",
+        "gauge",
+        "{epoch}",
+        "Current epoch (fractional when the trainer reports it so).",
+        "openlora_epoch_count",
+    ),
+    MetricSpec(
+        "openlora.training.steps", "counter", "{step}", "Optimizer steps taken.", "openlora_batch_count"
+    ),
+    MetricSpec("openlora.training.samples", "counter", "{sample}", "Training samples processed."),
+    MetricSpec("openlora.training.tokens", "counter", "{token}", "Training tokens processed."),
+    MetricSpec("openlora.training.step.duration", "histogram", "s", "Wall time of one optimizer step."),
+    MetricSpec(
+        "openlora.training.throughput.tokens",
+        "gauge",
+        "{token}/s",
+        "Tokens per second over the interval since the previous collection.",
+    ),
+    MetricSpec(
+        "openlora.training.throughput.samples",
+        "gauge",
+        "{sample}/s",
+        "Samples per second over the interval since the previous collection.",
+    ),
+    MetricSpec(
+        "openlora.training.loss.nonfinite", "counter", "{step}", "Steps whose loss was NaN or infinite."
+    ),
+    MetricSpec(
+        "openlora.training.gradient_norm.nonfinite",
+        "counter",
+        "{step}",
+        "Steps whose gradient norm was NaN or infinite.",
+    ),
+    MetricSpec("openlora.training.eval.loss", "gauge", "", "Loss of the latest evaluation."),
+    MetricSpec(
+        "openlora.training.eval.value",
+        "gauge",
+        "",
+        f"Other metrics of the latest evaluation, one series per `{ATTR_EVAL_METRIC}` attribute.",
+    ),
+)
+
+ADAPTER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("openlora.adapter.rank", "gauge", "", "LoRA rank r."),
+    MetricSpec("openlora.adapter.alpha", "gauge", "", "LoRA alpha (scaling is alpha / r)."),
+    MetricSpec("openlora.adapter.dropout", "gauge", "", "LoRA dropout probability."),
+    MetricSpec(
+        "openlora.adapter.target_modules", "gauge", "{module}", "Number of module names LoRA targets."
+    ),
+    MetricSpec("openlora.adapter.parameters.trainable", "gauge", "{parameter}", "Trainable parameters."),
+    MetricSpec(
+        "openlora.model.parameters",
+        "gauge",
+        "{parameter}",
+        "All parameters of the model, frozen base included.",
+    ),
+    MetricSpec("openlora.adapter.trainable.ratio", "gauge", "", "Trainable parameters / all parameters."),
+)
+
+_UNITS = {
+    "s": "seconds", "ms": "milliseconds", "By": "bytes", "W": "watts", "J": "joules",
+    "Cel": "celsius", "Hz": "hertz", "%": "percent", "1": "",
+}  # fmt: skip
+_PER = {"s": "second", "m": "minute", "h": "hour", "d": "day"}
+
+
+def prometheus_name(name: str, unit: str, kind: Kind, *, path: Literal["pull", "collector"] = "pull") -> str:
+    """Translate an OpenTelemetry metric to its Prometheus series name on one of the two paths.
+
+    ``pull``: opentelemetry-exporter-prometheus (unit ``1`` adds nothing).
+    ``collector``: the Collector's Prometheus exporter (unit ``1`` on a gauge adds ``_ratio``).
+    Both drop ``{annotations}``, map ``s``/``By``/... to words, ``X/s`` to ``X_per_second``,
+    and add ``_total`` to monotonic counters.
+    """
+    base = re.sub(r"[^a-zA-Z0-9:]+", "_", name)
+    stripped = re.sub(r"\{.*?\}", "", unit)
+    if stripped in _UNITS:
+        suffix = _UNITS[stripped]
+    elif "/" in stripped:
+        top, _, bottom = stripped.partition("/")
+        top = _UNITS.get(top, top)
+        bottom = _PER.get(bottom, bottom)
+        suffix = f"{top}_per_{bottom}" if top else f"per_{bottom}"
+    else:
+        suffix = re.sub(r"[^a-zA-Z0-9:]+", "_", stripped)
+    if path == "collector" and unit == "1" and kind == "gauge":
+        suffix = "ratio"
+    if suffix and not base.endswith("_" + suffix):
+        base = f"{base}_{suffix}"
+    if kind == "counter" and not base.endswith("_total"):
+        base += "_total"
+    return base

@@ -1,0 +1,387 @@
+"""TrainingMetrics read in memory: values after known step sequences, argument rules, threads, no reads on the step path."""
+
+from __future__ import annotations
+
+import math
+import threading
+from decimal import Decimal
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel import training as training_module
+from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
+from openlora_otel.training import TrainingMetrics
+from tests.conftest import points
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(training_module, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def setup(memory_reader: InMemoryMetricReader):
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    yield telemetry.training, memory_reader
+    telemetry.shutdown()
+
+
+def value(reader_data, name: str, **attributes: str) -> float | None:
+    found = [p for p in points(reader_data, name) if dict(p.attributes) == attributes]
+    return found[0].value if found else None
+
+
+def test_every_documented_instrument_is_exported(setup) -> None:
+    training, reader = setup
+    training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=1, samples=1, step_time_s=0.1)
+    training.record_epoch(1)
+    training.record_eval(loss=1.0, accuracy=0.5)
+    training.set_adapter(
+        r=8, alpha=16, dropout=0.05, target_modules=["q", "v"], trainable_params=10, total_params=100
+    )
+    data = reader.get_metrics_data()
+    exported = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
+        assert spec.name in exported, spec.name
+        assert exported[spec.name].unit == spec.unit
+        assert exported[spec.name].description == spec.description
+
+
+def test_known_sequence_of_steps(clock: FakeClock, setup) -> None:
+    training, reader = setup
+    for loss in (2.0, 3.0, 4.0):
+        clock.sleep(0.2)
+        training.record_step(
+            loss=loss, grad_norm=loss / 2, learning_rate=1e-4, tokens=100, samples=4, step_time_s=0.2
+        )
+    clock.sleep(0.4)  # window: 1.0 s in all
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == pytest.approx(3.0)
+    assert value(data, "openlora.training.gradient_norm") == pytest.approx(1.5)
+    assert value(data, "openlora.training.learning_rate") == pytest.approx(1e-4)
+    assert value(data, "openlora.training.window.steps") == 3
+    assert value(data, "openlora.training.steps") == 3
+    assert value(data, "openlora.training.tokens") == 300
+    assert value(data, "openlora.training.samples") == 12
+    assert value(data, "openlora.training.throughput.tokens") == pytest.approx(300.0)
+    assert value(data, "openlora.training.throughput.samples") == pytest.approx(12.0)
+    [histogram] = points(data, "openlora.training.step.duration")
+    assert (histogram.count, histogram.sum) == (3, pytest.approx(0.6))
+    bounds = list(histogram.explicit_bounds)
+    assert histogram.bucket_counts[bounds.index(0.25)] == 3  # 0.2 s falls in (0.1, 0.25]
+
+    # Next window: two steps with other values; counters accumulate, gauges are per window.
+    for loss in (1.0, 0.0):
+        training.record_step(loss=loss, tokens=50, step_time_s=2.0)
+    clock.sleep(1.0)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == pytest.approx(0.5)
+    assert value(data, "openlora.training.gradient_norm") == pytest.approx(1.5)  # no new value: repeated
+    assert value(data, "openlora.training.steps") == 5
+    assert value(data, "openlora.training.tokens") == 400
+    assert value(data, "openlora.training.throughput.tokens") == pytest.approx(100.0)
+    [histogram] = points(data, "openlora.training.step.duration")
+    assert (histogram.count, histogram.sum) == (5, pytest.approx(4.6))
+
+
+def test_empty_windows_repeat_loss_but_throughput_falls_to_zero(clock: FakeClock, setup) -> None:
+    training, reader = setup
+    training.record_step(loss=2.0, tokens=100)
+    clock.sleep(1.0)
+    reader.get_metrics_data()
+    clock.sleep(0.01)  # a second reader collecting right after: keep the previous rate
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.throughput.tokens") == pytest.approx(100.0)
+    clock.sleep(30.0)  # training stalled
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == pytest.approx(2.0)
+    assert value(data, "openlora.training.throughput.tokens") == 0.0
+    assert value(data, "openlora.training.window.steps") == 0
+
+
+def test_auto_step_time_from_consecutive_calls(clock: FakeClock, setup) -> None:
+    training, reader = setup
+    training.record_step(loss=1.0)  # first call: no duration yet
+    clock.sleep(0.5)
+    training.record_step(loss=1.0)
+    clock.sleep(1.0)
+    training.record_step(loss=1.0)
+    [histogram] = points(reader.get_metrics_data(), "openlora.training.step.duration")
+    assert (histogram.count, histogram.sum) == (2, pytest.approx(1.5))
+
+
+def test_non_finite_values_are_counted_not_averaged(setup) -> None:
+    training, reader = setup
+    training.record_step(loss=math.nan, grad_norm=math.inf)
+    training.record_step(loss=math.inf, grad_norm=2.0)
+    training.record_step(loss=1.0, grad_norm=math.nan)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == 1.0
+    assert value(data, "openlora.training.gradient_norm") == 2.0
+    assert value(data, "openlora.training.loss.nonfinite") == 2
+    assert value(data, "openlora.training.gradient_norm.nonfinite") == 2
+    # A window of only NaN keeps the last good mean instead of becoming NaN forever.
+    training.record_step(loss=math.nan)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == 1.0
+    assert value(data, "openlora.training.loss.nonfinite") == 3
+    training.record_step(loss=0.5)
+    assert value(reader.get_metrics_data(), "openlora.training.loss") == 0.5
+
+
+def test_epoch_eval_and_adapter(setup) -> None:
+    training, reader = setup
+    training.record_epoch(1.5)
+    training.record_eval(loss=0.75, accuracy=0.9, perplexity=Decimal("2.5"))
+    training.set_adapter(
+        r=16,
+        alpha=32,
+        dropout=0.1,
+        target_modules=("q_proj", "v_proj"),
+        trainable_params=250,
+        total_params=1000,
+    )
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.epoch") == 1.5
+    assert value(data, "openlora.training.eval.loss") == 0.75
+    assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "accuracy"}) == 0.9
+    assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "perplexity"}) == 2.5
+    assert value(data, "openlora.adapter.rank") == 16
+    assert value(data, "openlora.adapter.alpha") == 32
+    assert value(data, "openlora.adapter.dropout") == 0.1
+    assert value(data, "openlora.adapter.target_modules") == 2
+    assert value(data, "openlora.adapter.parameters.trainable") == 250
+    assert value(data, "openlora.model.parameters") == 1000
+    assert value(data, "openlora.adapter.trainable.ratio") == 0.25
+
+
+def test_host_numbers_of_other_types_are_accepted(setup) -> None:
+    training, reader = setup
+    training.record_step(loss=2, grad_norm=Decimal("1.5"), learning_rate=0, tokens=True is False or 3)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == 2.0
+    assert value(data, "openlora.training.gradient_norm") == 1.5
+    assert value(data, "openlora.training.tokens") == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"loss": "0.5"}, TypeError, "loss must be a number"),
+        ({"loss": True}, TypeError, "loss must be a number"),
+        ({"loss": [1.0]}, TypeError, "loss must be a number"),
+        ({"grad_norm": -1.0}, ValueError, "grad_norm must be >= 0"),
+        ({"grad_norm": -2}, ValueError, "grad_norm must be >= 0"),
+        ({"learning_rate": -1e-3}, ValueError, "learning_rate must be >= 0"),
+        ({"tokens": -5}, ValueError, "tokens must be >= 0"),
+        ({"tokens": 5.0}, TypeError, "tokens must be a non-negative integer"),
+        ({"samples": "4"}, TypeError, "samples must be a non-negative integer"),
+        ({"samples": False}, TypeError, "samples must be a non-negative integer"),
+        ({"step_time_s": -0.1}, ValueError, "step_time_s must be finite and >= 0"),
+        ({"step_time_s": math.inf}, ValueError, "step_time_s must be finite and >= 0"),
+        ({"step_time_s": "fast"}, TypeError, "step_time_s must be a number"),
+    ],
+)
+def test_wrong_types_raise_clear_errors(setup, kwargs, error, text) -> None:
+    training, _ = setup
+    with pytest.raises(error, match=text):
+        training.record_step(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda t: t.record_epoch(-1), ValueError),
+        (lambda t: t.record_epoch("one"), TypeError),
+        (lambda t: t.record_eval(loss="low"), TypeError),
+        (lambda t: t.set_adapter(r=0, alpha=16), ValueError),
+        (lambda t: t.set_adapter(r=8, alpha=16, dropout=1.5), ValueError),
+        (lambda t: t.set_adapter(r=8, alpha=16, trainable_params=10, total_params=5), ValueError),
+        (lambda t: t.set_adapter(r=8.5, alpha=16), TypeError),
+    ],
+)
+def test_other_records_validate(setup, call, error) -> None:
+    training, _ = setup
+    with pytest.raises(error):
+        call(training)
+
+
+def test_many_threads_lose_no_step(setup) -> None:
+    training, reader = setup
+
+    def work() -> None:
+        for _ in range(5000):
+            training.record_step(loss=1.0, tokens=2, samples=1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    collector = threading.Thread(target=lambda: [reader.get_metrics_data() for _ in range(50)])
+    for thread in [*threads, collector]:
+        thread.start()
+    for thread in [*threads, collector]:
+        thread.join(timeout=60)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.steps") == 20000
+    assert value(data, "openlora.training.tokens") == 40000
+    assert value(data, "openlora.training.samples") == 20000
+
+
+def test_calls_after_shutdown_are_ignored(memory_reader: InMemoryMetricReader) -> None:
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    training = telemetry.training
+    assert telemetry.training is training  # one per handle
+    training.record_step(loss=1.0, tokens=5)
+    telemetry.shutdown()
+    # The final collect at shutdown got the last window.
+    training.record_step(loss=9.0, tokens=5)
+    training.record_epoch(3)
+    assert training._window.steps == 0
+
+
+class StandIn:
+    """A tensor stand-in: any read (item, float, cpu, tolist, numpy) raises unless reading is allowed."""
+
+    allow = False
+    reads = 0
+
+    def __init__(self, value: float) -> None:
+        self._value = value
+
+    def numel(self) -> int:
+        return 1
+
+    def _read(self) -> float:
+        if not StandIn.allow:
+            raise AssertionError("device read on the step path")
+        StandIn.reads += 1
+        return self._value
+
+    def item(self) -> float:
+        return self._read()
+
+    def __float__(self) -> float:
+        return self._read()
+
+    def cpu(self):
+        self._read()
+        return self
+
+    def tolist(self):
+        return self._read()
+
+    def numpy(self):
+        return self._read()
+
+
+def test_tensor_stand_ins_are_only_read_at_collection(setup) -> None:
+    training, reader = setup
+    StandIn.allow, StandIn.reads = False, 0
+    for step in range(10_000):
+        training.record_step(
+            loss=StandIn(float(step % 4)), grad_norm=StandIn(2.0), learning_rate=StandIn(0.01)
+        )
+    assert StandIn.reads == 0
+    StandIn.allow = True
+    try:
+        data = reader.get_metrics_data()
+    finally:
+        StandIn.allow = False
+    assert value(data, "openlora.training.loss") == pytest.approx(1.5)
+    assert value(data, "openlora.training.gradient_norm") == 2.0
+    assert value(data, "openlora.training.learning_rate") == 0.01
+    assert value(data, "openlora.training.window.steps") == 10_000
+
+
+def test_stand_in_with_several_elements_is_refused(setup) -> None:
+    training, _ = setup
+
+    class Vector(StandIn):
+        def numel(self) -> int:
+            return 3
+
+    with pytest.raises(ValueError, match="exactly one element"):
+        training.record_step(loss=Vector(1.0))
+
+
+def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(training_module, "_READBACK_WAIT_S", 0.0)
+
+    class Slow:
+        def __init__(self, polls_until_ready: int, values: list[float]) -> None:
+            self.left = polls_until_ready
+            self._values = values
+
+        def ready(self) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+        def values(self) -> list[float]:
+            return self._values
+
+    carry: list = []
+    slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0])
+    assert training_module._poll_readbacks([("loss", [slow])], carry) == []
+    assert carry == [("loss", [slow])]
+    later: list = []
+    assert training_module._poll_readbacks(carry, later) == [("loss", (6.0, 3, 1, 2.0))]
+    assert later == []
+
+
+def test_constructible_from_any_meter(memory_reader: InMemoryMetricReader) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    provider = MeterProvider(metric_readers=[memory_reader])
+    training = TrainingMetrics(provider.get_meter("mine"))
+    training.record_step(loss=4.0, tokens=1)
+    assert value(memory_reader.get_metrics_data(), "openlora.training.loss") == 4.0
+    provider.shutdown()
+
+
+def test_a_failing_read_costs_only_its_own_values(setup, caplog: pytest.LogCaptureFixture) -> None:
+    training, reader = setup
+    StandIn.allow = False  # reads will raise at collection too
+    training.record_step(loss=StandIn(1.0), grad_norm=3.0, tokens=7)
+    training.record_step(loss=StandIn(1.0), grad_norm=3.0, tokens=7)
+    data = reader.get_metrics_data()  # the scrape survives
+    assert value(data, "openlora.training.gradient_norm") == 3.0
+    assert value(data, "openlora.training.tokens") == 14
+    assert value(data, "openlora.training.steps") == 2
+    assert value(data, "openlora.training.loss") is None
+    assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1
+    reader.get_metrics_data()
+    training.record_step(loss=StandIn(1.0))
+    reader.get_metrics_data()
+    assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_record_values_joins_the_window_without_counting_steps(setup) -> None:
+    training, reader = setup
+    training.record_step(tokens=10)
+    training.record_step(tokens=10)
+    training.record_values(loss=3.0, grad_norm=1.0, learning_rate=0.5)
+    training.record_values(loss=1.0)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.steps") == 2
+    assert value(data, "openlora.training.loss") == 2.0
+    assert value(data, "openlora.training.learning_rate") == 0.5
+    with pytest.raises(ValueError, match="grad_norm must be >= 0"):
+        training.record_values(grad_norm=-1.0)
+    with pytest.raises(TypeError):
+        training.record_values(loss="x")

@@ -1,0 +1,125 @@
+"""TrainingMetrics with real torch tensors: no host read on the step path, folding, forked DataLoader workers."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader  # noqa: E402
+
+from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
+from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
+from tests.conftest import points  # noqa: E402
+from tests.test_fork import PidFileExporter, exporter_pids  # noqa: E402
+
+HOST_READS = {"item", "__float__", "__int__", "__index__", "__bool__", "cpu", "tolist", "numpy"}
+
+
+class NoHostRead(torch.Tensor):
+    """A tensor whose value cannot reach the host unless ``allow`` is set (as at collection)."""
+
+    allow = False
+    blocked: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and not cls.allow:
+            cls.blocked.append(name)
+            raise AssertionError(f"host read {name} on the step path")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def guarded(value: float, requires_grad: bool = False) -> torch.Tensor:
+    tensor = torch.tensor(value, requires_grad=requires_grad)
+    if requires_grad:
+        tensor = tensor * 1.0  # a non-leaf with a grad_fn, like a real loss
+    return tensor.as_subclass(NoHostRead)
+
+
+@pytest.fixture
+def setup(memory_reader: InMemoryMetricReader):
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    yield telemetry.training, memory_reader
+    telemetry.shutdown()
+
+
+def value(data, name: str) -> float | None:
+    found = points(data, name)
+    return found[0].value if found else None
+
+
+def test_tensors_are_never_read_on_the_step_path(setup) -> None:
+    training, reader = setup
+    NoHostRead.allow, NoHostRead.blocked = False, []
+    losses = []
+    steps = 2000  # several folds of 512 on the step path
+    for step in range(steps):
+        loss = math.nan if step % 100 == 7 else float(step % 10)
+        losses.append(loss)
+        training.record_step(
+            loss=guarded(loss, requires_grad=True), grad_norm=guarded(0.5), learning_rate=guarded(1e-3)
+        )
+    assert NoHostRead.blocked == []
+    NoHostRead.allow = True
+    try:
+        data = reader.get_metrics_data()
+    finally:
+        NoHostRead.allow = False
+    finite = [x for x in losses if math.isfinite(x)]
+    assert value(data, "openlora.training.loss") == pytest.approx(sum(finite) / len(finite))
+    assert value(data, "openlora.training.loss.nonfinite") == steps - len(finite)
+    assert value(data, "openlora.training.gradient_norm") == pytest.approx(0.5)
+    assert value(data, "openlora.training.learning_rate") == pytest.approx(1e-3)
+    assert value(data, "openlora.training.window.steps") == len(finite)
+
+
+def test_memory_stays_flat_without_any_collection(setup) -> None:
+    training, _ = setup
+    for _ in range(20_000):
+        training.record_step(loss=torch.tensor(1.0))
+    series = training._window.loss
+    assert len(series.deferred) < 512
+    assert len(series.partials) < 512
+
+
+def test_multi_element_tensor_and_tensor_counts_are_refused(setup) -> None:
+    training, _ = setup
+    with pytest.raises(ValueError, match="one-element tensor"):
+        training.record_step(loss=torch.ones(3))
+    with pytest.raises(TypeError, match="would sync the device"):
+        training.record_step(tokens=torch.tensor(5))
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.05)
+        return torch.tensor([float(index), float(os.getpid())])
+
+
+def test_forked_dataloader_workers_export_nothing(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    reader = PeriodicExportingMetricReader(GuardedExporter(PidFileExporter(pids), describe="test"), 20)
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[reader])
+    loader = torch.utils.data.DataLoader(
+        SlowDataset(), batch_size=1, num_workers=2, multiprocessing_context="fork", persistent_workers=False
+    )
+    worker_pids = set()
+    for batch in loader:
+        # Host floats: a child's collection must not stall on a tensor op after fork,
+        # so that the duplicate export (if any) would really happen.
+        telemetry.training.record_step(loss=float(batch[0, 0]), tokens=1)
+        worker_pids.add(int(batch[0, 1]))
+    telemetry.shutdown()
+    exported = exporter_pids(pids)
+    assert worker_pids and os.getpid() not in worker_pids
+    assert exported == {os.getpid()}
