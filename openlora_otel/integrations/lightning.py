@@ -1,0 +1,151 @@
+"""PyTorch Lightning callback feeding `TrainingMetrics`.
+
+    from openlora_otel.integrations.lightning import TelemetryCallback
+    trainer = lightning.Trainer(..., callbacks=[TelemetryCallback(telemetry)])
+
+Per optimizer step: one ``record_step`` with the step's wall time, tokens and
+samples. The loss tensor Lightning hands to ``on_train_batch_end`` is passed
+as a tensor (read later, off the training thread: no sync per step); with
+gradient accumulation every micro-batch loss joins the window. The gradient
+norm of the trainable parameters is computed on their device before the
+optimizer step (cheap for LoRA, never read on the training thread); the
+learning rate is read from the first optimizer's first parameter group.
+
+Tokens and samples come from ``tokens_fn(batch)`` / ``samples_fn(batch)`` when
+given. Otherwise: samples is the first dimension of ``batch["input_ids"]`` (or
+of the batch tensor), and tokens the element count of ``input_ids``, padding
+included: both are shape facts, so no device read. Validation metrics come
+from ``trainer.callback_metrics`` at validation end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from openlora_otel.integrations._common import TelemetryOwner, describe_lora, safe
+from openlora_otel.telemetry import Telemetry
+
+__all__ = ["TelemetryCallback"]
+
+
+class TelemetryCallback(pl.Callback):
+    """Report a Lightning run through openlora-otel.
+
+    ``telemetry``: the handle from ``setup_telemetry()``; when omitted, the
+    callback calls ``setup_telemetry()`` at train start and shuts it down at
+    train end. ``grad_norm=False`` skips the gradient norm. Every hook is
+    guarded: a failure is logged once and never reaches the training loop.
+    """
+
+    def __init__(
+        self,
+        telemetry: Telemetry | None = None,
+        *,
+        grad_norm: bool = True,
+        tokens_fn: Callable[[Any], int] | None = None,
+        samples_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        self._owner = TelemetryOwner(telemetry)
+        self._grad_norm = grad_norm
+        self._tokens_fn = tokens_fn
+        self._samples_fn = samples_fn
+        self._step_started: float | None = None
+        self._last_global_step = 0
+        self._tokens = 0
+        self._samples = 0
+
+    @safe
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        describe_lora(pl_module, self._owner.training)
+        self._last_global_step = trainer.global_step
+        self._step_started = time.perf_counter()
+
+    @safe
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        self._tokens += self._count_tokens(batch)
+        self._samples += self._count_samples(batch)
+
+    @safe
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if not self._grad_norm:
+            return
+        norms = [
+            p.grad.detach().norm(2) for p in pl_module.parameters() if p.requires_grad and p.grad is not None
+        ]
+        if norms:
+            total = torch.linalg.vector_norm(torch.stack(norms), 2)
+            self._owner.training.record_values(grad_norm=total)
+
+    @safe
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        training = self._owner.training
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            training.record_values(loss=loss)
+        if trainer.global_step == self._last_global_step:
+            return  # a micro-batch under gradient accumulation: no optimizer step yet
+        self._last_global_step = trainer.global_step
+        now = time.perf_counter()
+        learning_rate = None
+        if trainer.optimizers:
+            learning_rate = trainer.optimizers[0].param_groups[0].get("lr")
+        training.record_step(
+            learning_rate=learning_rate if isinstance(learning_rate, float) else None,
+            tokens=self._tokens,
+            samples=self._samples,
+            step_time_s=None if self._step_started is None else now - self._step_started,
+        )
+        self._tokens = self._samples = 0
+        self._step_started = now
+
+    @safe
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._owner.training.record_epoch(trainer.current_epoch + 1)
+
+    @safe
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics: dict[str, float] = {}
+        loss = None
+        for key, value in trainer.callback_metrics.items():
+            if not (key.startswith("val") or key.startswith("eval")):
+                continue
+            number = float(value)  # validation end, not the step path: reading is fine here
+            name = key.split("_", 1)[1] if "_" in key else key
+            if name == "loss":
+                loss = number
+            else:
+                metrics[name] = number
+        self._owner.training.record_eval(loss=loss, **metrics)
+
+    @safe
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._owner.finish()
+
+    def _count_tokens(self, batch: Any) -> int:
+        if self._tokens_fn is not None:
+            return int(self._tokens_fn(batch))
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+    def _count_samples(self, batch: Any) -> int:
+        if self._samples_fn is not None:
+            return int(self._samples_fn(batch))
+        first = batch.get("input_ids") if isinstance(batch, dict) else batch
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0

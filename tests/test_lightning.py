@@ -1,0 +1,118 @@
+"""A real Lightning Trainer run on CPU with a tiny LoRA model and the callback attached."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+pytest.importorskip("peft")
+
+import lightning.pytorch as pl  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+
+from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
+from openlora_otel.integrations.lightning import TelemetryCallback  # noqa: E402
+from tests.conftest import points  # noqa: E402
+from tests.test_training_torch import HOST_READS  # noqa: E402
+from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+
+
+class LoraModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = with_lora(tiny_llama())
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad.norm(2) for p in self.parameters() if p.requires_grad and p.grad is not None]
+        self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack(grads))))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, prog_bar=False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+def value(data, name: str):
+    found = points(data, name)
+    return found[0].value if found else None
+
+
+def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) -> None:
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    module = LoraModule()
+    loader = torch.utils.data.DataLoader(CountingCorpus(256), batch_size=4, shuffle=True)
+    val_loader = torch.utils.data.DataLoader(CountingCorpus(16, seed=1), batch_size=8)
+    trainer = pl.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=10,
+        num_sanity_val_steps=0,
+        callbacks=[TelemetryCallback(telemetry)],
+    )
+    trainer.fit(module, loader, val_loader)
+    data = memory_reader.get_metrics_data()
+    losses = [float(x) for x in module.losses]
+
+    assert value(data, "openlora.training.steps") == trainer.global_step == 20
+    assert value(data, "openlora.training.samples") == 20 * 4
+    assert value(data, "openlora.training.tokens") == 20 * 4 * SEQ
+    assert value(data, "openlora.training.loss") == pytest.approx(statistics.fmean(losses), rel=1e-5)
+    assert value(data, "openlora.training.gradient_norm") == pytest.approx(
+        statistics.fmean(module.grad_norms), rel=1e-5
+    )
+    assert value(data, "openlora.training.learning_rate") == pytest.approx(1e-2)
+    assert value(data, "openlora.training.eval.loss") == pytest.approx(
+        float(trainer.callback_metrics["val_loss"])
+    )
+    assert value(data, "openlora.adapter.rank") == 4
+    [duration] = points(data, "openlora.training.step.duration")
+    assert duration.count == 20
+    assert losses[-1] < losses[0]
+    telemetry.shutdown()
+
+
+def test_no_host_read_of_the_loss_in_the_callback(memory_reader: InMemoryMetricReader) -> None:
+    """The callback hands the loss tensor over without reading it (Lightning itself may read others)."""
+    from tests.test_training_torch import NoHostRead
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    callback = TelemetryCallback(telemetry, grad_norm=False)
+
+    class FakeTrainer:
+        global_step = 0
+        optimizers: list = []
+        current_epoch = 0
+
+    trainer = FakeTrainer()
+    batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
+    NoHostRead.allow, NoHostRead.blocked = False, []
+    for step in range(1, 6):
+        callback.on_train_batch_start(trainer, None, batch, step)
+        trainer.global_step = step
+        loss = torch.tensor(float(step)).as_subclass(NoHostRead)
+        callback.on_train_batch_end(trainer, None, {"loss": loss}, batch, step)
+    assert NoHostRead.blocked == [] and HOST_READS
+    NoHostRead.allow = True
+    try:
+        data = memory_reader.get_metrics_data()
+    finally:
+        NoHostRead.allow = False
+    assert value(data, "openlora.training.loss") == pytest.approx(3.0)
+    assert value(data, "openlora.training.steps") == 5
+    assert value(data, "openlora.training.tokens") == 5 * 2 * SEQ
+    telemetry.shutdown()
