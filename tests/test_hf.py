@@ -10,13 +10,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
-from openlora_otel.integrations.hf import TelemetryCallback  # noqa: E402
-from tests.conftest import points  # noqa: E402
-from tests.tiny_lm import CountingCorpus, tiny_llama, with_lora  # noqa: E402
+from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel.integrations.hf import TelemetryCallback
+from tests.conftest import points
+from tests.tiny_lm import CountingCorpus, tiny_llama, with_lora
 
 
 class LogKeeper(TrainerCallback):
