@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
+from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 
-__all__ = ["main", "variables_markdown"]
+__all__ = ["main", "metrics_markdown", "variables_markdown"]
 
 
 def variables_markdown() -> str:
@@ -18,6 +19,32 @@ def variables_markdown() -> str:
     for variable in VARIABLES:
         names = ", ".join(f"`{name.strip()}`" for name in variable.name.split(","))
         rows.append(f"| {names} | {variable.default} | {variable.meaning} |")
+    return "\n".join(rows)
+
+
+def metrics_markdown() -> str:
+    """The metric table as Markdown: OpenTelemetry name, Prometheus series, type, unit, meaning."""
+    rows = [
+        "| OpenTelemetry name | Prometheus series (pull and Collector alike) | Type | Unit | Meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
+        series = spec.prometheus
+        if spec.kind == "histogram":
+            series = f"{series}_bucket`, `_sum`, `_count"
+        if spec.prometheus_collector != spec.prometheus:  # pragma: no cover - kept identical by design
+            series += f"` (Collector: `{spec.prometheus_collector}`)"
+        unit = f"`{spec.unit}`" if spec.unit else "(none)"
+        rows.append(f"| `{spec.name}` | `{series}` | {spec.kind} | {unit} | {spec.description} |")
+    return "\n".join(rows)
+
+
+def seeds_markdown() -> str:
+    """The map from the seeds' metric names to ours."""
+    rows = ["| Seeds' name | Ours (Prometheus series) |", "| --- | --- |"]
+    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
+        if spec.seed_name:
+            rows.append(f"| `{spec.seed_name}` | `{spec.prometheus}` |")
     return "\n".join(rows)
 
 
@@ -43,6 +70,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="list every environment variable with its default and meaning",
         description="Print the table of environment variables openlora-otel reads, as Markdown.",
     )
+    commands.add_parser(
+        "metrics",
+        help="list every metric with its Prometheus series name, type, unit and meaning",
+        description="Print the table of metrics openlora-otel exports, as Markdown.",
+    )
     return parser
 
 
@@ -57,6 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_doctor(timeout_s=args.timeout)
     if args.command == "env":
         print(variables_markdown())
+        return 0
+    if args.command == "metrics":
+        print(metrics_markdown())
+        print()
+        print(seeds_markdown())
         return 0
     parser.print_help(sys.stderr)
     return 2

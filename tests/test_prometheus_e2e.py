@@ -58,3 +58,42 @@ def test_prometheus_scrapes_values_and_resource_attributes(tmp_path, monkeypatch
     finally:
         prometheus.stop()
         telemetry.shutdown()
+
+
+def test_training_metrics_scraped_by_prometheus(tmp_path) -> None:
+    prometheus_binary()
+    telemetry = setup_telemetry(
+        "e2e-training",
+        run_id="run-e2e-2",
+        config=TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0),
+    )
+    port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])
+    training = telemetry.training
+    for loss in (4.0, 2.0):
+        training.record_step(
+            loss=loss, grad_norm=1.0, learning_rate=1e-3, tokens=256, samples=2, step_time_s=0.2
+        )
+    training.set_adapter(
+        r=8, alpha=16, target_modules=["q_proj", "v_proj"], trainable_params=10, total_params=1000
+    )
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    try:
+        loss = prometheus.wait_for("openlora_training_loss")
+        assert float(loss[0]["value"][1]) == 3.0
+        steps = prometheus.wait_for("openlora_training_steps_total")
+        assert float(steps[0]["value"][1]) == 2
+        tokens = prometheus.wait_for("openlora_training_tokens_total")
+        assert float(tokens[0]["value"][1]) == 512
+        p50 = prometheus.wait_for(
+            "histogram_quantile(0.5, sum by (le) (openlora_training_step_duration_seconds_bucket))"
+        )
+        assert 0.1 < float(p50[0]["value"][1]) <= 0.25
+        ratio = prometheus.wait_for("openlora_adapter_trainable_ratio")
+        assert float(ratio[0]["value"][1]) == 0.01
+        # Later steps appear at later scrapes; the loss gauge follows the new window.
+        training.record_step(loss=1.0, tokens=256)
+        steps = prometheus.wait_for("openlora_training_steps_total == 3")
+        assert steps
+    finally:
+        prometheus.stop()
+        telemetry.shutdown()

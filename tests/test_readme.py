@@ -74,3 +74,10 @@ def test_run_command_script_runs_and_serves() -> None:
         timeout=60,
     )
     assert bad_env.returncode == 2 and "OTEL_METRICS_EXPORTER='zipkin'" in bad_env.stderr
+
+
+def test_metric_table_matches_the_names_module() -> None:
+    from openlora_otel.cli import metrics_markdown, seeds_markdown
+
+    assert metrics_markdown() in README
+    assert seeds_markdown() in README
