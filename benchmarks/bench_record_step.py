@@ -18,6 +18,7 @@ Then RSS growth over one million ``record_step`` calls (target: under 5 MB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import resource
 import statistics
@@ -87,9 +88,51 @@ def openlora_variant():
     return step, reader.collect
 
 
-def time_variant(step, collect, steps: int, collect_every: int) -> float:
-    """CPU seconds per step for the timed loop; collections happen between chunks, untimed."""
+def prometheus_tensor_variant():
+    """The seeds' recipe when loss and grad norm are tensors: ``.item()`` each (a device sync on a GPU)."""
+    import torch
+
+    collect = prometheus_variant()[1]
+    registry = CollectorRegistry()
+    loss_gauge = Gauge("loss", "loss", registry=registry)
+    grad_gauge = Gauge("grad", "grad", registry=registry)
+    lr = Gauge("lr", "lr", registry=registry)
+    tokens = Counter("tokens", "tokens", registry=registry)
+    samples = Counter("samples", "samples", registry=registry)
+    duration = Histogram("step_seconds", "step", buckets=STEP_DURATION_BUCKETS, registry=registry)
+    loss, grad = torch.tensor(2.0), torch.tensor(1.0)
+
+    def step(i: int) -> None:
+        loss_gauge.set(loss.item())
+        grad_gauge.set(grad.item())
+        lr.set(1e-4)
+        tokens.inc(512)
+        samples.inc(4)
+        duration.observe(0.1)
+
+    return step, collect
+
+
+def openlora_tensor_variant():
+    """The same call with loss and grad norm as (CPU) torch tensors: the deferred path."""
+    import torch
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    training = TrainingMetrics(provider.get_meter("bench"))
+    record = training.record_step
+    loss, grad = torch.tensor(2.0), torch.tensor(1.0)
+
+    def step(i: int) -> None:
+        record(loss=loss, grad_norm=grad, learning_rate=1e-4, tokens=512, samples=4, step_time_s=0.1)
+
+    return step, reader.collect
+
+
+def time_variant(step, collect, steps: int, collect_every: int) -> tuple[float, float]:
+    """CPU seconds per step of the loop, and of the collections between chunks (timed apart)."""
     total = 0.0
+    collecting = 0.0
     done = 0
     while done < steps:
         chunk = min(collect_every, steps - done)
@@ -99,13 +142,18 @@ def time_variant(step, collect, steps: int, collect_every: int) -> float:
             step(i)
         total += time.process_time() - started
         gc.enable()
+        started = time.process_time()
         collect()
+        collecting += time.process_time() - started
         done += chunk
-    return total / steps
+    return total / steps, collecting / steps
 
 
 def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Current resident set size (not the peak, which earlier variants may have set)."""
+    with open("/proc/self/statm") as handle:
+        resident_pages = int(handle.read().split()[1])
+    return resident_pages * resource.getpagesize() / (1024 * 1024)
 
 
 def main() -> None:
@@ -120,18 +168,29 @@ def main() -> None:
         "naive OpenTelemetry (6 calls)": naive_otel_variant(),
         "openlora-otel record_step": openlora_variant(),
     }
+    with contextlib.suppress(ImportError):  # torch is optional
+        variants["prometheus_client, tensor .item()"] = prometheus_tensor_variant()
+        variants["openlora-otel, tensor loss/grad"] = openlora_tensor_variant()
     results: dict[str, list[float]] = {name: [] for name in variants}
+    collecting: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, (step, collect) in variants.items():
-            results[name].append(time_variant(step, collect, args.steps, collect_every=10_000))
+            per_step, per_step_collect = time_variant(step, collect, args.steps, collect_every=10_000)
+            results[name].append(per_step)
+            collecting[name].append(per_step_collect)
 
     medians = {name: statistics.median(values) * 1e6 for name, values in results.items()}
+    collect_medians = {name: statistics.median(values) * 1e6 for name, values in collecting.items()}
     base = medians["prometheus_client (6 updates)"]
     ours = medians["openlora-otel record_step"]
     print(f"CPU time per step, median of {args.rounds} rounds x {args.steps} steps")
+    print(f"  {'':<32}{'step path':>10}{'collection':>12}  (collection: per step, off the training thread)")
     for name, micros in medians.items():
-        print(f"  {name:<32}{micros:8.3f} us")
+        print(f"  {name:<32}{micros:8.3f} us{collect_medians[name]:9.3f} us")
     print(f"ratio openlora-otel / prometheus_client: {ours / base:.2f}  (target <= 1.0)")
+    if "openlora-otel, tensor loss/grad" in medians:
+        ratio = medians["openlora-otel, tensor loss/grad"] / medians["prometheus_client, tensor .item()"]
+        print(f"ratio with CPU tensors, openlora-otel / prometheus_client + .item(): {ratio:.2f}")
     print(f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry (6 calls)']:.2f}")
 
     step, collect = openlora_variant()
@@ -146,7 +205,8 @@ def main() -> None:
             collect()
     gc.collect()
     print(
-        f"max RSS growth over {args.memory_steps} record_step calls: {rss_mb() - before:.2f} MB (target < 5 MB)"
+        f"RSS over {args.memory_steps} record_step calls: {before:.1f} MB -> {rss_mb():.1f} MB, "
+        f"growth {rss_mb() - before:.2f} MB (target < 5 MB)"
     )
 
 

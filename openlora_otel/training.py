@@ -228,10 +228,13 @@ class TrainingMetrics:
             tokens = _count(tokens, "tokens")
         if samples is not None and (type(samples) is not int or samples < 0):
             samples = _count(samples, "samples")
-        if learning_rate is not None and type(learning_rate) is float and learning_rate < 0.0:
-            raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
-        if grad_norm is not None and type(grad_norm) is float and grad_norm < 0.0:
-            raise ValueError(f"grad_norm must be >= 0, got {grad_norm!r}")
+        # Validate everything before touching state: a call that raises records nothing.
+        if loss is not None and type(loss) is not float:
+            loss = _prepare(loss, "loss")
+        if grad_norm is not None and (type(grad_norm) is not float or grad_norm < 0.0):
+            grad_norm = _prepare(grad_norm, "grad_norm")
+        if learning_rate is not None and (type(learning_rate) is not float or learning_rate < 0.0):
+            learning_rate = _prepare(learning_rate, "learning_rate")
         with self._lock:
             if self._closed:
                 return
@@ -241,17 +244,17 @@ class TrainingMetrics:
                 if type(loss) is float:
                     window.loss.add_host(loss)
                 else:
-                    self._add_other(window.loss, loss, "loss")
+                    self._defer(window.loss, loss)
             if grad_norm is not None:
                 if type(grad_norm) is float:
                     window.grad.add_host(grad_norm)
                 else:
-                    self._add_other(window.grad, grad_norm, "grad_norm")
+                    self._defer(window.grad, grad_norm)
             if learning_rate is not None:
                 if type(learning_rate) is float:
                     window.lr.add_host(learning_rate)
                 else:
-                    self._add_other(window.lr, learning_rate, "learning_rate")
+                    self._defer(window.lr, learning_rate)
             if tokens:
                 window.tokens += tokens
             if samples:
@@ -269,64 +272,43 @@ class TrainingMetrics:
         (one loss per micro-batch under gradient accumulation). Same rules as
         :meth:`record_step`; the values join the current window's means.
         """
-        if learning_rate is not None and type(learning_rate) is float and learning_rate < 0.0:
-            raise ValueError(f"learning_rate must be >= 0, got {learning_rate!r}")
-        if grad_norm is not None and type(grad_norm) is float and grad_norm < 0.0:
-            raise ValueError(f"grad_norm must be >= 0, got {grad_norm!r}")
+        values = [
+            None if v is None else _prepare(v, what)
+            for v, what in ((loss, "loss"), (grad_norm, "grad_norm"), (learning_rate, "learning_rate"))
+        ]
         with self._lock:
             if self._closed:
                 return
             window = self._window
-            for series, value, what in (
-                (window.loss, loss, "loss"),
-                (window.grad, grad_norm, "grad_norm"),
-                (window.lr, learning_rate, "learning_rate"),
-            ):
+            for series, value in zip((window.loss, window.grad, window.lr), values, strict=True):
                 if value is None:
                     continue
                 if type(value) is float:
                     series.add_host(value)
                 else:
-                    self._add_other(series, value, what)
+                    self._defer(series, value)
 
-    def _add_other(self, series: _Series, value: Any, what: str) -> None:
-        """Slow path (lock held): ints, NumPy scalars, tensors and wrong types."""
-        if isinstance(value, (bool, str, bytes)):
-            raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
-        if isinstance(value, int):
-            if what != "loss" and value < 0:
-                raise ValueError(f"{what} must be >= 0, got {value!r}")
-            series.add_host(float(value))
-            return
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
-            if value.requires_grad:
-                value = value.detach()
-            series.deferred.append(value)
-            if len(series.deferred) >= _FOLD_EVERY:
-                series.partials.append(_fold(series.deferred, torch))
-                series.deferred = []
-                if len(series.partials) >= _FOLD_EVERY:
-                    series.partials = [_combine(series.partials, torch)]
-            return
-        numel = getattr(value, "numel", None)
-        if callable(numel):  # a tensor-like from elsewhere: keep the reference, read it at collection
-            if numel() != 1:
-                raise ValueError(f"{what} must have exactly one element")
+    def _defer(self, series: _Series, value: Any) -> None:
+        """Keep a tensor (lock held); fold torch tensors on their device every ``_FOLD_EVERY``."""
+        if type(value) is _Foreign:
             if len(series.foreign) < _MAX_FOREIGN:
-                series.foreign.append(value)
+                series.foreign.append(value.value)
             else:
                 self._dropped_foreign += 1
             return
-        if hasattr(value, "__float__") and not hasattr(value, "__len__"):
-            number = float(value)  # NumPy scalars, Decimal: host values, no device involved
-            if what != "loss" and number < 0:
-                raise ValueError(f"{what} must be >= 0, got {number!r}")
-            series.add_host(number)
-            return
-        raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+        deferred = series.deferred
+        deferred.append(value)
+        if len(deferred) >= _FOLD_EVERY:
+            torch = sys.modules["torch"]
+            try:
+                series.partials.extend(_fold_by_device(deferred, torch))
+                series.deferred = []
+                if len(series.partials) >= _FOLD_EVERY:
+                    series.partials = _fold_partials(series.partials, torch)
+            except Exception:  # never let bookkeeping break the step; read them all at collection instead
+                self._warn_once(
+                    "fold", "folding kept tensors failed; they are kept until collection", exc=True
+                )
 
     # -- other records ----------------------------------------------------------
     def record_epoch(self, epoch: float) -> None:
@@ -486,6 +468,46 @@ class TrainingMetrics:
 
 
 # -- helpers -------------------------------------------------------------------------
+class _Foreign:
+    """A tensor-like that is not a torch tensor: kept as is and read with ``float()`` at collection."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _prepare(value: Any, what: str) -> Any:
+    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `_Foreign`."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+        if what != "loss" and number < 0:
+            raise ValueError(f"{what} must be >= 0, got {value!r}")
+        return number
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())  # shape metadata only; folding then stacks without per-item work
+        return value
+    numel = getattr(value, "numel", None)
+    if callable(numel):  # a tensor-like from elsewhere: keep the reference, read it at collection
+        if numel() != 1:
+            raise ValueError(f"{what} must have exactly one element")
+        return _Foreign(value)
+    if hasattr(value, "__float__") and not hasattr(value, "__len__"):
+        number = float(value)  # NumPy scalars, Decimal: host values, no device involved
+        if what != "loss" and number < 0:
+            raise ValueError(f"{what} must be >= 0, got {number!r}")
+        return number
+    raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
 def _host_number(value: Any, what: str) -> float:
     if isinstance(value, (bool, str, bytes)) or value is None:
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
@@ -510,9 +532,32 @@ def _count(value: Any, what: str) -> int:
     return number
 
 
+def _fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
+    """One partial per device the tensors live on (almost always one)."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return [_fold(tensors, torch)]
+    groups: dict[Any, list[Any]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return [_fold(group, torch) for group in groups.values()]
+
+
+def _fold_partials(partials: list[Any], torch: Any) -> list[Any]:
+    groups: dict[Any, list[Any]] = {}
+    for partial in partials:
+        groups.setdefault(partial.device, []).append(partial)
+    return [_combine(group, torch) for group in groups.values()]
+
+
 def _fold(tensors: list[Any], torch: Any) -> Any:
-    """Reduce scalar tensors on their device to [sum of finite, n finite, n non-finite, last]; no sync."""
-    stacked = torch.stack([t.reshape(()) for t in tensors]).to(torch.float64)
+    """Reduce 0-d tensors of one device to [sum of finite, n finite, n non-finite, last]; no sync."""
+    stacked = (
+        torch.stack([t.to(torch.float64) for t in tensors])
+        if len({t.dtype for t in tensors}) > 1
+        else torch.stack(tensors)
+    )
+    stacked = stacked.to(torch.float64)
     finite = torch.isfinite(stacked)
     zeros = torch.zeros_like(stacked)
     return torch.stack(

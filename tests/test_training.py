@@ -385,3 +385,18 @@ def test_record_values_joins_the_window_without_counting_steps(setup) -> None:
         training.record_values(grad_norm=-1.0)
     with pytest.raises(TypeError):
         training.record_values(loss="x")
+
+
+def test_training_on_a_disabled_telemetry_is_a_cheap_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    telemetry = setup_telemetry()
+    training = telemetry.training
+    for _ in range(2000):
+        training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=1, samples=1, step_time_s=0.1)
+    training.record_eval(loss=1.0)
+    training.set_adapter(r=4, alpha=8)
+    # Validation still applies, so a disabled run catches the same mistakes.
+    with pytest.raises(TypeError):
+        training.record_step(loss="bad")
+    assert training._window.steps == 2000  # bounded state: counters, no per-step storage
+    telemetry.shutdown()
