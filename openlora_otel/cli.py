@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
-from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
 
 __all__ = ["main", "metrics_markdown", "variables_markdown"]
 
@@ -25,15 +25,15 @@ def variables_markdown() -> str:
 def metrics_markdown() -> str:
     """The metric table as Markdown: OpenTelemetry name, Prometheus series, type, unit, meaning."""
     rows = [
-        "| OpenTelemetry name | Prometheus series (pull and Collector alike) | Type | Unit | Meaning |",
+        "| OpenTelemetry name | Prometheus series (pulled; through the Collector where it differs) | Type | Unit | Meaning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
+    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
         series = spec.prometheus
         if spec.kind == "histogram":
             series = f"{series}_bucket`, `_sum`, `_count"
-        if spec.prometheus_collector != spec.prometheus:  # pragma: no cover - kept identical by design
-            series += f"` (Collector: `{spec.prometheus_collector}`)"
+        if spec.prometheus_collector != spec.prometheus:  # the semantic conventions' unit `1` gauges
+            series += f"`, Collector: `{spec.prometheus_collector}"
         unit = f"`{spec.unit}`" if spec.unit else "(none)"
         rows.append(f"| `{spec.name}` | `{series}` | {spec.kind} | {unit} | {spec.description} |")
     return "\n".join(rows)
@@ -42,7 +42,7 @@ def metrics_markdown() -> str:
 def seeds_markdown() -> str:
     """The map from the seeds' metric names to ours."""
     rows = ["| Seeds' name | Ours (Prometheus series) |", "| --- | --- |"]
-    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
+    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
         if spec.seed_name:
             rows.append(f"| `{spec.seed_name}` | `{spec.prometheus}` |")
     return "\n".join(rows)

@@ -43,6 +43,8 @@ PROTOCOLS = ("http/protobuf", "grpc")
 COMPRESSIONS = ("none", "gzip")
 TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 PORT_OFFSETS = ("local_rank", "none")
+GPU_MODES = ("auto", "on", "off")
+GPU_DEVICE_MODES = ("process", "all")
 
 Protocol = Literal["http/protobuf", "grpc"]
 
@@ -195,6 +197,26 @@ VARIABLES: tuple[Variable, ...] = (
         "`local_rank`: the port is `OTEL_EXPORTER_PROMETHEUS_PORT + LOCAL_RANK`, so torchrun ranks on one node do not collide; `none`: no offset.",
     ),
     Variable(
+        "OPENLORA_GPU_METRICS",
+        "auto",
+        "`auto`: GPU gauges when NVML initializes, else one info line and none; `on`: NVML must work (else a setup error); `off`.",
+    ),
+    Variable(
+        "OPENLORA_GPU_DEVICES",
+        "process",
+        "`process`: the GPUs this process uses (torch's devices once CUDA is up, else `CUDA_VISIBLE_DEVICES` narrowed by `LOCAL_RANK`); `all`: every GPU on the host.",
+    ),
+    Variable(
+        "OPENLORA_GPU_TIMEOUT",
+        "1000",
+        "Milliseconds one NVML snapshot may take; past that the collection serves the last good one (up to 60 s old) and says how old.",
+    ),
+    Variable(
+        "CUDA_VISIBLE_DEVICES",
+        "(unset)",
+        "Read to pick this process's GPUs (indices, `GPU-` or `MIG-` UUIDs).",
+    ),
+    Variable(
         "TORCHELASTIC_RUN_ID", "(set by torchrun)", "Read for the run id when `OPENLORA_RUN_ID` is unset."
     ),
     Variable(
@@ -265,6 +287,10 @@ class TelemetryConfig:
     export_timeout_ms: float = 30000.0
     run_id: str | None = None
     shutdown_timeout_s: float = 2.0
+    gpu_metrics: Literal["auto", "on", "off"] = "auto"
+    gpu_devices: Literal["process", "all"] = "process"
+    gpu_timeout_s: float = 1.0
+    cuda_visible_devices: str | None = None
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -282,6 +308,12 @@ class TelemetryConfig:
             raise ConfigError("shutdown_timeout_s", self.shutdown_timeout_s, "a number of seconds > 0")
         if not self.service_name:
             raise ConfigError("service_name", self.service_name, "a non-empty string")
+        if self.gpu_metrics not in GPU_MODES:
+            raise ConfigError("gpu_metrics", self.gpu_metrics, _choices(GPU_MODES))
+        if self.gpu_devices not in GPU_DEVICE_MODES:
+            raise ConfigError("gpu_devices", self.gpu_devices, _choices(GPU_DEVICE_MODES))
+        if self.gpu_timeout_s <= 0:
+            raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, "a number of seconds > 0")
 
     @property
     def enabled_exporters(self) -> tuple[str, ...]:
@@ -344,6 +376,9 @@ class TelemetryConfig:
         if run_id == "none" and not env.get("OPENLORA_RUN_ID"):
             run_id = None
 
+        gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT")
+        visible = env.get("CUDA_VISIBLE_DEVICES") if "CUDA_VISIBLE_DEVICES" in env else None
+
         # Validated whether or not `otlp` is selected: a bad value is caught now,
         # not when someone later adds `otlp` to the exporter list.
         otlp = _read_otlp(env)
@@ -361,6 +396,10 @@ class TelemetryConfig:
             export_timeout_ms=30000.0 if export_timeout is None else export_timeout,
             run_id=run_id,
             shutdown_timeout_s=2.0 if shutdown_timeout is None else shutdown_timeout / 1000.0,
+            gpu_metrics=env.choice("OPENLORA_GPU_METRICS", GPU_MODES) or "auto",  # type: ignore[arg-type]
+            gpu_devices=env.choice("OPENLORA_GPU_DEVICES", GPU_DEVICE_MODES) or "process",  # type: ignore[arg-type]
+            gpu_timeout_s=1.0 if gpu_timeout is None else gpu_timeout / 1000.0,
+            cuda_visible_devices=visible,
         )
 
 
@@ -376,6 +415,9 @@ class _Env:
 
     def get(self, name: str) -> str:
         return self._environ.get(name, "").strip()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._environ
 
     def first(self, *names: str) -> tuple[str, str]:
         """The first of ``names`` that is set and non-empty, as (name, value); else (last name, "")."""

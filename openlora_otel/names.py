@@ -21,6 +21,7 @@ from typing import Literal
 __all__ = [
     "ADAPTER_METRICS",
     "ATTR_EVAL_METRIC",
+    "GPU_METRICS",
     "STEP_DURATION_BUCKETS",
     "TRAINING_METRICS",
     "MetricSpec",
@@ -141,6 +142,88 @@ ADAPTER_METRICS: tuple[MetricSpec, ...] = (
         "All parameters of the model, frozen base included.",
     ),
     MetricSpec("openlora.adapter.trainable.ratio", "gauge", "", "Trainable parameters / all parameters."),
+)
+
+# GPU metrics. The hw.* names, units and attributes are the OpenTelemetry semantic
+# conventions (hardware / GPU, status Development); those keep their unit `1`
+# even though the Collector then names them *_ratio, because the conventions
+# say so. openlora.* names cover what the conventions have no word for.
+ATTR_GPU_INDEX = "openlora.gpu.index"
+ATTR_GPU_PARENT = "openlora.gpu.parent_id"
+ATTR_THROTTLE_REASON = "openlora.gpu.throttle.reason"
+
+GPU_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "hw.gpu.utilization",
+        "gauge",
+        "1",
+        "Fraction of time the GPU was busy over the driver's sample period, per `hw.gpu.task` (general, encoder, decoder). Not reported for MIG instances.",
+        "openlora_gpu_utilization",
+    ),
+    MetricSpec(
+        "hw.gpu.memory.usage",
+        "updowncounter",
+        "By",
+        "GPU memory in use, all processes.",
+        "openlora_vram_usage_mb",
+    ),
+    MetricSpec("hw.gpu.memory.limit", "updowncounter", "By", "GPU memory in total."),
+    MetricSpec("hw.gpu.memory.utilization", "gauge", "1", "GPU memory in use / total."),
+    MetricSpec("hw.power", "gauge", "W", "Power draw of the GPU (`hw.type=gpu`)."),
+    MetricSpec("hw.energy", "counter", "J", "Energy the GPU used since the driver loaded (`hw.type=gpu`)."),
+    MetricSpec("hw.temperature", "gauge", "Cel", "GPU core temperature (`hw.type=gpu`)."),
+    MetricSpec(
+        "hw.errors",
+        "counter",
+        "{error}",
+        "ECC memory errors since the driver loaded, `error.type` corrected or uncorrected (`hw.type=gpu`).",
+    ),
+    MetricSpec("openlora.gpu.clock.sm", "gauge", "Hz", "Current SM clock."),
+    MetricSpec(
+        "openlora.gpu.throttle",
+        "gauge",
+        "",
+        f"1 while the clock is held down for the reason in `{ATTR_THROTTLE_REASON}`, else 0.",
+    ),
+    MetricSpec(
+        "openlora.process.gpu.memory.usage",
+        "updowncounter",
+        "By",
+        "GPU memory this process holds, as the driver accounts it (absent where the driver cannot see the process, as in some containers).",
+    ),
+    MetricSpec(
+        "openlora.torch.memory.allocated",
+        "updowncounter",
+        "By",
+        "Bytes the torch caching allocator has handed out on this device.",
+    ),
+    MetricSpec(
+        "openlora.torch.memory.reserved",
+        "updowncounter",
+        "By",
+        "Bytes the torch caching allocator holds from the driver.",
+    ),
+    MetricSpec(
+        "openlora.torch.memory.peak",
+        "gauge",
+        "By",
+        "Peak of allocated bytes since the process started (or since the peak was reset).",
+    ),
+    MetricSpec(
+        "openlora.torch.memory.ooms", "counter", "{error}", "Out-of-memory errors the torch allocator raised."
+    ),
+    MetricSpec(
+        "openlora.torch.memory.alloc_retries",
+        "counter",
+        "{retry}",
+        "Allocations that succeeded only after freeing the allocator's cache.",
+    ),
+    MetricSpec(
+        "openlora.gpu.snapshot.age",
+        "gauge",
+        "s",
+        "Age of the NVML snapshot behind the GPU values: 0 when fresh, more when NVML was too slow and the last good one was served.",
+    ),
 )
 
 _UNITS = {

@@ -67,6 +67,8 @@ class Telemetry:
         self._lock = threading.Lock()
         self._closed = False
         self._training: TrainingMetrics | None = None
+        self._gpu: Any = None
+        self._nvml: Any = None
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -119,6 +121,27 @@ class Telemetry:
             return self._training
 
     @property
+    def gpu(self) -> Any:
+        """The :class:`~openlora_otel.gpu.GpuMetrics` when GPU metrics are on, else None."""
+        return self._gpu
+
+    def _attach_gpu(self, backend: Any) -> None:
+        """Register the GPU instruments on our meter, reading NVML through ``backend`` (already initialized)."""
+        from openlora_otel.gpu import GpuCollector, GpuMetrics
+
+        config = self._config
+        local_rank = config.resource_attributes.get("openlora.local_rank")
+        collector = GpuCollector(
+            backend,
+            devices=config.gpu_devices,
+            cuda_visible_devices=config.cuda_visible_devices,
+            local_rank=local_rank if isinstance(local_rank, int) else None,
+            timeout_s=config.gpu_timeout_s,
+        )
+        self._nvml = backend
+        self._gpu = GpuMetrics(self._meter, collector)
+
+    @property
     def is_shutdown(self) -> bool:
         return self._closed
 
@@ -165,6 +188,12 @@ class Telemetry:
         if self._training is not None:
             # After the final collect above, so the last window was exported.
             self._training.close()
+        if self._nvml is not None:
+            try:
+                self._nvml.shutdown()
+            except Exception:
+                _logger.debug("nvmlShutdown failed", exc_info=True)
+            self._nvml = None
         if self._prometheus is not None:
             self._prometheus.close()
         _release_global(self)
@@ -283,6 +312,8 @@ def setup_telemetry(
                 "use it (telemetry.meter, telemetry.training) or call its shutdown() first"
             )
         existing = _current_global_provider()
+        # NVML first: with OPENLORA_GPU_METRICS=on a missing driver fails here, before anything runs.
+        nvml = _start_nvml(config)
         ours_before = existing is not None and getattr(existing, "_openlora_otel", False)
         if existing is not None and not ours_before:
             _logger.info(
@@ -297,10 +328,17 @@ def setup_telemetry(
                 run_id=resolved_run_id,
                 owns_provider=False,
             )
+            if nvml is not None:
+                telemetry._attach_gpu(nvml)
             _global_owner = telemetry
             return telemetry
 
-        provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
+        try:
+            provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
+        except BaseException:
+            if nvml is not None:
+                nvml.shutdown()
+            raise
         if existing is None:
             metrics.set_meter_provider(provider)
         else:
@@ -316,6 +354,8 @@ def setup_telemetry(
             owns_provider=True,
             prometheus=prometheus,
         )
+        if nvml is not None:
+            telemetry._attach_gpu(nvml)
         _global_owner = telemetry
     _logger.info(
         "telemetry on: run %s, exporters %s%s",
@@ -324,6 +364,38 @@ def setup_telemetry(
         f", metrics at {telemetry.prometheus_url}" if telemetry.prometheus_url else "",
     )
     return telemetry
+
+
+def _start_nvml(config: TelemetryConfig) -> Any:
+    """An initialized NVML backend, or None when GPU metrics are off or (with ``auto``) unavailable."""
+    if config.gpu_metrics == "off":
+        return None
+    from openlora_otel import nvml
+    from openlora_otel._deps import MissingDependencyError
+
+    try:
+        backend = nvml.load_pynvml_backend()
+    except ImportError:
+        if config.gpu_metrics == "on":
+            raise MissingDependencyError(
+                "OPENLORA_GPU_METRICS=on needs the package 'nvidia-ml-py', which is not installed: "
+                "pip install 'openlora-otel[gpu]'"
+            ) from None
+        _logger.info("GPU metrics off: nvidia-ml-py is not installed (pip install 'openlora-otel[gpu]')")
+        return None
+    try:
+        backend.init()
+    except nvml.GpuError as exc:
+        if config.gpu_metrics == "on":
+            raise ConfigError(
+                "OPENLORA_GPU_METRICS",
+                "on",
+                "`auto` or `off` where NVML cannot start",
+                f"nvmlInit failed: {exc}",
+            ) from None
+        _logger.info("GPU metrics off: NVML did not start (%s)", exc)
+        return None
+    return backend
 
 
 def _build_provider(
