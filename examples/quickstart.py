@@ -1,10 +1,9 @@
-"""Quickstart: record a few training-style values and serve them on /metrics.
+"""Quickstart without torch: record training-style values through TrainingMetrics and serve them.
 
-This is the smallest useful program built on openlora-otel: setup_telemetry()
-with whatever OTEL_* variables are set (by default a Prometheus endpoint on
-localhost:9464), a handful of instruments, and a loop that records into them.
-The values are synthetic (a decaying loss curve); the real LoRA fine-tune is
-`openlora-otel demo` once it lands.
+The smallest program built on openlora-otel: setup_telemetry() with whatever
+OTEL_* variables are set (by default a Prometheus endpoint on localhost:9464)
+and one record_step() per step. The values are synthetic (a decaying loss
+curve); `openlora-otel demo` is the real LoRA fine-tune.
 
     python examples/quickstart.py --steps 300 --linger 60
 """
@@ -55,16 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     rng = random.Random(args.seed)
-    meter = telemetry.meter
-    loss = meter.create_gauge(
-        "openlora.training.loss", unit="1", description="Training loss (synthetic here)"
+    training = telemetry.training
+    training.set_adapter(
+        r=8,
+        alpha=16,
+        dropout=0.05,
+        target_modules=["q_proj", "v_proj"],
+        trainable_params=4096,
+        total_params=1_000_000,
     )
-    steps = meter.create_counter("openlora.training.steps", unit="{step}", description="Optimizer steps")
-    tokens = meter.create_counter("openlora.training.tokens", unit="{token}", description="Tokens processed")
-    duration = meter.create_histogram(
-        "openlora.training.step.duration", unit="s", description="Step wall time"
-    )
-
     where = (
         telemetry.prometheus_url or ",".join(telemetry.config.enabled_exporters) or "nowhere (exporter none)"
     )
@@ -72,15 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with telemetry:
             for step in range(1, args.steps + 1):
-                started = time.perf_counter()
                 time.sleep(args.step_time)
-                value = 2.5 * math.exp(-step / (args.steps / 3)) + 0.3 + rng.gauss(0, 0.03)
-                loss.set(value)
-                steps.add(1)
-                tokens.add(512)
-                duration.record(time.perf_counter() - started)
+                loss = 2.5 * math.exp(-step / (args.steps / 3)) + 0.3 + rng.gauss(0, 0.03)
+                training.record_step(
+                    loss=loss, grad_norm=abs(rng.gauss(1.0, 0.2)), learning_rate=1e-4, tokens=512, samples=4
+                )
                 if step % max(1, args.steps // 10) == 0 or step == args.steps:
-                    print(f"step {step}/{args.steps} loss {value:.3f}", flush=True)
+                    print(f"step {step}/{args.steps} loss {loss:.3f}", flush=True)
             if args.linger:
                 print(f"serving the final values for {args.linger:g} s at {where}", flush=True)
                 time.sleep(args.linger)

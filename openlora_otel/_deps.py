@@ -31,11 +31,12 @@ def is_installed(module: str) -> bool:
         return False
 
 
-def require(module: str, purpose: str) -> None:
+def require(module: str, purpose: str, *, extra: str | None = None) -> None:
     """Raise :class:`MissingDependencyError` naming the package and the extra when ``module`` is missing."""
     if is_installed(module):
         return
-    distribution, extra = OPTIONAL_PACKAGES[module]
+    distribution, default_extra = OPTIONAL_PACKAGES[module]
+    extra = extra or default_extra
     raise MissingDependencyError(
         f"{purpose} needs the package {distribution!r}, which is not installed: "
         f"pip install 'openlora-otel[{extra}]'"

@@ -1,4 +1,4 @@
-"""The ``openlora-otel`` command line: ``doctor`` and ``env``."""
+"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env`` and ``metrics``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
+from openlora_otel.demo.train import DemoOptions
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
 
 __all__ = ["main", "metrics_markdown", "variables_markdown"]
@@ -48,6 +49,46 @@ def seeds_markdown() -> str:
     return "\n".join(rows)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="openlora-otel",
@@ -55,6 +96,63 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="fine-tune a small LoRA model on CPU with live metrics (needs the demo extra)",
+        description="Fine-tune a small Llama built from a config with LoRA (PEFT) on a generated corpus, on "
+        "CPU, with setup_telemetry() on: by default metrics are served at http://localhost:9464/metrics "
+        "while it runs. Nothing is downloaded. Exit status: 0 done, 2 usage or configuration error, "
+        "130 / 143 stopped by SIGINT / SIGTERM (telemetry flushed first).",
+    )
+    parser.set_defaults(demo_parser=demo)
+    defaults = DemoOptions()
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=defaults.steps,
+        help="optimizer steps (default %(default)s, under a minute on 2 CPU cores)",
+    )
+    demo.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=defaults.batch_size,
+        help="sequences per step (default %(default)s)",
+    )
+    demo.add_argument(
+        "--lr", type=_positive_float, default=defaults.lr, help="peak learning rate (default %(default)s)"
+    )
+    demo.add_argument(
+        "--lora-r", type=_positive_int, default=defaults.lora_r, help="LoRA rank (default %(default)s)"
+    )
+    demo.add_argument(
+        "--lora-alpha",
+        type=_positive_int,
+        default=defaults.lora_alpha,
+        help="LoRA alpha (default %(default)s)",
+    )
+    demo.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default %(default)s)")
+    demo.add_argument(
+        "--eval-every",
+        type=_non_negative_int,
+        default=defaults.eval_every,
+        help="steps between evaluations, 0 for none (default %(default)s)",
+    )
+    demo.add_argument(
+        "--exporter",
+        metavar="LIST",
+        help="overrides OTEL_METRICS_EXPORTER for this run: prometheus, otlp, console, none, or a comma list",
+    )
+    demo.add_argument(
+        "--linger",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving the final values this long",
+    )
+    demo.add_argument(
+        "--hf-trainer", action="store_true", help="run through the Hugging Face Trainer and our callback"
+    )
+    demo.add_argument("--quiet", "-q", action="store_true", help="no progress output; the summary only")
     doctor = commands.add_parser(
         "doctor",
         help="check the configuration, the ports and endpoints it names, and the optional packages",
@@ -87,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from openlora_otel.doctor import run_doctor
 
         return run_doctor(timeout_s=args.timeout)
+    if args.command == "demo":
+        return _demo(parser, args)
     if args.command == "env":
         print(variables_markdown())
         return 0
@@ -97,6 +197,100 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser.print_help(sys.stderr)
     return 2
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import os
+
+    from openlora_otel._deps import MissingDependencyError
+    from openlora_otel.config import ConfigError, TelemetryConfig
+    from openlora_otel.telemetry import setup_telemetry
+
+    environ = dict(os.environ)
+    if args.exporter is not None:
+        environ["OTEL_METRICS_EXPORTER"] = args.exporter
+    try:
+        config = TelemetryConfig.from_env(environ)
+    except ConfigError as exc:
+        if args.exporter is not None and exc.variable == "OTEL_METRICS_EXPORTER":
+            args.demo_parser.error(
+                f"argument --exporter: {args.exporter!r} is not valid: expected {exc.accepted}"
+            )
+        print(f"openlora-otel demo: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from openlora_otel.demo import train as _train
+        from openlora_otel.demo.train import DemoOptions, run_demo
+
+        _train._require()
+    except MissingDependencyError as exc:
+        print(
+            f"openlora-otel demo: {exc}".replace("openlora-otel[torch]", "openlora-otel[demo]").replace(
+                "openlora-otel[hf]", "openlora-otel[demo]"
+            ),
+            file=sys.stderr,
+        )
+        return 2
+    options = DemoOptions(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        hf_trainer=args.hf_trainer,
+        quiet=args.quiet,
+        linger=args.linger,
+    )
+    try:
+        telemetry = setup_telemetry("openlora-demo", config=config)
+    except (ConfigError, MissingDependencyError) as exc:
+        print(f"openlora-otel demo: {exc}", file=sys.stderr)
+        return 2
+    where = _where(telemetry)
+    if not args.quiet:
+        print(f"metrics: {where}", file=sys.stderr)
+    try:
+        result = run_demo(options, telemetry, where=where)
+    finally:
+        flushed = telemetry.shutdown()
+    _summary(result, where, flushed, run_id=telemetry.run_id)
+    return result.exit_code
+
+
+def _where(telemetry: object) -> str:
+    from openlora_otel.telemetry import Telemetry
+
+    assert isinstance(telemetry, Telemetry)
+    places = []
+    if telemetry.prometheus_url:
+        places.append(telemetry.prometheus_url)
+    config = telemetry.config
+    if "otlp" in config.enabled_exporters:
+        places.append(f"OTLP {config.otlp.protocol} to {config.otlp.redacted_endpoint()}")
+    if "console" in config.enabled_exporters:
+        places.append("the console")
+    return ", ".join(places) or "nowhere (exporter none or OTEL_SDK_DISABLED)"
+
+
+def _summary(result: object, where: str, flushed: bool, *, run_id: str) -> None:
+    from openlora_otel.demo.train import DemoResult
+
+    assert isinstance(result, DemoResult)
+    lines = []
+    if result.interrupted:
+        lines.append(
+            f"stopped by {result.interrupted} after {result.steps} steps; telemetry "
+            + ("flushed" if flushed else "flush did not finish within OPENLORA_SHUTDOWN_TIMEOUT")
+        )
+    lines += [
+        f"run {run_id}: {result.steps} steps in {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s",
+        f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} (best {result.best_eval_loss:.3f})"
+        + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
+        f"metrics went to {where}",
+    ]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -43,13 +43,31 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
 
 
-def test_run_command_script_runs_and_serves() -> None:
+def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
     command = block("run-command")
-    script = re.search(r"python (\S+\.py)", command).group(1)
+    assert command.index("torch==2.13.0") < command.index('-e ".[demo')
+    assert re.search(r"openlora-otel demo\b", command)
+    # The same entry point, briefly (the full run is tests/test_demo.py).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
     env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0"
     result = subprocess.run(
-        [sys.executable, str(ROOT / script), "--steps", "5", "--step-time", "0"],
+        [sys.executable, "-m", "openlora_otel", "demo", "--steps", "3", "--eval-every", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"metrics: http://localhost:\d+/metrics", result.stderr)
+    assert "3 steps" in result.stdout
+
+
+def test_quickstart_example_runs_and_serves() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
+    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0"
+    script = ROOT / "examples" / "quickstart.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--steps", "5", "--step-time", "0"],
         env=env,
         capture_output=True,
         text=True,
@@ -59,15 +77,11 @@ def test_run_command_script_runs_and_serves() -> None:
     assert re.search(r"metrics -> http://localhost:\d+/metrics", result.stdout)
     assert "step 5/5" in result.stdout
     bad = subprocess.run(
-        [sys.executable, str(ROOT / script), "--steps", "-1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        [sys.executable, str(script), "--steps", "-1"], env=env, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2 and "must be > 0" in bad.stderr
     bad_env = subprocess.run(
-        [sys.executable, str(ROOT / script)],
+        [sys.executable, str(script)],
         env={**env, "OTEL_METRICS_EXPORTER": "zipkin"},
         capture_output=True,
         text=True,

@@ -1,0 +1,417 @@
+"""The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, on CPU, with live telemetry.
+
+Why no plain-torch LoRA fallback: PEFT is what users fine-tune with, the demo
+exists to show our callbacks and adapter pick-up working on the real thing,
+and a second LoRA implementation would be code to maintain that no user runs.
+Without PEFT the demo stops with the package and the extra to install.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
+from openlora_otel.telemetry import Telemetry
+
+__all__ = ["DemoOptions", "DemoResult", "run_demo"]
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 800
+    batch_size: int = 16
+    lr: float = 3e-3
+    lora_r: int = 8
+    lora_alpha: int = 16
+    seed: int = 0
+    eval_every: int = 50
+    seq_len: int = 64
+    hf_trainer: bool = False
+    quiet: bool = False
+    linger: float = 0.0
+
+
+@dataclass
+class DemoResult:
+    steps: int
+    seconds: float
+    first_eval_loss: float
+    final_eval_loss: float
+    best_eval_loss: float
+    last_train_loss: float | None
+    tokens_per_s: float
+    interrupted: str | None  # "SIGINT" / "SIGTERM" when stopped early
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.interrupted or "", 0)
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM; the loop checks it once per step."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.event = threading.Event()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        self.event.set()
+
+
+@contextmanager
+def _signals(stop: _Stop) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Progress:
+    """One updating line on a terminal, a line every ~10% otherwise; nothing when quiet."""
+
+    def __init__(self, total: int, where: str, out: TextIO, quiet: bool) -> None:
+        self.total = total
+        self.where = where
+        self.out = out
+        self.quiet = quiet
+        self.tty = out.isatty()
+        self.last = 0.0
+        self.last_step = 0
+        self.every = max(1, total // 10)
+
+    def update(self, step: int, loss: Callable[[], float], tokens_per_s: float, force: bool = False) -> None:
+        if self.quiet or step == self.last_step:
+            return
+        now = time.monotonic()
+        if self.tty:
+            if not force and now - self.last < 0.2:
+                return
+            width = 24
+            filled = int(width * step / self.total)
+            bar = "=" * filled + ">" * (filled < width) + " " * (width - filled - 1)
+            line = f"\rstep {step}/{self.total} [{bar}] loss {loss():.3f} | {tokens_per_s:,.0f} tok/s | metrics {self.where}"
+            self.out.write(line.ljust(110))
+            self.out.flush()
+        elif force or step % self.every == 0:
+            self.out.write(f"step {step}/{self.total} loss {loss():.3f} | {tokens_per_s:,.0f} tok/s\n")
+            self.out.flush()
+        else:
+            return
+        self.last = now
+        self.last_step = step
+
+    def close(self) -> None:
+        if self.tty and not self.quiet:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _require() -> tuple[Any, Any, Any]:
+    from openlora_otel._deps import require
+
+    for module in ("torch", "transformers", "peft"):
+        require(module, "openlora-otel demo", extra="demo")
+    import peft
+    import torch
+    import transformers
+
+    return torch, transformers, peft
+
+
+def build_model(options: DemoOptions, vocab_size: int) -> Any:
+    """A 4-layer Llama from a config (about 0.8 M parameters), LoRA on every linear layer."""
+    torch, transformers, peft = _require()
+    torch.manual_seed(options.seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=options.seq_len,
+        tie_word_embeddings=False,
+    )
+    base = transformers.LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        # transformers' own deprecation notice, raised inside PEFT: noise in the demo's output.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(base, _lora_config(peft, options))
+
+
+def _lora_config(peft: Any, options: DemoOptions) -> Any:
+    return peft.LoraConfig(
+        r=options.lora_r,
+        lora_alpha=options.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+
+
+class _Data:
+    def __init__(self, options: DemoOptions) -> None:
+        torch, _, _ = _require()
+        self.torch = torch
+        tokenizer = CharTokenizer()
+        self.vocab_size = tokenizer.vocab_size
+        ids = torch.tensor(tokenizer.encode(generate_corpus(seed=1234)), dtype=torch.long)
+        split = int(len(ids) * 0.95)
+        self.train, self.eval = ids[:split], ids[split:]
+        self.seq_len = options.seq_len
+        self.generator = torch.Generator().manual_seed(options.seed)
+        # A fixed evaluation set, so eval losses are comparable across the run.
+        eval_starts = torch.arange(0, len(self.eval) - self.seq_len - 1, self.seq_len)[:64]
+        self.eval_batch = torch.stack([self.eval[s : s + self.seq_len] for s in eval_starts.tolist()])
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return max(1, len(self.train) // self.seq_len)
+
+    def batch(self, size: int) -> Any:
+        starts = self.torch.randint(0, len(self.train) - self.seq_len - 1, (size,), generator=self.generator)
+        return self.torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()])
+
+
+def _evaluate(model: Any, data: _Data) -> float:
+    torch = data.torch
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
+    model.train()
+    return loss
+
+
+def run_demo(
+    options: DemoOptions, telemetry: Telemetry, *, where: str, out: TextIO = sys.stderr
+) -> DemoResult:
+    """Fine-tune and report through ``telemetry``; returns the summary. Never raises on SIGINT/SIGTERM."""
+    torch, _, _ = _require()
+    from openlora_otel.integrations._common import describe_lora
+
+    torch.manual_seed(options.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    data = _Data(options)
+    model = build_model(options, data.vocab_size)
+    training = telemetry.training
+    describe_lora(model, training)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if not options.quiet:
+        out.write(
+            f"openlora-otel demo: LoRA r={options.lora_r} alpha={options.lora_alpha} on a 4-layer Llama "
+            f"({total:,} parameters, {trainable:,} trainable), {len(data.train):,} training characters, "
+            f"{options.steps} steps of {options.batch_size}x{options.seq_len} tokens\n"
+        )
+        out.flush()
+    first_eval = _evaluate(model, data)
+    training.record_eval(loss=first_eval, perplexity=math.exp(first_eval))
+    stop = _Stop()
+    with _signals(stop):
+        if options.hf_trainer:
+            result = _train_hf(options, telemetry, model, data, stop, where, out)
+        else:
+            result = _train_loop(options, training, model, data, stop, where, out)
+    result.first_eval_loss = first_eval
+    if result.steps and not stop.signal:
+        final = _evaluate(model, data)
+        training.record_eval(loss=final, perplexity=math.exp(final))
+        result.final_eval_loss = final
+        result.best_eval_loss = min(result.best_eval_loss, final)
+    result.interrupted = stop.signal
+    if options.linger > 0 and not stop.signal:
+        if not options.quiet:
+            out.write(f"serving the final values at {where} for {options.linger:g} s (Ctrl-C to stop)\n")
+            out.flush()
+        with _signals(stop):
+            stop.event.wait(options.linger)
+        result.interrupted = stop.signal
+    return result
+
+
+def _train_loop(
+    options: DemoOptions, training: Any, model: Any, data: _Data, stop: _Stop, where: str, out: TextIO
+) -> DemoResult:
+    torch = data.torch
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
+    warmup = max(1, options.steps // 10)
+
+    def schedule(step: int) -> float:  # linear warm-up, then cosine down to 10%
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, options.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    progress = _Progress(options.steps, where, out, options.quiet)
+    tokens_per_step = options.batch_size * options.seq_len
+    started = time.perf_counter()
+    best_eval = math.inf
+    last_loss = None
+    loss = None
+    step = 0
+    model.train()
+    for step in range(1, options.steps + 1):
+        if stop.signal:
+            step -= 1
+            break
+        step_started = time.perf_counter()
+        batch = data.batch(options.batch_size)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        learning_rate = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Tensors go in as they are: the telemetry reads them at collection, not here.
+        training.record_step(
+            loss=loss.detach(),
+            grad_norm=grad_norm,
+            learning_rate=learning_rate,
+            tokens=tokens_per_step,
+            samples=options.batch_size,
+            step_time_s=time.perf_counter() - step_started,
+        )
+        training.record_epoch(step * options.batch_size / data.windows_per_epoch)
+        elapsed = time.perf_counter() - started
+        detached = loss.detach()
+        progress.update(step, lambda detached=detached: float(detached), step * tokens_per_step / elapsed)
+        if options.eval_every and step % options.eval_every == 0 and step < options.steps:
+            eval_loss = _evaluate(model, data)
+            training.record_eval(loss=eval_loss, perplexity=math.exp(eval_loss))
+            best_eval = min(best_eval, eval_loss)
+    elapsed = time.perf_counter() - started
+    if loss is not None:
+        last_loss = float(loss.detach())
+        progress.update(step, lambda: last_loss, step * tokens_per_step / max(elapsed, 1e-9), force=True)
+    progress.close()
+    return DemoResult(
+        steps=step,
+        seconds=elapsed,
+        first_eval_loss=math.nan,
+        final_eval_loss=best_eval,
+        best_eval_loss=best_eval,
+        last_train_loss=last_loss,
+        tokens_per_s=step * tokens_per_step / max(elapsed, 1e-9),
+        interrupted=None,
+    )
+
+
+def _train_hf(
+    options: DemoOptions, telemetry: Telemetry, model: Any, data: _Data, stop: _Stop, where: str, out: TextIO
+) -> DemoResult:
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+
+    from openlora_otel.integrations.hf import TelemetryCallback
+
+    torch = data.torch
+
+    class Windows(torch.utils.data.Dataset):
+        def __init__(self, count: int) -> None:
+            self.rows = data.batch(count)
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            row = self.rows[index]
+            return {"input_ids": row, "labels": row}
+
+    class StopOnSignal(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if stop.signal:
+                control.should_training_stop = True
+            return control
+
+    class Progress(TrainerCallback):
+        def __init__(self) -> None:
+            self.bar = _Progress(options.steps, where, out, options.quiet)
+            self.loss: float | None = None
+            self.started = time.perf_counter()
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+        ) -> None:
+            if logs and "loss" in logs:
+                self.loss = float(logs["loss"])
+            if self.loss is not None:
+                rate = (
+                    state.global_step
+                    * options.batch_size
+                    * options.seq_len
+                    / (time.perf_counter() - self.started)
+                )
+                self.bar.update(state.global_step, lambda: self.loss, rate)
+
+    eval_rows = data.eval_batch
+    eval_set = [{"input_ids": row, "labels": row} for row in eval_rows]
+    progress = Progress()
+    with tempfile.TemporaryDirectory(prefix="openlora-demo-") as output_dir:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            max_steps=options.steps,
+            per_device_train_batch_size=options.batch_size,
+            per_device_eval_batch_size=64,
+            learning_rate=options.lr,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, options.steps // 10),
+            max_grad_norm=1.0,
+            logging_steps=1,
+            eval_strategy="steps" if options.eval_every else "no",
+            eval_steps=options.eval_every or None,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            include_num_input_tokens_seen=True,
+            seed=options.seed,
+            dataloader_num_workers=0,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=Windows(options.steps * options.batch_size),
+            eval_dataset=eval_set,
+            callbacks=[TelemetryCallback(telemetry), StopOnSignal(), progress],
+        )
+        # Our progress line replaces the Trainer's own printing of every log.
+        trainer.remove_callback(PrinterCallback)
+        started = time.perf_counter()
+        trainer.train()
+        elapsed = time.perf_counter() - started
+    progress.bar.close()
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    best = min(evals) if evals else math.inf
+    steps = trainer.state.global_step
+    return DemoResult(
+        steps=steps,
+        seconds=elapsed,
+        first_eval_loss=math.nan,
+        final_eval_loss=evals[-1] if evals else math.inf,
+        best_eval_loss=best,
+        last_train_loss=progress.loss,
+        tokens_per_s=steps * options.batch_size * options.seq_len / max(elapsed, 1e-9),
+        interrupted=None,
+    )
