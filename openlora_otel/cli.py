@@ -251,6 +251,11 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     where = _where(telemetry)
     if not args.quiet:
         print(f"metrics: {where}", file=sys.stderr)
+        print(
+            "full stack (collector, Prometheus, Grafana): cd collector && "
+            "GRAFANA_ADMIN_PASSWORD=... docker compose up -d, then open http://localhost:3000 (see the README)",
+            file=sys.stderr,
+        )
     try:
         result = run_demo(options, telemetry, where=where)
     finally:

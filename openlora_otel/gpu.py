@@ -333,10 +333,11 @@ class GpuMetrics:
         meter: Meter,
         collector: GpuCollector,
         *,
-        allocator_stats: Callable[[], list[tuple[int, str, dict[str, Any]]]] = torch_allocator_stats,
+        allocator_stats: Callable[[], list[tuple[int, str, dict[str, Any]]]] | None = None,
     ) -> None:
         self.collector = collector
-        self._allocator_stats = allocator_stats
+        # Looked up at call time, so the module-level reader can be swapped (tests, other frameworks).
+        self._allocator_stats = allocator_stats or (lambda: torch_allocator_stats())
         self._pid = os.getpid()
         spec = {m.name: m for m in names.GPU_METRICS}
         kinds = {

@@ -33,7 +33,13 @@ def prometheus_binary() -> str:
 
 class Prometheus:
     def __init__(
-        self, workdir: Path, targets: list[str], *, scrape_interval: str = "1s", job: str = "openlora"
+        self,
+        workdir: Path,
+        targets: list[str],
+        *,
+        scrape_interval: str = "1s",
+        job: str = "openlora",
+        rule_files: list[str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,7 +49,9 @@ class Prometheus:
             "global:\n"
             f"  scrape_interval: {scrape_interval}\n"
             f"  scrape_timeout: {scrape_interval}\n"
-            "scrape_configs:\n"
+            f"  evaluation_interval: {scrape_interval}\n"
+            + ("rule_files:\n" + "".join(f"  - {path}\n" for path in rule_files) if rule_files else "")
+            + "scrape_configs:\n"
             f"  - job_name: {job}\n"
             f"    static_configs:\n      - targets: [{target_list}]\n"
         )

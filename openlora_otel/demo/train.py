@@ -24,7 +24,7 @@ from openlora_otel.telemetry import Telemetry
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
-EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "requested": 1}
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class DemoResult:
     best_eval_loss: float
     last_train_loss: float | None
     tokens_per_s: float
-    interrupted: str | None  # "SIGINT" / "SIGTERM" when stopped early
+    interrupted: str | None  # "SIGINT" / "SIGTERM" / "requested" (stop_event) when stopped early
 
     @property
     def exit_code(self) -> int:
@@ -59,15 +59,22 @@ class DemoResult:
 
 
 class _Stop:
-    """Set by SIGINT/SIGTERM; the loop checks it once per step."""
+    """Set by SIGINT/SIGTERM (or the caller's event); the loop checks it once per step."""
 
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self.event = threading.Event()
+    def __init__(self, event: threading.Event | None = None) -> None:
+        self._signal: str | None = None
+        self.event = event or threading.Event()
 
     def __call__(self, signum: int, frame: Any) -> None:
-        self.signal = signal.Signals(signum).name
+        self._signal = signal.Signals(signum).name
         self.event.set()
+
+    @property
+    def signal(self) -> str | None:
+        """ "SIGINT" / "SIGTERM", "requested" when the caller's event was set, else None."""
+        if self._signal:
+            return self._signal
+        return "requested" if self.event.is_set() else None
 
 
 @contextmanager
@@ -200,9 +207,18 @@ def _evaluate(model: Any, data: _Data) -> float:
 
 
 def run_demo(
-    options: DemoOptions, telemetry: Telemetry, *, where: str, out: TextIO = sys.stderr
+    options: DemoOptions,
+    telemetry: Telemetry,
+    *,
+    where: str,
+    out: TextIO = sys.stderr,
+    stop_event: threading.Event | None = None,
 ) -> DemoResult:
-    """Fine-tune and report through ``telemetry``; returns the summary. Never raises on SIGINT/SIGTERM."""
+    """Fine-tune and report through ``telemetry``; returns the summary.
+
+    Stops at the next step on SIGINT/SIGTERM (when run on the main thread) or
+    when ``stop_event`` is set; never raises for either.
+    """
     torch, _, _ = _require()
     from openlora_otel.integrations._common import describe_lora
 
@@ -223,7 +239,7 @@ def run_demo(
         out.flush()
     first_eval = _evaluate(model, data)
     training.record_eval(loss=first_eval, perplexity=math.exp(first_eval))
-    stop = _Stop()
+    stop = _Stop(stop_event)
     with _signals(stop):
         if options.hf_trainer:
             result = _train_hf(options, telemetry, model, data, stop, where, out)

@@ -1,0 +1,486 @@
+"""Writes grafana/dashboards/openlora-training.json; tests check the committed file matches.
+
+Every query filters by the template variables (job, run, instance, gpu) and
+joins target_info on (job, instance) for the run id, which works the same on
+the pull path and through the collector. Where the paths name a series
+differently (hw.gpu.* gauges with unit 1 get _ratio through the collector), the
+query matches both names with a __name__ regex.
+
+    python grafana/build_dashboard.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "openlora-training.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+# The run filter: multiplying by target_info (value 1) keeps the value, keeps only the
+# selected run's processes, and adds the run id as a label for legends.
+RUN = ' * on (job, instance) group_left (openlora_run_id) target_info{openlora_run_id=~"$run"}'
+SEL = 'job=~"$job", instance=~"$instance"'
+GPU = f'{SEL}, hw_id=~"$gpu"'
+
+_ids = iter(range(1, 1000))
+
+
+def target(expr: str, legend: str, ref: str = "A", **extra: Any) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
+
+
+def panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict],
+    x: int,
+    y: int,
+    w: int,
+    h: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    for index, item in enumerate(targets):
+        item["refId"] = chr(ord("A") + index)
+    body: dict[str, Any] = {
+        "id": next(_ids),
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": targets,
+    }
+    if kind == "timeseries":
+        body["options"] = {
+            "legend": {"displayMode": "list", "placement": "bottom"},
+            "tooltip": {"mode": "multi"},
+        }
+    if kind == "stat":
+        body["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+        }
+    body.update(extra)
+    return body
+
+
+def row(title: str, y: int) -> dict[str, Any]:
+    return {
+        "id": next(_ids),
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+        "panels": [],
+    }
+
+
+def variable(name: str, label: str, query: str, *, include_all: bool = True) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-query"},
+        "definition": query,
+        "refresh": 2,
+        "includeAll": include_all,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def build() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    y = 0
+    panels.append(row("Run overview", y))
+    y += 1
+    stats = [
+        (
+            "Optimizer steps",
+            "Optimizer steps taken (openlora_training_steps_total).",
+            "short",
+            f"sum(openlora_training_steps_total{{{SEL}}}{RUN})",
+        ),
+        (
+            "Tokens",
+            "Training tokens processed (openlora_training_tokens_total).",
+            "short",
+            f"sum(openlora_training_tokens_total{{{SEL}}}{RUN})",
+        ),
+        (
+            "Loss",
+            "Mean training loss of the latest window, averaged over ranks (openlora_training_loss).",
+            "none",
+            f"avg(openlora_training_loss{{{SEL}}}{RUN})",
+        ),
+        (
+            "Tokens/s",
+            "Tokens per second over the latest window, summed over ranks (openlora_training_throughput_tokens_per_second).",
+            "short",
+            f"sum(openlora_training_throughput_tokens_per_second{{{SEL}}}{RUN})",
+        ),
+        (
+            "Non-finite losses",
+            "Steps whose loss was NaN or infinite (openlora_training_loss_nonfinite_total).",
+            "short",
+            f"sum(openlora_training_loss_nonfinite_total{{{SEL}}}{RUN})",
+        ),
+        (
+            "Trainable fraction",
+            "LoRA trainable parameters / all parameters (openlora_adapter_trainable_ratio).",
+            "percentunit",
+            f"max(openlora_adapter_trainable_ratio{{{SEL}}}{RUN})",
+        ),
+    ]
+    for index, (title, description, unit, expr) in enumerate(stats):
+        panels.append(
+            panel("stat", title, description, unit, [target(expr, title)], x=index * 4, y=y, w=4, h=4)
+        )
+    y += 4
+
+    panels.append(row("Training", y))
+    y += 1
+    legend = "{{instance}}"
+    panels += [
+        panel(
+            "timeseries",
+            "Loss and eval loss",
+            "Training loss, the mean over each collection window (openlora_training_loss), and the latest evaluation loss (openlora_training_eval_loss).",
+            "none",
+            [
+                target(f"openlora_training_loss{{{SEL}}}{RUN}", f"train {legend}"),
+                target(f"openlora_training_eval_loss{{{SEL}}}{RUN}", f"eval {legend}"),
+            ],
+            x=0,
+            y=y,
+            w=12,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Gradient norm",
+            "Mean gradient norm over each collection window (openlora_training_gradient_norm).",
+            "none",
+            [target(f"openlora_training_gradient_norm{{{SEL}}}{RUN}", legend)],
+            x=12,
+            y=y,
+            w=12,
+            h=8,
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "Learning rate",
+            "Learning rate of the latest step (openlora_training_learning_rate).",
+            "none",
+            [target(f"openlora_training_learning_rate{{{SEL}}}{RUN}", legend)],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Step time quantiles",
+            "p50 / p90 / p99 of the optimizer step's wall time, from the histogram openlora_training_step_duration_seconds.",
+            "s",
+            [
+                target(
+                    f"histogram_quantile({q}, sum by (le, job, instance) (rate(openlora_training_step_duration_seconds_bucket{{{SEL}}}[$__rate_interval])){RUN})",
+                    f"p{int(q * 100)} {legend}",
+                )
+                for q in (0.5, 0.9, 0.99)
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Throughput",
+            "Tokens and samples per second over each collection window (openlora_training_throughput_tokens_per_second, openlora_training_throughput_samples_per_second).",
+            "short",
+            [
+                target(f"openlora_training_throughput_tokens_per_second{{{SEL}}}{RUN}", f"tokens/s {legend}"),
+                target(
+                    f"openlora_training_throughput_samples_per_second{{{SEL}}}{RUN}", f"samples/s {legend}"
+                ),
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "Non-finite values",
+            "Steps with a NaN or infinite loss or gradient norm, per rate interval (openlora_training_loss_nonfinite_total, openlora_training_gradient_norm_nonfinite_total).",
+            "short",
+            [
+                target(
+                    f"increase(openlora_training_loss_nonfinite_total{{{SEL}}}[$__rate_interval]){RUN}",
+                    f"loss {legend}",
+                ),
+                target(
+                    f"increase(openlora_training_gradient_norm_nonfinite_total{{{SEL}}}[$__rate_interval]){RUN}",
+                    f"grad norm {legend}",
+                ),
+            ],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Steps per second",
+            "Optimizer steps per second (rate of openlora_training_steps_total) and the epoch (openlora_training_epoch).",
+            "short",
+            [
+                target(
+                    f"rate(openlora_training_steps_total{{{SEL}}}[$__rate_interval]){RUN}",
+                    f"steps/s {legend}",
+                ),
+                target(f"openlora_training_epoch{{{SEL}}}{RUN}", f"epoch {legend}"),
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "table",
+            "Adapter shape",
+            "The LoRA adapter: rank, alpha, dropout, targeted modules, trainable and total parameters (openlora_adapter_rank, openlora_adapter_alpha, openlora_adapter_dropout, openlora_adapter_target_modules, openlora_adapter_parameters_trainable, openlora_model_parameters).",
+            "short",
+            [
+                target(f"{name}{{{SEL}}}{RUN}", name.removeprefix("openlora_"), format="table", instant=True)
+                for name in (
+                    "openlora_adapter_rank",
+                    "openlora_adapter_alpha",
+                    "openlora_adapter_dropout",
+                    "openlora_adapter_target_modules",
+                    "openlora_adapter_parameters_trainable",
+                    "openlora_model_parameters",
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+            transformations=[{"id": "merge", "options": {}}],
+        ),
+    ]
+    y += 8
+
+    panels.append(row("GPU", y))
+    y += 1
+    gpu_legend = "{{instance}} {{hw_id}}"
+    panels += [
+        panel(
+            "timeseries",
+            "GPU utilization",
+            "Fraction of time each GPU was busy (hw.gpu.utilization, hw_gpu_task=general: hw_gpu_utilization pulled, hw_gpu_utilization_ratio through the collector).",
+            "percentunit",
+            [
+                target(
+                    f'{{__name__=~"hw_gpu_utilization(_ratio)?", hw_gpu_task="general", {GPU}}}{RUN}',
+                    gpu_legend,
+                )
+            ],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "GPU memory used vs limit",
+            "Memory in use and in total per GPU, all processes (hw_gpu_memory_usage_bytes, hw_gpu_memory_limit_bytes).",
+            "bytes",
+            [
+                target(f"hw_gpu_memory_usage_bytes{{{GPU}}}{RUN}", f"used {gpu_legend}"),
+                target(f"hw_gpu_memory_limit_bytes{{{GPU}}}{RUN}", f"limit {gpu_legend}"),
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "torch allocator",
+            "The caching allocator of this process: allocated, reserved and peak bytes (openlora_torch_memory_allocated_bytes, openlora_torch_memory_reserved_bytes, openlora_torch_memory_peak_bytes).",
+            "bytes",
+            [
+                target(f"openlora_torch_memory_allocated_bytes{{{GPU}}}{RUN}", f"allocated {gpu_legend}"),
+                target(f"openlora_torch_memory_reserved_bytes{{{GPU}}}{RUN}", f"reserved {gpu_legend}"),
+                target(f"openlora_torch_memory_peak_bytes{{{GPU}}}{RUN}", f"peak {gpu_legend}"),
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "Power and energy",
+            "Power draw per GPU (hw_power_watts) and average power from the energy counter (rate of hw_energy_joules_total).",
+            "watt",
+            [
+                target(f'hw_power_watts{{hw_type="gpu", {GPU}}}{RUN}', f"power {gpu_legend}"),
+                target(
+                    f'rate(hw_energy_joules_total{{hw_type="gpu", {GPU}}}[$__rate_interval]){RUN}',
+                    f"from energy {gpu_legend}",
+                ),
+            ],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Temperature",
+            "GPU core temperature (hw_temperature_celsius, hw_type=gpu).",
+            "celsius",
+            [target(f'hw_temperature_celsius{{hw_type="gpu", {GPU}}}{RUN}', gpu_legend)],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "ECC errors",
+            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu).",
+            "short",
+            [
+                target(
+                    f'increase(hw_errors_total{{hw_type="gpu", {GPU}}}[$__rate_interval]){RUN}',
+                    "{{error_type}} " + gpu_legend,
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "SM clock",
+            "Current SM clock per GPU (openlora_gpu_clock_sm_hertz).",
+            "hertz",
+            [target(f"openlora_gpu_clock_sm_hertz{{{GPU}}}{RUN}", gpu_legend)],
+            x=0,
+            y=y,
+            w=6,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Throttle reasons in effect",
+            "1 while the GPU clock is held down for the reason named in the legend (openlora_gpu_throttle, series equal to 1).",
+            "short",
+            [
+                target(
+                    f"openlora_gpu_throttle{{{GPU}}}{RUN} == 1",
+                    "{{openlora_gpu_throttle_reason}} " + gpu_legend,
+                )
+            ],
+            x=6,
+            y=y,
+            w=6,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "This process's GPU memory",
+            "GPU memory the driver accounts to the training process (openlora_process_gpu_memory_usage_bytes).",
+            "bytes",
+            [target(f"openlora_process_gpu_memory_usage_bytes{{{GPU}}}{RUN}", gpu_legend)],
+            x=12,
+            y=y,
+            w=6,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "NVML snapshot age",
+            "Age of the NVML snapshot behind the GPU values; above a second means NVML was slow and older values were served (openlora_gpu_snapshot_age_seconds).",
+            "s",
+            [target(f"openlora_gpu_snapshot_age_seconds{{{SEL}}}{RUN}", legend)],
+            x=18,
+            y=y,
+            w=6,
+            h=8,
+        ),
+    ]
+    templating = [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {"selected": True, "text": "Prometheus", "value": "openlora-prometheus"},
+            "hide": 0,
+        },
+        variable("job", "Job", "label_values(target_info, job)"),
+        variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
+        variable(
+            "instance",
+            "Rank / instance",
+            'label_values(target_info{job=~"$job", openlora_run_id=~"$run"}, instance)',
+        ),
+        variable(
+            "gpu", "GPU", 'label_values(hw_gpu_memory_limit_bytes{job=~"$job", instance=~"$instance"}, hw_id)'
+        ),
+    ]
+    return {
+        "uid": "openlora-training",
+        "title": "openlora-otel: training and GPUs",
+        "description": "LoRA fine-tuning runs reported by openlora-otel, on the pull path or through the OpenTelemetry Collector.",
+        "tags": ["openlora", "training", "gpu"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": False,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": templating},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    global _ids
+    _ids = iter(range(1, 1000))
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}")

@@ -1,0 +1,342 @@
+"""collector/ and grafana/: promtool checks, config consistency, dashboard checks, and every query on real data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from openlora_otel.config import TelemetryConfig
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
+
+ROOT = Path(__file__).resolve().parent.parent
+COLLECTOR = ROOT / "collector"
+DASHBOARD = ROOT / "grafana" / "dashboards" / "openlora-training.json"
+RULES = COLLECTOR / "rules" / "openlora.yml"
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("promtool")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
+        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+# -- promtool -------------------------------------------------------------------------------
+
+
+def test_promtool_check_config() -> None:
+    result = promtool("check", "config", "collector/prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
+
+
+def test_promtool_check_rules() -> None:
+    result = promtool("check", "rules", "collector/rules/openlora.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_test_rules_fire_and_stay_quiet() -> None:
+    result = promtool("test", "rules", "collector/rules/tests/openlora_test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def test_every_alert_has_severity_summary_description_runbook_and_tests() -> None:
+    readme = (ROOT / "README.md").read_text()
+    tests = yaml.safe_load((COLLECTOR / "rules" / "tests" / "openlora_test.yml").read_text())["tests"]
+    firing: dict[str, int] = {}
+    quiet: dict[str, int] = {}
+    for test in tests:
+        for case in test["alert_rule_test"]:
+            bucket = firing if case["exp_alerts"] else quiet
+            bucket[case["alertname"]] = bucket.get(case["alertname"], 0) + 1
+    for rule in rules():
+        name = rule["alert"]
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
+        assert f"### {name}" in readme and anchor == name.lower(), name
+        assert firing.get(name) and quiet.get(name), f"{name} needs a firing and a quiet test case"
+
+
+# -- the collector config against compose, Prometheus and setup_telemetry ----------------------
+
+
+def collector_config() -> dict:
+    return yaml.safe_load((COLLECTOR / "otelcol.yaml").read_text())
+
+
+def compose() -> dict:
+    return yaml.safe_load((COLLECTOR / "docker-compose.yml").read_text())
+
+
+def test_collector_pipeline_components_are_defined_and_used() -> None:
+    config = collector_config()
+    service = config["service"]
+    used: dict[str, set[str]] = {"receivers": set(), "processors": set(), "exporters": set()}
+    for pipeline in service["pipelines"].values():
+        for kind in used:
+            for name in pipeline.get(kind, []):
+                assert name in config[kind], f"{kind} {name} is used but not defined"
+                used[kind].add(name)
+    for kind, names in used.items():
+        assert set(config.get(kind, {})) == names, f"defined but unused {kind}: {set(config[kind]) - names}"
+    assert set(config.get("extensions", {})) == set(service.get("extensions", []))
+    # memory_limiter first, and with the check interval it needs to act.
+    assert service["pipelines"]["metrics"]["processors"][0] == "memory_limiter"
+    assert config["processors"]["memory_limiter"]["check_interval"]
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def test_collector_ports_match_compose_prometheus_and_the_sdk_default() -> None:
+    config = collector_config()
+    services = compose()["services"]
+    collector_service = next(name for name, s in services.items() if "opentelemetry-collector" in s["image"])
+    published = {int(p.split(":")[-1]): p for p in services[collector_service]["ports"]}
+    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert grpc.startswith("0.0.0.0:") and http.startswith("0.0.0.0:")  # reachable inside a container
+    assert _port(grpc) in published and _port(http) in published
+
+    # What setup_telemetry() sends by default with OTEL_METRICS_EXPORTER=otlp lands on the HTTP receiver.
+    default = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "otlp"}).otlp
+    assert default.protocol == "http/protobuf"
+    assert default.endpoint == f"http://localhost:{_port(http)}/v1/metrics"
+    assert published[_port(http)].startswith("127.0.0.1:")
+    grpc_default = TelemetryConfig.from_env(
+        {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    )
+    assert grpc_default.otlp.endpoint == f"http://localhost:{_port(grpc)}"
+
+    prometheus = yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]}
+    exporter_port = _port(config["exporters"]["prometheus"]["endpoint"])
+    assert targets["openlora-collector"] == [f"{collector_service}:{exporter_port}"]
+    self_port = config["service"]["telemetry"]["metrics"]["readers"][0]["pull"]["exporter"]["prometheus"][
+        "port"
+    ]
+    assert targets["openlora-collector-self"] == [f"{collector_service}:{self_port}"]
+    assert next(j for j in prometheus["scrape_configs"] if j["job_name"] == "openlora-collector")[
+        "honor_labels"
+    ]
+    # The pull path's target is the SDK's default Prometheus port on the host.
+    assert targets["openlora"] == [f"host.docker.internal:{TelemetryConfig().prometheus_port}"]
+
+
+def test_collector_version_is_pinned_and_stated() -> None:
+    image = next(
+        s["image"] for s in compose()["services"].values() if "opentelemetry-collector" in s["image"]
+    )
+    version = image.rsplit(":", 1)[1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    assert f"opentelemetry-collector-contrib:{version}" in (COLLECTOR / "otelcol.yaml").read_text()
+
+
+def test_compose_is_safe_and_references_existing_files() -> None:
+    text = (COLLECTOR / "docker-compose.yml").read_text()
+    services = compose()["services"]
+    assert set(services) >= {"otel-collector", "prometheus", "grafana"}
+    for name, service in services.items():
+        image, _, tag = service["image"].rpartition(":")
+        assert image and tag and tag != "latest", f"{name} image is not pinned"
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith((".", "/")):
+                assert (COLLECTOR / source).exists(), f"{name} mounts missing {source}"
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert password.startswith("${GRAFANA_ADMIN_PASSWORD:?"), (
+        "Grafana's password must come from the environment"
+    )
+    assert "admin" not in password.split(":?")[0].lower().replace("grafana_admin_password", "")
+    assert "host.docker.internal:host-gateway" in services["prometheus"].get("extra_hosts", [])
+    assert "GF_SECURITY_ADMIN_PASSWORD: admin" not in text
+
+
+# -- the dashboard ----------------------------------------------------------------------------
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels() -> list[dict]:
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def test_committed_dashboard_matches_its_generator() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_dashboard", ROOT / "grafana" / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert DASHBOARD.read_text() == module.render(), "run: python grafana/build_dashboard.py"
+
+
+def test_dashboard_structure() -> None:
+    board = dashboard()
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    assert "${DS_" not in DASHBOARD.read_text() and "__inputs" not in board
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
+    assert set(variables) >= {"datasource", "job", "run", "instance", "gpu"}
+    for panel in panels():
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["fieldConfig"]["defaults"].get("unit"), f"no unit: {panel['title']}"
+        assert panel.get("description"), f"no description: {panel['title']}"
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            expr = target["expr"]
+            if re.search(r"\b(rate|increase)\(", expr):
+                assert "[$__rate_interval]" in expr, expr
+            named = set(
+                re.findall(
+                    r"\b([a-z_]+(?:_total|_bytes|_seconds|_celsius|_watts|_joules|_hertz|_ratio|[a-z]))\{",
+                    expr,
+                )
+            )
+            for name in named - {"target_info"}:
+                assert name.replace("_bucket", "") in panel["description"] or name in panel["description"], (
+                    f"{panel['title']}: description does not name {name}"
+                )
+    provisioning = yaml.safe_load(
+        (ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )
+    assert provisioning["datasources"][0]["uid"] == variables["datasource"]["current"]["value"]
+
+
+KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS)} | {
+    spec.prometheus_collector for spec in GPU_METRICS
+}
+
+
+def _series_names(expr: str) -> set[str]:
+    names = set(re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr))
+    names |= {m.replace("(_ratio)?", "") for m in re.findall(r'__name__=~"([a-z_()?]+)"', expr)}
+    return names - {"target_info", "up"}
+
+
+def test_dashboard_and_rules_only_name_series_that_exist() -> None:
+    exprs = [t["expr"] for p in panels() for t in p["targets"]] + [r["expr"] for r in rules()]
+    for expr in exprs:
+        for name in _series_names(expr):
+            if name.startswith("otelcol_"):
+                continue  # the collector's own metrics
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert name in KNOWN or base in KNOWN, f"{name} in {expr!r} is not a metric openlora-otel exports"
+
+
+# -- every query against a real Prometheus that scraped a real demo run ----------------------------
+
+
+@pytest.mark.e2e
+def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from openlora_otel import gpu, nvml, setup_telemetry
+    from openlora_otel.demo.train import DemoOptions, run_demo
+    from tests.fake_nvml import FakeNvml, h100s
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    # GPU series from a fake NVML and allocator, so the GPU panels have data on a machine without one.
+    cards = h100s(1, processes={os.getpid(): 2 * 2**30})
+    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: FakeNvml(cards))
+    stats = {
+        "allocated_bytes.all.current": 10,
+        "reserved_bytes.all.current": 20,
+        "allocated_bytes.all.peak": 15,
+    }
+    monkeypatch.setattr(
+        gpu, "torch_allocator_stats", lambda: [(0, cards[0].uuid.removeprefix("GPU-"), stats)]
+    )
+    config = TelemetryConfig(
+        prometheus_host="127.0.0.1", prometheus_port=0, gpu_metrics="on", gpu_devices="all"
+    )
+    telemetry = setup_telemetry("openlora-demo", run_id="dash-run", config=config)
+    port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])
+
+    rules_dir = tmp_path / "rules"
+    rules_dir.mkdir()
+    shutil.copy(RULES, rules_dir / "openlora.yml")
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[str(rules_dir / "openlora.yml")])
+    done, stop = threading.Event(), threading.Event()
+    options = DemoOptions(steps=5000, eval_every=25, quiet=True)
+    trainer = threading.Thread(
+        target=lambda: (run_demo(options, telemetry, where="test", stop_event=stop), done.set())
+    )
+    trainer.start()
+    try:
+        assert prometheus.wait_for("openlora_training_steps_total > 30", timeout=120)
+        time.sleep(8)  # enough samples for 15 s rate windows while training goes on
+        assert not done.is_set(), "the run ended before the queries"
+        substitutions = {
+            "$__rate_interval": "15s",
+            "$job": ".*",
+            "$run": ".*",
+            "$instance": ".*",
+            "$gpu": ".*",
+        }
+
+        def substitute(expr: str) -> str:
+            for key, value in substitutions.items():
+                expr = expr.replace(key, value)
+            return expr
+
+        empty = []
+        for panel in panels():
+            for target in panel["targets"]:
+                expr = substitute(target["expr"])
+                if not prometheus.query(expr):
+                    empty.append(f"{panel['title']}: {expr}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+
+        for variable in dashboard()["templating"]["list"]:
+            if variable["type"] != "query":
+                continue
+            match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"])
+            assert match, variable["query"]
+            selector, label = substitute(match.group(1)), match.group(2)
+            url = f"{prometheus.url}/api/v1/label/{label}/values?" + urllib.parse.urlencode(
+                {"match[]": selector}
+            )
+            with urllib.request.urlopen(url, timeout=5) as response:
+                values = json.load(response)["data"]
+            assert values, f"variable {variable['name']} has no values"
+            if variable["name"] == "run":
+                assert "dash-run" in values
+
+        for rule in rules():
+            prometheus.query(rule["expr"])  # evaluates without error (healthy run: mostly empty)
+        with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=5) as response:
+            loaded = json.load(response)["data"]["groups"]
+        assert sum(len(group["rules"]) for group in loaded) == len(rules())
+        assert all(rule["health"] == "ok" for group in loaded for rule in group["rules"])
+    finally:
+        stop.set()
+        trainer.join(timeout=120)
+        prometheus.stop()
+        telemetry.shutdown()
