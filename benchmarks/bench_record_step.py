@@ -32,7 +32,8 @@ from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training import TrainingMetrics
 
 
-def prometheus_variant():
+def prometheus_variant(read_loss=lambda: 2.0, read_grad=lambda: 1.0):
+    """The seeds' recipe; ``read_*`` give the host values (``.item()`` calls in the tensor variant)."""
     registry = CollectorRegistry()
     loss = Gauge("openlora_training_loss", "loss", registry=registry)
     grad = Gauge("openlora_gradient_norm", "grad", registry=registry)
@@ -42,8 +43,8 @@ def prometheus_variant():
     duration = Histogram("openlora_step_seconds", "step", buckets=STEP_DURATION_BUCKETS, registry=registry)
 
     def step(i: int) -> None:
-        loss.set(2.0)
-        grad.set(1.0)
+        loss.set(read_loss())
+        grad.set(read_grad())
         lr.set(1e-4)
         tokens.inc(512)
         samples.inc(4)
@@ -92,25 +93,8 @@ def prometheus_tensor_variant():
     """The seeds' recipe when loss and grad norm are tensors: ``.item()`` each (a device sync on a GPU)."""
     import torch
 
-    collect = prometheus_variant()[1]
-    registry = CollectorRegistry()
-    loss_gauge = Gauge("loss", "loss", registry=registry)
-    grad_gauge = Gauge("grad", "grad", registry=registry)
-    lr = Gauge("lr", "lr", registry=registry)
-    tokens = Counter("tokens", "tokens", registry=registry)
-    samples = Counter("samples", "samples", registry=registry)
-    duration = Histogram("step_seconds", "step", buckets=STEP_DURATION_BUCKETS, registry=registry)
     loss, grad = torch.tensor(2.0), torch.tensor(1.0)
-
-    def step(i: int) -> None:
-        loss_gauge.set(loss.item())
-        grad_gauge.set(grad.item())
-        lr.set(1e-4)
-        tokens.inc(512)
-        samples.inc(4)
-        duration.observe(0.1)
-
-    return step, collect
+    return prometheus_variant(loss.item, grad.item)
 
 
 def openlora_tensor_variant():

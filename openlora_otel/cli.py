@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
@@ -49,44 +50,28 @@ def seeds_markdown() -> str:
     return "\n".join(rows)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+def _number(kind: type, *, allow_zero: bool) -> Callable[[str], Any]:
+    """An argparse type: a finite ``kind`` (int or float) > 0, or >= 0 with ``allow_zero``."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} {bound}, got {text!r}"
+            ) from None
+        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive_int = _number(int, allow_zero=False)
+_non_negative_int = _number(int, allow_zero=True)
+_positive_float = _number(float, allow_zero=False)
+_non_negative_float = _number(float, allow_zero=True)
 
 
 def _build_parser() -> argparse.ArgumentParser:

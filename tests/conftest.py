@@ -63,6 +63,23 @@ def points(data: MetricsData | None, name: str) -> list:
     return found
 
 
+def value(data: MetricsData | None, name: str, **attributes: object) -> float | None:
+    """The value of the one point of ``name`` whose attributes are exactly ``attributes`` (None if absent)."""
+    found = [p for p in points(data, name) if dict(p.attributes) == attributes]
+    return found[0].value if found else None
+
+
+def served_series(url: str) -> set[str]:
+    """Names of the series a Prometheus /metrics endpoint serves right now."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = response.read().decode()
+    return {
+        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")
+    }
+
+
 @pytest.fixture
 def memory_reader() -> InMemoryMetricReader:
     return InMemoryMetricReader()

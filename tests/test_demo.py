@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.demo.train import DemoOptions, run_demo
-from tests.conftest import free_port, points
+from tests.conftest import free_port, value
 from tests.otlp_receiver import HttpReceiver
 from tests.prometheus_server import Prometheus, prometheus_binary
 
@@ -138,11 +138,6 @@ def test_missing_peft_names_the_extra(monkeypatch, capsys) -> None:
     monkeypatch.setattr(_deps, "is_installed", lambda name: False if name == "peft" else real(name))
     assert main(["demo", "--steps", "1", "--exporter", "none"]) == 2
     assert "openlora-otel[demo]" in capsys.readouterr().err
-
-
-def value(data, name: str):
-    found = points(data, name)
-    return found[0].value if found else None
 
 
 @pytest.mark.parametrize("hf_trainer", [False, True])

@@ -14,7 +14,7 @@ from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, 
 from openlora_otel.gpu import THROTTLE_REASONS, GpuCollector, GpuMetrics
 from openlora_otel.names import GPU_METRICS
 from openlora_otel.nvml import GpuError, GpuNotSupported, PynvmlBackend
-from tests.conftest import points
+from tests.conftest import points, served_series
 from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
 
 PER_DEVICE_QUERIES = len(GpuCollector._QUERIES)
@@ -363,18 +363,12 @@ def test_gpu_off_does_not_touch_nvml(fake_backend: FakeNvml) -> None:
 
 
 def test_pull_endpoint_serves_the_documented_gpu_names(fake_backend: FakeNvml) -> None:
-    import urllib.request
-
     config = TelemetryConfig(
         prometheus_host="127.0.0.1", prometheus_port=0, gpu_metrics="on", gpu_devices="all"
     )
     telemetry = setup_telemetry(config=config)
-    with urllib.request.urlopen(telemetry.prometheus_url, timeout=5) as response:
-        body = response.read().decode()
+    served = served_series(telemetry.prometheus_url)
     telemetry.shutdown()
-    served = {
-        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")
-    }
     for spec in GPU_METRICS:
         if spec.name.startswith("openlora.torch.") or spec.name == "openlora.process.gpu.memory.usage":
             continue  # need CUDA in this process / this PID on the GPU

@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.integrations.hf import TelemetryCallback
-from tests.conftest import points
+from tests.conftest import points, value
 from tests.tiny_lm import CountingCorpus, tiny_llama, with_lora
 
 
@@ -27,11 +27,6 @@ class LogKeeper(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.logs.append(dict(logs or {}))
-
-
-def value(data, name: str, **attributes):
-    found = [p for p in points(data, name) if dict(p.attributes) == attributes]
-    return found[0].value if found else None
 
 
 def test_trainer_metrics_match_what_the_trainer_logged(tmp_path, memory_reader: InMemoryMetricReader) -> None:

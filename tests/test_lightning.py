@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.integrations.lightning import TelemetryCallback  # noqa: E402
-from tests.conftest import points  # noqa: E402
+from tests.conftest import points, value  # noqa: E402
 from tests.test_training_torch import HOST_READS  # noqa: E402
 from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
 
@@ -41,11 +41,6 @@ class LoraModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
-def value(data, name: str):
-    found = points(data, name)
-    return found[0].value if found else None
 
 
 def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS, prometheus_name
+from tests.conftest import served_series
 
 ALL = (*TRAINING_METRICS, *ADAPTER_METRICS)
 
@@ -55,12 +54,8 @@ def test_pull_endpoint_serves_exactly_the_documented_names() -> None:
     training.record_epoch(1)
     training.record_eval(loss=1.0, accuracy=0.5)
     training.set_adapter(r=8, alpha=16, dropout=0.1, target_modules=2, trainable_params=1, total_params=10)
-    with urllib.request.urlopen(telemetry.prometheus_url, timeout=5) as response:
-        body = response.read().decode()
+    served = served_series(telemetry.prometheus_url)
     telemetry.shutdown()
-    served = {
-        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")
-    }
     for spec in ALL:
         expected = spec.prometheus + ("_count" if spec.kind == "histogram" else "")
         assert expected in served, (spec.name, expected, sorted(served))

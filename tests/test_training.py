@@ -13,7 +13,7 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import training as training_module
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 from openlora_otel.training import TrainingMetrics
-from tests.conftest import points
+from tests.conftest import points, value
 
 
 class FakeClock:
@@ -42,11 +42,6 @@ def setup(memory_reader: InMemoryMetricReader):
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     yield telemetry.training, memory_reader
     telemetry.shutdown()
-
-
-def value(reader_data, name: str, **attributes: str) -> float | None:
-    found = [p for p in points(reader_data, name) if dict(p.attributes) == attributes]
-    return found[0].value if found else None
 
 
 def test_every_documented_instrument_is_exported(setup) -> None:

@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExpor
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
-from tests.conftest import points  # noqa: E402
+from tests.conftest import value  # noqa: E402
 from tests.test_fork import PidFileExporter, exporter_pids  # noqa: E402
 
 HOST_READS = {"item", "__float__", "__int__", "__index__", "__bool__", "cpu", "tolist", "numpy"}
@@ -48,11 +48,6 @@ def setup(memory_reader: InMemoryMetricReader):
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     yield telemetry.training, memory_reader
     telemetry.shutdown()
-
-
-def value(data, name: str) -> float | None:
-    found = points(data, name)
-    return found[0].value if found else None
 
 
 def test_tensors_are_never_read_on_the_step_path(setup) -> None:
