@@ -111,7 +111,7 @@ def test_sigint_mid_training_stops_at_the_next_step_and_flushes() -> None:
     ("args", "message"),
     [
         (["--steps", "-3"], "argument --steps: must be > 0"),
-        (["--steps", "ten"], "argument --steps: expected a positive integer"),
+        (["--steps", "ten"], "argument --steps: expected an integer > 0"),
         (["--lr", "0"], "argument --lr: must be > 0"),
         (["--batch-size", "0"], "argument --batch-size: must be > 0"),
         (["--eval-every", "-1"], "argument --eval-every: must be >= 0"),
