@@ -48,7 +48,7 @@ def run_doctor(
     for line in describe_config(config):
         out("  " + line)
     out("")
-    checks = [*check_exporters(config, timeout_s=timeout_s), *check_packages(config)]
+    checks = [*check_exporters(config, timeout_s=timeout_s), check_gpu(config), *check_packages(config)]
     for check in checks:
         mark = {True: " ok ", False: "FAIL", None: "info"}[check.ok]
         out(f"  [{mark}] {check.name}: {check.detail}")
@@ -104,6 +104,39 @@ def check_exporters(config: TelemetryConfig, *, timeout_s: float) -> list[Check]
     if "console" in exporters:
         checks.append(Check("console", None, "metrics are printed to standard output every export interval"))
     return checks
+
+
+def check_gpu(config: TelemetryConfig) -> Check:
+    """Whether NVML starts, and what OPENLORA_GPU_METRICS will do about it."""
+    from openlora_otel import nvml
+
+    name = "gpu metrics"
+    if config.gpu_metrics == "off":
+        return Check(name, None, "OPENLORA_GPU_METRICS=off")
+    needed = config.gpu_metrics == "on"
+    try:
+        backend = nvml.load_pynvml_backend()
+    except ImportError:
+        detail = "nvidia-ml-py is not installed, so no GPU metrics"
+        return Check(
+            name, False if needed else None, detail, "pip install 'openlora-otel[gpu]'" if needed else ""
+        )
+    try:
+        backend.init()
+    except nvml.GpuError as exc:
+        fix = "install the NVIDIA driver, or set OPENLORA_GPU_METRICS=auto or off" if needed else ""
+        return Check(name, False if needed else None, f"NVML does not start ({exc}), so no GPU metrics", fix)
+    try:
+        count, driver = backend.device_count(), backend.driver_version()
+    except nvml.GpuError as exc:
+        return Check(
+            name, False, f"NVML started but cannot list GPUs ({exc})", "check the driver with nvidia-smi"
+        )
+    finally:
+        backend.shutdown()
+    return Check(
+        name, True, f"NVML works: {count} GPU(s), driver {driver}; reporting {config.gpu_devices!r} devices"
+    )
 
 
 def check_packages(config: TelemetryConfig) -> list[Check]:

@@ -124,3 +124,22 @@ def test_module_entry_point_and_help() -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "--timeout must be > 0" in bad.stderr
+
+
+def test_gpu_check_with_and_without_nvml(monkeypatch) -> None:
+    from openlora_otel import nvml
+    from tests.fake_nvml import FakeNvml, h100s
+
+    fake = FakeNvml(h100s(2))
+    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: fake)
+    code, text = doctor({"OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "on"})
+    assert code == 0 and "NVML works: 2 GPU(s), driver 550.54.15" in text
+    fake.init_error = "Driver Not Loaded"
+    code, text = doctor({"OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "on"})
+    assert (
+        code == 1
+        and "NVML does not start (Driver Not Loaded)" in text
+        and "OPENLORA_GPU_METRICS=auto" in text
+    )
+    code, text = doctor({"OTEL_METRICS_EXPORTER": "none"})  # auto: information, not a failure
+    assert code == 0 and "[info] gpu metrics: NVML does not start" in text
