@@ -157,7 +157,9 @@ class Telemetry:
         """
         if self._closed or not self.enabled:
             return not self._closed
-        timeout = self._config.shutdown_timeout_s if timeout_s is None else timeout_s
+        return self._flush(self._config.shutdown_timeout_s if timeout_s is None else timeout_s)
+
+    def _flush(self, timeout: float) -> bool:
         flush = getattr(self._meter_provider, "force_flush", None)
         if flush is None:
             return True
@@ -182,9 +184,7 @@ class Telemetry:
             ok = _run_bounded(lambda: provider.shutdown(timeout_millis=timeout * 1000), timeout, "shutdown")
         elif self.enabled:
             # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
-            flush = getattr(self._meter_provider, "force_flush", None)
-            if flush is not None:
-                ok = _run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
+            ok = self._flush(timeout)
         if self._training is not None:
             # After the final collect above, so the last window was exported.
             self._training.close()

@@ -544,10 +544,11 @@ def _fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
 
 
 def _fold_partials(partials: list[Any], torch: Any) -> list[Any]:
+    """Combine partial results into one per device."""
     groups: dict[Any, list[Any]] = {}
     for partial in partials:
         groups.setdefault(partial.device, []).append(partial)
-    return [_combine(group, torch) for group in groups.values()]
+    return [group[0] if len(group) == 1 else _combine(group, torch) for group in groups.values()]
 
 
 def _fold(tensors: list[Any], torch: Any) -> Any:
@@ -576,20 +577,14 @@ def _combine(partials: list[Any], torch: Any) -> Any:
 
 
 def _start_readback(series: _Series, torch: Any) -> Any:
-    """Reduce a series' tensors per device and start copying the result to the host."""
-    by_device: dict[Any, list[Any]] = {}
-    for partial in series.partials:
-        by_device.setdefault(partial.device, []).append(partial)
-    groups: dict[Any, list[Any]] = {}
-    for tensor in series.deferred:
-        groups.setdefault(tensor.device, []).append(tensor)
-    for device, tensors in groups.items():
-        by_device.setdefault(device, []).append(_fold(tensors, torch))
-    handles = []
-    for device, partials in by_device.items():
-        combined = _combine(partials, torch) if len(partials) > 1 else partials[0]
-        handles.append(_DeviceRead.start(combined, torch) if device.type != "cpu" else _HostRead(combined))
-    return handles
+    """Reduce a series' tensors to one partial per device and start copying each to the host."""
+    partials = list(series.partials)
+    if series.deferred:
+        partials += _fold_by_device(series.deferred, torch)
+    return [
+        _DeviceRead.start(partial, torch) if partial.device.type != "cpu" else _HostRead(partial)
+        for partial in _fold_partials(partials, torch)
+    ]
 
 
 class _HostRead:
