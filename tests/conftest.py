@@ -43,6 +43,13 @@ def _reset() -> None:
     telemetry_module._global_owner = None
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without our variables, plus ``extra``: for subprocesses under test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_OWN_PREFIXES)}
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -20,16 +19,15 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.demo.train import DemoOptions, run_demo
-from tests.conftest import free_port, value
+from tests.conftest import child_env, free_port, value
 from tests.otlp_receiver import HttpReceiver
 from tests.prometheus_server import Prometheus, prometheus_binary
 
 
 def demo_process(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
     return subprocess.Popen(
         [sys.executable, "-m", "openlora_otel", "demo", *args],
-        env={**clean, **env},
+        env=child_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

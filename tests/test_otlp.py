@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import free_port
+from tests.conftest import child_env, free_port
 from tests.otlp_receiver import GrpcReceiver, HangingEndpoint, HttpReceiver, Receiver
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
@@ -170,12 +170,10 @@ print("recorded", flush=True)
 
 
 def _run_exit_script(env_extra: dict[str, str]) -> tuple[float, str]:
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
-    env.update(env_extra)
+    env = child_env(**env_extra)
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=60

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from openlora_otel.cli import variables_markdown
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -48,8 +48,7 @@ def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
     assert command.index("torch==2.13.0") < command.index('-e ".[demo')
     assert re.search(r"openlora-otel demo\b", command)
     # The same entry point, briefly (the full run is tests/test_demo.py).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
-    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0"
+    env = child_env(OTEL_EXPORTER_PROMETHEUS_PORT="0")
     result = subprocess.run(
         [sys.executable, "-m", "openlora_otel", "demo", "--steps", "3", "--eval-every", "0"],
         env=env,
@@ -63,8 +62,7 @@ def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
 
 
 def test_quickstart_example_runs_and_serves() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
-    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = "0"
+    env = child_env(OTEL_EXPORTER_PROMETHEUS_PORT="0")
     script = ROOT / "examples" / "quickstart.py"
     result = subprocess.run(
         [sys.executable, str(script), "--steps", "5", "--step-time", "0"],
