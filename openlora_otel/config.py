@@ -14,18 +14,25 @@ gRPC), and ``OTEL_METRICS_EXPORTER`` is honoured without
 own environment parsing never decides anything.
 
 Invalid values raise :class:`ConfigError`, which names the variable, the value
-and what is accepted.
+and what is accepted. Durations and numbers are read as ASCII decimal digits
+only (no exponent, underscore, sign or ``nan``), within documented ranges, so a
+value that would stall or kill a thread later is refused here. Credentials (URL
+``user:password@`` and header values) never appear in an error or a repr.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import SplitResult, unquote, urlsplit
+
+from openlora_otel.redaction import REDACTED, redact, redact_url, secret_forms, url_secrets
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -48,22 +55,56 @@ GPU_DEVICE_MODES = ("process", "all")
 
 Protocol = Literal["http/protobuf", "grpc"]
 
+# Accepted ranges, in milliseconds. Below the minimum an interval spins a core or
+# an export cannot finish; above the maximum the SDK's waits overflow or the
+# value cannot be meant (a day between pushes, ten minutes to shut down).
+EXPORT_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
+EXPORT_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
+OTLP_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
+SHUTDOWN_TIMEOUT_RANGE_MS = (1.0, 600_000.0)
+GPU_TIMEOUT_RANGE_MS = (1.0, 60_000.0)
+# Ranks are exported as integers: keep them far inside int64.
+MAX_RANK = 2**31 - 1
+
+
+def _ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
+    """``100 to 86400000 (1 day)``: an accepted range as the README table and errors say it."""
+    low, high = bounds
+    human = {86_400_000: "1 day", 600_000: "10 min", 60_000: "1 min"}.get(int(high), f"{high / 1000:g} s")
+    return f"{low * scale:.15g} to {high * scale:.15g} ({human})"
+
+
+def _ms_accepted(bounds: tuple[float, float]) -> str:
+    return f"a number of milliseconds from {_ms_range(bounds)}, in ASCII digits"
+
+
+_MAX_SHOWN = 200
+
 
 class ConfigError(ValueError):
     """A configuration value that openlora-otel cannot use.
 
     ``variable`` is the environment variable (or argument) at fault, ``value``
     what it held and ``accepted`` a short description of valid values.
+    ``scheme://user:password@`` credentials are redacted, in the message and in
+    ``value`` alike; callers pass header values and scheme-less endpoints
+    already redacted (only they know which part is secret).
     """
 
     def __init__(self, variable: str, value: object, accepted: str, detail: str = "") -> None:
+        if isinstance(value, str):
+            value = redact(value)
         self.variable = variable
         self.value = value
         self.accepted = accepted
-        message = f"{variable}={value!r} is not valid: expected {accepted}"
+        shown = repr(value)
+        if len(shown) > _MAX_SHOWN:  # a 100k-character host should not make a 100k-character error
+            shown = f"{shown[: _MAX_SHOWN // 2]}...{shown[-16:]} ({len(str(value))} characters)"
+        message = f"{variable}={shown} is not valid: expected {accepted}"
         if detail:
-            message += f" ({detail})"
-        super().__init__(message)
+            detail = redact(detail)  # before cutting, so a cut never splits a credential out of view
+            message += f" ({detail if len(detail) <= _MAX_SHOWN else detail[:_MAX_SHOWN] + '...'})"
+        super().__init__(redact(message))
 
 
 @dataclass(frozen=True)
@@ -97,7 +138,9 @@ VARIABLES: tuple[Variable, ...] = (
         "Comma list of `prometheus`, `otlp`, `console`, or `none` alone.",
     ),
     Variable(
-        "OTEL_EXPORTER_PROMETHEUS_HOST", "localhost", "Address the Prometheus `/metrics` endpoint binds to."
+        "OTEL_EXPORTER_PROMETHEUS_HOST",
+        "localhost",
+        "Address the Prometheus `/metrics` endpoint binds to: a host name (at most 253 characters) or an IP address.",
     ),
     Variable(
         "OTEL_EXPORTER_PROMETHEUS_PORT",
@@ -107,7 +150,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         "http://localhost:4318 (http/protobuf), http://localhost:4317 (grpc)",
-        "Base OTLP endpoint; `/v1/metrics` is appended for http/protobuf.",
+        "Base OTLP endpoint; `/v1/metrics` is appended for http/protobuf. Validated even when the per-signal one wins.",
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
@@ -127,7 +170,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_HEADERS",
         "(empty)",
-        "Headers sent with every export, `key=value,...`, values percent-encoded.",
+        "Headers sent with every export, `key=value,...`, values percent-encoded; names are HTTP tokens, decoded values printable ASCII (a control character such as an encoded CR/LF is refused). Values are never printed.",
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
@@ -137,7 +180,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_TIMEOUT",
         "10000",
-        "Time limit of one OTLP export with its retries, in milliseconds (as the spec says; the Python SDK alone reads seconds); capped at `OTEL_METRIC_EXPORT_INTERVAL`.",
+        "Time limit of one OTLP export with its retries, in milliseconds (as the spec says; the Python SDK alone reads seconds), "
+        + _ms_range(OTLP_TIMEOUT_RANGE_MS)
+        + "; capped at `OTEL_METRIC_EXPORT_INTERVAL`.",
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "(unset)", "Per-signal export time limit in milliseconds."
@@ -178,9 +223,15 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_METRIC_EXPORT_INTERVAL",
         "60000",
-        "Milliseconds between pushes for `otlp` and `console` (pull is scrape-driven).",
+        "Milliseconds between pushes for `otlp` and `console` (pull is scrape-driven), "
+        + _ms_range(EXPORT_INTERVAL_RANGE_MS)
+        + ".",
     ),
-    Variable("OTEL_METRIC_EXPORT_TIMEOUT", "30000", "Milliseconds allowed for one collect-and-export cycle."),
+    Variable(
+        "OTEL_METRIC_EXPORT_TIMEOUT",
+        "30000",
+        "Milliseconds allowed for one collect-and-export cycle, " + _ms_range(EXPORT_TIMEOUT_RANGE_MS) + ".",
+    ),
     Variable(
         "OPENLORA_RUN_ID",
         "`TORCHELASTIC_RUN_ID`, else a random id",
@@ -189,7 +240,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_SHUTDOWN_TIMEOUT",
         "2000",
-        "Milliseconds `shutdown()` may take, final export included; it returns after that even if the endpoint hangs.",
+        "Milliseconds `shutdown()` may take, final export included, "
+        + _ms_range(SHUTDOWN_TIMEOUT_RANGE_MS)
+        + "; it returns after that even if the endpoint hangs.",
     ),
     Variable(
         "OPENLORA_PROMETHEUS_PORT_OFFSET",
@@ -209,7 +262,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_GPU_TIMEOUT",
         "1000",
-        "Milliseconds one NVML snapshot may take; past that the collection serves the last good one (up to 60 s old) and says how old.",
+        "Milliseconds one NVML snapshot may take, "
+        + _ms_range(GPU_TIMEOUT_RANGE_MS)
+        + "; past that the collection serves the last good one (up to 60 s old) and says how old.",
     ),
     Variable(
         "CUDA_VISIBLE_DEVICES",
@@ -222,11 +277,21 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK",
         "(set by torchrun)",
-        "Copied into the Resource as `openlora.rank`, `openlora.local_rank`, `openlora.world_size`, `openlora.group_rank`.",
+        f"Integers from 0 to {MAX_RANK}, copied into the Resource as `openlora.rank`, `openlora.local_rank`, `openlora.world_size`, `openlora.group_rank`.",
     ),
 )
 
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_DIGITS_RE = re.compile(r"[0-9]+")
+_DECIMAL_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+_HEADERS_ACCEPTED = (
+    "headers as `key=value` pairs separated by commas, values percent-encoded; "
+    "names are HTTP tokens, decoded values printable ASCII"
+)
+_HOST_ACCEPTED = "a host name (at most 253 characters, labels of letters, digits, `-`, `_`) or an IP address"
+_HTTP_SCHEMES = ("http", "https")
+_ANY_SCHEME = ("", "http", "https")
+_T = TypeVar("_T")
 _RANK_VARIABLES = (
     ("RANK", "openlora.rank"),
     ("LOCAL_RANK", "openlora.local_rank"),
@@ -251,19 +316,45 @@ class OTLPConfig:
     temporality: Literal["cumulative", "delta", "lowmemory"] = "cumulative"
     endpoint_variable: str = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
+    def __post_init__(self) -> None:
+        # The same rules as from_env, for configs built in code: a bad value fails
+        # here, not as an export error (that could echo it) on every interval.
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError("otlp.protocol", self.protocol, _choices(PROTOCOLS))
+        _check_endpoint(
+            "otlp.endpoint", self.endpoint, schemes=_HTTP_SCHEMES if self.protocol != "grpc" else _ANY_SCHEME
+        )
+        for name, value in self.headers:
+            problem = _header_problem(name, value)
+            if problem:
+                raise ConfigError("otlp.headers", dict(self.redacted_headers()), _HEADERS_ACCEPTED, problem)
+        if not _in_range(self.timeout_s, _seconds(OTLP_TIMEOUT_RANGE_MS)):
+            raise ConfigError("otlp.timeout_s", self.timeout_s, _s_accepted(OTLP_TIMEOUT_RANGE_MS))
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError("otlp.compression", self.compression, _choices(COMPRESSIONS))
+        if self.temporality not in TEMPORALITIES:
+            raise ConfigError("otlp.temporality", self.temporality, _choices(TEMPORALITIES))
+
+    def __repr__(self) -> str:
+        # print(config) must not show credentials: endpoint and headers redacted.
+        shown = {"endpoint": self.redacted_endpoint(), "headers": self.redacted_headers()}
+        fields = (f"{f.name}={shown.get(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
+        return f"OTLPConfig({', '.join(fields)})"
+
     def redacted_headers(self) -> tuple[tuple[str, str], ...]:
         """Headers with values hidden, for printing (header values are usually secrets)."""
-        return tuple((k, "<redacted>") for k, _ in self.headers)
+        return tuple((k, REDACTED) for k, _ in self.headers)
 
     def redacted_endpoint(self) -> str:
         """The endpoint with any ``user:password@`` part hidden."""
-        parts = urlsplit(self.endpoint)
-        if parts.username or parts.password:
-            host = parts.hostname or ""
-            if parts.port:
-                host = f"{host}:{parts.port}"
-            return parts._replace(netloc=f"<redacted>@{host}").geturl()
-        return self.endpoint
+        return redact_url(self.endpoint)
+
+    def secrets(self) -> frozenset[str]:
+        """This config's credentials (URL user info, header values) in every form redaction scrubs."""
+        found = set(url_secrets(self.endpoint))
+        for _, value in self.headers:
+            found |= secret_forms(value)
+        return frozenset(found)
 
 
 @dataclass(frozen=True)
@@ -298,22 +389,32 @@ class TelemetryConfig:
                 raise ConfigError("exporters", self.exporters, _choices(EXPORTERS))
         if "none" in self.exporters and len(self.exporters) > 1:
             raise ConfigError("exporters", self.exporters, "`none` alone, or a list without `none`")
-        if not 0 <= self.prometheus_port <= 65535:
+        if not (isinstance(self.prometheus_port, int) and _in_range(self.prometheus_port, (0, 65535))):
             raise ConfigError("prometheus_port", self.prometheus_port, "an integer from 0 to 65535")
-        if self.export_interval_ms <= 0:
-            raise ConfigError("export_interval_ms", self.export_interval_ms, "a number > 0")
-        if self.export_timeout_ms <= 0:
-            raise ConfigError("export_timeout_ms", self.export_timeout_ms, "a number > 0")
-        if self.shutdown_timeout_s <= 0:
-            raise ConfigError("shutdown_timeout_s", self.shutdown_timeout_s, "a number of seconds > 0")
+        host_problem = _host_problem(self.prometheus_host)
+        if host_problem:
+            raise ConfigError("prometheus_host", self.prometheus_host, _HOST_ACCEPTED, host_problem)
+        # nan, inf and huge values pass a "> 0" test and then stall or kill a thread.
+        if not _in_range(self.export_interval_ms, EXPORT_INTERVAL_RANGE_MS):
+            raise ConfigError(
+                "export_interval_ms", self.export_interval_ms, _ms_accepted(EXPORT_INTERVAL_RANGE_MS)
+            )
+        if not _in_range(self.export_timeout_ms, EXPORT_TIMEOUT_RANGE_MS):
+            raise ConfigError(
+                "export_timeout_ms", self.export_timeout_ms, _ms_accepted(EXPORT_TIMEOUT_RANGE_MS)
+            )
+        if not _in_range(self.shutdown_timeout_s, _seconds(SHUTDOWN_TIMEOUT_RANGE_MS)):
+            raise ConfigError(
+                "shutdown_timeout_s", self.shutdown_timeout_s, _s_accepted(SHUTDOWN_TIMEOUT_RANGE_MS)
+            )
         if not self.service_name:
             raise ConfigError("service_name", self.service_name, "a non-empty string")
         if self.gpu_metrics not in GPU_MODES:
             raise ConfigError("gpu_metrics", self.gpu_metrics, _choices(GPU_MODES))
         if self.gpu_devices not in GPU_DEVICE_MODES:
             raise ConfigError("gpu_devices", self.gpu_devices, _choices(GPU_DEVICE_MODES))
-        if self.gpu_timeout_s <= 0:
-            raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, "a number of seconds > 0")
+        if not _in_range(self.gpu_timeout_s, _seconds(GPU_TIMEOUT_RANGE_MS)):
+            raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, _s_accepted(GPU_TIMEOUT_RANGE_MS))
 
     @property
     def enabled_exporters(self) -> tuple[str, ...]:
@@ -341,13 +442,16 @@ class TelemetryConfig:
         resource_attributes.pop("service.name", None)
 
         for variable, attribute in _RANK_VARIABLES:
-            value = env.integer(variable, minimum=0)
+            value = env.integer(variable, minimum=0, maximum=MAX_RANK)
             if value is not None:
                 resource_attributes.setdefault(attribute, value)
 
         exporters = env.exporters("OTEL_METRICS_EXPORTER")
 
         prometheus_host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or "localhost"
+        host_problem = _host_problem(prometheus_host)
+        if host_problem:
+            raise ConfigError("OTEL_EXPORTER_PROMETHEUS_HOST", prometheus_host, _HOST_ACCEPTED, host_problem)
         prometheus_port = env.integer("OTEL_EXPORTER_PROMETHEUS_PORT", minimum=0, maximum=65535)
         if prometheus_port is None:
             prometheus_port = 9464
@@ -367,16 +471,16 @@ class TelemetryConfig:
                     port_variable, prometheus_port, "a port of at most 65535 after adding LOCAL_RANK"
                 )
 
-        export_interval = env.milliseconds("OTEL_METRIC_EXPORT_INTERVAL")
-        export_timeout = env.milliseconds("OTEL_METRIC_EXPORT_TIMEOUT")
-        shutdown_timeout = env.milliseconds("OPENLORA_SHUTDOWN_TIMEOUT")
+        export_interval = env.milliseconds("OTEL_METRIC_EXPORT_INTERVAL", bounds=EXPORT_INTERVAL_RANGE_MS)
+        export_timeout = env.milliseconds("OTEL_METRIC_EXPORT_TIMEOUT", bounds=EXPORT_TIMEOUT_RANGE_MS)
+        shutdown_timeout = env.milliseconds("OPENLORA_SHUTDOWN_TIMEOUT", bounds=SHUTDOWN_TIMEOUT_RANGE_MS)
 
         run_id = env.get("OPENLORA_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None
         # torchrun sets TORCHELASTIC_RUN_ID=none when no rendezvous id was given.
         if run_id == "none" and not env.get("OPENLORA_RUN_ID"):
             run_id = None
 
-        gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT")
+        gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT", bounds=GPU_TIMEOUT_RANGE_MS)
         visible = env.get("CUDA_VISIBLE_DEVICES") if "CUDA_VISIBLE_DEVICES" in env else None
 
         # Validated whether or not `otlp` is selected: a bad value is caught now,
@@ -407,6 +511,23 @@ def _choices(values: tuple[str, ...]) -> str:
     return "one of " + ", ".join(f"`{v}`" for v in values)
 
 
+def _in_range(value: object, bounds: tuple[float, float]) -> bool:
+    """A real number (not a bool), finite, within ``bounds`` inclusive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return bounds[0] <= value <= bounds[1]
+
+
+def _seconds(bounds_ms: tuple[float, float]) -> tuple[float, float]:
+    return bounds_ms[0] / 1000.0, bounds_ms[1] / 1000.0
+
+
+def _s_accepted(bounds_ms: tuple[float, float]) -> str:
+    return f"a number of seconds from {_ms_range(bounds_ms, scale=0.001)}"
+
+
 class _Env:
     """Typed readers over an environment mapping; each error names its variable."""
 
@@ -427,8 +548,23 @@ class _Env:
                 return name, value
         return names[-1], ""
 
+    def winner(self, read: Callable[[str], _T], *names: str) -> tuple[str, _T | None]:
+        """``read`` every one of ``names`` (so each set one is validated); the first set one wins.
+
+        The per-signal variable overrides the base one, but the base one is still
+        checked: the README promises that every variable is validated.
+        """
+        results = [(name, read(name)) for name in names if self.get(name)]
+        if results:
+            return results[0]
+        return names[-1], None
+
     def boolean(self, name: str, *names: str) -> bool:
-        variable, raw = self.first(name, *names) if names else (name, self.get(name))
+        _, value = self.winner(self._boolean, name, *names)
+        return bool(value)
+
+    def _boolean(self, name: str) -> bool:
+        raw = self.get(name)
         lowered = raw.lower()
         if lowered in ("", "false"):
             return False
@@ -436,7 +572,7 @@ class _Env:
             return True
         # The spec reads anything but "true" as false; we refuse instead, because
         # OTEL_SDK_DISABLED=1 silently meaning "enabled" is the worse surprise.
-        raise ConfigError(variable, raw, "`true` or `false` (case-insensitive)")
+        raise ConfigError(name, raw, "`true` or `false` (case-insensitive)")
 
     def integer(self, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
         raw = self.get(name)
@@ -447,36 +583,44 @@ class _Env:
             accepted = f"an integer from {minimum} to {maximum}"
         elif minimum is not None:
             accepted = f"an integer >= {minimum}"
-        try:
-            value = int(raw, 10)
-        except ValueError:
-            raise ConfigError(name, raw, accepted) from None
+        # int() also takes "1_000", "+5" and non-ASCII digits (fullwidth ones): refuse
+        # them, so the value means what it looks like to every other tool.
+        if not _DIGITS_RE.fullmatch(raw) or len(raw) > 20:
+            raise ConfigError(name, raw, accepted + ", in ASCII digits")
+        value = int(raw, 10)
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
             raise ConfigError(name, raw, accepted)
         return value
 
-    def milliseconds(self, *names: str) -> float | None:
-        """A positive duration in milliseconds (integers per the spec; decimals tolerated)."""
-        variable, raw = self.first(*names)
-        if not raw:
-            return None
-        accepted = "a number of milliseconds > 0"
-        try:
+    def milliseconds(self, *names: str, bounds: tuple[float, float] = (1.0, 86_400_000.0)) -> float | None:
+        """A duration in milliseconds within ``bounds`` (integers per the spec; decimals tolerated).
+
+        Only plain ASCII decimals: float() would also take "1e308", "nan",
+        "infinity", "1_000" and non-ASCII digits, which either overflow a wait
+        later or do not mean what they look like.
+        """
+
+        def read(name: str) -> float:
+            raw = self.get(name)
+            accepted = _ms_accepted(bounds)
+            if not _DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
+                raise ConfigError(name, raw, accepted)
             value = float(raw)
-        except ValueError:
-            raise ConfigError(variable, raw, accepted) from None
-        if not value > 0 or value == float("inf"):
-            raise ConfigError(variable, raw, accepted)
-        return value
+            if not bounds[0] <= value <= bounds[1]:
+                raise ConfigError(name, raw, accepted)
+            return value
+
+        return self.winner(read, *names)[1]
 
     def choice(self, name: str, choices: tuple[str, ...], *names: str) -> str | None:
-        variable, raw = self.first(name, *names) if names else (name, self.get(name))
-        if not raw:
-            return None
-        lowered = raw.lower()
-        if lowered not in choices:
-            raise ConfigError(variable, raw, _choices(choices))
-        return lowered
+        def read(variable: str) -> str:
+            raw = self.get(variable)
+            lowered = raw.lower()
+            if lowered not in choices:
+                raise ConfigError(variable, raw, _choices(choices))
+            return lowered
+
+        return self.winner(read, name, *names)[1]
 
     def exporters(self, name: str) -> tuple[str, ...]:
         raw = self.get(name)
@@ -498,31 +642,59 @@ class _Env:
 
     def key_values(self, *names: str, what: str) -> list[tuple[str, str]]:
         """Parse the W3C-baggage-like ``k=v,k2=v2`` list used for headers and resource attributes."""
-        variable, raw = self.first(*names)
+        return self.winner(lambda name: self._key_values(name, what), *names)[1] or []
+
+    def _key_values(self, variable: str, what: str) -> list[tuple[str, str]]:
+        raw = self.get(variable)
         pairs: list[tuple[str, str]] = []
-        if not raw:
-            return pairs
-        accepted = f"{what} as `key=value` pairs separated by commas, values percent-encoded"
+        headers = what == "headers"
+        accepted = (
+            _HEADERS_ACCEPTED
+            if headers
+            else f"{what} as `key=value` pairs separated by commas, values percent-encoded"
+        )
         # Header values are usually credentials: never echo them in an error.
-        shown = _redact_key_values(raw) if what == "headers" else raw
+        shown = _redact_key_values(raw) if headers else raw
         for item in raw.split(","):
             if not item.strip():
                 continue
             key, sep, value = item.partition("=")
             key = key.strip()
             if not sep or not key:
-                entry = "an entry" if what == "headers" else f"entry {item.strip()!r}"
+                entry = "an entry" if headers else f"entry {item.strip()!r}"
                 raise ConfigError(variable, shown, accepted, f"{entry} has no `key=`")
-            if what == "headers" and not _TOKEN_RE.match(key):
-                raise ConfigError(variable, shown, accepted, f"{key!r} is not a valid header name")
             try:
                 decoded = unquote(value.strip(), errors="strict")
             except UnicodeDecodeError:
                 raise ConfigError(
                     variable, shown, accepted, f"value of {key!r} is not valid percent-encoding"
                 ) from None
-            pairs.append((unquote(key), decoded))
+            name = unquote(key)
+            if headers:
+                # HTTP drops leading/trailing spaces of a field value; requests refuses them.
+                decoded = decoded.strip(" ")
+                problem = _header_problem(name, decoded)
+                if problem:
+                    raise ConfigError(variable, shown, accepted, problem)
+            pairs.append((name, decoded))
         return pairs
+
+
+def secrets_in_env(environ: Mapping[str, str]) -> frozenset[str]:
+    """Every credential in ``environ`` (OTLP header values, endpoint user info), for redaction.
+
+    Read leniently, without validation: it must also work on the environment
+    that just failed to parse, so that the error about it can be scrubbed.
+    """
+    found: set[str] = set()
+    for name in ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
+        for item in environ.get(name, "").split(","):
+            key, sep, value = item.partition("=")
+            raw = (value if sep else key).strip()  # an entry without "=" may be a pasted token
+            found |= secret_forms(raw) | secret_forms(unquote(raw).strip())
+    for name in ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        found |= url_secrets(environ.get(name, "").strip())
+    return frozenset(found)
 
 
 def _redact_key_values(raw: str) -> str:
@@ -533,14 +705,23 @@ def _redact_key_values(raw: str) -> str:
 
 
 def _read_otlp(env: _Env) -> OTLPConfig:
-    protocol = env.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL") and "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
-    protocol_variable = protocol or "OTEL_EXPORTER_OTLP_PROTOCOL"
-    raw_protocol = env.get(protocol_variable)
-    if raw_protocol and raw_protocol.lower() not in PROTOCOLS:
-        detail = "the Python SDK has no http/json exporter" if raw_protocol.lower() == "http/json" else ""
-        raise ConfigError(protocol_variable, raw_protocol, _choices(PROTOCOLS), detail)
-    resolved_protocol: Protocol = "grpc" if raw_protocol.lower() == "grpc" else "http/protobuf"
+    def read_protocol(variable: str) -> str:
+        raw = env.get(variable)
+        if raw.lower() not in PROTOCOLS:
+            detail = "the Python SDK has no http/json exporter" if raw.lower() == "http/json" else ""
+            raise ConfigError(variable, raw, _choices(PROTOCOLS), detail)
+        return raw.lower()
 
+    _, raw_protocol = env.winner(
+        read_protocol, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"
+    )
+    resolved_protocol: Protocol = "grpc" if raw_protocol == "grpc" else "http/protobuf"
+
+    # The base endpoint is checked even when the per-signal one wins; as the loser
+    # it may serve other signals over another protocol, so only its form is checked.
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if base and env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        _check_endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", base, schemes=_ANY_SCHEME)
     endpoint_variable, endpoint = env.first(
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
@@ -550,35 +731,33 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     if resolved_protocol == "http/protobuf":
         if not endpoint:
             endpoint = "http://localhost:4318"
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                endpoint_variable,
-                endpoint,
-                "an http:// or https:// URL for protocol http/protobuf, e.g. http://localhost:4318",
-            )
-        _check_port(endpoint_variable, endpoint, parts)
+        _check_endpoint(
+            endpoint_variable,
+            endpoint,
+            schemes=_HTTP_SCHEMES,
+            accepted="an http:// or https:// URL for protocol http/protobuf, e.g. http://localhost:4318",
+        )
         if not per_signal:
             # The spec: the signal path is appended to the base endpoint only.
             endpoint = endpoint.rstrip("/") + "/v1/metrics"
     else:
         if not endpoint:
             endpoint = "http://localhost:4317"
-        parts = urlsplit(endpoint if "://" in endpoint else "//" + endpoint)
-        if parts.scheme not in ("", "http", "https") or not parts.hostname:
-            raise ConfigError(
-                endpoint_variable,
-                endpoint,
-                "for grpc, http://host:port, https://host:port, or host:port with OTEL_EXPORTER_OTLP_INSECURE",
-            )
-        _check_port(endpoint_variable, endpoint, parts)
+        parts = _check_endpoint(
+            endpoint_variable,
+            endpoint,
+            schemes=_ANY_SCHEME,
+            accepted="for grpc, http://host:port, https://host:port, or host:port with OTEL_EXPORTER_OTLP_INSECURE",
+        )
         if parts.scheme:
             insecure = parts.scheme == "http"
 
     headers = tuple(
         env.key_values("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS", what="headers")
     )
-    timeout = env.milliseconds("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+    timeout = env.milliseconds(
+        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT", bounds=OTLP_TIMEOUT_RANGE_MS
+    )
     compression = (
         env.choice("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", COMPRESSIONS, "OTEL_EXPORTER_OTLP_COMPRESSION")
         or "none"
@@ -587,16 +766,20 @@ def _read_otlp(env: _Env) -> OTLPConfig:
         env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITIES) or "cumulative"
     )
 
+    def pem_file(variable: str) -> str:
+        path = env.get(variable)
+        if not os.path.isfile(path):
+            raise ConfigError(variable, path, "the path of a readable PEM file", "no such file")
+        return path
+
     files: dict[str, str | None] = {}
     for key, suffix in (
         ("certificate", "CERTIFICATE"),
         ("client_key", "CLIENT_KEY"),
         ("client_certificate", "CLIENT_CERTIFICATE"),
     ):
-        variable, path = env.first(f"OTEL_EXPORTER_OTLP_METRICS_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}")
-        if path and not os.path.isfile(path):
-            raise ConfigError(variable, path, "the path of a readable PEM file", "no such file")
-        files[key] = path or None
+        _, path = env.winner(pem_file, f"OTEL_EXPORTER_OTLP_METRICS_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}")
+        files[key] = path
     if bool(files["client_key"]) != bool(files["client_certificate"]):
         missing = (
             "OTEL_EXPORTER_OTLP_CLIENT_KEY"
@@ -622,8 +805,93 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     )
 
 
-def _check_port(variable: str, endpoint: str, parts: SplitResult) -> None:
+def _check_endpoint(
+    variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = ""
+) -> SplitResult:
+    """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted.
+
+    ``schemes`` containing ``""`` allows gRPC's scheme-less ``host:port``.
+    """
+    shown = redact_url(endpoint)
+    accepted = accepted or ("an http:// or https:// URL" + (", or host:port" if "" in schemes else ""))
+    # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):
+        raise ConfigError(variable, shown, accepted, "it contains a space or a control character")
+    text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
     try:
-        _ = parts.port  # raises ValueError when out of range / not a number
+        parts = urlsplit(text)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ConfigError(variable, shown, accepted, str(exc)) from None
+    if parts.scheme not in schemes:
+        raise ConfigError(variable, shown, accepted)
+    hostport = parts.netloc.rpartition("@")[2]
+    match = _HOSTPORT_RE.fullmatch(hostport)
+    if not match or not match["host"]:
+        raise ConfigError(variable, shown, accepted, "no host")
+    host = match["host"]
+    problem = _ip_problem(host[1:-1]) if host.startswith("[") else _host_problem(host)
+    if problem:
+        raise ConfigError(variable, shown, accepted, problem)
+    port = match["port"]
+    if (
+        port is not None
+        and port != ""
+        and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
+    ):
+        raise ConfigError(variable, shown, "a URL whose port is an integer from 1 to 65535")
+    return parts
+
+
+# host, then an optional ":port" (empty allowed, as in "http://h:/"); IPv6 in brackets.
+_HOSTPORT_RE = re.compile(r"(?P<host>\[[^\[\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?")
+_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
+
+
+def _ip_problem(text: str) -> str | None:
+    try:
+        ipaddress.ip_address(unquote(text))  # a zone id may be percent-encoded: fe80::1%25eth0
     except ValueError:
-        raise ConfigError(variable, endpoint, "a URL whose port is an integer from 1 to 65535") from None
+        return "not a valid IP address in brackets"
+    return None
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` is not a usable host name or IP address, or None.
+
+    Checked here because the resolver fails late and with the wrong error type:
+    a label over 63 characters raises UnicodeError from the idna codec.
+    """
+    if not isinstance(host, str) or not host:
+        return "empty"
+    if len(host) > 253:
+        return f"{len(host)} characters, at most 253"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or c.isspace() for c in host):
+        return "it contains a space or a control character"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        ascii_host = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return "not a valid host name"
+    labels = ascii_host.removesuffix(".").split(".")
+    if len(ascii_host) > 253 or not all(len(label) <= 63 and _LABEL_RE.fullmatch(label) for label in labels):
+        return "not a valid host name"
+    return None
+
+
+def _header_problem(name: str, value: str) -> str | None:
+    """Why a header cannot be sent as is, or None; never quotes the value."""
+    if not _TOKEN_RE.fullmatch(name):
+        if name.isascii() and name.isprintable():
+            return f"{name!r} is not a valid header name"
+        return "a header name contains a control or non-ASCII character"
+    # An encoded CR/LF would let a value inject headers; other control bytes
+    # make requests or gRPC refuse every export and print the value while doing so.
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return f"the value of {name!r} contains a control character (such as CR, LF or NUL)"
+    if not value.isascii():
+        return f"the value of {name!r} is not ASCII (gRPC metadata and HTTP headers need ASCII)"
+    return None

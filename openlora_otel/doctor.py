@@ -3,19 +3,26 @@
 Prints the resolved configuration (header values and URL credentials redacted),
 checks that the Prometheus port can be bound and that the OTLP endpoint answers,
 lists the optional packages, and says in plain words what to fix.
+
+Every line goes through :func:`openlora_otel.redaction.redact` with the
+credentials found in the environment, so text doctor did not write (an
+exception from urllib, a socket error) cannot print them either.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from openlora_otel._deps import OPTIONAL_PACKAGES, is_installed
-from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.config import ConfigError, TelemetryConfig, secrets_in_env
+from openlora_otel.redaction import redact
 
 __all__ = ["Check", "run_doctor"]
 
@@ -37,6 +44,14 @@ def run_doctor(
     out: Callable[[str], None] = print,
 ) -> int:
     """Print the report; return 0 when nothing needs fixing, 1 otherwise, 2 for invalid configuration."""
+    environ = os.environ if environ is None else environ
+    # Known before parsing, so even the line of an invalid configuration is scrubbed.
+    secrets = secrets_in_env(environ)
+    raw_out = out
+
+    def out(line: str) -> None:
+        raw_out(redact(line, secrets))
+
     out("openlora-otel doctor")
     try:
         config = TelemetryConfig.from_env(environ)
@@ -197,6 +212,7 @@ def _check_otlp(config: TelemetryConfig, timeout_s: float) -> Check:
     name = "otlp endpoint"
     url = otlp.endpoint if "://" in otlp.endpoint else "http://" + otlp.endpoint
     parts = urlsplit(url)
+    secrets = otlp.secrets()
     host = parts.hostname or "localhost"
     port = parts.port or (443 if parts.scheme == "https" else 80)
     where = otlp.redacted_endpoint()
@@ -207,19 +223,24 @@ def _check_otlp(config: TelemetryConfig, timeout_s: float) -> Check:
         return Check(
             name,
             False,
-            f"nothing answers at {host}:{port} ({exc.strerror or exc})",
+            f"nothing answers at {host}:{port} ({redact(str(exc.strerror or exc), secrets)})",
             "start the OpenTelemetry Collector, or point OTEL_EXPORTER_OTLP_ENDPOINT at a running one; "
             "training will still run, exports fail until it is reachable",
         )
     if otlp.protocol == "grpc":
         return Check(name, True, f"{where} accepts connections (gRPC)")
     # An empty ExportMetricsServiceRequest is a valid OTLP request: a collector answers 200.
-    request = urllib.request.Request(
-        otlp.endpoint,
-        data=b"",
-        method="POST",
-        headers={"Content-Type": "application/x-protobuf", **dict(otlp.headers)},
-    )
+    headers = {"Content-Type": "application/x-protobuf", **dict(otlp.headers)}
+    if "@" in parts.netloc:
+        # urllib cannot take user:password@ in a URL; the exporter (requests) sends it
+        # as Basic auth, replacing any Authorization header, so doctor does the same.
+        credentials = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        headers["Authorization"] = (
+            "Basic " + base64.b64encode(credentials.encode("latin-1", "replace")).decode()
+        )
+        url = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    request = urllib.request.Request(url, data=b"", method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             status = response.status
@@ -229,7 +250,7 @@ def _check_otlp(config: TelemetryConfig, timeout_s: float) -> Check:
         return Check(
             name,
             False,
-            f"{where} accepts connections but the request failed: {exc}",
+            f"{where} accepts connections but the request failed: {redact(str(exc), secrets)}",
             "check the URL and TLS settings",
         )
     if 200 <= status < 300:

@@ -143,9 +143,9 @@ INVALID = [
     ("OTEL_EXPORTER_OTLP_HEADERS", "novalue", "`key=value` pairs"),
     ("OTEL_EXPORTER_OTLP_HEADERS", "bad key=v", "not a valid header name"),
     ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "=v", "`key=value` pairs"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "ten", "milliseconds > 0"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", "milliseconds > 0"),
-    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "0", "milliseconds > 0"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "ten", "milliseconds from 100 to 86400000"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", "milliseconds from 100 to 86400000"),
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "0", "milliseconds from 100 to 86400000"),
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "`none`, `gzip`"),
     ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "br", "`none`, `gzip`"),
     ("OTEL_EXPORTER_OTLP_INSECURE", "yes", "`true` or `false`"),
@@ -157,20 +157,20 @@ INVALID = [
     ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "`cumulative`, `delta`, `lowmemory`"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "-1000", "milliseconds > 0"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "0", "milliseconds > 0"),
-    ("OTEL_METRIC_EXPORT_TIMEOUT", "soon", "milliseconds > 0"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "-1000", "milliseconds from 100 to 86400000"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "0", "milliseconds from 100 to 86400000"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", "soon", "milliseconds from 100 to 86400000"),
     ("OTEL_RESOURCE_ATTRIBUTES", "team", "`key=value` pairs"),
     ("OTEL_RESOURCE_ATTRIBUTES", "a=%ff", "percent-encoding"),
-    ("OPENLORA_SHUTDOWN_TIMEOUT", "inf", "milliseconds > 0"),
+    ("OPENLORA_SHUTDOWN_TIMEOUT", "inf", "milliseconds from 1 to 600000 (10 min)"),
     ("OPENLORA_PROMETHEUS_PORT_OFFSET", "rank", "`local_rank`, `none`"),
     ("OPENLORA_GPU_METRICS", "yes", "`auto`, `on`, `off`"),
     ("OPENLORA_GPU_DEVICES", "mine", "`process`, `all`"),
-    ("OPENLORA_GPU_TIMEOUT", "-1", "milliseconds > 0"),
-    ("RANK", "first", "integer >= 0"),
-    ("LOCAL_RANK", "-1", "integer >= 0"),
-    ("WORLD_SIZE", "8.0", "integer >= 0"),
-    ("GROUP_RANK", "x", "integer >= 0"),
+    ("OPENLORA_GPU_TIMEOUT", "-1", "milliseconds from 1 to 60000 (1 min)"),
+    ("RANK", "first", "integer from 0 to 2147483647"),
+    ("LOCAL_RANK", "-1", "integer from 0 to 2147483647"),
+    ("WORLD_SIZE", "8.0", "integer from 0 to 2147483647"),
+    ("GROUP_RANK", "x", "integer from 0 to 2147483647"),
 ]
 
 
@@ -237,3 +237,327 @@ def test_config_is_frozen() -> None:
     config = cfg()
     with pytest.raises(AttributeError):
         config.service_name = "x"  # type: ignore[misc]
+
+
+# Ranges and number formats: every duration refuses what would stall or kill a thread
+# later (1e-300 spins a core, 1e308 overflows a wait), and numbers are ASCII decimals.
+FULLWIDTH_39464 = "\uff13\uff19\uff14\uff16\uff14"  # int() reads it as 39464
+DURATIONS = [
+    ("OTEL_METRIC_EXPORT_INTERVAL", "100", "86400000"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", "100", "86400000"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "100", "86400000"),
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "100", "86400000"),
+    ("OPENLORA_SHUTDOWN_TIMEOUT", "1", "600000"),
+    ("OPENLORA_GPU_TIMEOUT", "1", "60000"),
+]
+ODD_NUMBERS = [
+    "1e308",
+    "1e-300",
+    "0.001",
+    "nan",
+    "NaN",
+    "infinity",
+    "-inf",
+    "1_000",
+    "1e3",
+    "+500",
+    "0x10",
+    FULLWIDTH_39464,
+    "\u0663\u0660\u0660\u0660",
+    "5 000",
+    "1,5",
+    "99999999999999999999999999999",
+    "9" * 5000,
+]
+
+
+@pytest.mark.parametrize(("variable", "low", "high"), DURATIONS)
+def test_durations_accept_their_documented_range_only(variable: str, low: str, high: str) -> None:
+    cfg(**{variable: low})
+    cfg(**{variable: high})
+    cfg(**{variable: high + ".0"})  # decimals are tolerated
+    for value in (str(float(low) - 0.5), str(int(high) + 1), *ODD_NUMBERS):
+        with pytest.raises(ConfigError) as info:
+            cfg(**{variable: value})
+        assert info.value.variable == variable
+        assert f"from {low} to {high}" in str(info.value)
+    documented = next(
+        v.meaning for v in VARIABLES if v.name == variable.replace("_METRICS_TIMEOUT", "_TIMEOUT")
+    )
+    assert f"{low} to {high}" in documented
+
+
+def test_the_issue_extremes_are_refused() -> None:
+    for env in (
+        {"OPENLORA_SHUTDOWN_TIMEOUT": "1e308"},
+        {"OTEL_METRIC_EXPORT_INTERVAL": "1e-300"},
+        {"OTEL_METRIC_EXPORT_INTERVAL": "1e308"},
+        {"OTEL_EXPORTER_OTLP_TIMEOUT": "0.001"},
+    ):
+        with pytest.raises(ConfigError, match="milliseconds from"):
+            cfg(**env)
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_PROMETHEUS_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK"]
+)
+def test_integers_are_ascii_digits_in_range(variable: str) -> None:
+    assert cfg(**{variable: "0042"}) is not None
+    for value in [*ODD_NUMBERS, "-0", "42.0", "2147483648"]:
+        with pytest.raises(ConfigError) as info:
+            cfg(**{variable: value})
+        assert info.value.variable == variable
+
+
+def test_fullwidth_port_is_refused_not_read_as_39464() -> None:
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_PROMETHEUS_PORT"):
+        cfg(OTEL_EXPORTER_PROMETHEUS_PORT=FULLWIDTH_39464)
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://[::1",
+        "http://[::1]x:4318",
+        "http://[not-an-ip]:4318",
+        "http://" + "a" * 100_000 + ":4318",
+        "http://" + "a" * 64 + ".example:4318",
+        "http://h..x:4318",
+        "http://-h:4318",
+        "http://h%41:4318",
+        "http://h\n:4318",
+        "http://h:4318/v1/\x00",
+        "http://a b:4318",
+        "http://h:0",
+        "http://h:\uff14\uff13\uff11\uff18",
+        "http://h:1:2",
+        "http://:4318",
+    ],
+)
+def test_malformed_endpoints_are_config_errors(protocol: str, variable: str, endpoint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg(**{"OTEL_EXPORTER_OTLP_PROTOCOL": protocol, variable: endpoint})
+    assert info.value.variable == variable
+    assert len(str(info.value)) < 600  # a 100k-character host does not make a 100k-character error
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://[::1]:4318", "https://[fe80::1%25eth0]:4318", "http://b\u00fccher.example:4318", "http://h:/"],
+)
+def test_unusual_but_valid_endpoints_are_accepted(endpoint: str) -> None:
+    assert cfg(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint).otlp.endpoint.startswith(endpoint.rstrip("/"))
+
+
+@pytest.mark.parametrize(
+    "host", ["a" * 100_000, "a" * 64, "h\nx", "h x", "h\x00", "h\x7f", "bad*host", "-h", "h..x", "[::1]"]
+)
+def test_prometheus_host_junk_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg(OTEL_EXPORTER_PROMETHEUS_HOST=host)
+    assert info.value.variable == "OTEL_EXPORTER_PROMETHEUS_HOST"
+    assert len(str(info.value)) < 600
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "127.0.0.1", "::1", "0.0.0.0", "my_host.local", "b\u00fccher.example"]
+)
+def test_prometheus_host_forms_accepted(host: str) -> None:
+    assert cfg(OTEL_EXPORTER_PROMETHEUS_HOST=host).prometheus_host == host
+
+
+# Every base variable is validated even when its per-signal twin wins.
+BASE_WHILE_PER_SIGNAL_WINS = [
+    (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "http://[::1",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        "http://c:4318/v1/metrics",
+    ),
+    (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "ftp://c:4318",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+        "http://c:4318/v1/metrics",
+    ),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc"),
+    ("OTEL_EXPORTER_OTLP_HEADERS", "novalue", "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "a=1"),
+    ("OTEL_EXPORTER_OTLP_HEADERS", "a=b%0Ac", "OTEL_EXPORTER_OTLP_METRICS_HEADERS", "a=1"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "1e308", "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1000"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd", "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "gzip"),
+    ("OTEL_EXPORTER_OTLP_INSECURE", "yes", "OTEL_EXPORTER_OTLP_METRICS_INSECURE", "true"),
+    (
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        "/nonexistent/ca.pem",
+        "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
+        "{pem}",
+    ),
+    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/nonexistent/k.pem", "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", "{pem}"),
+    (
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+        "/nonexistent/c.pem",
+        "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE",
+        "{pem}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("base", "bad", "per_signal", "good"), BASE_WHILE_PER_SIGNAL_WINS)
+def test_base_variable_is_validated_when_the_per_signal_one_wins(
+    base: str, bad: str, per_signal: str, good: str, tmp_path
+) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    good = good.format(pem=pem)
+    env = {per_signal: good}
+    if "CLIENT_" in per_signal:  # mTLS needs both halves
+        other = "CLIENT_CERTIFICATE" if "CLIENT_KEY" in per_signal else "CLIENT_KEY"
+        env[f"OTEL_EXPORTER_OTLP_METRICS_{other}"] = str(pem)
+    cfg(**env)  # the per-signal value alone is fine
+    with pytest.raises(ConfigError) as info:
+        cfg(**env, **{base: bad})
+    assert info.value.variable == base
+
+
+def test_a_valid_base_endpoint_for_another_protocol_is_not_refused() -> None:
+    # With a per-signal endpoint the base one may serve other signals over gRPC (host:port).
+    config = cfg(
+        OTEL_EXPORTER_OTLP_ENDPOINT="collector:4317",
+        OTEL_EXPORTER_OTLP_METRICS_ENDPOINT="http://collector:4318/v1/metrics",
+    )
+    assert config.otlp.endpoint == "http://collector:4318/v1/metrics"
+
+
+@pytest.mark.parametrize(
+    ("headers", "detail"),
+    [
+        ("authorization=Bearer%20abcdef%0D%0AX-Evil:%201", "control character"),
+        ("authorization=Bearer%20abcdef%0AX-Evil:%201", "control character"),
+        ("authorization=Bearer%20abcdef%00", "control character"),
+        ("authorization=Bearer%20abcdef%7F", "control character"),
+        ("authorization=Bearer%09abcdef", "control character"),
+        ("authorization=Bearer%20abcd%C3%A9f", "not ASCII"),
+        ("x%0D%0AEvil=abcdef", "header name"),
+        ("x%00=abcdef", "header name"),
+        ("x-a\u00e9=abcdef", "header name"),
+    ],
+)
+def test_header_control_characters_are_refused_without_echoing_the_value(headers: str, detail: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg(OTEL_EXPORTER_OTLP_HEADERS=headers)
+    message = str(info.value)
+    assert detail in message
+    assert "abcd" not in message
+    assert "\r" not in message and "\n" not in message and "\x00" not in message
+
+
+def test_header_value_surrounding_spaces_are_dropped() -> None:
+    # requests refuses a value with leading whitespace at every export (and prints it).
+    assert cfg(OTEL_EXPORTER_OTLP_HEADERS="a=%20%20x%20").otlp.headers == (("a", "x"),)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("export_interval_ms", float("nan")),
+        ("export_interval_ms", float("inf")),
+        ("export_interval_ms", 1e-300),
+        ("export_interval_ms", 1e308),
+        ("export_timeout_ms", float("nan")),
+        ("export_timeout_ms", 1e308),
+        ("shutdown_timeout_s", float("nan")),
+        ("shutdown_timeout_s", float("inf")),
+        ("shutdown_timeout_s", 1e308),
+        ("shutdown_timeout_s", 601.0),
+        ("shutdown_timeout_s", True),
+        ("gpu_timeout_s", float("nan")),
+        ("gpu_timeout_s", 1e308),
+        ("gpu_timeout_s", 0.0),
+        ("prometheus_port", 9464.5),
+        ("prometheus_port", True),
+        ("prometheus_port", 10**400),
+        ("prometheus_host", "a" * 300),
+        ("prometheus_host", "h\nx"),
+    ],
+)
+def test_programmatic_configs_get_the_same_ranges(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TelemetryConfig(**{field: value})  # type: ignore[arg-type]
+    assert info.value.variable == field
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"timeout_s": float("nan")},
+        {"timeout_s": 1e308},
+        {"timeout_s": 0.00001},
+        {"headers": (("authorization", "Bearer abcdef\r\nX-Evil: 1"),)},
+        {"headers": (("bad name", "v"),)},
+        {"endpoint": "http://[::1"},
+        {"endpoint": "localhost:4318"},  # http/protobuf needs a scheme
+        {"protocol": "http/json"},
+        {"compression": "zstd"},
+    ],
+)
+def test_programmatic_otlp_configs_are_validated(changes: dict[str, object]) -> None:
+    from openlora_otel.config import OTLPConfig
+
+    with pytest.raises(ConfigError) as info:
+        OTLPConfig(**changes)  # type: ignore[arg-type]
+    assert "abcdef" not in str(info.value)
+
+
+# A hostile pass: every variable, many odd values. Each either gives a config or a
+# ConfigError naming a variable; nothing else (ValueError, UnicodeError, OverflowError).
+HOSTILE = [
+    "",
+    " ",
+    "\x00",
+    "a\nb",
+    "\r\n",
+    "\x7f",
+    "\u00e9",
+    "\ud800",
+    FULLWIDTH_39464,
+    "1e308",
+    "-1e308",
+    "1e-300",
+    "nan",
+    "-inf",
+    "1_000",
+    " 1e3 ",
+    "9" * 5000,
+    "%",
+    "%ff",
+    "%0D%0A",
+    "=",
+    ",",
+    "=,=",
+    "a=%",
+    "a=b=c",
+    "http://[::1",
+    "http://[::1]:99999",
+    "http://" + "a" * 100_000 + ":1",
+    "a" * 100_000,
+    "user:pw@h:1",
+    "grpc",
+    "true",
+    "none",
+]
+
+
+@pytest.mark.parametrize("variable", [n.strip() for v in VARIABLES for n in v.name.split(",")])
+def test_hostile_values_give_a_config_or_a_config_error(variable: str) -> None:
+    for value in HOSTILE:
+        for protocol in ("http/protobuf", "grpc"):
+            env = {"OTEL_EXPORTER_OTLP_PROTOCOL": protocol, variable: value}
+            try:
+                TelemetryConfig.from_env(env)
+            except ConfigError as error:
+                assert error.variable.startswith(
+                    ("OTEL_", "OPENLORA_", "RANK", "LOCAL_RANK", "WORLD_", "GROUP_")
+                )
+                assert len(str(error)) < 1000

@@ -4,6 +4,13 @@ The SDK's exporters log one error per failed attempt, every interval, for the
 whole outage; a training log full of those hides everything else. The wrapper
 folds them into one warning with the SDK's reason, and one line when exports
 recover.
+
+The SDK's reasons are text we did not write: they can quote the endpoint with its
+``user:password@`` (gRPC does), a header value (requests does, for a header it
+refuses) or whatever reason phrase a server sent. Everything the wrapper logs,
+and every record the SDK logs on its export loggers while the wrapper is
+installed, goes through :func:`openlora_otel.redaction.redact` with the
+exporter's known secrets first.
 """
 
 from __future__ import annotations
@@ -11,10 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+
+from openlora_otel.redaction import redact
 
 __all__ = ["GuardedExporter"]
 
@@ -31,11 +40,13 @@ _SDK_EXPORT_LOGGERS = (
 
 
 class _CaptureDuringExport(logging.Filter):
-    """Swallows the SDK's per-attempt export errors while our wrapper is exporting, keeping the last one."""
+    """Swallows the SDK's per-attempt export errors while our wrapper is exporting, keeping the last one
+    (redacted); any other record on those loggers is let through with the secrets redacted."""
 
-    def __init__(self) -> None:
+    def __init__(self, secrets: frozenset[str]) -> None:
         super().__init__()
         self._active = threading.local()
+        self._secrets = secrets
         self.last_message: str | None = None
 
     def capturing(self, on: bool) -> None:
@@ -44,9 +55,22 @@ class _CaptureDuringExport(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(self._active, "on", False):
             if record.levelno >= logging.WARNING:
-                self.last_message = record.getMessage()
+                self.last_message = redact(record.getMessage(), self._secrets)
             return False
+        _scrub(record, self._secrets)
         return True
+
+
+def _scrub(record: logging.LogRecord, secrets: Iterable[str]) -> None:
+    """Redact ``record`` in place: its message, and the traceback text a handler would print."""
+    message = record.getMessage()
+    clean = redact(message, secrets)
+    if clean != message:
+        record.msg, record.args = clean, None
+    if record.exc_info and not record.exc_text:
+        record.exc_text = logging.Formatter().formatException(record.exc_info)
+    if record.exc_text:
+        record.exc_text = redact(record.exc_text, secrets)
 
 
 class GuardedExporter(MetricExporter):
@@ -54,6 +78,9 @@ class GuardedExporter(MetricExporter):
     and exports nothing from a forked child process.
 
     ``on_result`` (tests, doctor) is called with every export's success flag.
+    ``secrets`` are the credentials to scrub from every message (see
+    :meth:`openlora_otel.config.OTLPConfig.secrets`); URL user info in any
+    ``scheme://`` form is scrubbed regardless.
     """
 
     def __init__(
@@ -62,6 +89,7 @@ class GuardedExporter(MetricExporter):
         *,
         describe: str,
         on_result: Callable[[bool], None] | None = None,
+        secrets: Iterable[str] = (),
     ) -> None:
         super().__init__(
             preferred_temporality=inner._preferred_temporality,
@@ -69,12 +97,13 @@ class GuardedExporter(MetricExporter):
         )
         self._inner = inner
         self._pid = os.getpid()
-        self._describe = describe
+        self._secrets = frozenset(secrets)
+        self._describe = redact(describe, self._secrets)
         self._on_result = on_result
         self._failing = False
         self.failures = 0
         self.successes = 0
-        self._filter = _CaptureDuringExport()
+        self._filter = _CaptureDuringExport(self._secrets)
         self._loggers = [logging.getLogger(name) for name in _SDK_EXPORT_LOGGERS]
         for logger in self._loggers:
             logger.addFilter(self._filter)
@@ -106,12 +135,12 @@ class GuardedExporter(MetricExporter):
             self.failures += 1
             if not self._failing:
                 self._failing = True
-                reason = error or self._filter.last_message or "no reason given"
+                reason = str(error) if error is not None else self._filter.last_message
                 _logger.warning(
                     "%s failed (%s); training continues, export is retried every interval "
                     "and this is logged again only when it recovers",
                     self._describe,
-                    reason,
+                    redact(reason or "no reason given", self._secrets),
                 )
         if self._on_result is not None:
             self._on_result(ok)

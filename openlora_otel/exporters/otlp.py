@@ -3,8 +3,8 @@
 Every setting is passed to the SDK exporter explicitly (timeout in seconds,
 endpoint, headers, TLS files), so the SDK's own environment parsing never
 decides anything. The exporter is wrapped so that an unreachable collector is
-reported once, with the SDK's reason, and its recovery once, instead of one
-error line per export interval for the whole run.
+reported once, with the SDK's reason (credentials redacted), and its recovery
+once, instead of one error line per export interval for the whole run.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def build_otlp_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:
     cap_s = config.export_interval_ms / 1000.0
     if otlp.timeout_s > cap_s:
         otlp = dataclasses.replace(otlp, timeout_s=cap_s)
-    exporter = GuardedExporter(build_otlp_exporter(otlp), describe=_describe(otlp))
+    exporter = GuardedExporter(build_otlp_exporter(otlp), describe=_describe(otlp), secrets=otlp.secrets())
     return PeriodicExportingMetricReader(
         exporter,
         export_interval_millis=config.export_interval_ms,
