@@ -212,3 +212,22 @@ def test_interpreter_exit_is_bounded_with_a_hanging_endpoint() -> None:
         hanging.close()
     # Interpreter start-up and imports are in both; the exit hook may add at most the bound.
     assert took - baseline < 1.0 + 1.0, f"exit took {took:.2f} s vs {baseline:.2f} s without export"
+
+
+def test_failure_reason_survives_the_sdks_duplicate_filter(caplog: pytest.LogCaptureFixture) -> None:
+    """The gRPC exporter's logger has the SDK's DuplicateFilter, which drops a message equal to
+    the previous one (within 20 s, from any exporter). With DEBUG off nothing comes between
+    two exporters' identical failures, so a filter behind it never saw the second one and the
+    warning said "no reason given". Ours runs first."""
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):
+        env = otlp_env(
+            "grpc", free_port(), OTEL_METRIC_EXPORT_INTERVAL="600000", OTEL_EXPORTER_OTLP_TIMEOUT="100"
+        )
+        telemetry = setup_telemetry(config=TelemetryConfig.from_env(env))
+        telemetry.meter.create_counter("c").add(1)
+        telemetry.force_flush(timeout_s=5)
+        telemetry.shutdown(timeout_s=2)
+    failed = [r.getMessage() for r in caplog.records if r.name == "openlora_otel.exporters"]
+    assert len(failed) == 3, failed
+    assert all("StatusCode.UNAVAILABLE" in message for message in failed), failed

@@ -106,7 +106,10 @@ class GuardedExporter(MetricExporter):
         self._filter = _CaptureDuringExport(self._secrets)
         self._loggers = [logging.getLogger(name) for name in _SDK_EXPORT_LOGGERS]
         for logger in self._loggers:
-            logger.addFilter(self._filter)
+            # First in line: the SDK's own DuplicateFilter (on the gRPC exporter's logger)
+            # drops a failure message it saw in the last 20 s, from any exporter, before a
+            # filter added after it sees the record; the warning would then say "no reason given".
+            logger.filters.insert(0, self._filter)
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
