@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -107,11 +108,33 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
+def _published(service: dict) -> dict[int, tuple[str, int]]:
+    """Container port -> (host address, host port) for each ``ports`` entry ``ADDR:HOST:CONTAINER``."""
+    published = {}
+    for entry in service.get("ports", []):
+        address, host_port, container_port = entry.split(":")
+        published[int(container_port)] = (address, int(host_port))
+    return published
+
+
+def prometheus_config() -> dict:
+    return yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
+
+
+def scrape_targets() -> dict[str, list[str]]:
+    return {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in prometheus_config()["scrape_configs"]
+    }
+
+
+def _collector_service() -> str:
+    return next(name for name, s in compose()["services"].items() if "opentelemetry-collector" in s["image"])
+
+
 def test_collector_ports_match_compose_prometheus_and_the_sdk_default() -> None:
     config = collector_config()
-    services = compose()["services"]
-    collector_service = next(name for name, s in services.items() if "opentelemetry-collector" in s["image"])
-    published = {int(p.split(":")[-1]): p for p in services[collector_service]["ports"]}
+    published = _published(compose()["services"][_collector_service()])
     grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert grpc.startswith("0.0.0.0:") and http.startswith("0.0.0.0:")  # reachable inside a container
@@ -120,26 +143,109 @@ def test_collector_ports_match_compose_prometheus_and_the_sdk_default() -> None:
     # What setup_telemetry() sends by default with OTEL_METRICS_EXPORTER=otlp lands on the HTTP receiver.
     default = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "otlp"}).otlp
     assert default.protocol == "http/protobuf"
-    assert default.endpoint == f"http://localhost:{_port(http)}/v1/metrics"
-    assert published[_port(http)].startswith("127.0.0.1:")
+    assert default.endpoint == f"http://localhost:{published[_port(http)][1]}/v1/metrics"
+    assert published[_port(http)][0] == "127.0.0.1"
     grpc_default = TelemetryConfig.from_env(
         {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     )
-    assert grpc_default.otlp.endpoint == f"http://localhost:{_port(grpc)}"
+    assert grpc_default.otlp.endpoint == f"http://localhost:{published[_port(grpc)][1]}"
 
-    prometheus = yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]}
+    # Prometheus shares the host's network, so it reaches the collector where compose publishes
+    # the collector's listeners on the host's loopback (a compose service name would not resolve).
+    targets = scrape_targets()
     exporter_port = _port(config["exporters"]["prometheus"]["endpoint"])
-    assert targets["openlora-collector"] == [f"{collector_service}:{exporter_port}"]
     self_port = config["service"]["telemetry"]["metrics"]["readers"][0]["pull"]["exporter"]["prometheus"][
         "port"
     ]
-    assert targets["openlora-collector-self"] == [f"{collector_service}:{self_port}"]
-    assert next(j for j in prometheus["scrape_configs"] if j["job_name"] == "openlora-collector")[
+    for job, container_port in (("openlora-collector", exporter_port), ("openlora-collector-self", self_port)):
+        assert container_port in published, f"{job}: the collector's port {container_port} is not published"
+        address, host_port = published[container_port]
+        assert targets[job] == [f"{address}:{host_port}"], job
+    assert next(j for j in prometheus_config()["scrape_configs"] if j["job_name"] == "openlora-collector")[
         "honor_labels"
     ]
-    # The pull path's target is the SDK's default Prometheus port on the host.
-    assert targets["openlora"] == [f"host.docker.internal:{TelemetryConfig().prometheus_port}"]
+
+
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _addresses(host: str, port: int, **flags: int) -> set[str]:
+    return {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, **flags)}
+
+
+def test_pull_target_is_where_the_default_endpoint_binds() -> None:
+    """Prometheus, on the host's network, scrapes the address a process binds with nothing set."""
+    services = compose()["services"]
+    assert services["prometheus"].get("network_mode") == "host"
+    default = TelemetryConfig()
+    ((target,),) = [scrape_targets()["openlora"]]
+    host, port = target.rsplit(":", 1)
+    assert int(port) == default.prometheus_port
+    # The endpoint binds the first address getaddrinfo gives for its host (prometheus_client's
+    # _get_best_family); Prometheus tries every address its target name resolves to.
+    bound = socket.getaddrinfo(
+        default.prometheus_host, default.prometheus_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0][4][0]
+    assert bound in LOOPBACK, f"the default bind {bound} is not loopback"
+    assert bound in _addresses(host, default.prometheus_port), f"{target} never reaches {bound}"
+
+
+def test_every_target_is_reachable_from_the_host_network_and_nothing_listens_beyond_loopback() -> None:
+    services = compose()["services"]
+    published_on_loopback = {
+        host_port
+        for service in services.values()
+        if service.get("network_mode") != "host"
+        for address, host_port in _published(service).values()
+        if address in LOOPBACK
+    }
+    for job, targets in scrape_targets().items():
+        for target in targets:
+            host, port = target.rsplit(":", 1)
+            assert _addresses(host, int(port)) <= LOOPBACK, f"{job}: {target} is not on the host's loopback"
+            if job != "openlora":  # the training process on the host; every other target is a container
+                assert int(port) in published_on_loopback, f"{job}: nothing publishes {port} on loopback"
+
+    # Services on the host's network get no port mapping: each is told to listen on loopback.
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus.get("network_mode") == "host" and grafana.get("network_mode") == "host"
+    assert "ports" not in prometheus and "ports" not in grafana  # ignored on the host's network
+    (listen,) = [a.split("=", 1)[1] for a in prometheus["command"] if a.startswith("--web.listen-address=")]
+    listen_host, listen_port = listen.rsplit(":", 1)
+    assert listen_host in LOOPBACK
+    assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] in LOOPBACK
+    # Grafana's datasource is where Prometheus listens.
+    datasource = yaml.safe_load(
+        (ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == f"http://{listen_host}:{listen_port}"
+
+
+@pytest.mark.e2e
+def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) -> None:
+    """A real Prometheus, with the shipped job's target host and timing, scrapes the default bind."""
+    from openlora_otel import setup_telemetry
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    settings = prometheus_config()["global"]
+    assert settings["scrape_timeout"] == settings["scrape_interval"]  # the helper sets both to one value
+    ((target,),) = [scrape_targets()["openlora"]]
+    host = target.rsplit(":", 1)[0]
+    # The default host; any free port, since 9464 may be taken on a shared machine.
+    telemetry = setup_telemetry("deploy-check", config=TelemetryConfig(prometheus_port=0))
+    prometheus = None
+    try:
+        assert telemetry.config.prometheus_host == TelemetryConfig().prometheus_host
+        telemetry.training.record_step(loss=1.0, tokens=8)
+        port = urllib.parse.urlparse(telemetry.prometheus_url).port
+        prometheus = Prometheus(tmp_path, [f"{host}:{port}"], scrape_interval=settings["scrape_interval"])
+        assert prometheus.wait_for('openlora_training_steps_total{job="openlora"} == 1', timeout=30)
+        assert prometheus.query(f'up{{job="openlora", instance="{host}:{port}"}} == 1')
+    finally:
+        telemetry.shutdown()
+        if prometheus is not None:
+            prometheus.stop()
 
 
 def test_collector_version_is_pinned_and_stated() -> None:
@@ -169,7 +275,6 @@ def test_compose_is_safe_and_references_existing_files() -> None:
         "Grafana's password must come from the environment"
     )
     assert "admin" not in password.split(":?")[0].lower().replace("grafana_admin_password", "")
-    assert "host.docker.internal:host-gateway" in services["prometheus"].get("extra_hosts", [])
     assert "GF_SECURITY_ADMIN_PASSWORD: admin" not in text
 
 
