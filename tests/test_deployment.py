@@ -49,13 +49,22 @@ def test_promtool_check_rules() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+RULE_TESTS = sorted((COLLECTOR / "rules" / "tests").glob("*.yml"))
+
+
 def test_promtool_test_rules_fire_and_stay_quiet() -> None:
-    result = promtool("test", "rules", "collector/rules/tests/openlora_test.yml")
+    assert {p.name for p in RULE_TESTS} >= {"openlora_test.yml", "healthy_setup_test.yml"}
+    result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def rules() -> list[dict]:
+    """Every rule, recording and alerting."""
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [rule for rule in rules() if "alert" in rule]
 
 
 def test_every_alert_has_severity_summary_description_runbook_and_tests() -> None:
@@ -67,13 +76,43 @@ def test_every_alert_has_severity_summary_description_runbook_and_tests() -> Non
         for case in test["alert_rule_test"]:
             bucket = firing if case["exp_alerts"] else quiet
             bucket[case["alertname"]] = bucket.get(case["alertname"], 0) + 1
-    for rule in rules():
+    for rule in alerts():
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
         assert f"### {name}" in readme and anchor == name.lower(), name
         assert firing.get(name) and quiet.get(name), f"{name} needs a firing and a quiet test case"
+    # The README has a runbook for every alert and for no alert that no longer exists.
+    runbooks = readme.split("## Alert runbooks", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"^### (\w+)$", runbooks, re.M)) == {rule["alert"] for rule in alerts()}
+    # Each runbook states its rule's severity, expression and duration as the rules file has them.
+    for rule in alerts():
+        section = runbooks.split(f"### {rule['alert']}\n", 1)[1].split("\n### ", 1)[0]
+        stated = f"*{rule['labels']['severity']}* — `{' '.join(rule['expr'].split())}`"
+        stated += f" for {rule['for']}" if "for" in rule else ""
+        assert section.strip().splitlines()[0] == stated, rule["alert"]
+    # Every recorded series is read by an alert.
+    for rule in rules():
+        if "record" in rule:
+            assert any(rule["record"] in alert["expr"] for alert in alerts()), rule["record"]
+
+
+def test_healthy_setups_are_checked_for_every_alert_over_their_whole_span() -> None:
+    # ALERTS over the whole span: a rule added later is covered without being named here,
+    # and an alert that fires for a while and resolves is caught too.
+    tests = yaml.safe_load((COLLECTOR / "rules" / "tests" / "healthy_setup_test.yml").read_text())["tests"]
+    pull_targets = [
+        s["values"] for test in tests for s in test["input_series"] if s["series"].startswith('up{job="openlora",')
+    ]
+    assert any(v.startswith("0x") and " 1" not in v for v in pull_targets), "an OTLP-only setup"
+    assert any(v.count("1x") >= 2 for v in pull_targets), "two runs on one pull target"
+    for test in tests:
+        (check,) = test["promql_expr_test"]
+        assert check["expr"] == (
+            f'count by (alertname) (count_over_time(ALERTS{{alertstate="firing"}}[{check["eval_time"]}]))'
+        )
+        assert check["exp_samples"] == []
 
 
 # -- the collector config against compose, Prometheus and setup_telemetry ----------------------
@@ -221,6 +260,38 @@ def test_every_target_is_reachable_from_the_host_network_and_nothing_listens_bey
     assert datasource["url"] == f"http://{listen_host}:{listen_port}"
 
 
+def _seconds(duration: str) -> float:
+    """A Prometheus duration such as ``5s``, ``10m``, ``1h`` in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration).groups()
+    return float(number) * units[unit]
+
+
+def _alert(name: str) -> dict:
+    (rule,) = [r for r in alerts() if r["alert"] == name]
+    return rule
+
+
+def test_rules_fit_the_shipped_timings() -> None:
+    # A refused scrape takes milliseconds, a timed-out one the scrape timeout: the threshold
+    # must sit between them, or a frozen process never alerts (or an exited one does).
+    scrape_timeout = _seconds(prometheus_config()["global"]["scrape_timeout"])
+    threshold = float(
+        re.search(
+            r'scrape_duration_seconds\{job="openlora"\} >= ([\d.]+)',
+            _alert("OpenloraTrainingEndpointUnresponsive")["expr"],
+        ).group(1)
+    )
+    assert 1 <= threshold < scrape_timeout
+    # The collector holds a finished OTLP run's last values for metric_expiration; they must be
+    # gone before the stall window could see them as flat, or every OTLP run would end in a stall.
+    stall_window = re.search(
+        r"increase\(openlora_training_steps_total\[(\w+)\]\) == 0", _alert("OpenloraTrainingStalled")["expr"]
+    ).group(1)
+    expiration = collector_config()["exporters"]["prometheus"]["metric_expiration"]
+    assert _seconds(expiration) < _seconds(stall_window)
+
+
 @pytest.mark.e2e
 def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) -> None:
     """A real Prometheus, with the shipped job's target host and timing, scrapes the default bind."""
@@ -245,6 +316,34 @@ def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) 
     finally:
         telemetry.shutdown()
         if prometheus is not None:
+            prometheus.stop()
+
+
+@pytest.mark.e2e
+def test_unresponsive_alert_tells_a_frozen_endpoint_from_a_closed_port(tmp_path) -> None:
+    """The premise of OpenloraTrainingEndpointUnresponsive, on a real Prometheus with the shipped timing."""
+    from tests.conftest import free_port
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    settings = prometheus_config()["global"]
+    host = scrape_targets()["openlora"][0].rsplit(":", 1)[0]
+    expr = _alert("OpenloraTrainingEndpointUnresponsive")["expr"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # the kernel accepts connections; nothing ever answers
+        frozen_target = f"{host}:{frozen.getsockname()[1]}"
+        closed_target = f"{host}:{free_port()}"  # what an exited process leaves
+        prometheus = Prometheus(
+            tmp_path, [frozen_target, closed_target], scrape_interval=settings["scrape_interval"]
+        )
+        try:
+            closed = prometheus.wait_for(f'scrape_duration_seconds{{instance="{closed_target}"}}', timeout=30)
+            assert closed and float(closed[0]["value"][1]) < 0.5
+            assert prometheus.query(f'up{{instance="{closed_target}"}} == 0')
+            firing = prometheus.wait_for(expr, timeout=30)
+            assert {series["metric"]["instance"] for series in firing} == {frozen_target}
+        finally:
             prometheus.stop()
 
 
@@ -341,7 +440,8 @@ KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_
 def _series_names(expr: str) -> set[str]:
     names = set(re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr))
     names |= {m.replace("(_ratio)?", "") for m in re.findall(r'__name__=~"([a-z_()?]+)"', expr)}
-    return names - {"target_info", "up"}
+    # target_info comes with every Resource; up and scrape_* are Prometheus's own per target.
+    return names - {"target_info", "up", "scrape_duration_seconds"}
 
 
 def test_dashboard_and_rules_only_name_series_that_exist() -> None:
