@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -48,13 +49,22 @@ def test_promtool_check_rules() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+RULE_TESTS = sorted((COLLECTOR / "rules" / "tests").glob("*.yml"))
+
+
 def test_promtool_test_rules_fire_and_stay_quiet() -> None:
-    result = promtool("test", "rules", "collector/rules/tests/openlora_test.yml")
+    assert {p.name for p in RULE_TESTS} >= {"openlora_test.yml", "healthy_setup_test.yml"}
+    result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def rules() -> list[dict]:
+    """Every rule, recording and alerting."""
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [rule for rule in rules() if "alert" in rule]
 
 
 def test_every_alert_has_severity_summary_description_runbook_and_tests() -> None:
@@ -66,13 +76,43 @@ def test_every_alert_has_severity_summary_description_runbook_and_tests() -> Non
         for case in test["alert_rule_test"]:
             bucket = firing if case["exp_alerts"] else quiet
             bucket[case["alertname"]] = bucket.get(case["alertname"], 0) + 1
-    for rule in rules():
+    for rule in alerts():
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
         anchor = rule["annotations"]["runbook_url"].split("#", 1)[1]
         assert f"### {name}" in readme and anchor == name.lower(), name
         assert firing.get(name) and quiet.get(name), f"{name} needs a firing and a quiet test case"
+    # The README has a runbook for every alert and for no alert that no longer exists.
+    runbooks = readme.split("## Alert runbooks", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"^### (\w+)$", runbooks, re.M)) == {rule["alert"] for rule in alerts()}
+    # Each runbook states its rule's severity, expression and duration as the rules file has them.
+    for rule in alerts():
+        section = runbooks.split(f"### {rule['alert']}\n", 1)[1].split("\n### ", 1)[0]
+        stated = f"*{rule['labels']['severity']}* — `{' '.join(rule['expr'].split())}`"
+        stated += f" for {rule['for']}" if "for" in rule else ""
+        assert section.strip().splitlines()[0] == stated, rule["alert"]
+    # Every recorded series is read by an alert.
+    for rule in rules():
+        if "record" in rule:
+            assert any(rule["record"] in alert["expr"] for alert in alerts()), rule["record"]
+
+
+def test_healthy_setups_are_checked_for_every_alert_over_their_whole_span() -> None:
+    # ALERTS over the whole span: a rule added later is covered without being named here,
+    # and an alert that fires for a while and resolves is caught too.
+    tests = yaml.safe_load((COLLECTOR / "rules" / "tests" / "healthy_setup_test.yml").read_text())["tests"]
+    pull_targets = [
+        s["values"] for test in tests for s in test["input_series"] if s["series"].startswith('up{job="openlora",')
+    ]
+    assert any(v.startswith("0x") and " 1" not in v for v in pull_targets), "an OTLP-only setup"
+    assert any(v.count("1x") >= 2 for v in pull_targets), "two runs on one pull target"
+    for test in tests:
+        (check,) = test["promql_expr_test"]
+        assert check["expr"] == (
+            f'count by (alertname) (count_over_time(ALERTS{{alertstate="firing"}}[{check["eval_time"]}]))'
+        )
+        assert check["exp_samples"] == []
 
 
 # -- the collector config against compose, Prometheus and setup_telemetry ----------------------
@@ -107,11 +147,33 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
+def _published(service: dict) -> dict[int, tuple[str, int]]:
+    """Container port -> (host address, host port) for each ``ports`` entry ``ADDR:HOST:CONTAINER``."""
+    published = {}
+    for entry in service.get("ports", []):
+        address, host_port, container_port = entry.split(":")
+        published[int(container_port)] = (address, int(host_port))
+    return published
+
+
+def prometheus_config() -> dict:
+    return yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
+
+
+def scrape_targets() -> dict[str, list[str]]:
+    return {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in prometheus_config()["scrape_configs"]
+    }
+
+
+def _collector_service() -> str:
+    return next(name for name, s in compose()["services"].items() if "opentelemetry-collector" in s["image"])
+
+
 def test_collector_ports_match_compose_prometheus_and_the_sdk_default() -> None:
     config = collector_config()
-    services = compose()["services"]
-    collector_service = next(name for name, s in services.items() if "opentelemetry-collector" in s["image"])
-    published = {int(p.split(":")[-1]): p for p in services[collector_service]["ports"]}
+    published = _published(compose()["services"][_collector_service()])
     grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert grpc.startswith("0.0.0.0:") and http.startswith("0.0.0.0:")  # reachable inside a container
@@ -120,26 +182,169 @@ def test_collector_ports_match_compose_prometheus_and_the_sdk_default() -> None:
     # What setup_telemetry() sends by default with OTEL_METRICS_EXPORTER=otlp lands on the HTTP receiver.
     default = TelemetryConfig.from_env({"OTEL_METRICS_EXPORTER": "otlp"}).otlp
     assert default.protocol == "http/protobuf"
-    assert default.endpoint == f"http://localhost:{_port(http)}/v1/metrics"
-    assert published[_port(http)].startswith("127.0.0.1:")
+    assert default.endpoint == f"http://localhost:{published[_port(http)][1]}/v1/metrics"
+    assert published[_port(http)][0] == "127.0.0.1"
     grpc_default = TelemetryConfig.from_env(
         {"OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     )
-    assert grpc_default.otlp.endpoint == f"http://localhost:{_port(grpc)}"
+    assert grpc_default.otlp.endpoint == f"http://localhost:{published[_port(grpc)][1]}"
 
-    prometheus = yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]}
+    # Prometheus shares the host's network, so it reaches the collector where compose publishes
+    # the collector's listeners on the host's loopback (a compose service name would not resolve).
+    targets = scrape_targets()
     exporter_port = _port(config["exporters"]["prometheus"]["endpoint"])
-    assert targets["openlora-collector"] == [f"{collector_service}:{exporter_port}"]
     self_port = config["service"]["telemetry"]["metrics"]["readers"][0]["pull"]["exporter"]["prometheus"][
         "port"
     ]
-    assert targets["openlora-collector-self"] == [f"{collector_service}:{self_port}"]
-    assert next(j for j in prometheus["scrape_configs"] if j["job_name"] == "openlora-collector")[
+    for job, container_port in (("openlora-collector", exporter_port), ("openlora-collector-self", self_port)):
+        assert container_port in published, f"{job}: the collector's port {container_port} is not published"
+        address, host_port = published[container_port]
+        assert targets[job] == [f"{address}:{host_port}"], job
+    assert next(j for j in prometheus_config()["scrape_configs"] if j["job_name"] == "openlora-collector")[
         "honor_labels"
     ]
-    # The pull path's target is the SDK's default Prometheus port on the host.
-    assert targets["openlora"] == [f"host.docker.internal:{TelemetryConfig().prometheus_port}"]
+
+
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _addresses(host: str, port: int, **flags: int) -> set[str]:
+    return {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, **flags)}
+
+
+def test_pull_target_is_where_the_default_endpoint_binds() -> None:
+    """Prometheus, on the host's network, scrapes the address a process binds with nothing set."""
+    services = compose()["services"]
+    assert services["prometheus"].get("network_mode") == "host"
+    default = TelemetryConfig()
+    ((target,),) = [scrape_targets()["openlora"]]
+    host, port = target.rsplit(":", 1)
+    assert int(port) == default.prometheus_port
+    # The endpoint binds the first address getaddrinfo gives for its host (prometheus_client's
+    # _get_best_family); Prometheus tries every address its target name resolves to.
+    bound = socket.getaddrinfo(
+        default.prometheus_host, default.prometheus_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0][4][0]
+    assert bound in LOOPBACK, f"the default bind {bound} is not loopback"
+    assert bound in _addresses(host, default.prometheus_port), f"{target} never reaches {bound}"
+
+
+def test_every_target_is_reachable_from_the_host_network_and_nothing_listens_beyond_loopback() -> None:
+    services = compose()["services"]
+    published_on_loopback = {
+        host_port
+        for service in services.values()
+        if service.get("network_mode") != "host"
+        for address, host_port in _published(service).values()
+        if address in LOOPBACK
+    }
+    for job, targets in scrape_targets().items():
+        for target in targets:
+            host, port = target.rsplit(":", 1)
+            assert _addresses(host, int(port)) <= LOOPBACK, f"{job}: {target} is not on the host's loopback"
+            if job != "openlora":  # the training process on the host; every other target is a container
+                assert int(port) in published_on_loopback, f"{job}: nothing publishes {port} on loopback"
+
+    # Services on the host's network get no port mapping: each is told to listen on loopback.
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus.get("network_mode") == "host" and grafana.get("network_mode") == "host"
+    assert "ports" not in prometheus and "ports" not in grafana  # ignored on the host's network
+    (listen,) = [a.split("=", 1)[1] for a in prometheus["command"] if a.startswith("--web.listen-address=")]
+    listen_host, listen_port = listen.rsplit(":", 1)
+    assert listen_host in LOOPBACK
+    assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] in LOOPBACK
+    # Grafana's datasource is where Prometheus listens.
+    datasource = yaml.safe_load(
+        (ROOT / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == f"http://{listen_host}:{listen_port}"
+
+
+def _seconds(duration: str) -> float:
+    """A Prometheus duration such as ``5s``, ``10m``, ``1h`` in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration).groups()
+    return float(number) * units[unit]
+
+
+def _alert(name: str) -> dict:
+    (rule,) = [r for r in alerts() if r["alert"] == name]
+    return rule
+
+
+def test_rules_fit_the_shipped_timings() -> None:
+    # A refused scrape takes milliseconds, a timed-out one the scrape timeout: the threshold
+    # must sit between them, or a frozen process never alerts (or an exited one does).
+    scrape_timeout = _seconds(prometheus_config()["global"]["scrape_timeout"])
+    threshold = float(
+        re.search(
+            r'scrape_duration_seconds\{job="openlora"\} >= ([\d.]+)',
+            _alert("OpenloraTrainingEndpointUnresponsive")["expr"],
+        ).group(1)
+    )
+    assert 1 <= threshold < scrape_timeout
+    # The collector holds a finished OTLP run's last values for metric_expiration; they must be
+    # gone before the stall window could see them as flat, or every OTLP run would end in a stall.
+    stall_window = re.search(
+        r"increase\(openlora_training_steps_total\[(\w+)\]\) == 0", _alert("OpenloraTrainingStalled")["expr"]
+    ).group(1)
+    expiration = collector_config()["exporters"]["prometheus"]["metric_expiration"]
+    assert _seconds(expiration) < _seconds(stall_window)
+
+
+@pytest.mark.e2e
+def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) -> None:
+    """A real Prometheus, with the shipped job's target host and timing, scrapes the default bind."""
+    from openlora_otel import setup_telemetry
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    settings = prometheus_config()["global"]
+    assert settings["scrape_timeout"] == settings["scrape_interval"]  # the helper sets both to one value
+    ((target,),) = [scrape_targets()["openlora"]]
+    host = target.rsplit(":", 1)[0]
+    # The default host; any free port, since 9464 may be taken on a shared machine.
+    telemetry = setup_telemetry("deploy-check", config=TelemetryConfig(prometheus_port=0))
+    prometheus = None
+    try:
+        assert telemetry.config.prometheus_host == TelemetryConfig().prometheus_host
+        telemetry.training.record_step(loss=1.0, tokens=8)
+        port = urllib.parse.urlparse(telemetry.prometheus_url).port
+        prometheus = Prometheus(tmp_path, [f"{host}:{port}"], scrape_interval=settings["scrape_interval"])
+        assert prometheus.wait_for('openlora_training_steps_total{job="openlora"} == 1', timeout=30)
+        assert prometheus.query(f'up{{job="openlora", instance="{host}:{port}"}} == 1')
+    finally:
+        telemetry.shutdown()
+        if prometheus is not None:
+            prometheus.stop()
+
+
+@pytest.mark.e2e
+def test_unresponsive_alert_tells_a_frozen_endpoint_from_a_closed_port(tmp_path) -> None:
+    """The premise of OpenloraTrainingEndpointUnresponsive, on a real Prometheus with the shipped timing."""
+    from tests.conftest import free_port
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    settings = prometheus_config()["global"]
+    host = scrape_targets()["openlora"][0].rsplit(":", 1)[0]
+    expr = _alert("OpenloraTrainingEndpointUnresponsive")["expr"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # the kernel accepts connections; nothing ever answers
+        frozen_target = f"{host}:{frozen.getsockname()[1]}"
+        closed_target = f"{host}:{free_port()}"  # what an exited process leaves
+        prometheus = Prometheus(
+            tmp_path, [frozen_target, closed_target], scrape_interval=settings["scrape_interval"]
+        )
+        try:
+            closed = prometheus.wait_for(f'scrape_duration_seconds{{instance="{closed_target}"}}', timeout=30)
+            assert closed and float(closed[0]["value"][1]) < 0.5
+            assert prometheus.query(f'up{{instance="{closed_target}"}} == 0')
+            firing = prometheus.wait_for(expr, timeout=30)
+            assert {series["metric"]["instance"] for series in firing} == {frozen_target}
+        finally:
+            prometheus.stop()
 
 
 def test_collector_version_is_pinned_and_stated() -> None:
@@ -169,7 +374,6 @@ def test_compose_is_safe_and_references_existing_files() -> None:
         "Grafana's password must come from the environment"
     )
     assert "admin" not in password.split(":?")[0].lower().replace("grafana_admin_password", "")
-    assert "host.docker.internal:host-gateway" in services["prometheus"].get("extra_hosts", [])
     assert "GF_SECURITY_ADMIN_PASSWORD: admin" not in text
 
 
@@ -236,7 +440,8 @@ KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_
 def _series_names(expr: str) -> set[str]:
     names = set(re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr))
     names |= {m.replace("(_ratio)?", "") for m in re.findall(r'__name__=~"([a-z_()?]+)"', expr)}
-    return names - {"target_info", "up"}
+    # target_info comes with every Resource; up and scrape_* are Prometheus's own per target.
+    return names - {"target_info", "up", "scrape_duration_seconds"}
 
 
 def test_dashboard_and_rules_only_name_series_that_exist() -> None:
