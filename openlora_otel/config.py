@@ -63,6 +63,7 @@ EXPORT_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
 OTLP_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
 SHUTDOWN_TIMEOUT_RANGE_MS = (1.0, 600_000.0)
 GPU_TIMEOUT_RANGE_MS = (1.0, 60_000.0)
+FINAL_SCRAPE_TIMEOUT_RANGE_MS = (0.0, 600_000.0)
 # Ranks are exported as integers: keep them far inside int64.
 MAX_RANK = 2**31 - 1
 
@@ -267,6 +268,23 @@ VARIABLES: tuple[Variable, ...] = (
         + "; past that the collection serves the last good one (up to 60 s old) and says how old.",
     ),
     Variable(
+        "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
+        "15000",
+        "Milliseconds `shutdown()` keeps the Prometheus endpoint open for one more scrape, so the run's final values are collected; only when the endpoint was scraped before, and no longer than about 1.5 observed scrape intervals; "
+        + _ms_range(FINAL_SCRAPE_TIMEOUT_RANGE_MS)
+        + "; 0 turns the wait off.",
+    ),
+    Variable(
+        "OPENLORA_HANDLE_SIGTERM",
+        "true",
+        "`true`: on SIGTERM (when the application has no SIGTERM handler of its own) do the bounded final export, then exit with status 143; `false`: leave SIGTERM alone.",
+    ),
+    Variable(
+        "OPENLORA_QUIET",
+        "false",
+        "`true` silences the one line on standard error that says where the metrics are served (shown when logging does not show INFO).",
+    ),
+    Variable(
         "CUDA_VISIBLE_DEVICES",
         "(unset)",
         "Read to pick this process's GPUs (indices, `GPU-` or `MIG-` UUIDs).",
@@ -382,6 +400,10 @@ class TelemetryConfig:
     gpu_devices: Literal["process", "all"] = "process"
     gpu_timeout_s: float = 1.0
     cuda_visible_devices: str | None = None
+    prometheus_port_explicit: bool = True
+    final_scrape_timeout_s: float = 15.0
+    handle_sigterm: bool = True
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -415,6 +437,12 @@ class TelemetryConfig:
             raise ConfigError("gpu_devices", self.gpu_devices, _choices(GPU_DEVICE_MODES))
         if not _in_range(self.gpu_timeout_s, _seconds(GPU_TIMEOUT_RANGE_MS)):
             raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, _s_accepted(GPU_TIMEOUT_RANGE_MS))
+        if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
+            raise ConfigError(
+                "final_scrape_timeout_s",
+                self.final_scrape_timeout_s,
+                _s_accepted(FINAL_SCRAPE_TIMEOUT_RANGE_MS),
+            )
 
     @property
     def enabled_exporters(self) -> tuple[str, ...]:
@@ -481,6 +509,9 @@ class TelemetryConfig:
             run_id = None
 
         gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT", bounds=GPU_TIMEOUT_RANGE_MS)
+        final_scrape = env.milliseconds(
+            "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", bounds=FINAL_SCRAPE_TIMEOUT_RANGE_MS
+        )
         visible = env.get("CUDA_VISIBLE_DEVICES") if "CUDA_VISIBLE_DEVICES" in env else None
 
         # Validated whether or not `otlp` is selected: a bad value is caught now,
@@ -504,6 +535,11 @@ class TelemetryConfig:
             gpu_devices=env.choice("OPENLORA_GPU_DEVICES", GPU_DEVICE_MODES) or "process",  # type: ignore[arg-type]
             gpu_timeout_s=1.0 if gpu_timeout is None else gpu_timeout / 1000.0,
             cuda_visible_devices=visible,
+            prometheus_port_explicit=bool(env.get("OTEL_EXPORTER_PROMETHEUS_PORT")),
+            final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
+            handle_sigterm=not env.get("OPENLORA_HANDLE_SIGTERM")
+            or env.boolean("OPENLORA_HANDLE_SIGTERM"),
+            quiet=env.boolean("OPENLORA_QUIET"),
         )
 
 

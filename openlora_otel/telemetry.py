@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -69,6 +70,9 @@ class Telemetry:
         self._training: TrainingMetrics | None = None
         self._gpu: Any = None
         self._nvml: Any = None
+        self._sigterm: Any = None
+        self._shutdown_done = threading.Event()
+        self._shutdown_ok = True
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -153,11 +157,14 @@ class Telemetry:
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Collect and export now; True when every reader finished within ``timeout_s``.
 
-        Defaults to the shutdown bound. Never raises; a no-op after shutdown.
+        Defaults to the shutdown bound. A no-op after shutdown. Raises
+        ``ValueError`` only for a ``timeout_s`` that is not a number of seconds
+        in (0, 3600]; export problems never raise.
         """
+        timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         if self._closed or not self.enabled:
             return not self._closed
-        return self._flush(self._config.shutdown_timeout_s if timeout_s is None else timeout_s)
+        return self._flush(timeout)
 
     def _flush(self, timeout: float) -> bool:
         flush = getattr(self._meter_provider, "force_flush", None)
@@ -168,26 +175,77 @@ class Telemetry:
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Final collect and export, then stop every reader and the pull endpoint.
 
-        Returns within ``timeout_s`` (default ``OPENLORA_SHUTDOWN_TIMEOUT``) even
-        when the OTLP endpoint hangs; True when everything finished in time.
-        Idempotent and safe from any thread; never raises.
+        When the pull endpoint has been scraped, it first waits for one more
+        scrape so the run's final values reach Prometheus (at most
+        ``OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT``, and about 1.5 observed scrape
+        intervals). The rest returns within ``timeout_s`` (default
+        ``OPENLORA_SHUTDOWN_TIMEOUT``) even when the OTLP endpoint hangs; True when
+        everything finished in time. Idempotent and safe from any thread: a call
+        while another thread is shutting down waits for it (within its own
+        bound). Never raises, except ``ValueError`` for a ``timeout_s`` that is not
+        a number of seconds in (0, 3600] (then nothing is changed).
         """
+        timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
-            if self._closed:
-                return True
+            closing_elsewhere = self._closed
             self._closed = True
+        if closing_elsewhere:
+            self._shutdown_done.wait(timeout + self._config.final_scrape_timeout_s)
+            return self._shutdown_ok and self._shutdown_done.is_set()
         atexit.unregister(self._shutdown_at_exit)
-        timeout = self._config.shutdown_timeout_s if timeout_s is None else timeout_s
         ok = True
-        if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
-            provider = self._meter_provider
-            ok = _run_bounded(lambda: provider.shutdown(timeout_millis=timeout * 1000), timeout, "shutdown")
-        elif self.enabled:
-            # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
-            ok = self._flush(timeout)
-        if self._training is not None:
-            # After the final collect above, so the last window was exported.
-            self._training.close()
+        deadline = time.monotonic() + timeout
+        try:
+            if self._training is not None:
+                # No record after this point: the final collection below holds every accepted step.
+                self._training.close()
+            self._wait_for_final_scrape()
+            deadline = time.monotonic() + timeout
+            # Keep a slice of the bound for closing the endpoint and joining its threads.
+            budget = max(0.001, timeout - min(0.25, timeout * 0.2))
+            if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
+                provider = self._meter_provider
+                ok = _run_bounded(lambda: provider.shutdown(timeout_millis=budget * 1000), budget, "shutdown")
+            elif self.enabled:
+                # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
+                ok = self._flush(budget)
+        except Exception:  # pragma: no cover - every step above is already guarded
+            _logger.warning("telemetry shutdown failed part-way; releasing what it holds", exc_info=True)
+            ok = False
+        finally:
+            ok = self._release(deadline) and ok
+            self._shutdown_ok = ok
+            self._shutdown_done.set()
+        return ok
+
+    def _wait_for_final_scrape(self) -> None:
+        """Serve until the scraper that has been scraping us collected once more (bounded)."""
+        endpoint = self._prometheus
+        limit = self._config.final_scrape_timeout_s
+        if endpoint is None or limit <= 0 or endpoint.scrapes == 0:
+            return
+        interval = endpoint.scrape_interval()
+        if interval is not None:
+            limit = min(limit, 1.5 * interval + 0.5)
+        started = time.monotonic()
+        if endpoint.wait_for_scrape(after=started, timeout_s=limit):
+            _logger.debug("final values scraped after %.2f s", time.monotonic() - started)
+        else:
+            _logger.info(
+                "openlora-otel: no scrape within %.1f s of shutdown; the last %.1f s of the run may be missing "
+                "in Prometheus (OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT)",
+                limit,
+                limit,
+            )
+
+    def _release(self, deadline: float) -> bool:
+        """Stop NVML, the endpoint and the SIGTERM guard, and free the global slot; never raises."""
+        ok = True
+        try:
+            if self._training is not None:
+                self._training.close()
+        except Exception:  # pragma: no cover
+            _logger.debug("closing training metrics failed", exc_info=True)
         if self._nvml is not None:
             try:
                 self._nvml.shutdown()
@@ -195,7 +253,16 @@ class Telemetry:
                 _logger.debug("nvmlShutdown failed", exc_info=True)
             self._nvml = None
         if self._prometheus is not None:
-            self._prometheus.close()
+            try:
+                ok = self._prometheus.close(max(0.05, deadline - time.monotonic()))
+            except Exception:  # pragma: no cover - close() never raises
+                _logger.debug("closing the Prometheus endpoint failed", exc_info=True)
+                ok = False
+        if self._sigterm is not None:
+            try:
+                self._sigterm.uninstall()
+            except Exception:  # pragma: no cover
+                _logger.debug("removing the SIGTERM handler failed", exc_info=True)
         _release_global(self)
         return ok
 
@@ -212,6 +279,21 @@ class Telemetry:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+# Longest bound shutdown()/force_flush() accept: past it a wait is a hang, not a bound.
+MAX_TIMEOUT_S = 3600.0
+
+
+def _timeout_argument(value: object, default: float) -> float:
+    """``timeout_s`` as given, checked: a real number of seconds in (0, MAX_TIMEOUT_S]; None is ``default``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {type(value).__name__}")
+    if not 0.0 < value <= MAX_TIMEOUT_S:  # also refuses NaN
+        raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {value!r}")
+    return float(value)
 
 
 def _run_bounded(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
@@ -331,6 +413,7 @@ def setup_telemetry(
             if nvml is not None:
                 telemetry._attach_gpu(nvml)
             _global_owner = telemetry
+            _install_sigterm(telemetry)
             return telemetry
 
         try:
@@ -357,13 +440,40 @@ def setup_telemetry(
         if nvml is not None:
             telemetry._attach_gpu(nvml)
         _global_owner = telemetry
-    _logger.info(
-        "telemetry on: run %s, exporters %s%s",
-        resolved_run_id,
-        ",".join(config.enabled_exporters) or "none",
-        f", metrics at {telemetry.prometheus_url}" if telemetry.prometheus_url else "",
-    )
+    _install_sigterm(telemetry)
+    _announce(telemetry)
     return telemetry
+
+
+def _install_sigterm(telemetry: Telemetry) -> None:
+    if not telemetry.config.handle_sigterm:
+        return
+    from openlora_otel.sigterm import SigtermGuard
+
+    telemetry._sigterm = SigtermGuard.install(telemetry.shutdown)
+
+
+def _announce(telemetry: Telemetry) -> None:
+    """Say once where the metrics go: through logging when it shows INFO, else on standard error."""
+    config = telemetry.config
+    where = []
+    if telemetry.prometheus_url:
+        where.append(f"served at {telemetry.prometheus_url}")
+    if "otlp" in config.enabled_exporters:
+        where.append(
+            f"pushed to {config.otlp.redacted_endpoint()} every {config.export_interval_ms / 1000:g} s"
+        )
+    if "console" in config.enabled_exporters:
+        where.append(f"printed every {config.export_interval_ms / 1000:g} s")
+    message = f"openlora-otel: run {telemetry.run_id}: metrics {' and '.join(where) or 'not exported (none)'}"
+    if _logger.isEnabledFor(logging.INFO) and _logger.hasHandlers():
+        _logger.info("%s", message)
+    elif not config.quiet:
+        try:
+            sys.stderr.write(message + " (OPENLORA_QUIET=true hides this line)\n")
+            sys.stderr.flush()
+        except Exception:  # a closed or broken stderr must not fail setup
+            pass
 
 
 def _start_nvml(config: TelemetryConfig) -> Any:

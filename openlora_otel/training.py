@@ -382,10 +382,13 @@ class TrainingMetrics:
         self._adapter = adapter
 
     def close(self) -> None:
-        """Stop accepting records (idempotent); later calls are ignored."""
+        """Stop accepting records (idempotent); later calls are ignored.
+
+        What was recorded before stays in the window, so a collection after
+        ``close()`` (the final export of ``Telemetry.shutdown()``) still reports it.
+        """
         with self._lock:
             self._closed = True
-            self._window = _Window(started=time.monotonic())
 
     # -- collection ---------------------------------------------------------------
     @staticmethod

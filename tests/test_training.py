@@ -244,10 +244,13 @@ def test_calls_after_shutdown_are_ignored(memory_reader: InMemoryMetricReader) -
     assert telemetry.training is training  # one per handle
     training.record_step(loss=1.0, tokens=5)
     telemetry.shutdown()
-    # The final collect at shutdown got the last window.
+    # What was recorded before shutdown stays for a final collection; nothing after it is taken.
+    assert training._window.steps == 1
     training.record_step(loss=9.0, tokens=5)
+    training.record_values(loss=9.0)
     training.record_epoch(3)
-    assert training._window.steps == 0
+    assert training._window.steps == 1
+    assert training._window.loss.count == 1
 
 
 class StandIn:

@@ -3,57 +3,332 @@
 The reader gets its own ``CollectorRegistry`` rather than prometheus_client's
 global one, so that the endpoint shows exactly this run's metrics (plus
 ``target_info`` with the Resource) and can be torn down and rebuilt in one process.
+
+The server is ours rather than ``prometheus_client.start_http_server`` because a
+training process needs it to behave like a server at the edges of a run:
+
+- every connection has a socket timeout and at most ``MAX_CONNECTIONS`` are
+  served at once, so idle or slow clients cannot pile up threads;
+- ``close()`` kicks out connections still open and joins every thread it
+  started, within a deadline;
+- it counts completed scrapes, so ``Telemetry.shutdown()`` can wait for the
+  scraper to collect the final values of a run (see :meth:`PrometheusEndpoint.wait_for_scrape`);
+- a forked child (a DataLoader worker) drops its copies of the sockets at once,
+  so the port is free again when the parent closes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import gzip
+import itertools
 import logging
 import os
 import socket
+import socketserver
 import threading
-from dataclasses import dataclass, field
+import time
+import weakref
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from openlora_otel.config import ConfigError, TelemetryConfig
 
-__all__ = ["PrometheusEndpoint", "build_prometheus"]
+__all__ = ["CONNECTION_TIMEOUT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
 
 _logger = logging.getLogger(__name__)
 
+# A scrape request arrives within milliseconds of connecting; anything slower is
+# a stuck or idle client, and holding its thread longer buys nothing.
+CONNECTION_TIMEOUT_S = 10.0
+# Prometheus opens one connection per scrape; a few scrapers, curl and a browser
+# fit well within this. Connections beyond it are closed at once.
+MAX_CONNECTIONS = 32
+# How often the accept loop checks for shutdown (socketserver's default, 0.5 s,
+# would let close() overrun a 2 s shutdown bound by that much).
+_POLL_INTERVAL_S = 0.05
 
-@dataclass
+
+class PortInUseError(ConfigError):
+    """The Prometheus port cannot be bound; the message says which setting chose it and what to do."""
+
+    def __init__(self, config: TelemetryConfig, error: OSError) -> None:
+        host, port = config.prometheus_host, config.prometheus_port
+        if config.prometheus_port_explicit:
+            origin = f"{config.prometheus_port_variable}={port}"
+        elif config.prometheus_port_variable != "OTEL_EXPORTER_PROMETHEUS_PORT":
+            origin = f"port {port}, the default 9464 + LOCAL_RANK (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
+        else:
+            origin = f"the default port {port} (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
+        super().__init__("OTEL_EXPORTER_PROMETHEUS_PORT", port, "a port that is free on " + host)
+        message = f"cannot serve metrics on {host}:{port}, chosen by {origin}: {error.strerror or error}. "
+        if error.errno == errno.EADDRINUSE:
+            message += (
+                "Another process holds that port (an earlier run still exiting, or another rank or node "
+                "on this host). "
+            )
+        message += (
+            "Set OTEL_EXPORTER_PROMETHEUS_PORT to a free port, or to 0 for any free port "
+            "(telemetry.prometheus_url then says which)"
+        )
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Serves the registry on every GET path, as prometheus_client's handler does."""
+
+    server: _Server
+    # StreamRequestHandler applies it to the socket: every read waits at most this long.
+    timeout = CONNECTION_TIMEOUT_S
+    server_version = "openlora-otel"
+
+    def do_GET(self) -> None:
+        started = time.monotonic()
+        try:
+            encoder, content_type = choose_encoder(self.headers.get("Accept"))
+            registry: Any = self.server.registry
+            params = parse_qs(urlparse(self.path).query)
+            if "name[]" in params:
+                registry = registry.restricted_registry(params["name[]"])
+            output = encoder(registry)
+        except Exception:
+            # A collection that fails must not take the server down or print a
+            # traceback per scrape: answer 500 and say why once.
+            self.server.collection_failed()
+            self._send(500, "text/plain; charset=utf-8", b"collecting metrics failed; see the process log\n")
+            return
+        headers = []
+        if gzip_accepted(self.headers.get("Accept-Encoding")):
+            output = gzip.compress(output)
+            headers.append(("Content-Encoding", "gzip"))
+        if self._send(200, content_type, output, headers):
+            self.server.scraped(started)
+
+    def _send(self, status: int, content_type: str, body: bytes, headers: list[tuple[str, str]] = ()) -> bool:  # type: ignore[assignment]
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+        except OSError:  # the client went away or timed out: nothing to tell anyone
+            return False
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing per request."""
+
+
+class _Server(HTTPServer):
+    """An HTTP server with one thread per connection, bounded in number, time and lifetime."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[Any, ...], family: int, registry: CollectorRegistry) -> None:
+        self.address_family = family
+        self.registry = registry
+        self._lock = threading.Lock()
+        self._active: dict[socket.socket, threading.Thread] = {}
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self._scrapes = 0
+        self._last_scrape_started: float | None = None
+        self._scrape_starts: list[float] = []
+        self._scraped = threading.Condition(self._lock)
+        self._warned_collection = False
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind also resolves the host's FQDN, a DNS lookup that can
+        # take seconds on a misconfigured node; the name is never used here.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = self.server_address[1]
+
+    # -- connections ---------------------------------------------------------
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            # Threads that served their connection may still be finishing: keep them
+            # until they are gone, so close() can join every one.
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if self._closing or len(self._active) >= MAX_CONNECTIONS:
+                reject = True
+            else:
+                reject = False
+                thread = threading.Thread(
+                    target=self._serve_one,
+                    args=(request, client_address),
+                    name="openlora-otel-prometheus-conn",
+                    daemon=True,
+                )
+                self._active[request] = thread
+                self._threads.append(thread)
+        if reject:
+            self.shutdown_request(request)
+            return
+        thread.start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            _logger.debug("serving a /metrics request failed", exc_info=True)
+        finally:
+            self.shutdown_request(request)
+            with self._lock:
+                self._active.pop(request, None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _logger.debug("error on a /metrics connection", exc_info=True)
+
+    def drop_connections(self) -> list[threading.Thread]:
+        """Stop accepting, shut every open connection so its thread returns; the threads to join."""
+        with self._lock:
+            self._closing = True
+            active = list(self._active)
+            threads = list(self._threads)
+        for request in active:
+            with contextlib.suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
+        return threads
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of every socket, touching nothing shared."""
+        with self._lock:
+            self._closing = True
+            active = list(self._active)
+            self._active.clear()
+        for sock in (self.socket, *active):
+            # close(), never shutdown(): the parent's sockets must keep working.
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # -- scrapes ---------------------------------------------------------------
+    def scraped(self, started: float) -> None:
+        with self._scraped:
+            self._scrapes += 1
+            self._last_scrape_started = started
+            self._scrape_starts = [*self._scrape_starts[-7:], started]
+            self._scraped.notify_all()
+
+    def collection_failed(self) -> None:
+        with self._lock:
+            first = not self._warned_collection
+            self._warned_collection = True
+        if first:
+            _logger.warning(
+                "openlora-otel: collecting metrics for a scrape failed (answered HTTP 500); "
+                "later failures are logged at debug level",
+                exc_info=True,
+            )
+        else:
+            _logger.debug("collecting metrics for a scrape failed", exc_info=True)
+
+
 class PrometheusEndpoint:
     """A bound, serving ``/metrics`` endpoint and the reader behind it."""
 
-    reader: PrometheusMetricReader
-    registry: CollectorRegistry
-    host: str
-    port: int
-    _server: object
-    _thread: threading.Thread
-    _pid: int = field(default_factory=os.getpid)
+    def __init__(self, reader: PrometheusMetricReader, server: _Server, host: str) -> None:
+        self.reader = reader
+        self.registry = server.registry
+        self.host = host
+        self.port: int = server.server_address[1]
+        self._server: _Server | None = server
+        self._pid = os.getpid()
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": _POLL_INTERVAL_S},
+            name="openlora-otel-prometheus",
+            daemon=True,
+        )
+        self._thread.start()
+        _LIVE.add(self)
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
-    def close(self) -> None:
-        """Stop serving and release the port (idempotent; in a forked child, only drops the socket)."""
+    @property
+    def scrapes(self) -> int:
+        """Scrapes answered with HTTP 200 so far."""
+        server = self._server
+        return server._scrapes if server is not None else 0
+
+    def scrape_interval(self) -> float | None:
+        """The median time between the scrapes seen so far (None before two)."""
         server = self._server
         if server is None:
-            return
-        self._server = None
+            return None
+        with server._lock:
+            starts = list(server._scrape_starts)
+        gaps = sorted(b - a for a, b in itertools.pairwise(starts))
+        return gaps[len(gaps) // 2] if gaps else None
+
+    def wait_for_scrape(self, after: float, timeout_s: float) -> bool:
+        """Wait until a scrape that started at or after ``after`` (monotonic) was answered; False on timeout."""
+        server = self._server
+        if server is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        with server._scraped:
+            while server._last_scrape_started is None or server._last_scrape_started < after:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                server._scraped.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Stop serving, release the port and join every thread within ``timeout_s``; idempotent.
+
+        True when every thread ended in time. In a forked child it only drops the child's sockets.
+        """
+        server, self._server = self._server, None
+        if server is None:
+            return True
+        _LIVE.discard(self)
+        if os.getpid() != self._pid:
+            server.forget_in_child()
+            return True
+        deadline = time.monotonic() + timeout_s
         try:
-            if os.getpid() == self._pid:
-                server.shutdown()  # type: ignore[attr-defined]
-            # else: a forked child has no serving thread; shutdown() would wait for it forever.
-            server.server_close()  # type: ignore[attr-defined]
+            server.shutdown()  # returns within one poll interval
         except Exception:  # pragma: no cover - defensive: closing must never raise
-            _logger.debug("closing the Prometheus endpoint failed", exc_info=True)
-        self._thread.join(timeout=1.0)
+            _logger.debug("stopping the Prometheus accept loop failed", exc_info=True)
+        threads = server.drop_connections()
+        try:
+            server.server_close()
+        except OSError:  # pragma: no cover
+            _logger.debug("closing the Prometheus socket failed", exc_info=True)
+        ok = True
+        for thread in (self._thread, *threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            ok = ok and not thread.is_alive()
+        return ok
+
+
+# Endpoints alive in this process, for the fork hook (weak: a dropped endpoint is not kept alive).
+_LIVE: weakref.WeakSet[PrometheusEndpoint] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for endpoint in list(_LIVE):
+        endpoint.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
@@ -65,20 +340,15 @@ def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
     registry = CollectorRegistry(auto_describe=False)
     host, port = config.prometheus_host, config.prometheus_port
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
-    except socket.gaierror as exc:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+    except (socket.gaierror, UnicodeError) as exc:
         raise ConfigError(
             "OTEL_EXPORTER_PROMETHEUS_HOST", host, "a resolvable host name or IP address", str(exc)
         ) from None
+    try:
+        server = _Server(sockaddr, family, registry)
     except OSError as exc:
-        raise ConfigError(
-            config.prometheus_port_variable,
-            port,
-            "a port that is free on " + host,
-            f"binding {host}:{port} failed: {exc.strerror or exc}; pick another port, or 0 for any free port",
-        ) from None
-    bound_port = server.server_address[1]
+        raise PortInUseError(config, exc) from None
     reader = PrometheusMetricReader(registry=registry)
-    return PrometheusEndpoint(
-        reader=reader, registry=registry, host=host, port=bound_port, _server=server, _thread=thread
-    )
+    return PrometheusEndpoint(reader, server, host)

@@ -1,0 +1,210 @@
+"""SIGTERM: the final export before the process ends.
+
+Kubernetes, Slurm and torchrun stop jobs with SIGTERM, and Python's default
+SIGTERM ends the process at once without running ``atexit``: everything recorded
+since the last export would be lost. When the application has not installed a
+SIGTERM handler of its own, :class:`SigtermGuard` installs one that runs
+``Telemetry.shutdown()`` (bounded) and then ends the process with status 143,
+the status a shell reports for a SIGTERM death.
+
+Design points, each for a failure seen in real jobs:
+
+- The final export runs on its own thread, never inside the interrupted main
+  thread: the main thread may be interrupted while it holds a lock the
+  collection needs (a logging handler's, an SDK instrument's, ours), and waiting
+  there would deadlock until the bound runs out.
+- A Python signal handler only runs when the main thread next executes Python
+  code; a rank stuck in a collective or a long C call would ignore SIGTERM until
+  the launcher's SIGKILL. So the guard also takes the C-level wakeup file
+  descriptor (``signal.set_wakeup_fd``) when nobody else holds it (asyncio does,
+  when it handles signals): a watcher thread hears the signal at once even then.
+- An application handler, installed before ``setup_telemetry()`` or after it,
+  is left alone and keeps working: the guard installs nothing in the first case
+  and stands aside in the second (the shutdown at interpreter exit then delivers
+  the final values, as long as the handler ends the process with ``sys.exit``).
+- A forked child (a DataLoader worker) goes back to the default SIGTERM and
+  drops the inherited wakeup socket, so stopping a worker never stops its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import FrameType
+
+__all__ = ["EXIT_STATUS", "SigtermGuard"]
+
+_logger = logging.getLogger(__name__)
+
+# 128 + SIGTERM: what a shell, Kubernetes and Slurm report for a process ended by SIGTERM.
+EXIT_STATUS = 128 + signal.SIGTERM
+
+
+class SigtermGuard:
+    """Runs ``on_terminate`` (the bounded shutdown) on SIGTERM, then exits with status 143.
+
+    Build it with :meth:`install`; ``uninstall()`` puts the default back.
+    """
+
+    def __init__(self, on_terminate: Callable[[], object]) -> None:
+        self._on_terminate = on_terminate
+        self._lock = threading.Lock()
+        self._started = False
+        self._installed = False
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._watcher: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    @classmethod
+    def install(cls, on_terminate: Callable[[], object]) -> SigtermGuard | None:
+        """Install the guard, or return None (and change nothing) when it should not be."""
+        if threading.current_thread() is not threading.main_thread():
+            _logger.info(
+                "openlora-otel: setup_telemetry() ran outside the main thread, where Python cannot set a "
+                "SIGTERM handler; SIGTERM ends the process without a final export (call telemetry.shutdown() "
+                "from your own handler)"
+            )
+            return None
+        current = signal.getsignal(signal.SIGTERM)
+        if current is not signal.SIG_DFL:
+            # The application's own handler (or SIG_IGN, or a handler set outside Python) stays.
+            _logger.debug("SIGTERM already has a handler (%r); leaving it alone", current)
+            return None
+        guard = cls(on_terminate)
+        signal.signal(signal.SIGTERM, guard._on_signal)
+        guard._installed = True
+        guard._start_watcher()
+        _GUARDS.add(guard)
+        return guard
+
+    # -- the two ways a SIGTERM reaches us ---------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The Python-level handler, run by the main thread: start the shutdown and return at once."""
+        self._terminate()
+
+    def _start_watcher(self) -> None:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):  # pragma: no cover - main thread checked above
+            reader.close()
+            writer.close()
+            return
+        if previous != -1:
+            # Someone (asyncio's signal handling) owns the wakeup fd: give it back and
+            # rely on the Python-level handler alone.
+            signal.set_wakeup_fd(previous)
+            reader.close()
+            writer.close()
+            return
+        self._reader, self._writer = reader, writer
+        self._watcher = threading.Thread(target=self._watch, name="openlora-otel-sigterm-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        reader = self._reader
+        assert reader is not None
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            # The wakeup fd carries every signal with a Python handler; act on ours only,
+            # and only while the handler is still ours (an application handler installed
+            # after setup_telemetry() decides for itself).
+            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self._on_signal:
+                self._terminate()
+
+    def _terminate(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._shutdown_and_exit, name="openlora-otel-sigterm", daemon=True).start()
+
+    def _shutdown_and_exit(self) -> None:
+        try:
+            _logger.info("openlora-otel: SIGTERM received; final export, then exit with status %d", EXIT_STATUS)
+            self._on_terminate()
+        except BaseException:  # pragma: no cover - shutdown never raises; exiting matters more
+            _logger.debug("shutdown on SIGTERM raised", exc_info=True)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            # Like the default SIGTERM: no atexit handlers, no cleanup of other threads.
+            os._exit(EXIT_STATUS)
+
+    # -- teardown -------------------------------------------------------------------
+    def uninstall(self) -> None:
+        """Put the default SIGTERM back (when still ours) and stop the watcher; idempotent.
+
+        From a thread other than the main one the handler cannot be changed; it then
+        stays, and a later SIGTERM ends the process at once with status 143.
+        """
+        _GUARDS.discard(self)
+        on_main = threading.current_thread() is threading.main_thread()
+        if self._installed and on_main and os.getpid() == self._pid:
+            self._installed = False
+            if signal.getsignal(signal.SIGTERM) == self._on_signal:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self._writer is not None:
+                try:
+                    if signal.set_wakeup_fd(-1) != self._writer.fileno():
+                        pass  # pragma: no cover - someone replaced it; they own it now
+                except ValueError:  # pragma: no cover
+                    pass
+        self._close_sockets()
+
+    def _close_sockets(self, *, wake_watcher: bool = True) -> None:
+        reader = self._reader
+        if wake_watcher and reader is not None:
+            # close() alone does not wake a thread blocked in recv(); shutdown() does.
+            with contextlib.suppress(OSError):
+                reader.shutdown(socket.SHUT_RDWR)
+        for sock in (self._writer, reader):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self._reader = self._writer = None
+        watcher, self._watcher = self._watcher, None
+        if wake_watcher and watcher is not None and watcher is not threading.current_thread():
+            watcher.join(1.0)
+
+    def _reset_in_child(self) -> None:
+        """After fork, in the child: default SIGTERM, no wakeup fd, no sockets shared with the parent."""
+        self._installed = False
+        self._started = True  # the child never runs the parent's shutdown
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_signal:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self._writer is not None:
+                signal.set_wakeup_fd(-1)
+        except ValueError:  # pragma: no cover - fork from a thread Python does not see as main
+            pass
+        # shutdown() would act on the socket the parent shares: only close the child's copies.
+        self._close_sockets(wake_watcher=False)
+
+
+_GUARDS: weakref.WeakSet[SigtermGuard] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for guard in list(_GUARDS):
+        guard._reset_in_child()
+    _GUARDS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+

@@ -1,0 +1,388 @@
+"""The end of a run: final values reach the scraper, SIGTERM still exports, shutdown always releases.
+
+Subprocess tests run small scripts (``tests/scripts/``-style bodies below) in a
+fresh interpreter, because SIGTERM, exit status and atexit only mean something
+for a whole process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from openlora_otel import TelemetryConfig, setup_telemetry
+from tests.conftest import child_env, free_port
+from tests.otlp_receiver import HangingEndpoint, HttpReceiver
+from tests.prometheus_server import Prometheus, prometheus_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _openlora_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("openlora-otel")]
+
+
+def _port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# -- 1. the end of a run reaches Prometheus -------------------------------------------------
+@pytest.mark.e2e
+def test_final_values_of_a_short_run_reach_prometheus(tmp_path: Path) -> None:
+    prometheus_binary()
+    port = free_port()
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}"], scrape_interval="1s")
+    try:
+        # Prometheus knows the target (down for now) before the run starts, as in a real deployment.
+        prometheus.wait_for('up{job="openlora"}', timeout=20)
+        config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=port, handle_sigterm=False)
+        telemetry = setup_telemetry(config=config)
+        training = telemetry.training
+        started = time.monotonic()
+        steps = 0
+        while time.monotonic() - started < 3.0:  # a 3 s run, about three scrapes
+            training.record_step(loss=1.0, tokens=10, step_time_s=0.01)
+            steps += 1
+            time.sleep(0.01)
+        assert telemetry.prometheus_url is not None
+        shutdown_started = time.monotonic()
+        assert telemetry.shutdown()
+        waited = time.monotonic() - shutdown_started
+        assert waited < 1.5 * 1.0 + 0.5 + 1.0  # about one scrape interval, never the 15 s limit
+        final = prometheus.wait_for(f"max_over_time(openlora_training_steps_total[5m]) == {steps}", timeout=10)
+        assert final, (steps, prometheus.query("max_over_time(openlora_training_steps_total[5m])"))
+        tokens = prometheus.query("max_over_time(openlora_training_tokens_total[5m])")
+        assert float(tokens[0]["value"][1]) == 10 * steps
+    finally:
+        prometheus.stop()
+
+
+def test_a_run_never_scraped_does_not_wait() -> None:
+    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False)
+    telemetry = setup_telemetry(config=config)
+    telemetry.training.record_step(loss=1.0)
+    started = time.monotonic()
+    assert telemetry.shutdown()
+    assert time.monotonic() - started < 1.0  # the default wait is 15 s: not taken
+
+
+def _scrape(url: str) -> None:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        response.read()
+
+
+def test_final_scrape_wait_is_bounded_by_the_variable() -> None:
+    config = TelemetryConfig(
+        prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False, final_scrape_timeout_s=0.5
+    )
+    telemetry = setup_telemetry(config=config)
+    assert telemetry.prometheus_url is not None
+    _scrape(telemetry.prometheus_url)  # scraped once, then the scraper goes away
+    started = time.monotonic()
+    telemetry.shutdown()
+    elapsed = time.monotonic() - started
+    assert 0.5 <= elapsed < 2.0
+
+
+def test_final_scrape_wait_follows_the_observed_interval() -> None:
+    config = TelemetryConfig(
+        prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False, final_scrape_timeout_s=15.0
+    )
+    telemetry = setup_telemetry(config=config)
+    url = telemetry.prometheus_url
+    assert url is not None
+    for _ in range(4):  # a scraper every 0.2 s that then stops
+        _scrape(url)
+        time.sleep(0.2)
+    started = time.monotonic()
+    telemetry.shutdown()
+    # 1.5 x 0.2 s + 0.5 s, far below the 15 s limit.
+    assert time.monotonic() - started < 3.0
+
+
+def test_final_scrape_sees_every_step_recorded_before_shutdown() -> None:
+    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False)
+    telemetry = setup_telemetry(config=config)
+    url = telemetry.prometheus_url
+    assert url is not None
+    _scrape(url)
+    bodies: list[str] = []
+    stop = threading.Event()
+
+    def scraper() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    bodies.append(response.read().decode())
+            except OSError:
+                return
+            stop.wait(0.1)
+
+    thread = threading.Thread(target=scraper)
+    for _ in range(123):
+        telemetry.training.record_step(loss=2.0)
+    thread.start()
+    telemetry.shutdown()
+    stop.set()
+    thread.join(10)
+    assert any(re.search(r"^openlora_training_steps_total\{.*\} 123\.0$", body, re.M) for body in bodies)
+
+
+# -- 5. odd arguments, failing shutdowns ---------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1, 0, 1e308, True])
+def test_shutdown_refuses_odd_timeouts_and_stays_usable(bad: object) -> None:
+    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False)
+    telemetry = setup_telemetry(config=config)
+    port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])  # type: ignore[union-attr]
+    with pytest.raises((ValueError, TypeError)):
+        telemetry.shutdown(timeout_s=bad)  # type: ignore[arg-type]
+    with pytest.raises((ValueError, TypeError)):
+        telemetry.force_flush(timeout_s=bad)  # type: ignore[arg-type]
+    assert not telemetry.is_shutdown
+    assert telemetry.shutdown(timeout_s=1)
+    assert _port_is_free(port)
+    assert _openlora_threads() == []
+
+
+def test_a_failing_shutdown_still_releases_port_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False)
+    telemetry = setup_telemetry(config=config)
+    port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])  # type: ignore[union-attr]
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OverflowError("timestamp too large")
+
+    monkeypatch.setattr(telemetry.meter_provider, "shutdown", broken)
+    assert telemetry.shutdown() is False
+    assert telemetry.is_shutdown
+    assert _port_is_free(port)
+    assert _openlora_threads() == []
+
+
+# -- 2. SIGTERM -------------------------------------------------------------------------
+_CHILD_PRELUDE = """
+import os, signal, sys, time
+from openlora_otel import setup_telemetry
+"""
+
+
+def _run_child(
+    body: str, env: dict[str, str], *, signal_after_ready: bool = True, timeout: float = 60.0
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Start ``body``; once it prints READY send SIGTERM; return the result and the seconds it took to end."""
+    script = _CHILD_PRELUDE + textwrap.dedent(body)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    line = ""
+    before: list[str] = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line or line.strip() == "READY":
+            break
+        before.append(line)
+    assert line.strip() == "READY", process.communicate(timeout=30)
+    sent = time.monotonic()
+    if signal_after_ready:
+        process.send_signal(signal.SIGTERM)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate(timeout=10)
+        pytest.fail(f"child did not end after SIGTERM: {stderr[-2000:]}")
+    took = time.monotonic() - sent
+    return subprocess.CompletedProcess(process.args, process.returncode, "".join(before) + stdout, stderr), took
+
+
+def _otlp_env(receiver: HttpReceiver, **extra: str) -> dict[str, str]:
+    return child_env(
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint,
+        OTEL_METRIC_EXPORT_INTERVAL="60000",
+        OTEL_SERVICE_NAME="sigterm-test",
+        PYTHONPATH=str(ROOT),
+        **extra,
+    )
+
+
+def _steps_received(receiver: HttpReceiver) -> float:
+    points = receiver.metrics().get("openlora.training.steps", [])
+    return max((point.as_double or point.as_int for _, point in points), default=0)
+
+
+_RECORD_5000 = """
+telemetry = setup_telemetry()
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0, tokens=7)
+print("READY", flush=True)
+time.sleep(60)
+print("NOT KILLED", flush=True)
+"""
+
+
+def test_sigterm_exports_every_recorded_step_and_exits_143() -> None:
+    receiver = HttpReceiver()
+    try:
+        result, took = _run_child(_RECORD_5000, _otlp_env(receiver))
+        assert result.returncode == 143, result.stderr[-2000:]
+        assert "NOT KILLED" not in result.stdout
+        assert _steps_received(receiver) == 5000
+        tokens = receiver.metrics()["openlora.training.tokens"]
+        assert max(p.as_int for _, p in tokens) == 35000
+        assert took < 10
+    finally:
+        receiver.close()
+
+
+def test_sigterm_handling_can_be_turned_off() -> None:
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(_RECORD_5000, _otlp_env(receiver, OPENLORA_HANDLE_SIGTERM="false"))
+        assert result.returncode == -signal.SIGTERM  # Python's default: killed, nothing exported
+        assert receiver.received == []
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_application_sigterm_handler_keeps_working(when: str) -> None:
+    handler = """
+def on_term(signum, frame):
+    print("APP HANDLER RAN", flush=True)
+    sys.exit(3)
+"""
+    install = "signal.signal(signal.SIGTERM, on_term)\n"
+    body = handler + (install if when == "before" else "") + "telemetry = setup_telemetry()\n"
+    body += install if when == "after" else ""
+    body += """
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0, tokens=7)
+print("READY", flush=True)
+time.sleep(60)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver))
+        assert "APP HANDLER RAN" in result.stdout
+        assert result.returncode == 3, result.stderr[-2000:]
+        # The application's sys.exit ran atexit, and with it the final export.
+        assert _steps_received(receiver) == 5000
+    finally:
+        receiver.close()
+
+
+def test_sigterm_reaches_a_main_thread_stuck_in_c_code() -> None:
+    # A rank stuck in a collective never returns to Python; pbkdf2 with a huge
+    # iteration count stands in for it (a C loop that releases the GIL and ignores signals).
+    body = """
+import hashlib
+telemetry = setup_telemetry()
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0)
+print("READY", flush=True)
+hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2**31 - 1)
+print("NOT KILLED", flush=True)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, took = _run_child(body, _otlp_env(receiver))
+        assert result.returncode == 143, result.stderr[-2000:]
+        assert _steps_received(receiver) == 5000
+        assert took < 10
+    finally:
+        receiver.close()
+
+
+def test_sigterm_while_recording_ends_the_run_within_the_bound() -> None:
+    body = """
+telemetry = setup_telemetry()
+training = telemetry.training
+print("READY", flush=True)
+while True:
+    training.record_step(loss=1.0, tokens=1)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, took = _run_child(body, _otlp_env(receiver))
+        assert result.returncode == 143, result.stderr[-2000:]
+        assert _steps_received(receiver) > 0
+        assert took < 10
+    finally:
+        receiver.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_sigterm_to_a_forked_worker_ends_only_the_worker() -> None:
+    body = """
+telemetry = setup_telemetry()
+telemetry.training.record_step(loss=1.0)
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.2)
+os.kill(child, signal.SIGTERM)
+_, status = os.waitpid(child, 0)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+time.sleep(0.5)  # the parent must not have been told to stop
+print("PARENT ALIVE", flush=True)
+print("READY", flush=True)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        assert f"CHILD {-signal.SIGTERM}" in result.stdout, result.stderr[-2000:]
+        assert "PARENT ALIVE" in result.stdout
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert _steps_received(receiver) == 1  # the parent's normal exit exported
+    finally:
+        receiver.close()
+
+
+def test_shutdown_waits_for_a_shutdown_in_progress_on_another_thread() -> None:
+    hanging = HangingEndpoint()
+    try:
+        config = TelemetryConfig(
+            exporters=("otlp",),
+            handle_sigterm=False,
+            shutdown_timeout_s=1.0,
+        )
+        config = config.replace(
+            otlp=config.otlp.__class__(endpoint=f"http://127.0.0.1:{hanging.port}/v1/metrics", timeout_s=0.5)
+        )
+        telemetry = setup_telemetry(config=config)
+        telemetry.training.record_step(loss=1.0)  # something to export, so the final export hangs
+        first = threading.Thread(target=telemetry.shutdown)
+        first.start()
+        time.sleep(0.1)
+        started = time.monotonic()
+        telemetry.shutdown()  # returns only once the first one finished
+        assert time.monotonic() - started > 0.3
+        first.join(5)
+    finally:
+        hanging.close()
