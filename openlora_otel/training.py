@@ -18,8 +18,16 @@ exporter's or the scrape's thread:
   tensors the copy to the host is asynchronous and is only polled, never
   waited on with a synchronizing call, so ``torch.cuda.set_sync_debug_mode("error")``
   holds. Values a GPU has not produced yet are carried into the next collection.
-- step durations are bucketed per step and replayed into the
-  ``openlora.training.step.duration`` histogram at collection.
+- the window's counts go into synchronous SDK counters and its step durations
+  into the ``openlora.training.step.duration`` histogram when the window is
+  taken. Measurements of synchronous instruments stay in the SDK until a
+  collection completes, so a collection that fails after the window was taken
+  neither loses nor repeats it (observable counters would: the SDK adds an
+  aborted collection's observation to the next one's).
+- on the provider ``setup_telemetry`` builds, :func:`step_duration_view` makes
+  the histogram take a whole window as one measurement, so a collection costs
+  the same after ten steps or ten million; on any other meter the window is
+  replayed, one ``record`` per step (exact, about 5 us per step).
 
 The window is shared by all readers: with two readers (say Prometheus and
 OTLP), each reports the window since whichever collected last.
@@ -36,6 +44,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -43,7 +52,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.names import ATTR_EVAL_METRIC, STEP_DURATION_BUCKETS
 
-__all__ = ["TrainingMetrics"]
+__all__ = ["TrainingMetrics", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ _READBACK_WAIT_S = 0.2
 # An empty window shorter than this keeps the previous throughput (two readers back to back).
 _MIN_EMPTY_WINDOW_S = 1.0
 _MAX_EVAL_METRICS = 64
+# OTLP carries integer points as int64: a larger count fails the whole export, every time.
+_INT64_MAX = 2**63 - 1
+_DURATION = "openlora.training.step.duration"
 
 
 class _Series:
@@ -101,6 +113,8 @@ class _Window:
     lr: _Series = field(default_factory=_Series)
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_DURATION_BUCKETS) + 1))
     bucket_sums: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
+    shortest: float = math.inf
+    longest: float = -math.inf
 
 
 @dataclass
@@ -115,12 +129,35 @@ class _Snapshot:
     samples_per_s: float | None = None
 
 
+class _Total:
+    """A synchronous counter and what was added to it, kept within int64 (saturates rather than poisons exports)."""
+
+    __slots__ = ("counter", "total")
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.total = 0
+
+    def add(self, amount: int) -> bool:
+        """Add ``amount``; False when the total reached int64's maximum and part of it was not counted."""
+        room = _INT64_MAX - self.total
+        taken = amount if amount <= room else room
+        self.total += taken
+        self.counter.add(taken)  # also when 0: the series exists from the first collection
+        return taken == amount
+
+
 class TrainingMetrics:
     """Training instruments under ``openlora.training.*`` and ``openlora.adapter.*``.
 
     Get it as ``telemetry.training``, or build one from any OpenTelemetry
     ``Meter``. Safe to call from several threads; calls after :meth:`close`
     (which ``Telemetry.shutdown()`` calls) are accepted and ignored.
+
+    ``window_histogram``: set it only when the meter's provider was built with
+    :func:`step_duration_view` (``setup_telemetry`` does both): each collection
+    then hands the step-duration histogram one pre-bucketed window instead of
+    replaying every step's duration (one SDK call per step).
 
     Argument rules (checked on every call; a wrong type is a programming error
     and raises at once, a non-finite value is data and is counted):
@@ -137,7 +174,11 @@ class TrainingMetrics:
     """
 
     def __init__(
-        self, meter: Meter, *, step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS
+        self,
+        meter: Meter,
+        *,
+        step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS,
+        window_histogram: bool = False,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -146,16 +187,11 @@ class TrainingMetrics:
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
+        self._merge_windows = bool(window_histogram) and _window_merging_works()
         self._window = _Window(started=time.monotonic())
         self._last_call: float | None = None
         self._snapshot = _Snapshot()
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
-        # Cumulative totals (monotonic counters), updated at collection.
-        self._steps = 0
-        self._tokens = 0
-        self._samples = 0
-        self._loss_nonfinite = 0
-        self._grad_nonfinite = 0
         self._epoch: float | None = None
         self._eval_loss: float | None = None
         self._eval: dict[str, float] = {}
@@ -170,18 +206,27 @@ class TrainingMetrics:
                 name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
             )
 
-        def counter(name: str, callback: Any) -> None:
-            meter.create_observable_counter(
-                name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
+        def counter(name: str) -> _Total:
+            return _Total(
+                meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
             )
 
-        # The first callback of every collection rolls the window; the rest read the snapshot.
-        counter("openlora.training.steps", self._observe_steps)
-        counter("openlora.training.tokens", lambda o: self._one(self._tokens))
-        counter("openlora.training.samples", lambda o: self._one(self._samples))
-        counter("openlora.training.loss.nonfinite", lambda o: self._one(self._loss_nonfinite))
-        counter("openlora.training.gradient_norm.nonfinite", lambda o: self._one(self._grad_nonfinite))
-        gauge("openlora.training.loss", lambda o: self._one(self._snapshot.loss))
+        # Counters are synchronous: a window's counts are added once, when it is taken
+        # (see the module docstring for why not observable counters).
+        self._steps = counter("openlora.training.steps")
+        self._tokens = counter("openlora.training.tokens")
+        self._samples = counter("openlora.training.samples")
+        self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
+        self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
+        duration = spec[_DURATION]
+        self._duration = meter.create_histogram(
+            duration.name,
+            unit=duration.unit,
+            description=duration.description,
+            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
+        )
+        # The first callback of every collection takes the window; the rest read the snapshot.
+        gauge("openlora.training.loss", self._observe_loss)
         gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
         gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
         gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
@@ -193,13 +238,6 @@ class TrainingMetrics:
         for adapter_spec in names.ADAPTER_METRICS:
             key = adapter_spec.name
             gauge(key, lambda o, key=key: self._one(self._adapter.get(key)))
-        duration = spec["openlora.training.step.duration"]
-        self._duration = meter.create_histogram(
-            duration.name,
-            unit=duration.unit,
-            description=duration.description,
-            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
-        )
 
     # -- the step path --------------------------------------------------------
     def record_step(
@@ -263,6 +301,10 @@ class TrainingMetrics:
                 index = bisect.bisect_left(self._bounds, step_time)
                 window.bucket_counts[index] += 1
                 window.bucket_sums[index] += step_time
+                if step_time < window.shortest:
+                    window.shortest = step_time
+                if step_time > window.longest:
+                    window.longest = step_time
 
     def record_values(self, *, loss: Any = None, grad_norm: Any = None, learning_rate: Any = None) -> None:
         """Add loss / gradient norm / learning rate values without counting a step.
@@ -392,14 +434,14 @@ class TrainingMetrics:
     def _one(value: float | int | None) -> list[Observation]:
         return [] if value is None else [Observation(value)]
 
-    def _observe_steps(self, options: CallbackOptions) -> list[Observation]:
+    def _observe_loss(self, options: CallbackOptions) -> list[Observation]:
         try:
             self._roll()
         except Exception:  # the scrape must survive anything a tensor read throws
             self._warn_once(
                 "roll", "reading training values failed; this collection reports stale values", exc=True
             )
-        return [Observation(self._steps)]
+        return self._one(self._snapshot.loss)
 
     def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
         return [Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items())]
@@ -408,10 +450,10 @@ class TrainingMetrics:
         now = time.monotonic()
         with self._lock:
             window, self._window = self._window, _Window(started=now)
+        # Counts first, before anything that reads a tensor can fail: the window is
+        # handed to the SDK exactly once, and stays there until a collection completes.
+        self._commit(window)
         elapsed = now - window.started
-        self._steps += window.steps
-        self._tokens += window.tokens
-        self._samples += window.samples
 
         pending = self._carry
         self._carry = []
@@ -430,8 +472,10 @@ class TrainingMetrics:
         for label, (total, count, nonfinite, last) in ready:
             merged[label].merge(total, count, nonfinite, last)
 
-        self._loss_nonfinite += window.loss.nonfinite
-        self._grad_nonfinite += window.grad.nonfinite
+        if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
+            window.grad.nonfinite
+        ):
+            self._warn_saturated()
         previous = self._snapshot
         snapshot = _Snapshot(
             loss=window.loss.total / window.loss.count if window.loss.count else previous.loss,
@@ -447,24 +491,192 @@ class TrainingMetrics:
         else:
             snapshot.tokens_per_s, snapshot.samples_per_s = previous.tokens_per_s, previous.samples_per_s
         self._snapshot = snapshot
+        if self._dropped_foreign:
+            self._warn_once(
+                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
+            )
 
-        # Replay the window's step durations into the histogram: per bucket, its
-        # count at the bucket's mean, so counts and sum are exact.
+    def _commit(self, window: _Window) -> None:
+        """Hand the window's counts and step durations to the SDK's synchronous instruments."""
+        saturated = not self._steps.add(window.steps)
+        saturated |= not self._tokens.add(window.tokens)
+        saturated |= not self._samples.add(window.samples)
+        if saturated:
+            self._warn_saturated()
+        if not any(window.bucket_counts):
+            return
+        if self._merge_windows:
+            batch = _DurationWindow(
+                tuple(self._bounds), window.bucket_counts, math.fsum(window.bucket_sums),
+                window.shortest, window.longest,
+            )  # fmt: skip
+            self._duration.record(batch)
+            if batch.merged:
+                return
+            # Only when told the view is there and it is not: that one window was
+            # counted as a single 0 s step. Every later window is replayed.
+            self._merge_windows = False
+            self._warn_once(
+                "merge",
+                f"{_DURATION} is not using step_duration_view() on this meter's provider; "
+                "step durations are replayed one by one from now on",
+            )
+            return
+        # Per bucket, its count at the bucket's mean: counts and sum are exact, one
+        # SDK call per step (min and max become the extreme buckets' means).
         record = self._duration.record
         for count, total in zip(window.bucket_counts, window.bucket_sums, strict=True):
             if count:
                 mean = total / count
                 for _ in range(count):
                     record(mean)
-        if self._dropped_foreign:
-            self._warn_once(
-                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
-            )
+
+    def _warn_saturated(self) -> None:
+        self._warn_once(
+            "int64", "a training counter reached 2**63 - 1, the largest value OTLP carries; it stays there"
+        )
 
     def _warn_once(self, key: str, message: str, *, exc: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
+
+
+# -- the step-duration histogram: one measurement per window -----------------------
+class _DurationWindow(float):
+    """A window of step durations, bucketed, passed to ``Histogram.record`` as one value.
+
+    As a float it is 0.0, which passes the SDK's finite and non-negative checks;
+    :class:`_WindowHistogram` reads the buckets instead, and sets ``merged``.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    total: float
+    shortest: float
+    longest: float
+    merged: bool
+
+    def __new__(
+        cls, bounds: tuple[float, ...], counts: list[int], total: float, shortest: float, longest: float
+    ) -> _DurationWindow:
+        self = super().__new__(cls, 0.0)
+        self.bounds, self.counts, self.total = bounds, counts, total
+        self.shortest, self.longest, self.merged = shortest, longest, False
+        return self
+
+
+@cache
+def _histogram_classes() -> tuple[type, type] | None:
+    """The SDK classes the merging aggregation builds on, or None when this SDK version lacks them."""
+    try:
+        from opentelemetry.sdk.metrics._internal.aggregation import (
+            AggregationTemporality,
+            _ExplicitBucketHistogramAggregation,
+        )
+        from opentelemetry.sdk.metrics.view import Aggregation
+    except ImportError:  # pragma: no cover - a future SDK layout
+        return None
+
+    class _WindowHistogram(_ExplicitBucketHistogramAggregation):  # type: ignore[misc, valid-type]
+        """The SDK's explicit-bucket histogram, which also takes a whole `_DurationWindow` at once."""
+
+        def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
+            batch = measurement.value
+            if type(batch) is not _DurationWindow or batch.bounds != self._boundaries:
+                super().aggregate(measurement, should_sample_exemplar)
+                return
+            with self._lock:
+                if self._value is None:
+                    self._value = self._get_empty_bucket_counts()
+                counts = self._value
+                for index, count in enumerate(batch.counts):
+                    counts[index] += count
+                self._sum += batch.total
+                if self._record_min_max:
+                    self._min = min(self._min, batch.shortest)
+                    self._max = max(self._max, batch.longest)
+            # No exemplar: a window is not one measurement with a trace context.
+            batch.merged = True
+
+    class _WindowAggregation(Aggregation):  # type: ignore[misc, valid-type]
+        """Explicit buckets (``names.STEP_DURATION_BUCKETS``) that merge `_DurationWindow` values."""
+
+        def _create_aggregation(
+            self, instrument: Any, attributes: Any, reservoir_factory: Any, start_time_unix_nano: int
+        ) -> Any:
+            from opentelemetry.metrics import Synchronous
+
+            return _WindowHistogram(
+                attributes,
+                AggregationTemporality.DELTA
+                if isinstance(instrument, Synchronous)
+                else AggregationTemporality.CUMULATIVE,
+                start_time_unix_nano,
+                reservoir_factory(_WindowHistogram),
+                STEP_DURATION_BUCKETS,
+            )
+
+    return _WindowHistogram, _WindowAggregation
+
+
+@cache
+def _window_merging_works() -> bool:
+    """Check once that this SDK's histogram aggregation still has the shape `_WindowHistogram` relies on."""
+    classes = _histogram_classes()
+    if classes is None:
+        return False
+    window_histogram, _ = classes
+    try:
+        from opentelemetry.context import Context
+        from opentelemetry.sdk.metrics import AlignedHistogramBucketExemplarReservoir
+        from opentelemetry.sdk.metrics._internal.aggregation import AggregationTemporality
+        from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+        def measure(value: float) -> Any:
+            return Measurement(value, 0, None, Context())  # type: ignore[arg-type]
+
+        probe = window_histogram(
+            {}, AggregationTemporality.DELTA, 0, AlignedHistogramBucketExemplarReservoir, STEP_DURATION_BUCKETS
+        )
+        counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
+        counts[0], counts[-1] = 2, 1
+        batch = _DurationWindow(STEP_DURATION_BUCKETS, counts, 100.0, 0.0005, 99.0)
+        probe.aggregate(measure(batch))
+        probe.aggregate(measure(0.003))
+        point = probe.collect(AggregationTemporality.CUMULATIVE, 1)
+        expected = list(counts)
+        expected[bisect.bisect_left(STEP_DURATION_BUCKETS, 0.003)] += 1
+        return (
+            batch.merged
+            and list(point.bucket_counts) == expected
+            and point.count == 4
+            and point.sum == 100.0 + 0.003
+            and (point.min, point.max) == (0.0005, 99.0)
+        )
+    except Exception:  # an SDK whose internals moved: replaying stays exact, only slower
+        _logger.debug("merging step-duration windows is not possible with this SDK", exc_info=True)
+        return False
+
+
+def step_duration_view() -> Any:
+    """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
+
+    Pass it to ``MeterProvider(views=[...])`` and build ``TrainingMetrics(meter,
+    window_histogram=True)`` on that provider; ``setup_telemetry`` does both. It
+    keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
+    internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
+    """
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+    classes = _histogram_classes()
+    aggregation = (
+        classes[1]()
+        if classes is not None and _window_merging_works()
+        else ExplicitBucketHistogramAggregation(STEP_DURATION_BUCKETS)
+    )
+    return View(instrument_type=Histogram, instrument_name=_DURATION, aggregation=aggregation)
 
 
 # -- helpers -------------------------------------------------------------------------

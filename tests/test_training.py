@@ -395,3 +395,19 @@ def test_training_on_a_disabled_telemetry_is_a_cheap_no_op(monkeypatch: pytest.M
         training.record_step(loss="bad")
     assert training._window.steps == 2000  # bounded state: counters, no per-step storage
     telemetry.shutdown()
+
+
+def test_a_cumulative_count_stops_at_int64_max_with_one_warning(
+    setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    training, reader = setup
+    for _ in range(3):
+        training.record_step(tokens=2**62, samples=1)  # the window's sum passes int64
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.tokens") == 2**63 - 1
+    assert value(data, "openlora.training.samples") == 3
+    training.record_step(tokens=5, samples=1)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.tokens") == 2**63 - 1
+    assert value(data, "openlora.training.samples") == 4  # the others go on counting
+    assert sum("2**63 - 1" in r.getMessage() for r in caplog.records) == 1
