@@ -167,8 +167,8 @@ class TrainingMetrics:
       not averaged. A multi-element tensor raises ``ValueError``; a string,
       ``bool`` or ``None``-like raises ``TypeError``. ``grad_norm`` must not be negative.
     - ``learning_rate``: the same, and not negative.
-    - ``tokens``, ``samples``: non-negative integers (Python or NumPy); a tensor
-      raises ``TypeError`` because counting it would need a device read.
+    - ``tokens``, ``samples``: integers from 0 to 2**63 - 1 (Python or NumPy); a
+      tensor raises ``TypeError`` because counting it would need a device read.
     - ``step_time_s``: non-negative seconds; when omitted, the time since the
       previous ``record_step`` call is used (nothing for the first call).
     """
@@ -262,9 +262,10 @@ class TrainingMetrics:
             if not step_time_s >= 0.0 or step_time_s == math.inf:
                 raise ValueError(f"step_time_s must be finite and >= 0, got {step_time_s!r}")
             step_time = step_time_s
-        if tokens is not None and (type(tokens) is not int or tokens < 0):
+        # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
+        if tokens is not None and (type(tokens) is not int or tokens >> 63):
             tokens = _count(tokens, "tokens")
-        if samples is not None and (type(samples) is not int or samples < 0):
+        if samples is not None and (type(samples) is not int or samples >> 63):
             samples = _count(samples, "samples")
         # Validate everything before touching state: a call that raises records nothing.
         if loss is not None and type(loss) is not float:
@@ -364,14 +365,26 @@ class TrainingMetrics:
         """Record an evaluation: its loss and any other named metrics (accuracy=..., perplexity=...).
 
         Values are read at once (evaluation is not the step path); tensors are
-        converted with ``float()``. Non-finite values are reported as they are.
+        converted with ``float()``. A NaN or infinite value is data, not an
+        error: OpenTelemetry cannot export it, so that series shows no value
+        until a finite one is recorded, and one warning per metric name says so.
         """
+        values: dict[str, float] = {}
         if loss is not None:
-            self._eval_loss = _host_number(loss, "loss")
+            values["loss"] = _host_number(loss, "loss")
         for key, value in metrics.items():
-            if value is None:
+            if value is not None:
+                values[key] = _host_number(value, key)
+        for key, number in values.items():
+            if not math.isfinite(number):
+                self._warn_once(
+                    f"eval-{key}",
+                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
+                    "that series shows no value until a finite one is recorded (warned once per name)",
+                )
+            if key == "loss" and loss is not None:
+                self._eval_loss = number
                 continue
-            number = _host_number(value, key)
             if key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
                 self._warn_once(
                     "eval", f"more than {_MAX_EVAL_METRICS} evaluation metric names; {key!r} ignored"
@@ -385,42 +398,51 @@ class TrainingMetrics:
         r: int,
         alpha: float,
         dropout: float = 0.0,
-        target_modules: int | Iterable[str] = 0,
+        target_modules: int | str | Iterable[str] = 0,
         trainable_params: int | None = None,
         total_params: int | None = None,
     ) -> None:
-        """Describe the LoRA adapter: rank, alpha, dropout, targeted modules, parameter counts."""
+        """Describe the LoRA adapter: rank, alpha, dropout, targeted modules, parameter counts.
+
+        ``r`` and the counts are integers up to 2**63 - 1; ``alpha`` is finite and
+        > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
+        module name (a string, as PEFT also takes a regex), or an iterable of names.
+        """
         rank = _count(r, "r")
         if rank == 0:
             raise ValueError("r must be > 0")
         alpha_value = _host_number(alpha, "alpha")
+        if not (alpha_value > 0 and math.isfinite(alpha_value)):
+            raise ValueError(f"alpha must be finite and > 0, got {alpha!r}")
         dropout_value = _host_number(dropout, "dropout")
         if not 0.0 <= dropout_value < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        modules = (
-            target_modules
-            if isinstance(target_modules, int)
-            else len(
-                target_modules
-                if isinstance(target_modules, (list, tuple, set, frozenset))
-                else list(target_modules)
-            )
-        )
+        if isinstance(target_modules, str):
+            modules: Any = 1  # one name or pattern, not its characters
+        elif isinstance(target_modules, bytes):
+            raise TypeError("target_modules must be a count, a module name or module names, got bytes")
+        elif isinstance(target_modules, (list, tuple, set, frozenset, dict)):
+            modules = len(target_modules)
+        elif isinstance(target_modules, Iterable):
+            modules = len(list(target_modules))
+        else:
+            modules = target_modules
         adapter: dict[str, float] = {
             "openlora.adapter.rank": rank,
             "openlora.adapter.alpha": alpha_value,
             "openlora.adapter.dropout": dropout_value,
             "openlora.adapter.target_modules": _count(modules, "target_modules"),
         }
-        if trainable_params is not None:
-            adapter["openlora.adapter.parameters.trainable"] = _count(trainable_params, "trainable_params")
+        trainable = None if trainable_params is None else _count(trainable_params, "trainable_params")
+        if trainable is not None:
+            adapter["openlora.adapter.parameters.trainable"] = trainable
         if total_params is not None:
             total = _count(total_params, "total_params")
             adapter["openlora.model.parameters"] = total
-            if trainable_params is not None:
-                if trainable_params > total:
+            if trainable is not None:
+                if trainable > total:
                     raise ValueError("trainable_params cannot exceed total_params")
-                adapter["openlora.adapter.trainable.ratio"] = trainable_params / total if total else 0.0
+                adapter["openlora.adapter.trainable.ratio"] = trainable / total if total else 0.0
         self._adapter = adapter
 
     def close(self) -> None:
@@ -432,7 +454,9 @@ class TrainingMetrics:
     # -- collection ---------------------------------------------------------------
     @staticmethod
     def _one(value: float | int | None) -> list[Observation]:
-        return [] if value is None else [Observation(value)]
+        # Non-finite values are left out here: the SDK would drop them anyway, with a
+        # warning on every collection.
+        return [] if value is None or value - value != 0 else [Observation(value)]
 
     def _observe_loss(self, options: CallbackOptions) -> list[Observation]:
         try:
@@ -444,7 +468,9 @@ class TrainingMetrics:
         return self._one(self._snapshot.loss)
 
     def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
-        return [Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items())]
+        return [
+            Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items()) if math.isfinite(v)
+        ]
 
     def _roll(self) -> None:
         now = time.monotonic()
@@ -694,7 +720,7 @@ def _prepare(value: Any, what: str) -> Any:
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
     if isinstance(value, (int, float)):
-        number = float(value)
+        number = _host_number(value, what)
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {value!r}")
         return number
@@ -713,7 +739,7 @@ def _prepare(value: Any, what: str) -> Any:
             raise ValueError(f"{what} must have exactly one element")
         return _Foreign(value)
     if hasattr(value, "__float__") and not hasattr(value, "__len__"):
-        number = float(value)  # NumPy scalars, Decimal: host values, no device involved
+        number = _host_number(value, what)  # NumPy scalars, Decimal: host values, no device involved
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
@@ -725,6 +751,8 @@ def _host_number(value: Any, what: str) -> float:
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     try:
         return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} is too large for a float: {value!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}") from None
 
@@ -741,6 +769,8 @@ def _count(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be a non-negative integer, got {type(value).__name__}") from None
     if number < 0:
         raise ValueError(f"{what} must be >= 0, got {number}")
+    if number > _INT64_MAX:
+        raise ValueError(f"{what} must be <= 2**63 - 1 (the largest integer OTLP carries), got {number}")
     return number
 
 
