@@ -163,9 +163,11 @@ class TrainingMetrics:
     and raises at once, a non-finite value is data and is counted):
 
     - ``loss``, ``grad_norm``: a Python or NumPy number, or a one-element tensor
-      on any device (never read on the calling thread). NaN/inf are counted,
-      not averaged. A multi-element tensor raises ``ValueError``; a string,
-      ``bool`` or ``None``-like raises ``TypeError``. ``grad_norm`` must not be negative.
+      on the CPU, a CUDA device or the current ``torch.accelerator`` (never read
+      on the calling thread). NaN/inf are counted, not averaged. A multi-element
+      tensor, a ``meta`` tensor (it has no data) or a tensor on another kind of
+      device raises ``ValueError``; a string, ``bool`` or ``None``-like raises
+      ``TypeError``. ``grad_norm`` must not be negative.
     - ``learning_rate``: the same, and not negative.
     - ``tokens``, ``samples``: integers from 0 to 2**63 - 1 (Python or NumPy); a
       tensor raises ``TypeError`` because counting it would need a device read.
@@ -483,17 +485,23 @@ class TrainingMetrics:
 
         pending = self._carry
         self._carry = []
+        failed: set[str] = set()
+        torch = sys.modules.get("torch")
         for label, series in (("loss", window.loss), ("grad", window.grad), ("lr", window.lr)):
-            # One series failing to read (a tensor on a device that went away, a
-            # foreign object that raises) must not cost the others, or the counts.
-            try:
-                for item in series.foreign:
-                    series.add_host(float(item))
-                if series.deferred or series.partials:
-                    pending.append((label, _start_readback(series, sys.modules["torch"])))
-            except Exception:
-                self._warn_once(f"read-{label}", f"reading {label} values failed; they are dropped", exc=True)
-        ready = _poll_readbacks(pending, self._carry)
+            # One value or device failing to read (a tensor on a device that went away, a
+            # foreign object that raises) costs only those values, never the rest.
+            for item in series.foreign:
+                try:
+                    number = float(item)
+                except Exception:
+                    self._fail_read(label, failed)
+                else:
+                    series.add_host(number)
+            if series.deferred or series.partials:
+                handles = _start_readback(series, torch, lambda label=label: self._fail_read(label, failed))
+                if handles:
+                    pending.append((label, handles))
+        ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
         merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
         for label, (total, count, nonfinite, last) in ready:
             merged[label].merge(total, count, nonfinite, last)
@@ -504,11 +512,9 @@ class TrainingMetrics:
             self._warn_saturated()
         previous = self._snapshot
         snapshot = _Snapshot(
-            loss=window.loss.total / window.loss.count if window.loss.count else previous.loss,
-            grad=window.grad.total / window.grad.count if window.grad.count else previous.grad,
-            lr=window.lr.last
-            if window.lr.last is not None and math.isfinite(window.lr.last)
-            else previous.lr,
+            loss=_window_value(window.loss, previous.loss, "loss" in failed, mean=True),
+            grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
+            lr=_window_value(window.lr, previous.lr, "lr" in failed, mean=False),
             window_steps=window.loss.count or window.grad.count,
         )
         if window.steps or elapsed >= _MIN_EMPTY_WINDOW_S:
@@ -557,6 +563,15 @@ class TrainingMetrics:
                 for _ in range(count):
                     record(mean)
 
+    def _fail_read(self, label: str, failed: set[str]) -> None:
+        failed.add(label)
+        self._warn_once(
+            f"read-{label}",
+            f"reading {label} values failed; those values are dropped, the others still count "
+            "(a window with none readable reports no value rather than a stale one)",
+            exc=True,
+        )
+
     def _warn_saturated(self) -> None:
         self._warn_once(
             "int64", "a training counter reached 2**63 - 1, the largest value OTLP carries; it stays there"
@@ -566,6 +581,18 @@ class TrainingMetrics:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
+
+
+def _window_value(series: _Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
+    """The window's mean (or latest) finite value; else the previous one, unless its values could not be read."""
+    if series.count:
+        if mean:
+            return series.total / series.count
+        if series.last is not None and series.last - series.last == 0:
+            return series.last
+    if failed and not series.nonfinite:
+        return None  # repeating the previous value would hide that nothing could be read
+    return previous
 
 
 # -- the step-duration histogram: one measurement per window -----------------------
@@ -726,6 +753,8 @@ def _prepare(value: Any, what: str) -> Any:
         return number
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
+        if not (value.is_cpu or value.is_cuda):  # two cheap flags first: the usual cases
+            _check_device(value, what, torch)
         if value.numel() != 1:
             raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.requires_grad:
@@ -744,6 +773,20 @@ def _prepare(value: Any, what: str) -> Any:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
     raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _check_device(tensor: Any, what: str, torch: Any) -> None:
+    """Refuse, at the call, a tensor whose value could never be read back without a sync."""
+    device = tensor.device
+    if device.type == "meta":
+        raise ValueError(f"{what} is a meta tensor, which has no data to report; pass a real tensor or a number")
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None or current.type != device.type or not hasattr(torch, "Event"):
+        raise ValueError(
+            f"{what} is on device {str(device)!r}, which openlora-otel cannot read back asynchronously "
+            "(CPU, CUDA and the current torch.accelerator are supported); pass a number instead"
+        )
 
 
 def _host_number(value: Any, what: str) -> float:
@@ -818,15 +861,25 @@ def _combine(partials: list[Any], torch: Any) -> Any:
     return torch.cat((stacked[:, :3].sum(dim=0), stacked[-1, 3:]))
 
 
-def _start_readback(series: _Series, torch: Any) -> Any:
-    """Reduce a series' tensors to one partial per device and start copying each to the host."""
-    partials = list(series.partials)
-    if series.deferred:
-        partials += _fold_by_device(series.deferred, torch)
-    return [
-        _DeviceRead.start(partial, torch) if partial.device.type != "cpu" else _HostRead(partial)
-        for partial in _fold_partials(partials, torch)
-    ]
+def _start_readback(series: _Series, torch: Any, on_failure: Any) -> list[Any]:
+    """Reduce a series' tensors to one partial per device and start copying each to the host.
+
+    Each device is handled apart: one that fails (calls ``on_failure``) costs only its own values.
+    """
+    groups: dict[Any, tuple[list[Any], list[Any]]] = {}
+    for partial in series.partials:
+        groups.setdefault(partial.device, ([], []))[0].append(partial)
+    for tensor in series.deferred:
+        groups.setdefault(tensor.device, ([], []))[1].append(tensor)
+    handles = []
+    for device, (partials, deferred) in groups.items():
+        try:
+            parts = partials + ([_fold(deferred, torch)] if deferred else [])
+            partial = parts[0] if len(parts) == 1 else _combine(parts, torch)
+            handles.append(_HostRead(partial) if device.type == "cpu" else _DeviceRead.start(partial, torch))
+        except Exception:
+            on_failure()
+    return handles
 
 
 class _HostRead:
@@ -851,11 +904,21 @@ class _DeviceRead:
 
     @classmethod
     def start(cls, tensor: Any, torch: Any) -> _DeviceRead:
-        with torch.cuda.device(tensor.device):
+        device = tensor.device
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return cls(host, event)
+        # Another accelerator (XPU, MPS, HPU, ...): the same steps through torch's
+        # device-generic API, on that device's current stream.
+        with torch.accelerator.device_index(device.index):
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
         return cls(host, event)
 
     def ready(self) -> bool:
@@ -866,21 +929,31 @@ class _DeviceRead:
 
 
 def _poll_readbacks(
-    pending: list[tuple[str, list[Any]]], carry: list[tuple[str, list[Any]]]
+    pending: list[tuple[str, list[Any]]],
+    carry: list[tuple[str, list[Any]]],
+    on_failure: Any = None,
 ) -> list[tuple[str, tuple[float, int, int, float | None]]]:
-    """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection."""
+    """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
+
+    A read-back that raises is dropped alone (``on_failure(label)`` is called).
+    """
     deadline = time.monotonic() + _READBACK_WAIT_S
     ready: list[tuple[str, tuple[float, int, int, float | None]]] = []
     for label, handles in pending:
         waiting = []
         for handle in handles:
-            while not handle.ready() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if handle.ready():
-                total, count, nonfinite, last = handle.values()
-                ready.append((label, (total, int(count), int(nonfinite), last)))
-            else:
-                waiting.append(handle)
+            try:
+                while not handle.ready() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if handle.ready():
+                    total, count, nonfinite, last = handle.values()
+                    ready.append((label, (total, int(count), int(nonfinite), last)))
+                else:
+                    waiting.append(handle)
+            except Exception:
+                if on_failure is None:
+                    raise
+                on_failure(label)
         if waiting:
             carry.append((label, waiting))
     return ready

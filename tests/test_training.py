@@ -488,3 +488,31 @@ def test_non_finite_eval_values_are_absent_with_one_warning(setup, caplog: pytes
     data = reader.get_metrics_data()
     assert value(data, "openlora.training.eval.loss") == 0.25
     assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "accuracy"}) == 0.95
+
+
+def test_one_unreadable_value_costs_only_itself(setup, caplog: pytest.LogCaptureFixture) -> None:
+    training, reader = setup
+    StandIn.allow = True
+    try:
+
+        class Broken(StandIn):
+            def __float__(self) -> float:
+                raise RuntimeError("device lost")
+
+        training.record_step(loss=StandIn(2.0))
+        training.record_step(loss=Broken(0.0))
+        training.record_step(loss=StandIn(4.0))
+        data = reader.get_metrics_data()
+        assert value(data, "openlora.training.loss") == 3.0
+        assert value(data, "openlora.training.window.steps") == 2
+        training.record_step(loss=StandIn(5.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") == 5.0
+        # A window where nothing could be read shows no value rather than a stale one...
+        training.record_step(loss=Broken(0.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") is None
+        # ...and the next readable window flows again.
+        training.record_step(loss=StandIn(6.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") == 6.0
+    finally:
+        StandIn.allow = False
+    assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1
