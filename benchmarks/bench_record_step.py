@@ -3,7 +3,9 @@
 - prometheus_client: the seeds' recipe: three gauges set, two counters incremented,
   one histogram observed per step (six updates).
 - naive OpenTelemetry: the same six values as SDK synchronous instrument calls.
-- openlora-otel: one ``TrainingMetrics.record_step(...)`` call with the same six values.
+- openlora-otel: one ``TrainingMetrics.record_step(...)`` call with the same six values,
+  on a provider built as ``setup_telemetry`` builds it (``step_duration_view()``), and
+  on a plain provider (any foreign meter), where collection replays every step's duration.
 
 Each variant runs in the same process, interleaved in rounds, measured with
 ``time.process_time`` (CPU time, so other load on the machine counts less); the
@@ -29,7 +31,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training import TrainingMetrics, step_duration_view
 
 
 def prometheus_variant(read_loss=lambda: 2.0, read_grad=lambda: 1.0):
@@ -77,11 +79,15 @@ def naive_otel_variant():
     return step, reader.collect
 
 
-def openlora_variant():
+def openlora_training(reader: InMemoryMetricReader, merged: bool = True) -> TrainingMetrics:
+    """As ``setup_telemetry`` builds it (merged), or on a provider without the view (replay)."""
+    provider = MeterProvider(metric_readers=[reader], views=[step_duration_view()] if merged else [])
+    return TrainingMetrics(provider.get_meter("bench"), window_histogram=merged)
+
+
+def openlora_variant(merged: bool = True):
     reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    training = TrainingMetrics(provider.get_meter("bench"))
-    record = training.record_step
+    record = openlora_training(reader, merged).record_step
 
     def step(i: int) -> None:
         record(loss=2.0, grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4, step_time_s=0.1)
@@ -102,9 +108,7 @@ def openlora_tensor_variant():
     import torch
 
     reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    training = TrainingMetrics(provider.get_meter("bench"))
-    record = training.record_step
+    record = openlora_training(reader).record_step
     loss, grad = torch.tensor(2.0), torch.tensor(1.0)
 
     def step(i: int) -> None:
@@ -151,6 +155,7 @@ def main() -> None:
         "prometheus_client (6 updates)": prometheus_variant(),
         "naive OpenTelemetry (6 calls)": naive_otel_variant(),
         "openlora-otel record_step": openlora_variant(),
+        "openlora-otel, any meter (replay)": openlora_variant(merged=False),
     }
     with contextlib.suppress(ImportError):  # torch is optional
         variants["prometheus_client, tensor .item()"] = prometheus_tensor_variant()
@@ -168,9 +173,9 @@ def main() -> None:
     base = medians["prometheus_client (6 updates)"]
     ours = medians["openlora-otel record_step"]
     print(f"CPU time per step, median of {args.rounds} rounds x {args.steps} steps")
-    print(f"  {'':<32}{'step path':>10}{'collection':>12}  (collection: per step, off the training thread)")
+    print(f"  {'':<36}{'step path':>10}{'collection':>12}  (collection: per step, off the training thread)")
     for name, micros in medians.items():
-        print(f"  {name:<32}{micros:8.3f} us{collect_medians[name]:9.3f} us")
+        print(f"  {name:<36}{micros:8.3f} us{collect_medians[name]:9.3f} us")
     print(f"ratio openlora-otel / prometheus_client: {ours / base:.2f}  (target <= 1.0)")
     if "openlora-otel, tensor loss/grad" in medians:
         ratio = medians["openlora-otel, tensor loss/grad"] / medians["prometheus_client, tensor .item()"]

@@ -27,7 +27,7 @@ from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training import TrainingMetrics, step_duration_view
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
 
@@ -119,7 +119,8 @@ class Telemetry:
         """The run's :class:`~openlora_otel.training.TrainingMetrics` (created on first use, one per handle)."""
         with self._lock:
             if self._training is None:
-                self._training = TrainingMetrics(self._meter)
+                # Our own provider has step_duration_view(): windows merge in O(buckets).
+                self._training = TrainingMetrics(self._meter, window_histogram=self._owns_provider)
                 if self._closed:
                     self._training.close()
             return self._training
@@ -547,7 +548,10 @@ def _build_provider(
         # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
         # the SDK's would wait for its full export timeout on a dead endpoint.
         provider = SDKMeterProvider(
-            metric_readers=[*readers, *extra_readers], resource=resource, shutdown_on_exit=False
+            metric_readers=[*readers, *extra_readers],
+            resource=resource,
+            shutdown_on_exit=False,
+            views=[step_duration_view()],
         )
     except BaseException:
         for reader in readers:

@@ -18,8 +18,16 @@ exporter's or the scrape's thread:
   tensors the copy to the host is asynchronous and is only polled, never
   waited on with a synchronizing call, so ``torch.cuda.set_sync_debug_mode("error")``
   holds. Values a GPU has not produced yet are carried into the next collection.
-- step durations are bucketed per step and replayed into the
-  ``openlora.training.step.duration`` histogram at collection.
+- the window's counts go into synchronous SDK counters and its step durations
+  into the ``openlora.training.step.duration`` histogram when the window is
+  taken. Measurements of synchronous instruments stay in the SDK until a
+  collection completes, so a collection that fails after the window was taken
+  neither loses nor repeats it (observable counters would: the SDK adds an
+  aborted collection's observation to the next one's).
+- on the provider ``setup_telemetry`` builds, :func:`step_duration_view` makes
+  the histogram take a whole window as one measurement, so a collection costs
+  the same after ten steps or ten million; on any other meter the window is
+  replayed, one ``record`` per step (exact, about 5 us per step).
 
 The window is shared by all readers: with two readers (say Prometheus and
 OTLP), each reports the window since whichever collected last.
@@ -36,6 +44,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -43,7 +52,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.names import ATTR_EVAL_METRIC, STEP_DURATION_BUCKETS
 
-__all__ = ["TrainingMetrics"]
+__all__ = ["TrainingMetrics", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ _READBACK_WAIT_S = 0.2
 # An empty window shorter than this keeps the previous throughput (two readers back to back).
 _MIN_EMPTY_WINDOW_S = 1.0
 _MAX_EVAL_METRICS = 64
+# OTLP carries integer points as int64: a larger count fails the whole export, every time.
+_INT64_MAX = 2**63 - 1
+_DURATION = "openlora.training.step.duration"
 
 
 class _Series:
@@ -101,6 +113,8 @@ class _Window:
     lr: _Series = field(default_factory=_Series)
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_DURATION_BUCKETS) + 1))
     bucket_sums: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
+    shortest: float = math.inf
+    longest: float = -math.inf
 
 
 @dataclass
@@ -115,6 +129,24 @@ class _Snapshot:
     samples_per_s: float | None = None
 
 
+class _Total:
+    """A synchronous counter and what was added to it, kept within int64 (saturates rather than poisons exports)."""
+
+    __slots__ = ("counter", "total")
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.total = 0
+
+    def add(self, amount: int) -> bool:
+        """Add ``amount``; False when the total reached int64's maximum and part of it was not counted."""
+        room = _INT64_MAX - self.total
+        taken = amount if amount <= room else room
+        self.total += taken
+        self.counter.add(taken)  # also when 0: the series exists from the first collection
+        return taken == amount
+
+
 class TrainingMetrics:
     """Training instruments under ``openlora.training.*`` and ``openlora.adapter.*``.
 
@@ -122,22 +154,33 @@ class TrainingMetrics:
     ``Meter``. Safe to call from several threads; calls after :meth:`close`
     (which ``Telemetry.shutdown()`` calls) are accepted and ignored.
 
+    ``window_histogram``: set it only when the meter's provider was built with
+    :func:`step_duration_view` (``setup_telemetry`` does both): each collection
+    then hands the step-duration histogram one pre-bucketed window instead of
+    replaying every step's duration (one SDK call per step).
+
     Argument rules (checked on every call; a wrong type is a programming error
     and raises at once, a non-finite value is data and is counted):
 
     - ``loss``, ``grad_norm``: a Python or NumPy number, or a one-element tensor
-      on any device (never read on the calling thread). NaN/inf are counted,
-      not averaged. A multi-element tensor raises ``ValueError``; a string,
-      ``bool`` or ``None``-like raises ``TypeError``. ``grad_norm`` must not be negative.
+      on the CPU, a CUDA device or the current ``torch.accelerator`` (never read
+      on the calling thread). NaN/inf are counted, not averaged. A multi-element
+      tensor, a ``meta`` tensor (it has no data) or a tensor on another kind of
+      device raises ``ValueError``; a string, ``bool`` or ``None``-like raises
+      ``TypeError``. ``grad_norm`` must not be negative.
     - ``learning_rate``: the same, and not negative.
-    - ``tokens``, ``samples``: non-negative integers (Python or NumPy); a tensor
-      raises ``TypeError`` because counting it would need a device read.
+    - ``tokens``, ``samples``: integers from 0 to 2**63 - 1 (Python or NumPy); a
+      tensor raises ``TypeError`` because counting it would need a device read.
     - ``step_time_s``: non-negative seconds; when omitted, the time since the
       previous ``record_step`` call is used (nothing for the first call).
     """
 
     def __init__(
-        self, meter: Meter, *, step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS
+        self,
+        meter: Meter,
+        *,
+        step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS,
+        window_histogram: bool = False,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -146,16 +189,11 @@ class TrainingMetrics:
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
+        self._merge_windows = bool(window_histogram) and _window_merging_works()
         self._window = _Window(started=time.monotonic())
         self._last_call: float | None = None
         self._snapshot = _Snapshot()
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
-        # Cumulative totals (monotonic counters), updated at collection.
-        self._steps = 0
-        self._tokens = 0
-        self._samples = 0
-        self._loss_nonfinite = 0
-        self._grad_nonfinite = 0
         self._epoch: float | None = None
         self._eval_loss: float | None = None
         self._eval: dict[str, float] = {}
@@ -170,18 +208,27 @@ class TrainingMetrics:
                 name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
             )
 
-        def counter(name: str, callback: Any) -> None:
-            meter.create_observable_counter(
-                name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
+        def counter(name: str) -> _Total:
+            return _Total(
+                meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
             )
 
-        # The first callback of every collection rolls the window; the rest read the snapshot.
-        counter("openlora.training.steps", self._observe_steps)
-        counter("openlora.training.tokens", lambda o: self._one(self._tokens))
-        counter("openlora.training.samples", lambda o: self._one(self._samples))
-        counter("openlora.training.loss.nonfinite", lambda o: self._one(self._loss_nonfinite))
-        counter("openlora.training.gradient_norm.nonfinite", lambda o: self._one(self._grad_nonfinite))
-        gauge("openlora.training.loss", lambda o: self._one(self._snapshot.loss))
+        # Counters are synchronous: a window's counts are added once, when it is taken
+        # (see the module docstring for why not observable counters).
+        self._steps = counter("openlora.training.steps")
+        self._tokens = counter("openlora.training.tokens")
+        self._samples = counter("openlora.training.samples")
+        self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
+        self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
+        duration = spec[_DURATION]
+        self._duration = meter.create_histogram(
+            duration.name,
+            unit=duration.unit,
+            description=duration.description,
+            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
+        )
+        # The first callback of every collection takes the window; the rest read the snapshot.
+        gauge("openlora.training.loss", self._observe_loss)
         gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
         gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
         gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
@@ -193,13 +240,6 @@ class TrainingMetrics:
         for adapter_spec in names.ADAPTER_METRICS:
             key = adapter_spec.name
             gauge(key, lambda o, key=key: self._one(self._adapter.get(key)))
-        duration = spec["openlora.training.step.duration"]
-        self._duration = meter.create_histogram(
-            duration.name,
-            unit=duration.unit,
-            description=duration.description,
-            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
-        )
 
     # -- the step path --------------------------------------------------------
     def record_step(
@@ -224,9 +264,10 @@ class TrainingMetrics:
             if not step_time_s >= 0.0 or step_time_s == math.inf:
                 raise ValueError(f"step_time_s must be finite and >= 0, got {step_time_s!r}")
             step_time = step_time_s
-        if tokens is not None and (type(tokens) is not int or tokens < 0):
+        # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
+        if tokens is not None and (type(tokens) is not int or tokens >> 63):
             tokens = _count(tokens, "tokens")
-        if samples is not None and (type(samples) is not int or samples < 0):
+        if samples is not None and (type(samples) is not int or samples >> 63):
             samples = _count(samples, "samples")
         # Validate everything before touching state: a call that raises records nothing.
         if loss is not None and type(loss) is not float:
@@ -263,6 +304,10 @@ class TrainingMetrics:
                 index = bisect.bisect_left(self._bounds, step_time)
                 window.bucket_counts[index] += 1
                 window.bucket_sums[index] += step_time
+                if step_time < window.shortest:
+                    window.shortest = step_time
+                if step_time > window.longest:
+                    window.longest = step_time
 
     def record_values(self, *, loss: Any = None, grad_norm: Any = None, learning_rate: Any = None) -> None:
         """Add loss / gradient norm / learning rate values without counting a step.
@@ -322,14 +367,26 @@ class TrainingMetrics:
         """Record an evaluation: its loss and any other named metrics (accuracy=..., perplexity=...).
 
         Values are read at once (evaluation is not the step path); tensors are
-        converted with ``float()``. Non-finite values are reported as they are.
+        converted with ``float()``. A NaN or infinite value is data, not an
+        error: OpenTelemetry cannot export it, so that series shows no value
+        until a finite one is recorded, and one warning per metric name says so.
         """
+        values: dict[str, float] = {}
         if loss is not None:
-            self._eval_loss = _host_number(loss, "loss")
+            values["loss"] = _host_number(loss, "loss")
         for key, value in metrics.items():
-            if value is None:
+            if value is not None:
+                values[key] = _host_number(value, key)
+        for key, number in values.items():
+            if not math.isfinite(number):
+                self._warn_once(
+                    f"eval-{key}",
+                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
+                    "that series shows no value until a finite one is recorded (warned once per name)",
+                )
+            if key == "loss" and loss is not None:
+                self._eval_loss = number
                 continue
-            number = _host_number(value, key)
             if key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
                 self._warn_once(
                     "eval", f"more than {_MAX_EVAL_METRICS} evaluation metric names; {key!r} ignored"
@@ -343,42 +400,51 @@ class TrainingMetrics:
         r: int,
         alpha: float,
         dropout: float = 0.0,
-        target_modules: int | Iterable[str] = 0,
+        target_modules: int | str | Iterable[str] = 0,
         trainable_params: int | None = None,
         total_params: int | None = None,
     ) -> None:
-        """Describe the LoRA adapter: rank, alpha, dropout, targeted modules, parameter counts."""
+        """Describe the LoRA adapter: rank, alpha, dropout, targeted modules, parameter counts.
+
+        ``r`` and the counts are integers up to 2**63 - 1; ``alpha`` is finite and
+        > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
+        module name (a string, as PEFT also takes a regex), or an iterable of names.
+        """
         rank = _count(r, "r")
         if rank == 0:
             raise ValueError("r must be > 0")
         alpha_value = _host_number(alpha, "alpha")
+        if not (alpha_value > 0 and math.isfinite(alpha_value)):
+            raise ValueError(f"alpha must be finite and > 0, got {alpha!r}")
         dropout_value = _host_number(dropout, "dropout")
         if not 0.0 <= dropout_value < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        modules = (
-            target_modules
-            if isinstance(target_modules, int)
-            else len(
-                target_modules
-                if isinstance(target_modules, (list, tuple, set, frozenset))
-                else list(target_modules)
-            )
-        )
+        if isinstance(target_modules, str):
+            modules: Any = 1  # one name or pattern, not its characters
+        elif isinstance(target_modules, bytes):
+            raise TypeError("target_modules must be a count, a module name or module names, got bytes")
+        elif isinstance(target_modules, (list, tuple, set, frozenset, dict)):
+            modules = len(target_modules)
+        elif isinstance(target_modules, Iterable):
+            modules = len(list(target_modules))
+        else:
+            modules = target_modules
         adapter: dict[str, float] = {
             "openlora.adapter.rank": rank,
             "openlora.adapter.alpha": alpha_value,
             "openlora.adapter.dropout": dropout_value,
             "openlora.adapter.target_modules": _count(modules, "target_modules"),
         }
-        if trainable_params is not None:
-            adapter["openlora.adapter.parameters.trainable"] = _count(trainable_params, "trainable_params")
+        trainable = None if trainable_params is None else _count(trainable_params, "trainable_params")
+        if trainable is not None:
+            adapter["openlora.adapter.parameters.trainable"] = trainable
         if total_params is not None:
             total = _count(total_params, "total_params")
             adapter["openlora.model.parameters"] = total
-            if trainable_params is not None:
-                if trainable_params > total:
+            if trainable is not None:
+                if trainable > total:
                     raise ValueError("trainable_params cannot exceed total_params")
-                adapter["openlora.adapter.trainable.ratio"] = trainable_params / total if total else 0.0
+                adapter["openlora.adapter.trainable.ratio"] = trainable / total if total else 0.0
         self._adapter = adapter
 
     def close(self) -> None:
@@ -393,55 +459,65 @@ class TrainingMetrics:
     # -- collection ---------------------------------------------------------------
     @staticmethod
     def _one(value: float | int | None) -> list[Observation]:
-        return [] if value is None else [Observation(value)]
+        # Non-finite values are left out here: the SDK would drop them anyway, with a
+        # warning on every collection.
+        return [] if value is None or value - value != 0 else [Observation(value)]
 
-    def _observe_steps(self, options: CallbackOptions) -> list[Observation]:
+    def _observe_loss(self, options: CallbackOptions) -> list[Observation]:
         try:
             self._roll()
         except Exception:  # the scrape must survive anything a tensor read throws
             self._warn_once(
                 "roll", "reading training values failed; this collection reports stale values", exc=True
             )
-        return [Observation(self._steps)]
+        return self._one(self._snapshot.loss)
 
     def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
-        return [Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items())]
+        return [
+            Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items()) if math.isfinite(v)
+        ]
 
     def _roll(self) -> None:
         now = time.monotonic()
         with self._lock:
             window, self._window = self._window, _Window(started=now)
+        # Counts first, before anything that reads a tensor can fail: the window is
+        # handed to the SDK exactly once, and stays there until a collection completes.
+        self._commit(window)
         elapsed = now - window.started
-        self._steps += window.steps
-        self._tokens += window.tokens
-        self._samples += window.samples
 
         pending = self._carry
         self._carry = []
+        failed: set[str] = set()
+        torch = sys.modules.get("torch")
         for label, series in (("loss", window.loss), ("grad", window.grad), ("lr", window.lr)):
-            # One series failing to read (a tensor on a device that went away, a
-            # foreign object that raises) must not cost the others, or the counts.
-            try:
-                for item in series.foreign:
-                    series.add_host(float(item))
-                if series.deferred or series.partials:
-                    pending.append((label, _start_readback(series, sys.modules["torch"])))
-            except Exception:
-                self._warn_once(f"read-{label}", f"reading {label} values failed; they are dropped", exc=True)
-        ready = _poll_readbacks(pending, self._carry)
+            # One value or device failing to read (a tensor on a device that went away, a
+            # foreign object that raises) costs only those values, never the rest.
+            for item in series.foreign:
+                try:
+                    number = float(item)
+                except Exception:
+                    self._fail_read(label, failed)
+                else:
+                    series.add_host(number)
+            if series.deferred or series.partials:
+                handles = _start_readback(series, torch, lambda label=label: self._fail_read(label, failed))
+                if handles:
+                    pending.append((label, handles))
+        ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
         merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
         for label, (total, count, nonfinite, last) in ready:
             merged[label].merge(total, count, nonfinite, last)
 
-        self._loss_nonfinite += window.loss.nonfinite
-        self._grad_nonfinite += window.grad.nonfinite
+        if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
+            window.grad.nonfinite
+        ):
+            self._warn_saturated()
         previous = self._snapshot
         snapshot = _Snapshot(
-            loss=window.loss.total / window.loss.count if window.loss.count else previous.loss,
-            grad=window.grad.total / window.grad.count if window.grad.count else previous.grad,
-            lr=window.lr.last
-            if window.lr.last is not None and math.isfinite(window.lr.last)
-            else previous.lr,
+            loss=_window_value(window.loss, previous.loss, "loss" in failed, mean=True),
+            grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
+            lr=_window_value(window.lr, previous.lr, "lr" in failed, mean=False),
             window_steps=window.loss.count or window.grad.count,
         )
         if window.steps or elapsed >= _MIN_EMPTY_WINDOW_S:
@@ -450,24 +526,213 @@ class TrainingMetrics:
         else:
             snapshot.tokens_per_s, snapshot.samples_per_s = previous.tokens_per_s, previous.samples_per_s
         self._snapshot = snapshot
+        if self._dropped_foreign:
+            self._warn_once(
+                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
+            )
 
-        # Replay the window's step durations into the histogram: per bucket, its
-        # count at the bucket's mean, so counts and sum are exact.
+    def _commit(self, window: _Window) -> None:
+        """Hand the window's counts and step durations to the SDK's synchronous instruments."""
+        saturated = not self._steps.add(window.steps)
+        saturated |= not self._tokens.add(window.tokens)
+        saturated |= not self._samples.add(window.samples)
+        if saturated:
+            self._warn_saturated()
+        if not any(window.bucket_counts):
+            return
+        if self._merge_windows:
+            batch = _DurationWindow(
+                tuple(self._bounds), window.bucket_counts, math.fsum(window.bucket_sums),
+                window.shortest, window.longest,
+            )  # fmt: skip
+            self._duration.record(batch)
+            if batch.merged:
+                return
+            # Only when told the view is there and it is not: that one window was
+            # counted as a single 0 s step. Every later window is replayed.
+            self._merge_windows = False
+            self._warn_once(
+                "merge",
+                f"{_DURATION} is not using step_duration_view() on this meter's provider; "
+                "step durations are replayed one by one from now on",
+            )
+            return
+        # Per bucket, its count at the bucket's mean: counts and sum are exact, one
+        # SDK call per step (min and max become the extreme buckets' means).
         record = self._duration.record
         for count, total in zip(window.bucket_counts, window.bucket_sums, strict=True):
             if count:
                 mean = total / count
                 for _ in range(count):
                     record(mean)
-        if self._dropped_foreign:
-            self._warn_once(
-                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
-            )
+
+    def _fail_read(self, label: str, failed: set[str]) -> None:
+        failed.add(label)
+        self._warn_once(
+            f"read-{label}",
+            f"reading {label} values failed; those values are dropped, the others still count "
+            "(a window with none readable reports no value rather than a stale one)",
+            exc=True,
+        )
+
+    def _warn_saturated(self) -> None:
+        self._warn_once(
+            "int64", "a training counter reached 2**63 - 1, the largest value OTLP carries; it stays there"
+        )
 
     def _warn_once(self, key: str, message: str, *, exc: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
+
+
+def _window_value(series: _Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
+    """The window's mean (or latest) finite value; else the previous one, unless its values could not be read."""
+    if series.count:
+        if mean:
+            return series.total / series.count
+        if series.last is not None and series.last - series.last == 0:
+            return series.last
+    if failed and not series.nonfinite:
+        return None  # repeating the previous value would hide that nothing could be read
+    return previous
+
+
+# -- the step-duration histogram: one measurement per window -----------------------
+class _DurationWindow(float):
+    """A window of step durations, bucketed, passed to ``Histogram.record`` as one value.
+
+    As a float it is 0.0, which passes the SDK's finite and non-negative checks;
+    :class:`_WindowHistogram` reads the buckets instead, and sets ``merged``.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    total: float
+    shortest: float
+    longest: float
+    merged: bool
+
+    def __new__(
+        cls, bounds: tuple[float, ...], counts: list[int], total: float, shortest: float, longest: float
+    ) -> _DurationWindow:
+        self = super().__new__(cls, 0.0)
+        self.bounds, self.counts, self.total = bounds, counts, total
+        self.shortest, self.longest, self.merged = shortest, longest, False
+        return self
+
+
+@cache
+def _histogram_classes() -> tuple[type, type] | None:
+    """The SDK classes the merging aggregation builds on, or None when this SDK version lacks them."""
+    try:
+        from opentelemetry.sdk.metrics._internal.aggregation import (
+            AggregationTemporality,
+            _ExplicitBucketHistogramAggregation,
+        )
+        from opentelemetry.sdk.metrics.view import Aggregation
+    except ImportError:  # pragma: no cover - a future SDK layout
+        return None
+
+    class _WindowHistogram(_ExplicitBucketHistogramAggregation):  # type: ignore[misc, valid-type]
+        """The SDK's explicit-bucket histogram, which also takes a whole `_DurationWindow` at once."""
+
+        def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
+            batch = measurement.value
+            if type(batch) is not _DurationWindow or batch.bounds != self._boundaries:
+                super().aggregate(measurement, should_sample_exemplar)
+                return
+            with self._lock:
+                if self._value is None:
+                    self._value = self._get_empty_bucket_counts()
+                counts = self._value
+                for index, count in enumerate(batch.counts):
+                    counts[index] += count
+                self._sum += batch.total
+                if self._record_min_max:
+                    self._min = min(self._min, batch.shortest)
+                    self._max = max(self._max, batch.longest)
+            # No exemplar: a window is not one measurement with a trace context.
+            batch.merged = True
+
+    class _WindowAggregation(Aggregation):  # type: ignore[misc, valid-type]
+        """Explicit buckets (``names.STEP_DURATION_BUCKETS``) that merge `_DurationWindow` values."""
+
+        def _create_aggregation(
+            self, instrument: Any, attributes: Any, reservoir_factory: Any, start_time_unix_nano: int
+        ) -> Any:
+            from opentelemetry.metrics import Synchronous
+
+            return _WindowHistogram(
+                attributes,
+                AggregationTemporality.DELTA
+                if isinstance(instrument, Synchronous)
+                else AggregationTemporality.CUMULATIVE,
+                start_time_unix_nano,
+                reservoir_factory(_WindowHistogram),
+                STEP_DURATION_BUCKETS,
+            )
+
+    return _WindowHistogram, _WindowAggregation
+
+
+@cache
+def _window_merging_works() -> bool:
+    """Check once that this SDK's histogram aggregation still has the shape `_WindowHistogram` relies on."""
+    classes = _histogram_classes()
+    if classes is None:
+        return False
+    window_histogram, _ = classes
+    try:
+        from opentelemetry.context import Context
+        from opentelemetry.sdk.metrics import AlignedHistogramBucketExemplarReservoir
+        from opentelemetry.sdk.metrics._internal.aggregation import AggregationTemporality
+        from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+        def measure(value: float) -> Any:
+            return Measurement(value, 0, None, Context())  # type: ignore[arg-type]
+
+        probe = window_histogram(
+            {}, AggregationTemporality.DELTA, 0, AlignedHistogramBucketExemplarReservoir, STEP_DURATION_BUCKETS
+        )
+        counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
+        counts[0], counts[-1] = 2, 1
+        batch = _DurationWindow(STEP_DURATION_BUCKETS, counts, 100.0, 0.0005, 99.0)
+        probe.aggregate(measure(batch))
+        probe.aggregate(measure(0.003))
+        point = probe.collect(AggregationTemporality.CUMULATIVE, 1)
+        expected = list(counts)
+        expected[bisect.bisect_left(STEP_DURATION_BUCKETS, 0.003)] += 1
+        return (
+            batch.merged
+            and list(point.bucket_counts) == expected
+            and point.count == 4
+            and point.sum == 100.0 + 0.003
+            and (point.min, point.max) == (0.0005, 99.0)
+        )
+    except Exception:  # an SDK whose internals moved: replaying stays exact, only slower
+        _logger.debug("merging step-duration windows is not possible with this SDK", exc_info=True)
+        return False
+
+
+def step_duration_view() -> Any:
+    """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
+
+    Pass it to ``MeterProvider(views=[...])`` and build ``TrainingMetrics(meter,
+    window_histogram=True)`` on that provider; ``setup_telemetry`` does both. It
+    keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
+    internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
+    """
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+    classes = _histogram_classes()
+    aggregation = (
+        classes[1]()
+        if classes is not None and _window_merging_works()
+        else ExplicitBucketHistogramAggregation(STEP_DURATION_BUCKETS)
+    )
+    return View(instrument_type=Histogram, instrument_name=_DURATION, aggregation=aggregation)
 
 
 # -- helpers -------------------------------------------------------------------------
@@ -485,12 +750,14 @@ def _prepare(value: Any, what: str) -> Any:
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
     if isinstance(value, (int, float)):
-        number = float(value)
+        number = _host_number(value, what)
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {value!r}")
         return number
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
+        if not (value.is_cpu or value.is_cuda):  # two cheap flags first: the usual cases
+            _check_device(value, what, torch)
         if value.numel() != 1:
             raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.requires_grad:
@@ -504,11 +771,25 @@ def _prepare(value: Any, what: str) -> Any:
             raise ValueError(f"{what} must have exactly one element")
         return _Foreign(value)
     if hasattr(value, "__float__") and not hasattr(value, "__len__"):
-        number = float(value)  # NumPy scalars, Decimal: host values, no device involved
+        number = _host_number(value, what)  # NumPy scalars, Decimal: host values, no device involved
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
     raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _check_device(tensor: Any, what: str, torch: Any) -> None:
+    """Refuse, at the call, a tensor whose value could never be read back without a sync."""
+    device = tensor.device
+    if device.type == "meta":
+        raise ValueError(f"{what} is a meta tensor, which has no data to report; pass a real tensor or a number")
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None or current.type != device.type or not hasattr(torch, "Event"):
+        raise ValueError(
+            f"{what} is on device {str(device)!r}, which openlora-otel cannot read back asynchronously "
+            "(CPU, CUDA and the current torch.accelerator are supported); pass a number instead"
+        )
 
 
 def _host_number(value: Any, what: str) -> float:
@@ -516,6 +797,8 @@ def _host_number(value: Any, what: str) -> float:
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     try:
         return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} is too large for a float: {value!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}") from None
 
@@ -532,6 +815,8 @@ def _count(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be a non-negative integer, got {type(value).__name__}") from None
     if number < 0:
         raise ValueError(f"{what} must be >= 0, got {number}")
+    if number > _INT64_MAX:
+        raise ValueError(f"{what} must be <= 2**63 - 1 (the largest integer OTLP carries), got {number}")
     return number
 
 
@@ -579,15 +864,25 @@ def _combine(partials: list[Any], torch: Any) -> Any:
     return torch.cat((stacked[:, :3].sum(dim=0), stacked[-1, 3:]))
 
 
-def _start_readback(series: _Series, torch: Any) -> Any:
-    """Reduce a series' tensors to one partial per device and start copying each to the host."""
-    partials = list(series.partials)
-    if series.deferred:
-        partials += _fold_by_device(series.deferred, torch)
-    return [
-        _DeviceRead.start(partial, torch) if partial.device.type != "cpu" else _HostRead(partial)
-        for partial in _fold_partials(partials, torch)
-    ]
+def _start_readback(series: _Series, torch: Any, on_failure: Any) -> list[Any]:
+    """Reduce a series' tensors to one partial per device and start copying each to the host.
+
+    Each device is handled apart: one that fails (calls ``on_failure``) costs only its own values.
+    """
+    groups: dict[Any, tuple[list[Any], list[Any]]] = {}
+    for partial in series.partials:
+        groups.setdefault(partial.device, ([], []))[0].append(partial)
+    for tensor in series.deferred:
+        groups.setdefault(tensor.device, ([], []))[1].append(tensor)
+    handles = []
+    for device, (partials, deferred) in groups.items():
+        try:
+            parts = partials + ([_fold(deferred, torch)] if deferred else [])
+            partial = parts[0] if len(parts) == 1 else _combine(parts, torch)
+            handles.append(_HostRead(partial) if device.type == "cpu" else _DeviceRead.start(partial, torch))
+        except Exception:
+            on_failure()
+    return handles
 
 
 class _HostRead:
@@ -612,11 +907,21 @@ class _DeviceRead:
 
     @classmethod
     def start(cls, tensor: Any, torch: Any) -> _DeviceRead:
-        with torch.cuda.device(tensor.device):
+        device = tensor.device
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return cls(host, event)
+        # Another accelerator (XPU, MPS, HPU, ...): the same steps through torch's
+        # device-generic API, on that device's current stream.
+        with torch.accelerator.device_index(device.index):
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
         return cls(host, event)
 
     def ready(self) -> bool:
@@ -627,21 +932,31 @@ class _DeviceRead:
 
 
 def _poll_readbacks(
-    pending: list[tuple[str, list[Any]]], carry: list[tuple[str, list[Any]]]
+    pending: list[tuple[str, list[Any]]],
+    carry: list[tuple[str, list[Any]]],
+    on_failure: Any = None,
 ) -> list[tuple[str, tuple[float, int, int, float | None]]]:
-    """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection."""
+    """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
+
+    A read-back that raises is dropped alone (``on_failure(label)`` is called).
+    """
     deadline = time.monotonic() + _READBACK_WAIT_S
     ready: list[tuple[str, tuple[float, int, int, float | None]]] = []
     for label, handles in pending:
         waiting = []
         for handle in handles:
-            while not handle.ready() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if handle.ready():
-                total, count, nonfinite, last = handle.values()
-                ready.append((label, (total, int(count), int(nonfinite), last)))
-            else:
-                waiting.append(handle)
+            try:
+                while not handle.ready() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if handle.ready():
+                    total, count, nonfinite, last = handle.values()
+                    ready.append((label, (total, int(count), int(nonfinite), last)))
+                else:
+                    waiting.append(handle)
+            except Exception:
+                if on_failure is None:
+                    raise
+                on_failure(label)
         if waiting:
             carry.append((label, waiting))
     return ready

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from decimal import Decimal
@@ -398,3 +399,123 @@ def test_training_on_a_disabled_telemetry_is_a_cheap_no_op(monkeypatch: pytest.M
         training.record_step(loss="bad")
     assert training._window.steps == 2000  # bounded state: counters, no per-step storage
     telemetry.shutdown()
+
+
+# -- values that could not be exported, odd arguments ----------------------------------
+@pytest.mark.parametrize(
+    ("call", "text"),
+    [
+        (lambda t: t.record_step(tokens=2**63), "tokens must be <= 2\\*\\*63 - 1"),
+        (lambda t: t.record_step(samples=2**64 + 1), "samples must be <= 2\\*\\*63 - 1"),
+        (lambda t: t.set_adapter(r=8, alpha=16, total_params=2**63), "total_params must be <= 2\\*\\*63 - 1"),
+        (lambda t: t.set_adapter(r=8, alpha=16, trainable_params=2**63), "trainable_params must be <="),
+        (lambda t: t.set_adapter(r=2**63, alpha=16), "r must be <= 2\\*\\*63 - 1"),
+        (lambda t: t.set_adapter(r=8, alpha=16, target_modules=2**63), "target_modules must be <="),
+        (lambda t: t.record_step(loss=10**400), "loss is too large for a float"),
+        (lambda t: t.record_step(step_time_s=10**400), "step_time_s is too large for a float"),
+    ],
+)
+def test_values_that_cannot_be_exported_are_refused_at_the_call(setup, call, text) -> None:
+    training, reader = setup
+    with pytest.raises(ValueError, match=text):
+        call(training)
+    assert training._window.steps == 0  # nothing recorded
+    training.record_step(tokens=2**63 - 1)  # the largest count is fine
+    assert value(reader.get_metrics_data(), "openlora.training.tokens") == 2**63 - 1
+
+
+def test_a_cumulative_count_stops_at_int64_max_with_one_warning(
+    setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    training, reader = setup
+    for _ in range(3):
+        training.record_step(tokens=2**62, samples=1)  # the window's sum passes int64
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.tokens") == 2**63 - 1
+    assert value(data, "openlora.training.samples") == 3
+    training.record_step(tokens=5, samples=1)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.tokens") == 2**63 - 1
+    assert value(data, "openlora.training.samples") == 4  # the others go on counting
+    assert sum("2**63 - 1" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("alpha", "error"),
+    [(-16, ValueError), (0, ValueError), (math.nan, ValueError), (math.inf, ValueError), ("16", TypeError)],
+)
+def test_alpha_must_be_finite_and_positive(setup, alpha, error) -> None:
+    training, _ = setup
+    with pytest.raises(error, match="alpha"):
+        training.set_adapter(r=8, alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    ("modules", "count"),
+    [
+        ("q_proj", 1),
+        (".*(q|v)_proj", 1),
+        (["q_proj", "v_proj"], 2),
+        ({"q_proj", "k_proj", "v_proj"}, 3),
+        ((name for name in ("q_proj", "v_proj")), 2),
+        (4, 4),
+    ],
+)
+def test_target_modules_counts_names_not_characters(setup, modules, count) -> None:
+    training, reader = setup
+    training.set_adapter(r=8, alpha=16, target_modules=modules)
+    assert value(reader.get_metrics_data(), "openlora.adapter.target_modules") == count
+
+
+def test_target_modules_as_bytes_is_refused(setup) -> None:
+    training, _ = setup
+    with pytest.raises(TypeError, match="target_modules"):
+        training.set_adapter(r=8, alpha=16, target_modules=b"q_proj")
+
+
+def test_non_finite_eval_values_are_absent_with_one_warning(setup, caplog: pytest.LogCaptureFixture) -> None:
+    training, reader = setup
+    training.record_eval(loss=0.5, accuracy=0.9)
+    training.record_eval(loss=math.inf, accuracy=math.nan, perplexity=2.0)
+    for _ in range(4):
+        data = reader.get_metrics_data()
+        assert value(data, "openlora.training.eval.loss") is None
+        assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "accuracy"}) is None
+        assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "perplexity"}) == 2.0
+    training.record_eval(loss=math.inf, accuracy=math.nan)  # the next evaluation is no better
+    reader.get_metrics_data()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings  # one per metric name, none from the SDK per collection
+    assert any("evaluation accuracy is nan" in w for w in warnings)
+    training.record_eval(loss=0.25, accuracy=0.95)  # finite again: reported again
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.eval.loss") == 0.25
+    assert value(data, "openlora.training.eval.value", **{"openlora.eval.metric": "accuracy"}) == 0.95
+
+
+def test_one_unreadable_value_costs_only_itself(setup, caplog: pytest.LogCaptureFixture) -> None:
+    training, reader = setup
+    StandIn.allow = True
+    try:
+
+        class Broken(StandIn):
+            def __float__(self) -> float:
+                raise RuntimeError("device lost")
+
+        training.record_step(loss=StandIn(2.0))
+        training.record_step(loss=Broken(0.0))
+        training.record_step(loss=StandIn(4.0))
+        data = reader.get_metrics_data()
+        assert value(data, "openlora.training.loss") == 3.0
+        assert value(data, "openlora.training.window.steps") == 2
+        training.record_step(loss=StandIn(5.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") == 5.0
+        # A window where nothing could be read shows no value rather than a stale one...
+        training.record_step(loss=Broken(0.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") is None
+        # ...and the next readable window flows again.
+        training.record_step(loss=StandIn(6.0))
+        assert value(reader.get_metrics_data(), "openlora.training.loss") == 6.0
+    finally:
+        StandIn.allow = False
+    assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1

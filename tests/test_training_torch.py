@@ -118,3 +118,45 @@ def test_forked_dataloader_workers_export_nothing(tmp_path: Path) -> None:
     exported = exporter_pids(pids)
     assert worker_pids and os.getpid() not in worker_pids
     assert exported == {os.getpid()}
+
+
+def test_meta_tensors_are_refused_and_cpu_values_keep_flowing(setup) -> None:
+    training, reader = setup
+    meta = torch.tensor(1.0, device="meta")
+    for window in range(3):
+        losses = [float(window * 10 + i) for i in range(4)]
+        for loss in losses:
+            training.record_step(loss=torch.tensor(loss), grad_norm=torch.tensor(0.5))
+            with pytest.raises(ValueError, match="meta tensor"):
+                training.record_step(loss=meta)
+            with pytest.raises(ValueError, match="meta tensor"):
+                training.record_values(grad_norm=meta)
+        data = reader.get_metrics_data()
+        assert value(data, "openlora.training.loss") == pytest.approx(sum(losses) / len(losses))
+        assert value(data, "openlora.training.steps") == 4 * (window + 1)  # refused calls count nothing
+
+
+def test_a_device_that_fails_to_read_costs_only_its_values_and_never_freezes_the_gauge(
+    setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tensor that passed validation but cannot be read at collection (its device went away).
+
+    A meta tensor stands in for it: record_step refuses those, so it is put in the window
+    directly, as a device failing between the step and the collection would leave it.
+    """
+    training, reader = setup
+    meta = torch.tensor(9.0, device="meta")
+    for step in range(600):  # past one fold of 512 on the CPU side
+        training.record_step(loss=torch.tensor(float(step % 3)))
+    with training._lock:
+        training._window.loss.deferred.append(meta)
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == pytest.approx(1.0)  # the CPU values, not dropped
+    assert value(data, "openlora.training.window.steps") == 600
+
+    with training._lock:  # a window with nothing readable...
+        training._window.loss.deferred.append(meta)
+    assert value(reader.get_metrics_data(), "openlora.training.loss") is None  # ...is no value, not a stale one
+    training.record_step(loss=torch.tensor(7.0))
+    assert value(reader.get_metrics_data(), "openlora.training.loss") == 7.0
+    assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1
