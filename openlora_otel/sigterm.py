@@ -17,7 +17,10 @@ Design points, each for a failure seen in real jobs:
   code; a rank stuck in a collective or a long C call would ignore SIGTERM until
   the launcher's SIGKILL. So the guard also takes the C-level wakeup file
   descriptor (``signal.set_wakeup_fd``) when nobody else holds it (asyncio does,
-  when it handles signals): a watcher thread hears the signal at once even then.
+  when it handles signals): a watcher thread hears the signal at once and, when
+  the main thread stays on one instruction for ``STUCK_AFTER_S``, acts for it. A
+  main thread that runs Python is left to run the handler itself, so an
+  application handler swapped in and out around a step keeps the signals it got.
 - An application handler, installed before ``setup_telemetry()`` or after it,
   is left alone and keeps working: the guard installs nothing in the first case
   and stands aside in the second (the shutdown at interpreter exit then delivers
@@ -45,6 +48,17 @@ _logger = logging.getLogger(__name__)
 
 # 128 + SIGTERM: what a shell, Kubernetes and Slurm report for a process ended by SIGTERM.
 EXIT_STATUS = 128 + signal.SIGTERM
+# How long the main thread may sit on one instruction after a SIGTERM before the
+# watcher takes it as stuck in C code (a hung collective) and acts for it.
+STUCK_AFTER_S = 0.5
+
+
+def _main_position() -> tuple[int, int, int] | None:
+    """Where the main thread is: its innermost frame and instruction (None if unknown)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None
+    return (id(frame), frame.f_lasti, frame.f_lineno or 0)
 
 
 class SigtermGuard:
@@ -57,6 +71,7 @@ class SigtermGuard:
         self._on_terminate = on_terminate
         self._lock = threading.Lock()
         self._started = False
+        self._started_event = threading.Event()
         self._installed = False
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
@@ -121,16 +136,35 @@ class SigtermGuard:
             if not data:
                 return
             # The wakeup fd carries every signal with a Python handler; act on ours only,
-            # and only while the handler is still ours (an application handler installed
-            # after setup_telemetry() decides for itself).
-            if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self._on_signal:
-                self._terminate()
+            # and only while the handler is ours (an application handler installed after
+            # setup_telemetry() decides for itself).
+            if signal.SIGTERM in data and self._is_current():
+                self._act_if_main_is_stuck()
+
+    def _is_current(self) -> bool:
+        return bool(signal.getsignal(signal.SIGTERM) == self._on_signal)
+
+    def _act_if_main_is_stuck(self) -> None:
+        """Terminate only when the main thread cannot run the Python handler itself.
+
+        A main thread that runs Python code runs whichever handler was installed
+        when the signal came (ours, or an application's that was swapped in and out
+        since): the watcher must not second-guess it. One that stays on the same
+        instruction for ``STUCK_AFTER_S`` is inside a C call and will not.
+        """
+        before = _main_position()
+        if self._started_event.wait(STUCK_AFTER_S):
+            return  # the Python-level handler ran
+        if before is not None and before == _main_position() and self._is_current():
+            _logger.info("openlora-otel: the main thread is inside a C call; handling SIGTERM from a thread")
+            self._terminate()
 
     def _terminate(self) -> None:
         with self._lock:
             if self._started:
                 return
             self._started = True
+        self._started_event.set()
         threading.Thread(target=self._shutdown_and_exit, name="openlora-otel-sigterm", daemon=True).start()
 
     def _shutdown_and_exit(self) -> None:

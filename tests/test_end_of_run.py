@@ -124,6 +124,7 @@ def test_final_scrape_sees_every_step_recorded_before_shutdown() -> None:
     assert url is not None
     _scrape(url)
     bodies: list[str] = []
+    errors: list[BaseException] = []
     stop = threading.Event()
 
     def scraper() -> None:
@@ -131,7 +132,8 @@ def test_final_scrape_sees_every_step_recorded_before_shutdown() -> None:
             try:
                 with urllib.request.urlopen(url, timeout=5) as response:
                     bodies.append(response.read().decode())
-            except OSError:
+            except OSError as error:  # the endpoint closed: the run is over
+                errors.append(error)
                 return
             stop.wait(0.1)
 
@@ -142,7 +144,8 @@ def test_final_scrape_sees_every_step_recorded_before_shutdown() -> None:
     telemetry.shutdown()
     stop.set()
     thread.join(10)
-    assert any(re.search(r"^openlora_training_steps_total\{.*\} 123\.0$", body, re.M) for body in bodies)
+    found = [re.findall(r"^openlora_training_steps_total\{.*\} (\S+)$", body, re.M) for body in bodies]
+    assert ["123.0"] in found, (found, errors)
 
 
 # -- 5. odd arguments, failing shutdowns ---------------------------------------------------------
