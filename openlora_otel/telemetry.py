@@ -28,6 +28,7 @@ from openlora_otel._version import __version__
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
 
@@ -551,7 +552,7 @@ def _build_provider(
             metric_readers=[*readers, *extra_readers],
             resource=resource,
             shutdown_on_exit=False,
-            views=[step_duration_view()],
+            views=[step_duration_view(), *observed_total_views()],
         )
     except BaseException:
         for reader in readers:
