@@ -243,7 +243,7 @@ VARIABLES: tuple[Variable, ...] = (
         "2000",
         "Milliseconds `shutdown()` may take, final export included, "
         + _ms_range(SHUTDOWN_TIMEOUT_RANGE_MS)
-        + "; it returns after that even if the endpoint hangs.",
+        + "; it returns after that even if the endpoint hangs (plus the final-scrape wait, `OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`).",
     ),
     Variable(
         "OPENLORA_PROMETHEUS_PORT_OFFSET",
@@ -282,7 +282,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_QUIET",
         "false",
-        "`true` silences the one line on standard error that says where the metrics are served (shown when logging does not show INFO).",
+        "`true` silences the one line on standard error that says where the metrics go (shown when logging does not show INFO).",
     ),
     Variable(
         "CUDA_VISIBLE_DEVICES",

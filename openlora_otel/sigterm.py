@@ -67,8 +67,9 @@ class SigtermGuard:
     Build it with :meth:`install`; ``uninstall()`` puts the default back.
     """
 
-    def __init__(self, on_terminate: Callable[[], object]) -> None:
+    def __init__(self, on_terminate: Callable[[], object], on_chained: Callable[[], object]) -> None:
         self._on_terminate = on_terminate
+        self._on_chained = on_chained
         self._lock = threading.Lock()
         self._started = False
         self._started_event = threading.Event()
@@ -79,8 +80,15 @@ class SigtermGuard:
         self._pid = os.getpid()
 
     @classmethod
-    def install(cls, on_terminate: Callable[[], object]) -> SigtermGuard | None:
-        """Install the guard, or return None (and change nothing) when it should not be."""
+    def install(
+        cls, on_terminate: Callable[[], object], on_chained: Callable[[], object]
+    ) -> SigtermGuard | None:
+        """Install the guard, or return None (and change nothing) when it should not be.
+
+        ``on_terminate`` is the bounded shutdown run before exiting; ``on_chained``
+        (a flush) is what a later application handler gets when it calls ours as
+        "the previous handler": that application decides when the process ends.
+        """
         if threading.current_thread() is not threading.main_thread():
             _logger.info(
                 "openlora-otel: setup_telemetry() ran outside the main thread, where Python cannot set a "
@@ -93,7 +101,7 @@ class SigtermGuard:
             # The application's own handler (or SIG_IGN, or a handler set outside Python) stays.
             _logger.debug("SIGTERM already has a handler (%r); leaving it alone", current)
             return None
-        guard = cls(on_terminate)
+        guard = cls(on_terminate, on_chained)
         signal.signal(signal.SIGTERM, guard._on_signal)
         guard._installed = True
         guard._start_watcher()
@@ -103,7 +111,19 @@ class SigtermGuard:
     # -- the two ways a SIGTERM reaches us ---------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The Python-level handler, run by the main thread: start the shutdown and return at once."""
+        if not self._is_current():
+            # An application handler installed after ours called us as its previous
+            # handler (Lightning's signal connector does): it is stopping the run its
+            # own way, so deliver what was recorded and never end the process for it.
+            threading.Thread(target=self._flush, name="openlora-otel-sigterm-flush", daemon=True).start()
+            return
         self._terminate()
+
+    def _flush(self) -> None:
+        try:
+            self._on_chained()
+        except Exception:  # pragma: no cover - force_flush never raises
+            _logger.debug("flush on a chained SIGTERM raised", exc_info=True)
 
     def _start_watcher(self) -> None:
         reader, writer = socket.socketpair()
@@ -160,10 +180,16 @@ class SigtermGuard:
             self._terminate()
 
     def _terminate(self) -> None:
-        with self._lock:
+        # Never block here: a second SIGTERM can re-enter this handler on the main thread
+        # while the first holds the lock, and waiting would deadlock it.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if self._started:
                 return
             self._started = True
+        finally:
+            self._lock.release()
         self._started_event.set()
         threading.Thread(target=self._shutdown_and_exit, name="openlora-otel-sigterm", daemon=True).start()
 
@@ -184,21 +210,28 @@ class SigtermGuard:
     def uninstall(self) -> None:
         """Put the default SIGTERM back (when still ours) and stop the watcher; idempotent.
 
-        From a thread other than the main one the handler cannot be changed; it then
-        stays, and a later SIGTERM ends the process at once with status 143.
+        Only the main thread can change signal handlers and the wakeup fd. From
+        another thread both stay, and so do the watcher's sockets (closing the one
+        the C signal handler writes to would let it write into whatever file next
+        gets that descriptor number); a later SIGTERM then ends the process at once
+        with status 143.
         """
         _GUARDS.discard(self)
         on_main = threading.current_thread() is threading.main_thread()
-        if self._installed and on_main and os.getpid() == self._pid:
+        if not (on_main and os.getpid() == self._pid):
+            return
+        if self._installed:
             self._installed = False
-            if signal.getsignal(signal.SIGTERM) == self._on_signal:
+            if self._is_current():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if self._writer is not None:
-                try:
-                    if signal.set_wakeup_fd(-1) != self._writer.fileno():
-                        pass  # pragma: no cover - someone replaced it; they own it now
-                except ValueError:  # pragma: no cover
-                    pass
+        if self._writer is not None:
+            try:
+                previous = signal.set_wakeup_fd(-1)
+                if previous != self._writer.fileno():
+                    # Someone (asyncio) took the wakeup fd after us: it is theirs, put it back.
+                    signal.set_wakeup_fd(previous)
+            except ValueError:  # pragma: no cover - main thread checked above
+                return
         self._close_sockets()
 
     def _close_sockets(self, *, wake_watcher: bool = True) -> None:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.resources import Resource
 
 from openlora_otel._deps import require
 from openlora_otel._version import __version__
-from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.training import TrainingMetrics, step_duration_view
 from openlora_otel.views import observed_total_views
@@ -159,9 +159,9 @@ class Telemetry:
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Collect and export now; True when every reader finished within ``timeout_s``.
 
-        Defaults to the shutdown bound. A no-op after shutdown. Raises
-        ``ValueError`` only for a ``timeout_s`` that is not a number of seconds
-        in (0, 3600]; export problems never raise.
+        Defaults to the shutdown bound. A no-op after shutdown. Raises only for a
+        ``timeout_s`` that is not a number of seconds in (0, 600] (``TypeError``
+        for a non-number, ``ValueError`` otherwise); export problems never raise.
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         if self._closed or not self.enabled:
@@ -184,8 +184,8 @@ class Telemetry:
         ``OPENLORA_SHUTDOWN_TIMEOUT``) even when the OTLP endpoint hangs; True when
         everything finished in time. Idempotent and safe from any thread: a call
         while another thread is shutting down waits for it (within its own
-        bound). Never raises, except ``ValueError`` for a ``timeout_s`` that is not
-        a number of seconds in (0, 3600] (then nothing is changed).
+        bound). Never raises, except for a ``timeout_s`` that is not a number of
+        seconds in (0, 600] (``TypeError`` / ``ValueError``; then nothing is changed).
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
@@ -201,16 +201,27 @@ class Telemetry:
             if self._training is not None:
                 # No record after this point: the final collection below holds every accepted step.
                 self._training.close()
-            self._wait_for_final_scrape()
-            deadline = time.monotonic() + timeout
             # Keep a slice of the bound for closing the endpoint and joining its threads.
-            budget = max(0.001, timeout - min(0.25, timeout * 0.2))
+            reserve = min(0.25, timeout * 0.2)
+            if self._will_wait_for_final_scrape() and self._config.enabled_exporters != ("prometheus",):
+                # Push exporters deliver first: a SIGTERM grace period (10 s under docker stop)
+                # may not outlast the wait for the scraper.
+                ok = self._flush(max(0.001, timeout - reserve))
+                self._wait_for_final_scrape()
+                budget = max(0.001, deadline - time.monotonic() - reserve)
+            else:
+                self._wait_for_final_scrape()
+                deadline = time.monotonic() + timeout
+                budget = max(0.001, timeout - reserve)
             if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
                 provider = self._meter_provider
-                ok = _run_bounded(lambda: provider.shutdown(timeout_millis=budget * 1000), budget, "shutdown")
+                ok = (
+                    _run_bounded(lambda: provider.shutdown(timeout_millis=budget * 1000), budget, "shutdown")
+                    and ok
+                )
             elif self.enabled:
                 # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
-                ok = self._flush(budget)
+                ok = self._flush(budget) and ok
         except Exception:  # pragma: no cover - every step above is already guarded
             _logger.warning("telemetry shutdown failed part-way; releasing what it holds", exc_info=True)
             ok = False
@@ -220,11 +231,15 @@ class Telemetry:
             self._shutdown_done.set()
         return ok
 
+    def _will_wait_for_final_scrape(self) -> bool:
+        endpoint = self._prometheus
+        return endpoint is not None and self._config.final_scrape_timeout_s > 0 and endpoint.scrapes > 0
+
     def _wait_for_final_scrape(self) -> None:
         """Serve until the scraper that has been scraping us collected once more (bounded)."""
         endpoint = self._prometheus
         limit = self._config.final_scrape_timeout_s
-        if endpoint is None or limit <= 0 or endpoint.scrapes == 0:
+        if endpoint is None or not self._will_wait_for_final_scrape():
             return
         interval = endpoint.scrape_interval()
         if interval is not None:
@@ -283,8 +298,8 @@ class Telemetry:
         self.shutdown()
 
 
-# Longest bound shutdown()/force_flush() accept: past it a wait is a hang, not a bound.
-MAX_TIMEOUT_S = 3600.0
+# Longest bound shutdown()/force_flush() accept, as OPENLORA_SHUTDOWN_TIMEOUT: past it a wait is a hang.
+MAX_TIMEOUT_S = SHUTDOWN_TIMEOUT_RANGE_MS[1] / 1000.0
 
 
 def _timeout_argument(value: object, default: float) -> float:
@@ -452,7 +467,7 @@ def _install_sigterm(telemetry: Telemetry) -> None:
         return
     from openlora_otel.sigterm import SigtermGuard
 
-    telemetry._sigterm = SigtermGuard.install(telemetry.shutdown)
+    telemetry._sigterm = SigtermGuard.install(telemetry.shutdown, telemetry.force_flush)
 
 
 def _announce(telemetry: Telemetry) -> None:

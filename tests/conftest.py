@@ -25,6 +25,15 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def no_sigterm_guard_in_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests never install the SIGTERM guard: a SIGTERM to pytest (CI's timeout) must stop
+    pytest, not run a test's telemetry shutdown and exit 143. The guard is tested in subprocesses."""
+    from openlora_otel.sigterm import SigtermGuard
+
+    monkeypatch.setattr(SigtermGuard, "install", classmethod(lambda cls, *args, **kwargs: None))
+
+
+@pytest.fixture(autouse=True)
 def reset_otel_globals() -> Iterator[None]:
     """Give each test an unset global MeterProvider, and shut down what it left open."""
     _reset()

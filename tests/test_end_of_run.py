@@ -29,7 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _openlora_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("openlora-otel")]
+    """Threads of the endpoint and the SIGTERM guard (an SDK export hung by another test may linger)."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("openlora-otel-prometheus", "openlora-otel-sigterm"))
+    ]
 
 
 def _port_is_free(port: int) -> bool:
@@ -83,9 +88,50 @@ def test_a_run_never_scraped_does_not_wait() -> None:
     assert time.monotonic() - started < 1.0  # the default wait is 15 s: not taken
 
 
-def _scrape(url: str) -> None:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        response.read()
+# What Prometheus sends; a plain GET (curl, a browser) does not count as a scrape.
+SCRAPER = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+
+
+def _scrape(url: str, headers: dict[str, str] = SCRAPER) -> str:
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read().decode()
+
+
+def test_a_plain_get_is_not_a_scrape_and_does_not_make_shutdown_wait() -> None:
+    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False)
+    telemetry = setup_telemetry(config=config)
+    assert telemetry.prometheus_url is not None
+    _scrape(telemetry.prometheus_url, headers={"Accept": "*/*", "User-Agent": "curl/8.5.0"})
+    started = time.monotonic()
+    telemetry.shutdown()
+    assert time.monotonic() - started < 1.0
+
+
+def test_push_exporters_deliver_before_the_final_scrape_wait() -> None:
+    receiver = HttpReceiver()
+    try:
+        config = TelemetryConfig(
+            exporters=("prometheus", "otlp"),
+            prometheus_host="127.0.0.1",
+            prometheus_port=0,
+            handle_sigterm=False,
+            final_scrape_timeout_s=3.0,
+        )
+        config = config.replace(otlp=config.otlp.__class__(endpoint=receiver.http_endpoint + "/v1/metrics"))
+        telemetry = setup_telemetry(config=config)
+        _scrape(telemetry.prometheus_url)  # type: ignore[arg-type]
+        for _ in range(10):
+            telemetry.training.record_step(loss=1.0)
+        started = time.monotonic()
+        waiter = threading.Thread(target=telemetry.shutdown)
+        waiter.start()
+        # Nobody scrapes again: shutdown waits up to 3 s, but the OTLP export is already there.
+        assert receiver.wait_for(lambda r: _steps_received(r) == 10, timeout=2.0)
+        assert time.monotonic() - started < 2.0
+        waiter.join(10)
+    finally:
+        receiver.close()
 
 
 def test_final_scrape_wait_is_bounded_by_the_variable() -> None:
@@ -130,8 +176,7 @@ def test_final_scrape_sees_every_step_recorded_before_shutdown() -> None:
     def scraper() -> None:
         while not stop.is_set():
             try:
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    bodies.append(response.read().decode())
+                bodies.append(_scrape(url))
             except OSError as error:  # the endpoint closed: the run is over
                 errors.append(error)
                 return
@@ -325,15 +370,17 @@ def test_sigterm_while_recording_ends_the_run_within_the_bound() -> None:
     body = """
 telemetry = setup_telemetry()
 training = telemetry.training
+for _ in range(1000):
+    training.record_step(loss=1.0, tokens=1)
 print("READY", flush=True)
-while True:
+while True:  # still recording when the signal comes
     training.record_step(loss=1.0, tokens=1)
 """
     receiver = HttpReceiver()
     try:
         result, took = _run_child(body, _otlp_env(receiver))
         assert result.returncode == 143, result.stderr[-2000:]
-        assert _steps_received(receiver) > 0
+        assert _steps_received(receiver) >= 1000
         assert took < 10
     finally:
         receiver.close()
@@ -382,10 +429,122 @@ def test_shutdown_waits_for_a_shutdown_in_progress_on_another_thread() -> None:
         telemetry.training.record_step(loss=1.0)  # something to export, so the final export hangs
         first = threading.Thread(target=telemetry.shutdown)
         first.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while not telemetry.is_shutdown and time.monotonic() < deadline:  # the first one has begun
+            time.sleep(0.001)
+        assert telemetry.is_shutdown
         started = time.monotonic()
         telemetry.shutdown()  # returns only once the first one finished
         assert time.monotonic() - started > 0.3
         first.join(5)
     finally:
         hanging.close()
+
+
+def test_an_application_handler_that_calls_ours_keeps_control_of_the_exit() -> None:
+    # Lightning's signal connector installs its handler after ours and calls the previous one.
+    body = """
+telemetry = setup_telemetry()
+previous = signal.getsignal(signal.SIGTERM)
+stop = []
+def on_term(signum, frame):
+    stop.append(signum)
+    previous(signum, frame)
+signal.signal(signal.SIGTERM, on_term)
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0, tokens=7)
+print("READY", flush=True)
+deadline = time.monotonic() + 30
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(3)  # the application's own graceful stop: a checkpoint, say
+print("CHECKPOINT WRITTEN", flush=True)
+sys.exit(0)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver))
+        assert "CHECKPOINT WRITTEN" in result.stdout, result.stderr[-2000:]
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert _steps_received(receiver) == 5000
+    finally:
+        receiver.close()
+
+
+def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
+    body = """
+telemetry = setup_telemetry()
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0)
+print("READY", flush=True)
+time.sleep(60)
+"""
+    script = _CHILD_PRELUDE + textwrap.dedent(body)
+    receiver = HttpReceiver()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", script], cwd=ROOT, env=_otlp_env(receiver), stdout=subprocess.PIPE, text=True
+        )
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "READY"
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 143
+        assert _steps_received(receiver) == 5000
+    finally:
+        receiver.close()
+
+
+def test_shutdown_off_the_main_thread_leaves_no_stray_wakeup_writes(tmp_path: Path) -> None:
+    # Closing the wakeup socket while it is still installed would let the C signal handler
+    # write into whatever file gets that descriptor number next.
+    body = f"""
+import threading
+signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+telemetry = setup_telemetry()
+worker = threading.Thread(target=telemetry.shutdown)
+worker.start()
+worker.join()
+files = [open({str(tmp_path)!r} + f"/file{{i}}", "wb") for i in range(4)]
+for _ in range(3):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.05)
+for handle in files:
+    handle.write(b"CKPT")
+    handle.close()
+print("READY", flush=True)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+        for index in range(4):
+            assert (tmp_path / f"file{index}").read_bytes() == b"CKPT"
+    finally:
+        receiver.close()
+
+
+def test_asyncio_keeps_its_signal_handling_after_shutdown() -> None:
+    body = """
+import asyncio
+
+async def main():
+    telemetry = setup_telemetry()
+    loop = asyncio.get_running_loop()
+    got = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, got.set)
+    telemetry.shutdown()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await asyncio.wait_for(got.wait(), 5)
+    print("ASYNCIO GOT IT", flush=True)
+
+asyncio.run(main())
+print("READY", flush=True)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        assert "ASYNCIO GOT IT" in result.stdout, result.stderr[-2000:]
+        assert result.returncode == 0
+    finally:
+        receiver.close()

@@ -73,6 +73,8 @@ class PortInUseError(ConfigError):
                 "Another process holds that port (an earlier run still exiting, or another rank or node "
                 "on this host). "
             )
+        elif error.errno == errno.EACCES:
+            message += "Ports below 1024 need privileges. "
         message += (
             "Set OTEL_EXPORTER_PROMETHEUS_PORT to a free port, or to 0 for any free port "
             "(telemetry.prometheus_url then says which)"
@@ -110,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
         if gzip_accepted(self.headers.get("Accept-Encoding")):
             output = gzip.compress(output)
             headers.append(("Content-Encoding", "gzip"))
-        if self._send(200, content_type, output, headers):
+        if self._send(200, content_type, output, headers) and _is_scraper(self.headers):
             self.server.scraped(started)
 
     def _send(self, status: int, content_type: str, body: bytes, headers: list[tuple[str, str]] = ()) -> bool:  # type: ignore[assignment]
@@ -130,10 +132,26 @@ class _Handler(BaseHTTPRequestHandler):
         """Log nothing per request."""
 
 
+# What scrapers send and people's tools (curl, a browser, a liveness probe) do not: the
+# Prometheus text or OpenMetrics media types in Accept, or a scraper's User-Agent.
+_SCRAPER_ACCEPT = ("application/openmetrics-text", "version=0.0.4")
+_SCRAPER_AGENTS = ("prometheus/", "vm_promscrape", "opentelemetry collector", "grafanaagent", "alloy/")
+
+
+def _is_scraper(headers: Any) -> bool:
+    """Whether a request comes from a metrics scraper (what the final-scrape wait waits for)."""
+    accept = (headers.get("Accept") or "").lower()
+    agent = (headers.get("User-Agent") or "").lower()
+    return any(token in accept for token in _SCRAPER_ACCEPT) or agent.startswith(_SCRAPER_AGENTS)
+
+
 class _Server(HTTPServer):
     """An HTTP server with one thread per connection, bounded in number, time and lifetime."""
 
     daemon_threads = True
+    # socketserver's default backlog of 5 drops SYNs from a burst of connections while
+    # the accept loop waits for the GIL; clients then retry only after a second.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[Any, ...], family: int, registry: CollectorRegistry) -> None:
         self.address_family = family
@@ -177,7 +195,13 @@ class _Server(HTTPServer):
         if reject:
             self.shutdown_request(request)
             return
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no more threads can be started: drop this connection, not the server
+            with self._lock:
+                self._active.pop(request, None)
+                self._threads = [t for t in self._threads if t is not thread]
+            self.shutdown_request(request)
 
     def _serve_one(self, request: Any, client_address: Any) -> None:
         try:
@@ -205,10 +229,14 @@ class _Server(HTTPServer):
 
     def forget_in_child(self) -> None:
         """In a forked child: close this process's copies of every socket, touching nothing shared."""
-        with self._lock:
-            self._closing = True
-            active = list(self._active)
-            self._active.clear()
+        # No lock: a thread of the parent may have held it at fork time, and that thread
+        # does not exist here to release it. The child has only the forking thread.
+        self._lock = threading.Lock()
+        self._scraped = threading.Condition(self._lock)
+        self._closing = True
+        active = list(self._active)
+        self._active.clear()
+        self._threads = []
         for sock in (self.socket, *active):
             # close(), never shutdown(): the parent's sockets must keep working.
             with contextlib.suppress(OSError):
@@ -349,6 +377,13 @@ def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
     try:
         server = _Server(sockaddr, family, registry)
     except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                "OTEL_EXPORTER_PROMETHEUS_HOST",
+                host,
+                "an address of this machine (localhost, 127.0.0.1, ::1, 0.0.0.0 or one of its interfaces)",
+                f"binding {host}:{port} failed: {exc.strerror or exc}",
+            ) from None
         raise PortInUseError(config, exc) from None
     reader = PrometheusMetricReader(registry=registry)
     return PrometheusEndpoint(reader, server, host)
