@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -99,3 +100,37 @@ def served_series(url: str) -> set[str]:
 @pytest.fixture
 def memory_reader() -> InMemoryMetricReader:
     return InMemoryMetricReader()
+
+
+class SlowOnce:
+    """An observable gauge whose first callback is slow, registered after the instruments under test.
+
+    The SDK checks its collect deadline before each instrument's callback, so the
+    instrument after it raises MetricsTimeoutError: the collection is aborted after
+    the earlier callbacks ran, as a slow NVML call or a user's slow callback would do.
+    """
+
+    def __init__(self, meter, seconds: float = 0.3) -> None:
+        self.left = 1
+        self.seconds = seconds
+        meter.create_observable_gauge("test.slow", callbacks=[self])
+        meter.create_observable_gauge("test.after", callbacks=[lambda options: []])
+
+    def __call__(self, options):
+        if self.left:
+            self.left -= 1
+            time.sleep(self.seconds)
+        return []
+
+
+def wait_for_child(pid: int, timeout: float, what: str) -> int:
+    """The exit code of forked child ``pid``; kills it and fails the test with ``what`` if it is still running after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(what)

@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics.export import (
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.exporters.guard import GuardedExporter
+from tests.conftest import wait_for_child
 
 
 class PidFileExporter(MetricExporter):
@@ -85,16 +86,7 @@ def test_forked_child_with_prometheus_endpoint_can_shut_down(tmp_path: Path) -> 
     if child == 0:  # pragma: no cover - runs in the child
         telemetry.shutdown(timeout_s=1.0)
         os._exit(0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(child, 9)
-        pytest.fail("shutdown in the forked child hung")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_for_child(child, 10, "shutdown in the forked child hung") == 0
     # The parent's endpoint still serves after the child closed its copy of the socket.
     import urllib.request
 

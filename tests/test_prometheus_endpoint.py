@@ -17,7 +17,7 @@ import pytest
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.exporters import prometheus as prometheus_module
-from tests.conftest import child_env
+from tests.conftest import child_env, wait_for_child
 from tests.otlp_receiver import HangingEndpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,17 +246,7 @@ def test_fork_while_a_scrape_holds_the_server_lock_does_not_hang_the_child() -> 
         if child == 0:  # pragma: no cover - runs in the child: the fork hook ran before this line
             os._exit(0)
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(child, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(child, 9)
-            os.waitpid(child, 0)
-            pytest.fail("the forked child hung in the fork hook")
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_for_child(child, 10, "the forked child hung in the fork hook") == 0
     finally:
         endpoint.close()
 

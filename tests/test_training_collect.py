@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import pytest
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -22,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training import TrainingMetrics, step_duration_view
-from tests.conftest import points, value
+from tests.conftest import SlowOnce, points, value
 
 # Dyadic step times (exact in binary, so every sum below is exact), spread over
 # the first, middle and overflow buckets and over both sides of bucket edges.
@@ -163,27 +162,6 @@ def test_the_view_on_your_own_provider(memory_reader: InMemoryMetricReader) -> N
     found = points(memory_reader.get_metrics_data(), "openlora.training.step.duration")
     assert sorted(p.count for p in found) == [2, 3000]
     provider.shutdown()
-
-
-class SlowOnce:
-    """An observable gauge registered after TrainingMetrics whose first callback is slow.
-
-    The SDK checks its collect deadline before each instrument's callback, so the
-    next instrument then raises MetricsTimeoutError: the collection is aborted
-    after our window was taken, as a long replay or a slow NVML call would do.
-    """
-
-    def __init__(self, meter, seconds: float) -> None:
-        self.left = 1
-        self.seconds = seconds
-        meter.create_observable_gauge("test.slow", callbacks=[self])
-        meter.create_observable_gauge("test.after", callbacks=[lambda options: []])
-
-    def __call__(self, options):
-        if self.left:
-            self.left -= 1
-            time.sleep(self.seconds)
-        return []
 
 
 def scraped(registry: CollectorRegistry) -> dict[str, float]:

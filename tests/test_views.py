@@ -11,29 +11,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, gpu, nvml, setup_telemetry
 from openlora_otel.views import observed_total_views
-from tests.conftest import value
+from tests.conftest import SlowOnce, value
 from tests.fake_nvml import FakeNvml, h100s
-
-
-class SlowOnce:
-    """A gauge registered after the instruments under test whose first callback is slow.
-
-    The SDK checks its collect deadline before each instrument's callback, so the
-    one after it raises MetricsTimeoutError: the collection is aborted after the
-    totals were observed.
-    """
-
-    def __init__(self, meter, seconds: float = 0.3) -> None:
-        self.left = 1
-        self.seconds = seconds
-        meter.create_observable_gauge("test.slow", callbacks=[self])
-        meter.create_observable_gauge("test.after", callbacks=[lambda options: []])
-
-    def __call__(self, options):
-        if self.left:
-            self.left -= 1
-            time.sleep(self.seconds)
-        return []
 
 
 def _totals(meter) -> dict[str, float]:
