@@ -134,3 +134,16 @@ def wait_for_child(pid: int, timeout: float, what: str) -> int:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail(what)
+
+
+@pytest.fixture(params=["http/protobuf", "grpc"])
+def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
+    """A real OTLP receiver on loopback, once per protocol (``receiver.protocol`` says which)."""
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from tests.otlp_receiver import GrpcReceiver, HttpReceiver
+
+    server = HttpReceiver() if request.param == "http/protobuf" else GrpcReceiver()
+    server.protocol = request.param  # type: ignore[attr-defined]
+    yield server
+    server.close()

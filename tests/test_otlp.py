@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,12 +15,6 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 
 
-@pytest.fixture(params=["http/protobuf", "grpc"])
-def receiver(request: pytest.FixtureRequest) -> Iterator[Receiver]:
-    server: Receiver = HttpReceiver() if request.param == "http/protobuf" else GrpcReceiver()
-    server.protocol = request.param  # type: ignore[attr-defined]
-    yield server
-    server.close()  # type: ignore[attr-defined]
 
 
 def otlp_env(protocol: str, port: int, **extra: str) -> dict[str, str]:

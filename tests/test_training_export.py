@@ -8,12 +8,11 @@ at the maximum instead of overflowing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.otlp_receiver import GrpcReceiver, HttpReceiver, Receiver
+from tests.otlp_receiver import Receiver
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
@@ -21,12 +20,6 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 INT64_MAX = 2**63 - 1
 
 
-@pytest.fixture(params=["http/protobuf", "grpc"])
-def receiver(request: pytest.FixtureRequest) -> Iterator[Receiver]:
-    server: Receiver = HttpReceiver() if request.param == "http/protobuf" else GrpcReceiver()
-    server.protocol = request.param  # type: ignore[attr-defined]
-    yield server
-    server.close()  # type: ignore[attr-defined]
 
 
 def latest(receiver: Receiver, name: str) -> object:
