@@ -476,8 +476,13 @@ class TrainingMetrics:
         What was recorded before stays in the window, so a collection after
         ``close()`` (the final export of ``Telemetry.shutdown()``) still reports it.
         """
-        with self._lock:
-            self._closed = True
+        # No lock: Telemetry.shutdown() calls this first (also from the SIGTERM exit
+        # thread), and the main thread may hold the lock while stuck in C (a fold's kernel
+        # launch behind a hung collective). Storing a bool is atomic under the GIL; the
+        # record paths check it under the lock, so a record racing with close() either
+        # lands in the window the final collection takes (the collection takes the lock)
+        # or is ignored. Both are fine.
+        self._closed = True
 
     # -- collection ---------------------------------------------------------------
     @staticmethod

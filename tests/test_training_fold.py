@@ -1,8 +1,9 @@
-"""Folding kept tensors: a failed fold is not retried on every step, memory stays bounded, MPS reduces in float32."""
+"""Folding kept tensors: a failed fold is not retried on every step, memory stays bounded, MPS reduces in float32; close() never waits for the lock."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -152,3 +153,21 @@ def test_a_device_without_float64_folds_in_float32(setup, monkeypatch: pytest.Mo
     assert value(data, "openlora.training.loss") == pytest.approx(sum(s % 4 for s in range(steps)) / steps)
     assert value(data, "openlora.training.gradient_norm") == pytest.approx(0.25)
 
+
+def test_close_does_not_wait_for_the_lock(setup) -> None:
+    training, _ = setup
+    # The main thread holding the lock (stuck in a kernel launch inside a fold) must not
+    # keep shutdown, or the SIGTERM exit thread, from closing.
+    training._lock.acquire()
+    try:
+        closer = threading.Thread(target=training.close, daemon=True)
+        closer.start()
+        closer.join(timeout=5.0)
+        returned = not closer.is_alive()
+    finally:
+        training._lock.release()
+    closer.join(timeout=5.0)
+    assert returned
+    assert training._closed
+    training.record_step(loss=1.0)
+    assert training._window.steps == 0
