@@ -59,6 +59,13 @@ _logger = logging.getLogger(__name__)
 # Tensors kept per window before they are folded on their device into one partial
 # result (one small reduction per this many steps keeps memory flat without a reader).
 _FOLD_EVERY = 512
+# After a fold fails, a window stops folding (retrying would re-stack the whole growing
+# list on every step, under the lock) and keeps at most this many tensors until its
+# collection; beyond it they are dropped and counted.
+_MAX_UNFOLDED = 16384
+# Devices without float64 support: the fold reduces in float32 there (decided by
+# device type, not by trying float64 on every fold; counts stay exact to 2**24 a window).
+_NO_FLOAT64 = frozenset({"mps"})
 # Tensor-like objects that are not torch tensors (duck-typed test doubles, other
 # frameworks) cannot be folded without reading them; beyond this they are dropped.
 _MAX_FOREIGN = 65536
@@ -75,7 +82,7 @@ _DURATION = "openlora.training.step.duration"
 class _Series:
     """Sum, count, non-finite count and last value of one scalar over a window, host values plus deferred tensors."""
 
-    __slots__ = ("count", "deferred", "foreign", "last", "nonfinite", "partials", "total")
+    __slots__ = ("count", "deferred", "fold_failed", "foreign", "last", "nonfinite", "partials", "total")
 
     def __init__(self) -> None:
         self.total = 0.0
@@ -85,6 +92,9 @@ class _Series:
         self.deferred: list[Any] = []  # torch tensors, detached, not yet folded
         self.partials: list[Any] = []  # folded 4-vectors [sum_finite, n_finite, n_nonfinite, last] on device
         self.foreign: list[Any] = []  # tensor-likes that are not torch tensors
+        # A fold failed in this window: no more folds until the window is collected
+        # (a new window, with a new series, folds again).
+        self.fold_failed = False
 
     def add_host(self, value: float) -> None:
         if value - value == 0.0:  # finite (NaN and inf give NaN)
@@ -199,6 +209,7 @@ class TrainingMetrics:
         self._eval: dict[str, float] = {}
         self._adapter: dict[str, float] = {}
         self._dropped_foreign = 0
+        self._dropped_unfolded = 0
         self._warned: set[str] = set()
 
         spec = {m.name: m for m in (*names.TRAINING_METRICS, *names.ADAPTER_METRICS)}
@@ -342,6 +353,14 @@ class TrainingMetrics:
                 self._dropped_foreign += 1
             return
         deferred = series.deferred
+        if series.fold_failed:
+            # One failed attempt per window: retrying on each step would re-stack the whole
+            # growing list under the lock (milliseconds per step after a few thousand).
+            if len(deferred) < _MAX_UNFOLDED:
+                deferred.append(value)
+            else:
+                self._dropped_unfolded += 1
+            return
         deferred.append(value)
         if len(deferred) >= _FOLD_EVERY:
             torch = sys.modules["torch"]
@@ -351,8 +370,12 @@ class TrainingMetrics:
                 if len(series.partials) >= _FOLD_EVERY:
                     series.partials = _fold_partials(series.partials, torch)
             except Exception:  # never let bookkeeping break the step; read them all at collection instead
+                series.fold_failed = True
                 self._warn_once(
-                    "fold", "folding kept tensors failed; they are kept until collection", exc=True
+                    "fold",
+                    f"folding kept tensors failed; this window keeps up to {_MAX_UNFOLDED} of them "
+                    "for its collection (the next window folds again)",
+                    exc=True,
                 )
 
     # -- other records ----------------------------------------------------------
@@ -453,8 +476,13 @@ class TrainingMetrics:
         What was recorded before stays in the window, so a collection after
         ``close()`` (the final export of ``Telemetry.shutdown()``) still reports it.
         """
-        with self._lock:
-            self._closed = True
+        # No lock: Telemetry.shutdown() calls this first (also from the SIGTERM exit
+        # thread), and the main thread may hold the lock while stuck in C (a fold's kernel
+        # launch behind a hung collective). Storing a bool is atomic under the GIL; the
+        # record paths check it under the lock, so a record racing with close() either
+        # lands in the window the final collection takes (the collection takes the lock)
+        # or is ignored. Both are fine.
+        self._closed = True
 
     # -- collection ---------------------------------------------------------------
     @staticmethod
@@ -529,6 +557,12 @@ class TrainingMetrics:
         if self._dropped_foreign:
             self._warn_once(
                 "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
+            )
+        if self._dropped_unfolded:
+            self._warn_once(
+                "unfolded",
+                f"{self._dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
+                f"them failed and more than {_MAX_UNFOLDED} waited for one collection",
             )
 
     def _commit(self, window: _Window) -> None:
@@ -839,21 +873,27 @@ def _fold_partials(partials: list[Any], torch: Any) -> list[Any]:
     return [group[0] if len(group) == 1 else _combine(group, torch) for group in groups.values()]
 
 
+def _reduce_dtype(device_type: str, torch: Any) -> Any:
+    """float64 for the sums, except on a device that has none (MPS): float32 there."""
+    return torch.float32 if device_type in _NO_FLOAT64 else torch.float64
+
+
 def _fold(tensors: list[Any], torch: Any) -> Any:
     """Reduce 0-d tensors of one device to [sum of finite, n finite, n non-finite, last]; no sync."""
+    dtype = _reduce_dtype(tensors[0].device.type, torch)
     stacked = (
-        torch.stack([t.to(torch.float64) for t in tensors])
+        torch.stack([t.to(dtype) for t in tensors])
         if len({t.dtype for t in tensors}) > 1
         else torch.stack(tensors)
     )
-    stacked = stacked.to(torch.float64)
+    stacked = stacked.to(dtype)
     finite = torch.isfinite(stacked)
     zeros = torch.zeros_like(stacked)
     return torch.stack(
         (
             torch.where(finite, stacked, zeros).sum(),
-            finite.sum().to(torch.float64),
-            (~finite).sum().to(torch.float64),
+            finite.sum().to(dtype),
+            (~finite).sum().to(dtype),
             stacked[-1],
         )
     )
