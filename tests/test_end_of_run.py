@@ -134,6 +134,27 @@ def test_push_exporters_deliver_before_the_final_scrape_wait() -> None:
         receiver.close()
 
 
+def test_a_scrape_is_counted_before_its_answer_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Otherwise a run that ends the moment its first scrape was read would skip the final wait.
+    from openlora_otel.exporters import prometheus as prometheus_module
+
+    seen: list[int] = []
+    original = prometheus_module._Handler._send
+
+    def send(self, *args, **kwargs):
+        seen.append(self.server._scrapes)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(prometheus_module._Handler, "_send", send)
+    config = TelemetryConfig(
+        prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False, final_scrape_timeout_s=0
+    )
+    telemetry = setup_telemetry(config=config)
+    _scrape(telemetry.prometheus_url)  # type: ignore[arg-type]
+    telemetry.shutdown(timeout_s=1)
+    assert seen == [1]
+
+
 def test_final_scrape_wait_is_bounded_by_the_variable() -> None:
     config = TelemetryConfig(
         prometheus_host="127.0.0.1", prometheus_port=0, handle_sigterm=False, final_scrape_timeout_s=0.5

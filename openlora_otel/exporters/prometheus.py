@@ -112,7 +112,12 @@ class _Handler(BaseHTTPRequestHandler):
         if gzip_accepted(self.headers.get("Accept-Encoding")):
             output = gzip.compress(output)
             headers.append(("Content-Encoding", "gzip"))
-        if self._send(200, content_type, output, headers) and _is_scraper(self.headers):
+        scraper = _is_scraper(self.headers)
+        if scraper:
+            # Counted before the answer goes out: a scraper that has read it must never find
+            # the count still at zero (shutdown would then skip the final-scrape wait).
+            self.server.scrape_started(started)
+        if self._send(200, content_type, output, headers) and scraper:
             self.server.scraped(started)
 
     def _send(self, status: int, content_type: str, body: bytes, headers: list[tuple[str, str]] = ()) -> bool:  # type: ignore[assignment]
@@ -243,11 +248,16 @@ class _Server(HTTPServer):
                 sock.close()
 
     # -- scrapes ---------------------------------------------------------------
-    def scraped(self, started: float) -> None:
-        with self._scraped:
+    def scrape_started(self, started: float) -> None:
+        """A scraper's collection is done and its answer about to be sent."""
+        with self._lock:
             self._scrapes += 1
-            self._last_scrape_started = started
             self._scrape_starts = [*self._scrape_starts[-7:], started]
+
+    def scraped(self, started: float) -> None:
+        """That answer was sent: what the final-scrape wait waits for."""
+        with self._scraped:
+            self._last_scrape_started = started
             self._scraped.notify_all()
 
     def collection_failed(self) -> None:
@@ -290,7 +300,7 @@ class PrometheusEndpoint:
 
     @property
     def scrapes(self) -> int:
-        """Scrapes answered with HTTP 200 so far."""
+        """Scrapes answered (or being answered) with HTTP 200 so far."""
         server = self._server
         return server._scrapes if server is not None else 0
 
