@@ -537,8 +537,7 @@ class TelemetryConfig:
             cuda_visible_devices=visible,
             prometheus_port_explicit=bool(env.get("OTEL_EXPORTER_PROMETHEUS_PORT")),
             final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
-            handle_sigterm=not env.get("OPENLORA_HANDLE_SIGTERM")
-            or env.boolean("OPENLORA_HANDLE_SIGTERM"),
+            handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
             quiet=env.boolean("OPENLORA_QUIET"),
         )
 
@@ -595,9 +594,9 @@ class _Env:
             return results[0]
         return names[-1], None
 
-    def boolean(self, name: str, *names: str) -> bool:
+    def boolean(self, name: str, *names: str, default: bool = False) -> bool:
         _, value = self.winner(self._boolean, name, *names)
-        return bool(value)
+        return default if value is None else value
 
     def _boolean(self, name: str) -> bool:
         raw = self.get(name)

@@ -71,8 +71,7 @@ class SigtermGuard:
         self._on_terminate = on_terminate
         self._on_chained = on_chained
         self._lock = threading.Lock()
-        self._started = False
-        self._started_event = threading.Event()
+        self._started = threading.Event()
         self._installed = False
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
@@ -173,7 +172,7 @@ class SigtermGuard:
         instruction for ``STUCK_AFTER_S`` is inside a C call and will not.
         """
         before = _main_position()
-        if self._started_event.wait(STUCK_AFTER_S):
+        if self._started.wait(STUCK_AFTER_S):
             return  # the Python-level handler ran
         if before is not None and before == _main_position() and self._is_current():
             _logger.info("openlora-otel: the main thread is inside a C call; handling SIGTERM from a thread")
@@ -185,17 +184,18 @@ class SigtermGuard:
         if not self._lock.acquire(blocking=False):
             return
         try:
-            if self._started:
+            if self._started.is_set():
                 return
-            self._started = True
+            self._started.set()
         finally:
             self._lock.release()
-        self._started_event.set()
         threading.Thread(target=self._shutdown_and_exit, name="openlora-otel-sigterm", daemon=True).start()
 
     def _shutdown_and_exit(self) -> None:
         try:
-            _logger.info("openlora-otel: SIGTERM received; final export, then exit with status %d", EXIT_STATUS)
+            _logger.info(
+                "openlora-otel: SIGTERM received; final export, then exit with status %d", EXIT_STATUS
+            )
             self._on_terminate()
         except BaseException:  # pragma: no cover - shutdown never raises; exiting matters more
             _logger.debug("shutdown on SIGTERM raised", exc_info=True)
@@ -252,7 +252,7 @@ class SigtermGuard:
     def _reset_in_child(self) -> None:
         """After fork, in the child: default SIGTERM, no wakeup fd, no sockets shared with the parent."""
         self._installed = False
-        self._started = True  # the child never runs the parent's shutdown
+        self._started.set()  # the child never runs the parent's shutdown
         try:
             if signal.getsignal(signal.SIGTERM) == self._on_signal:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -274,4 +274,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-

@@ -203,16 +203,17 @@ class Telemetry:
                 self._training.close()
             # Keep a slice of the bound for closing the endpoint and joining its threads.
             reserve = min(0.25, timeout * 0.2)
-            if self._will_wait_for_final_scrape() and self._config.enabled_exporters != ("prometheus",):
+            flush_first = self._will_wait_for_final_scrape() and self._config.enabled_exporters != (
+                "prometheus",
+            )
+            if flush_first:
                 # Push exporters deliver first: a SIGTERM grace period (10 s under docker stop)
-                # may not outlast the wait for the scraper.
+                # may not outlast the wait for the scraper. The bound then covers both exports.
                 ok = self._flush(max(0.001, timeout - reserve))
-                self._wait_for_final_scrape()
-                budget = max(0.001, deadline - time.monotonic() - reserve)
-            else:
-                self._wait_for_final_scrape()
+            self._wait_for_final_scrape()
+            if not flush_first:
                 deadline = time.monotonic() + timeout
-                budget = max(0.001, timeout - reserve)
+            budget = max(0.001, deadline - time.monotonic() - reserve)
             if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
                 provider = self._meter_provider
                 ok = (
@@ -238,9 +239,9 @@ class Telemetry:
     def _wait_for_final_scrape(self) -> None:
         """Serve until the scraper that has been scraping us collected once more (bounded)."""
         endpoint = self._prometheus
-        limit = self._config.final_scrape_timeout_s
         if endpoint is None or not self._will_wait_for_final_scrape():
             return
+        limit = self._config.final_scrape_timeout_s
         interval = endpoint.scrape_interval()
         if interval is not None:
             limit = min(limit, 1.5 * interval + 0.5)
@@ -258,11 +259,6 @@ class Telemetry:
     def _release(self, deadline: float) -> bool:
         """Stop NVML, the endpoint and the SIGTERM guard, and free the global slot; never raises."""
         ok = True
-        try:
-            if self._training is not None:
-                self._training.close()
-        except Exception:  # pragma: no cover
-            _logger.debug("closing training metrics failed", exc_info=True)
         if self._nvml is not None:
             try:
                 self._nvml.shutdown()

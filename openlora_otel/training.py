@@ -407,7 +407,7 @@ class TrainingMetrics:
                     f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
                     "that series shows no value until a finite one is recorded (warned once per name)",
                 )
-            if key == "loss" and loss is not None:
+            if key == "loss":  # the `loss` argument: a keyword cannot repeat it
                 self._eval_loss = number
                 continue
             if key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:

@@ -253,9 +253,9 @@ from openlora_otel import setup_telemetry
 
 
 def _run_child(
-    body: str, env: dict[str, str], *, signal_after_ready: bool = True, timeout: float = 60.0
+    body: str, env: dict[str, str], *, sigterms: int = 1, timeout: float = 60.0
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Start ``body``; once it prints READY send SIGTERM; return the result and the seconds it took to end."""
+    """Start ``body``; once it prints READY send ``sigterms`` SIGTERMs; return the result and the seconds it took to end."""
     script = _CHILD_PRELUDE + textwrap.dedent(body)
     process = subprocess.Popen(
         [sys.executable, "-c", script],
@@ -276,7 +276,7 @@ def _run_child(
         before.append(line)
     assert line.strip() == "READY", process.communicate(timeout=30)
     sent = time.monotonic()
-    if signal_after_ready:
+    for _ in range(sigterms):
         process.send_signal(signal.SIGTERM)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
@@ -426,7 +426,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
         assert f"CHILD {-signal.SIGTERM}" in result.stdout, result.stderr[-2000:]
         assert "PARENT ALIVE" in result.stdout
         assert result.returncode == 0, result.stderr[-2000:]
@@ -493,24 +493,10 @@ sys.exit(0)
 
 
 def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
-    body = """
-telemetry = setup_telemetry()
-for _ in range(5000):
-    telemetry.training.record_step(loss=1.0)
-print("READY", flush=True)
-time.sleep(60)
-"""
-    script = _CHILD_PRELUDE + textwrap.dedent(body)
     receiver = HttpReceiver()
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-c", script], cwd=ROOT, env=_otlp_env(receiver), stdout=subprocess.PIPE, text=True
-        )
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == "READY"
-        process.send_signal(signal.SIGTERM)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 143
+        result, _ = _run_child(_RECORD_5000, _otlp_env(receiver), sigterms=2)
+        assert result.returncode == 143, result.stderr[-2000:]
         assert _steps_received(receiver) == 5000
     finally:
         receiver.close()
@@ -537,7 +523,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
         assert result.returncode == 0, result.stderr[-2000:]
         for index in range(4):
             assert (tmp_path / f"file{index}").read_bytes() == b"CKPT"
@@ -564,7 +550,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), signal_after_ready=False)
+        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
         assert "ASYNCIO GOT IT" in result.stdout, result.stderr[-2000:]
         assert result.returncode == 0
     finally:
