@@ -229,7 +229,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         linger=args.linger,
     )
     try:
-        telemetry = setup_telemetry("openlora-demo", config=config)
+        # The demo says where its metrics are itself (the "metrics:" line below).
+        telemetry = setup_telemetry("openlora-demo", config=config.replace(quiet=True))
     except (ConfigError, MissingDependencyError) as exc:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
