@@ -72,6 +72,7 @@ class SigtermGuard:
         self._on_chained = on_chained
         self._lock = threading.Lock()
         self._started = threading.Event()
+        self._shutting_down = False
         self._installed = False
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
@@ -154,11 +155,28 @@ class SigtermGuard:
                 return
             if not data:
                 return
-            # The wakeup fd carries every signal with a Python handler; act on ours only,
-            # and only while the handler is ours (an application handler installed after
-            # setup_telemetry() decides for itself).
-            if signal.SIGTERM in data and self._is_current():
-                self._act_if_main_is_stuck()
+            if signal.SIGTERM in data:
+                self._on_wakeup()
+
+    def _on_wakeup(self) -> None:
+        """The watcher heard a SIGTERM (the wakeup fd carries every signal with a Python handler).
+
+        It acts only while the handler is ours (an application handler installed
+        after setup_telemetry() decides for itself) and the shutdown has not begun
+        elsewhere. The watcher may get the GIL late: by then an application handler
+        may have run and put ours back, and the main thread may be inside the
+        shutdown it called next; that is not a stuck main thread.
+        """
+        if self._is_current() and not self._shutting_down:
+            self._act_if_main_is_stuck()
+
+    def shutdown_started(self) -> None:
+        """``Telemetry.shutdown()`` has begun: the watcher no longer acts for the main thread.
+
+        The Python-level handler still does: a SIGTERM during the shutdown waits
+        for it to end, then ends the process with status 143.
+        """
+        self._shutting_down = True
 
     def _is_current(self) -> bool:
         return bool(signal.getsignal(signal.SIGTERM) == self._on_signal)
@@ -174,7 +192,7 @@ class SigtermGuard:
         before = _main_position()
         if self._started.wait(STUCK_AFTER_S):
             return  # the Python-level handler ran
-        if before is not None and before == _main_position() and self._is_current():
+        if before is not None and before == _main_position() and self._is_current() and not self._shutting_down:
             _logger.info("openlora-otel: the main thread is inside a C call; handling SIGTERM from a thread")
             self._terminate()
 

@@ -195,6 +195,9 @@ class Telemetry:
             self._shutdown_done.wait(timeout + self._config.final_scrape_timeout_s)
             return self._shutdown_ok and self._shutdown_done.is_set()
         atexit.unregister(self._shutdown_at_exit)
+        if self._sigterm is not None:
+            # The main thread may now sit in the waits below: not a thread stuck in C code.
+            self._sigterm.shutdown_started()
         ok = True
         deadline = time.monotonic() + timeout
         try:

@@ -492,6 +492,48 @@ sys.exit(0)
         receiver.close()
 
 
+def test_a_late_watcher_leaves_a_shutdown_the_application_began_alone() -> None:
+    # The demo's pattern: its own handler during a wait, ours put back, then shutdown().
+    # The watcher thread may get the GIL only after all that (seen on a loaded CI
+    # machine); the main thread then sits in the shutdown, which is not "stuck in C".
+    body = """
+import threading
+from openlora_otel import sigterm
+heard = sigterm.SigtermGuard._on_wakeup
+def late(self):
+    time.sleep(0.3)
+    heard(self)
+sigterm.SigtermGuard._on_wakeup = late
+telemetry = setup_telemetry()
+slow = []
+def callback(options):
+    if slow:
+        time.sleep(1.0)  # a final collection that takes a while
+    return []
+telemetry.meter.create_observable_gauge("test.slow", callbacks=[callback])
+for _ in range(5000):
+    telemetry.training.record_step(loss=1.0, tokens=7)
+stop = threading.Event()
+previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+print("READY", flush=True)
+stop.wait(30)
+signal.signal(signal.SIGTERM, previous)
+slow.append(1)
+telemetry.shutdown()
+time.sleep(1.0)  # then the application's own end: a summary, a checkpoint
+print("SHUTDOWN RETURNED", flush=True)
+sys.exit(5)
+"""
+    receiver = HttpReceiver()
+    try:
+        result, _ = _run_child(body, _otlp_env(receiver, OPENLORA_SHUTDOWN_TIMEOUT="10000"))
+        assert "SHUTDOWN RETURNED" in result.stdout, result.stderr[-2000:]
+        assert result.returncode == 5, result.stderr[-2000:]
+        assert _steps_received(receiver) == 5000
+    finally:
+        receiver.close()
+
+
 def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
     receiver = HttpReceiver()
     try:
