@@ -49,7 +49,7 @@ EXPORTERS = ("prometheus", "otlp", "console", "none")
 PROTOCOLS = ("http/protobuf", "grpc")
 COMPRESSIONS = ("none", "gzip")
 TEMPORALITIES = ("cumulative", "delta", "lowmemory")
-PORT_OFFSETS = ("local_rank", "none")
+PORT_OFFSETS = ("local_rank", "rank", "none")
 GPU_MODES = ("auto", "on", "off")
 GPU_DEVICE_MODES = ("process", "all")
 
@@ -235,8 +235,8 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "OPENLORA_RUN_ID",
-        "`TORCHELASTIC_RUN_ID`, else a random id",
-        "Run id in the Resource (`openlora.run.id`); set it to tie ranks or restarts together.",
+        "shared by the launcher, else random",
+        "Run id in the Resource (`openlora.run.id`). Unset, every rank of one job gets the same id anyway: torchrun's `TORCHELASTIC_RUN_ID`, torchrun's store (static rendezvous), the initialized process group's store, or Slurm's job and step ids (see Distributed training).",
     ),
     Variable(
         "OPENLORA_SHUTDOWN_TIMEOUT",
@@ -248,7 +248,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_PROMETHEUS_PORT_OFFSET",
         "local_rank",
-        "`local_rank`: the port is `OTEL_EXPORTER_PROMETHEUS_PORT + LOCAL_RANK`, so torchrun ranks on one node do not collide; `none`: no offset.",
+        "`local_rank`: the port is `OTEL_EXPORTER_PROMETHEUS_PORT + LOCAL_RANK`, so torchrun ranks on one node do not collide; `rank`: `+ RANK` (global rank: several torchrun nodes on one host); `none`: no offset.",
+    ),
+    Variable(
+        "OPENLORA_PROMETHEUS_FILE_SD_DIR",
+        "(unset)",
+        "A directory (created if missing) where each process registers its pull endpoint for Prometheus `file_sd_configs` while it runs: `openlora-<host>-<port>.json`, removed at shutdown and on SIGTERM; unset: no file.",
     ),
     Variable(
         "OPENLORA_GPU_METRICS",
@@ -404,6 +409,7 @@ class TelemetryConfig:
     final_scrape_timeout_s: float = 15.0
     handle_sigterm: bool = True
     quiet: bool = False
+    file_sd_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -485,18 +491,17 @@ class TelemetryConfig:
             prometheus_port = 9464
         offset_mode = env.choice("OPENLORA_PROMETHEUS_PORT_OFFSET", PORT_OFFSETS) or "local_rank"
         port_variable = "OTEL_EXPORTER_PROMETHEUS_PORT"
-        local_rank = resource_attributes.get("openlora.local_rank")
-        if (
-            offset_mode == "local_rank"
-            and prometheus_port != 0
-            and isinstance(local_rank, int)
-            and local_rank
-        ):
-            prometheus_port += local_rank
-            port_variable = "OTEL_EXPORTER_PROMETHEUS_PORT (+ LOCAL_RANK)"
+        offset_variable = {"local_rank": "LOCAL_RANK", "rank": "RANK"}.get(offset_mode)
+        offset = resource_attributes.get(f"openlora.{offset_mode}") if offset_variable else None
+        if prometheus_port != 0 and isinstance(offset, int) and offset:
+            prometheus_port += offset
+            port_variable = f"OTEL_EXPORTER_PROMETHEUS_PORT (+ {offset_variable})"
             if prometheus_port > 65535:
                 raise ConfigError(
-                    port_variable, prometheus_port, "a port of at most 65535 after adding LOCAL_RANK"
+                    port_variable,
+                    prometheus_port,
+                    f"a port of at most 65535 after adding {offset_variable}",
+                    "lower OTEL_EXPORTER_PROMETHEUS_PORT or set OPENLORA_PROMETHEUS_PORT_OFFSET",
                 )
 
         export_interval = env.milliseconds("OTEL_METRIC_EXPORT_INTERVAL", bounds=EXPORT_INTERVAL_RANGE_MS)
@@ -539,7 +544,21 @@ class TelemetryConfig:
             final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
             handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
             quiet=env.boolean("OPENLORA_QUIET"),
+            file_sd_dir=_file_sd_dir(env),
         )
+
+
+FILE_SD_ACCEPTED = "a directory, or a path where one can be created"
+
+
+def _file_sd_dir(env: _Env) -> str | None:
+    """``OPENLORA_PROMETHEUS_FILE_SD_DIR``: unset, or a path that is (or can become) a directory."""
+    value = env.get("OPENLORA_PROMETHEUS_FILE_SD_DIR")
+    if not value:
+        return None
+    if "\0" in value or (os.path.exists(value) and not os.path.isdir(value)):
+        raise ConfigError("OPENLORA_PROMETHEUS_FILE_SD_DIR", value, FILE_SD_ACCEPTED, "it is not a directory")
+    return value
 
 
 def _choices(values: tuple[str, ...]) -> str:

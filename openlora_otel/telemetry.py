@@ -388,9 +388,17 @@ def setup_telemetry(
         if not service_name:
             raise ConfigError("service_name", service_name, "a non-empty string")
         config = config.replace(service_name=service_name)
-    resolved_run_id = run_id or config.run_id or new_run_id()
     if run_id is not None and not run_id:
         raise ConfigError("run_id", run_id, "a non-empty string")
+    resolved_run_id = run_id or config.run_id
+    if not resolved_run_id:
+        if config.sdk_disabled:
+            resolved_run_id = new_run_id()
+        else:
+            from openlora_otel.distributed import shared_run_id
+
+            resolved_run_id, source = shared_run_id()
+            _logger.debug("run id %s from %s", resolved_run_id, source)
     config = config.replace(run_id=resolved_run_id)
 
     if config.sdk_disabled:
@@ -552,6 +560,12 @@ def _build_provider(
 
             prometheus = build_prometheus(config)
             readers.append(prometheus.reader)
+            if config.file_sd_dir:
+                prometheus.register_file_sd(config.file_sd_dir)
+        elif config.file_sd_dir:
+            _logger.info(
+                "OPENLORA_PROMETHEUS_FILE_SD_DIR is set but the prometheus exporter is not: nothing to register"
+            )
         if "otlp" in exporters:
             from openlora_otel.exporters.otlp import build_otlp_reader
 

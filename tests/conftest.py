@@ -14,7 +14,19 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from openlora_otel import telemetry as telemetry_module
 
 _OWN_PREFIXES = ("OTEL_", "OPENLORA_")
-_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+# Launcher variables (torchrun, torch.distributed's env://, Slurm) that decide ranks, ports and the run id.
+_TORCHRUN = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +67,7 @@ def _reset() -> None:
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment without our variables, plus ``extra``: for subprocesses under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OWN_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_OWN_PREFIXES) and k not in _TORCHRUN}
     env.update(extra)
     return env
 

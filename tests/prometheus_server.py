@@ -40,7 +40,9 @@ class Prometheus:
         scrape_interval: str = "1s",
         job: str = "openlora",
         rule_files: list[str] | None = None,
+        file_sd: list[str] | None = None,
     ) -> None:
+        """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
@@ -54,6 +56,12 @@ class Prometheus:
             + "scrape_configs:\n"
             f"  - job_name: {job}\n"
             f"    static_configs:\n      - targets: [{target_list}]\n"
+            + (
+                "    file_sd_configs:\n      - refresh_interval: 1s\n        files:\n"
+                + "".join(f'          - "{glob}"\n' for glob in file_sd)
+                if file_sd
+                else ""
+            )
         )
         self.log = workdir / "prometheus.log"
         self._log_handle = self.log.open("wb")
@@ -91,6 +99,13 @@ class Prometheus:
             body = json.load(response)
         assert body["status"] == "success", body
         return body["data"]["result"]
+
+    def active_targets(self) -> list[dict]:
+        """The scrape targets Prometheus knows now (``/api/v1/targets``, active ones)."""
+        with urllib.request.urlopen(self.url + "/api/v1/targets?state=active", timeout=5) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]["activeTargets"]
 
     def wait_for(self, expr: str, timeout: float = 20.0) -> list[dict]:
         """Poll (bounded) until ``expr`` returns at least one series."""

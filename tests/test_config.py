@@ -107,6 +107,16 @@ def test_prometheus_port_offset_by_local_rank() -> None:
     assert cfg(LOCAL_RANK="3", OTEL_EXPORTER_PROMETHEUS_PORT="0").prometheus_port == 0
 
 
+def test_prometheus_port_offset_by_global_rank() -> None:
+    # Two torchrun "nodes" on one host: LOCAL_RANK repeats, RANK does not.
+    node1 = {"RANK": "5", "LOCAL_RANK": "1", "OPENLORA_PROMETHEUS_PORT_OFFSET": "rank"}
+    assert cfg(**node1).prometheus_port == 9469
+    assert cfg(**node1).prometheus_port_variable == "OTEL_EXPORTER_PROMETHEUS_PORT (+ RANK)"
+    assert cfg(**node1, OTEL_EXPORTER_PROMETHEUS_PORT="10000").prometheus_port == 10005
+    with pytest.raises(ConfigError, match=r"after adding RANK"):
+        cfg(**node1, OTEL_EXPORTER_PROMETHEUS_PORT="65534")
+
+
 def test_exporter_lists() -> None:
     assert cfg(OTEL_METRICS_EXPORTER="otlp, Prometheus,otlp").exporters == ("otlp", "prometheus")
     assert cfg(OTEL_METRICS_EXPORTER="none").enabled_exporters == ()
@@ -163,13 +173,14 @@ INVALID = [
     ("OTEL_RESOURCE_ATTRIBUTES", "team", "`key=value` pairs"),
     ("OTEL_RESOURCE_ATTRIBUTES", "a=%ff", "percent-encoding"),
     ("OPENLORA_SHUTDOWN_TIMEOUT", "inf", "milliseconds from 1 to 600000 (10 min)"),
-    ("OPENLORA_PROMETHEUS_PORT_OFFSET", "rank", "`local_rank`, `none`"),
+    ("OPENLORA_PROMETHEUS_PORT_OFFSET", "node", "`local_rank`, `rank`, `none`"),
     ("OPENLORA_GPU_METRICS", "yes", "`auto`, `on`, `off`"),
     ("OPENLORA_GPU_DEVICES", "mine", "`process`, `all`"),
     ("OPENLORA_GPU_TIMEOUT", "-1", "milliseconds from 1 to 60000 (1 min)"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "-1", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "1e9", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_HANDLE_SIGTERM", "no", "`true` or `false`"),
+    ("OPENLORA_PROMETHEUS_FILE_SD_DIR", "/dev/null", "a directory, or a path where one can be created"),
     ("OPENLORA_QUIET", "1", "`true` or `false`"),
     ("RANK", "first", "integer from 0 to 2147483647"),
     ("LOCAL_RANK", "-1", "integer from 0 to 2147483647"),

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -39,6 +39,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from openlora_otel.config import ConfigError, TelemetryConfig
+
+if TYPE_CHECKING:
+    from openlora_otel.discovery import FileSdRegistration
 
 __all__ = ["CONNECTION_TIMEOUT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
 
@@ -63,7 +66,8 @@ class PortInUseError(ConfigError):
         if config.prometheus_port_explicit:
             origin = f"{config.prometheus_port_variable}={port}"
         elif config.prometheus_port_variable != "OTEL_EXPORTER_PROMETHEUS_PORT":
-            origin = f"port {port}, the default 9464 + LOCAL_RANK (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
+            offset = config.prometheus_port_variable.rpartition("+ ")[2].rstrip(")")
+            origin = f"port {port}, the default 9464 + {offset} (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
         else:
             origin = f"the default port {port} (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
         super().__init__("OTEL_EXPORTER_PROMETHEUS_PORT", port, "a port that is free on " + host)
@@ -73,6 +77,14 @@ class PortInUseError(ConfigError):
                 "Another process holds that port (an earlier run still exiting, or another rank or node "
                 "on this host). "
             )
+            under_torchrun = "openlora.local_rank" in config.resource_attributes
+            if under_torchrun and not config.prometheus_port_variable.endswith("(+ RANK)"):
+                message += (
+                    "Several torchrun nodes on one host repeat the same LOCAL_RANK numbers: give each node "
+                    "its own base port (OTEL_EXPORTER_PROMETHEUS_PORT=9464 on node 0, 9472 on node 1, ...: "
+                    "9464 + 8 x node rank with up to 8 ranks a node) or set OPENLORA_PROMETHEUS_PORT_OFFSET=rank (base port + global "
+                    "RANK). "
+                )
         elif error.errno == errno.EACCES:
             message += "Ports below 1024 need privileges. "
         message += (
@@ -291,7 +303,18 @@ class PrometheusEndpoint:
             daemon=True,
         )
         self._thread.start()
+        self._registration: FileSdRegistration | None = None
         _LIVE.add(self)
+
+    def register_file_sd(self, directory: str) -> None:
+        """Register this endpoint in a Prometheus file_sd directory until :meth:`close`.
+
+        Raises :class:`ConfigError` (``OPENLORA_PROMETHEUS_FILE_SD_DIR``) when the
+        directory cannot be created or written.
+        """
+        from openlora_otel.discovery import FileSdRegistration
+
+        self._registration = FileSdRegistration.register(directory, self.host, self.port)
 
     @property
     def url(self) -> str:
@@ -336,6 +359,10 @@ class PrometheusEndpoint:
         server, self._server = self._server, None
         if server is None:
             return True
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            # First, so the scraper stops looking for this endpoint before it closes.
+            registration.remove()
         _LIVE.discard(self)
         if os.getpid() != self._pid:
             server.forget_in_child()

@@ -1,0 +1,128 @@
+"""Prometheus file-based service discovery: each rank registers its pull endpoint while it runs.
+
+With ``OPENLORA_PROMETHEUS_FILE_SD_DIR`` set, a process that serves the pull
+endpoint writes ``<dir>/openlora-<host>-<port>.json``, a one-target list in the
+format of Prometheus ``file_sd_configs``, once the port is bound, and removes it
+at shutdown (also on SIGTERM and at interpreter exit, which run the shutdown),
+after the final scrape. A Prometheus (or a per-node agent) watching
+``<dir>/*.json`` then scrapes every rank of every job without one hand-written
+target, and drops a rank when its file goes.
+
+The file carries no labels: run identity stays on ``target_info`` (from the
+Resource), so a run never multiplies the series. A process killed with SIGKILL
+cannot remove its file; the next process that registers on the same host
+removes the files of this host whose endpoint refuses connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import socket
+from pathlib import Path
+
+from openlora_otel.config import FILE_SD_ACCEPTED, ConfigError
+
+__all__ = ["FileSdRegistration", "scrape_address"]
+
+_logger = logging.getLogger(__name__)
+
+_VARIABLE = "OPENLORA_PROMETHEUS_FILE_SD_DIR"
+# Stale files of this host checked at one registration (each costs one refused connect at most).
+_MAX_STALE_CHECKS = 64
+_STALE_CONNECT_TIMEOUT_S = 0.2
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _host_label() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
+def scrape_address(bound_host: str, port: int) -> str:
+    """The ``host:port`` a scraper uses to reach an endpoint bound on ``bound_host``.
+
+    A wildcard bind (``0.0.0.0``, ``::``) is reached by this machine's host name;
+    any other host is used as it was given.
+    """
+    host = socket.gethostname() if bound_host in _WILDCARDS else bound_host
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class FileSdRegistration:
+    """One endpoint's file in a file_sd directory; :meth:`remove` deletes it (idempotent)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pid = os.getpid()
+
+    @classmethod
+    def register(cls, directory: str, bound_host: str, port: int) -> FileSdRegistration:
+        """Write this endpoint's target file; a directory that cannot be used raises :class:`ConfigError`."""
+        folder = Path(directory)
+        target = scrape_address(bound_host, port)
+        path = folder / f"openlora-{_host_label()}-{port}.json"
+        body = json.dumps([{"targets": [target], "labels": {}}], indent=2) + "\n"
+        temporary = folder / f".{path.name}.{os.getpid()}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            temporary.write_text(body, encoding="utf-8")
+            temporary.chmod(0o644)  # a Prometheus running as another user must read it
+            # Atomic: Prometheus never reads a half-written file (the temporary name does not match *.json).
+            os.replace(temporary, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise ConfigError(
+                _VARIABLE, directory, FILE_SD_ACCEPTED + ", writable by this process", exc.strerror or str(exc)
+            ) from None
+        _remove_stale(folder, keep=path)
+        _logger.debug("registered %s for file-based discovery in %s", target, path)
+        return cls(path)
+
+    def remove(self) -> None:
+        """Delete the file (in the process that wrote it only: a forked child leaves it); never raises."""
+        if os.getpid() != self._pid:
+            return
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _logger.warning("openlora-otel: could not remove %s (%s); Prometheus keeps the target", self.path, exc)
+        self._pid = -1
+
+
+def _remove_stale(folder: Path, keep: Path) -> None:
+    """Remove this host's files whose endpoint refuses connections (left by a killed process)."""
+    prefix = f"openlora-{_host_label()}-"
+    try:
+        candidates = sorted(p for p in folder.glob(prefix + "*.json") if p != keep)[:_MAX_STALE_CHECKS]
+    except OSError:
+        return
+    for path in candidates:
+        try:
+            groups = json.loads(path.read_text(encoding="utf-8"))
+            host, _, port = groups[0]["targets"][0].rpartition(":")
+            address = (host.strip("[]"), int(port))
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue  # not ours to judge
+        if _refused(address):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                _logger.info("openlora-otel: removed %s, left by a process that no longer serves it", path)
+
+
+def _refused(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=_STALE_CONNECT_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError as exc:
+        return exc.errno == errno.ECONNREFUSED

@@ -1,0 +1,126 @@
+"""One run id for every rank of a job, whichever way it was launched.
+
+The run id ties the ranks of one job together in ``target_info`` and in OTLP
+resources, so it must be the same on every rank, yet no rank may wait for the
+others or talk to them during a step. Everything here runs once, in
+``setup_telemetry()``, and asks at most one key-value store for one key.
+
+Where the id comes from, first match wins (``OPENLORA_RUN_ID`` and a real
+``TORCHELASTIC_RUN_ID`` are read by the configuration before this module):
+
+1. torchrun's own store. torchrun always hosts a TCP store for its workers at
+   ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), also with
+   the static rendezvous (``--master-addr``/``--master-port``, no ``--rdzv-id``)
+   where ``TORCHELASTIC_RUN_ID`` is the useless ``none``. Each rank offers a fresh
+   id with ``compare_set``; the first one written is what every rank gets back.
+   The store lives as long as the torchrun launch, so restarted workers keep it.
+2. The default process group's store, when ``torch.distributed`` is already
+   initialized (plain ``torch.distributed`` without torchrun: ``mp.spawn``,
+   ``srun`` with ``env://``): the same ``compare_set``, no collective.
+3. Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, for tasks ``srun`` started.
+4. A random id; with ``WORLD_SIZE`` > 1 a warning says how to share one.
+
+torch is imported only in case 1, where the process is a torchrun worker and
+imports it anyway, or used in case 2 when the program has already imported it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from openlora_otel.resource import new_run_id
+
+__all__ = ["STORE_KEY", "shared_run_id"]
+
+_logger = logging.getLogger(__name__)
+
+# The key every rank agrees on; no torch component uses this prefix.
+STORE_KEY = "openlora_otel/run_id"
+# How long connecting to torchrun's store may take; it is up before any worker starts.
+STORE_TIMEOUT_S = 10.0
+# What a run id read back from a store may look like (ours are 16 hex digits).
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The run id this rank shares with the other ranks of its job, and where it came from.
+
+    Never raises: a store that cannot be reached is logged once, and the id is
+    then this process's own.
+    """
+    env = os.environ if environ is None else environ
+    candidate = new_run_id()
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        agreed = _from_torchrun_store(env, candidate)
+        if agreed:
+            return agreed, "torchrun store"
+    agreed = _from_process_group(candidate)
+    if agreed:
+        return agreed, "process group store"
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
+    if job.isdigit() and step.isdigit():
+        return f"slurm-{job}.{step}", "Slurm job and step"
+    world = env.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        _logger.warning(
+            "openlora-otel: rank %s of %s made up its own run id: nothing shares one (no OPENLORA_RUN_ID, "
+            "no torchrun, torch.distributed not initialized yet, no srun). Set OPENLORA_RUN_ID to the same "
+            "value on every rank, or call setup_telemetry() after init_process_group()",
+            env.get("RANK", "?"),
+            world,
+        )
+    return candidate, "random"
+
+
+def _agree(store: Any, candidate: str) -> str | None:
+    """Offer ``candidate``; the value in the store afterwards is the first rank's offer."""
+    value = store.compare_set(STORE_KEY, "", candidate)
+    agreed = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    if not _VALID_ID.match(agreed):
+        _logger.warning("openlora-otel: the run id in the store is not usable (%r); using this rank's own", agreed)
+        return None
+    return agreed
+
+
+def _from_torchrun_store(env: Mapping[str, str], candidate: str) -> str | None:
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        return _agree(store, candidate)
+    except Exception as exc:  # torch missing or broken, store gone: telemetry goes on
+        _logger.warning(
+            "openlora-otel: could not agree on a run id through torchrun's store at %s:%s (%s); this rank uses "
+            "its own (set OPENLORA_RUN_ID to share one)",
+            host,
+            port,
+            exc,
+        )
+        return None
+
+
+def _from_process_group(candidate: str) -> str | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        return _agree(store, candidate)
+    except Exception as exc:
+        _logger.warning(
+            "openlora-otel: could not agree on a run id through the process group's store (%s); this rank uses "
+            "its own (set OPENLORA_RUN_ID to share one)",
+            exc,
+        )
+        return None

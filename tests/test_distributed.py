@@ -1,0 +1,253 @@
+"""Many ranks, one run: the run id in every launch form, and two torchrun nodes on one host.
+
+Real launchers (torchrun, plain torch.distributed with gloo) on CPU and loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from openlora_otel import distributed, setup_telemetry
+from openlora_otel.config import TelemetryConfig
+from tests.conftest import child_env, free_port
+from tests.prometheus_server import Prometheus, prometheus_binary
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# One rank: set up telemetry, report what it got, optionally wait for the test to say stop.
+_RANK_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from openlora_otel import setup_telemetry
+if os.environ.get("INIT_FIRST") == "1":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+try:
+    telemetry = setup_telemetry()
+except ValueError as error:  # ConfigError; exit 0 so that torchrun's exit barrier does not wait 300 s
+    print(f"SETUP FAILED: {error}", file=sys.stderr, flush=True)
+    sys.exit(0)
+for _ in range(int(os.environ.get("STEPS", "0"))):
+    telemetry.training.record_step(loss=1.0, tokens=5)
+print("REPORT " + json.dumps({"rank": os.environ.get("RANK"), "run_id": telemetry.run_id,
+                             "url": telemetry.prometheus_url}), flush=True)
+stop = os.environ.get("STOP_FILE")
+deadline = time.monotonic() + float(os.environ.get("HOLD_S", "0"))
+while time.monotonic() < deadline and not (stop and Path(stop).exists()):
+    time.sleep(0.1)
+telemetry.shutdown()
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    settings = {"OTEL_METRICS_EXPORTER": "none", "OPENLORA_QUIET": "true", "PYTHONPATH": str(ROOT)}
+    return child_env(**{**settings, **extra})
+
+
+def _reports(output: str) -> list[dict]:
+    return sorted(
+        (json.loads(line.split("REPORT ", 1)[1]) for line in output.splitlines() if "REPORT " in line),
+        key=lambda report: int(report["rank"]),
+    )
+
+
+def _launch(arguments: list[str], script: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*TORCHRUN, *arguments, str(script)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate(timeout=10)
+        pytest.fail(f"launcher did not finish: {err[-3000:]}")
+
+
+@pytest.fixture()
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "rank.py"
+    path.write_text(_RANK_SCRIPT)
+    return path
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["standalone", "static", "c10d-with-rdzv-id"],
+)
+def test_every_rank_of_a_torchrun_job_gets_the_same_run_id(form: str, script: Path) -> None:
+    port = free_port()
+    arguments = {
+        "standalone": ["--standalone"],
+        # The usual multi-node form: no --rdzv-id, so TORCHELASTIC_RUN_ID is "none".
+        "static": ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"],
+        "c10d-with-rdzv-id": [
+            "--nnodes=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=job-42",
+        ],
+    }[form]
+    out, err = _finish(_launch([*arguments, "--nproc-per-node=2"], script, _env()))
+    reports = _reports(out)
+    assert [r["rank"] for r in reports] == ["0", "1"], err[-3000:]
+    run_ids = {r["run_id"] for r in reports}
+    assert len(run_ids) == 1, reports
+    (run_id,) = run_ids
+    assert run_id != "none"
+    if form == "c10d-with-rdzv-id":
+        assert run_id == "job-42"
+    assert "made up its own run id" not in err
+
+
+def _plain_ranks(script: Path, *, init_first: bool) -> tuple[list[dict], str]:
+    """Two processes started the way mp.spawn or srun would, with torch.distributed's env:// variables."""
+    port = free_port()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=ROOT,
+            env=_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                INIT_FIRST="1" if init_first else "0",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [_finish(process) for process in processes]
+    return _reports("".join(out for out, _ in outputs)), "".join(err for _, err in outputs)
+
+
+def test_plain_torch_distributed_ranks_share_the_run_id_of_the_process_group(script: Path) -> None:
+    reports, err = _plain_ranks(script, init_first=True)
+    assert [r["rank"] for r in reports] == ["0", "1"], err[-3000:]
+    assert reports[0]["run_id"] == reports[1]["run_id"]
+
+
+def test_a_rank_that_cannot_share_an_id_says_how_to(script: Path) -> None:
+    reports, err = _plain_ranks(script, init_first=False)
+    assert len(reports) == 2, err[-3000:]
+    assert reports[0]["run_id"] != reports[1]["run_id"]
+    assert "made up its own run id" in err
+    assert "OPENLORA_RUN_ID" in err
+
+
+def test_srun_tasks_share_the_slurm_job_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "81234")
+    monkeypatch.setenv("SLURM_STEP_ID", "3")
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
+    assert telemetry.run_id == "slurm-81234.3"
+    telemetry.shutdown()
+
+
+def test_the_explicit_run_id_wins_over_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "81234")
+    monkeypatch.setenv("SLURM_STEP_ID", "3")
+    monkeypatch.setenv("OPENLORA_RUN_ID", "mine")
+    telemetry = setup_telemetry(config=TelemetryConfig.from_env().replace(exporters=("none",)))
+    assert telemetry.run_id == "mine"
+    telemetry.shutdown()
+
+
+def test_an_unreachable_torchrun_store_is_survived(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(distributed, "STORE_TIMEOUT_S", 0.5)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with caplog.at_level(logging.WARNING):
+        run_id, source = distributed.shared_run_id(env)
+    assert source == "random" and len(run_id) == 16
+    assert "could not agree on a run id through torchrun's store" in caplog.text
+
+
+@pytest.mark.e2e
+def test_two_torchrun_nodes_on_one_host(tmp_path: Path, script: Path) -> None:
+    """Two launchers (--nnodes=2, c10d on 127.0.0.1): first on one base port, then one base port per node."""
+    prometheus_binary()
+    # 1. Same base port on both "nodes": LOCAL_RANK 0 twice, one of them cannot bind, and the error says why.
+    base = free_port()
+    rendezvous = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}"]
+    env = _env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", HOLD_S="8")
+    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(base)
+    nodes = [_launch([*common, f"--node-rank={n}", "--rdzv-id=clash"], script, env) for n in (0, 1)]
+    outputs = [_finish(node) for node in nodes]
+    errors = "".join(err for _, err in outputs)
+    assert len(_reports("".join(out for out, _ in outputs))) == 1, errors[-3000:]
+    assert f"cannot serve metrics on 127.0.0.1:{base}" in errors
+    assert "OPENLORA_PROMETHEUS_PORT_OFFSET=rank" in errors
+
+    # 2. One base port per node (the documented recipe), registered for file-based discovery.
+    directory = tmp_path / "sd"
+    stop = tmp_path / "stop"
+    rendezvous = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}"]
+    prometheus = None
+    nodes = []
+    try:
+        for node in (0, 1):
+            env = _env(
+                OTEL_METRICS_EXPORTER="prometheus",
+                OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                OTEL_EXPORTER_PROMETHEUS_PORT=str(base + 8 * node),
+                OPENLORA_PROMETHEUS_FILE_SD_DIR=str(directory),
+                OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT="0",
+                STEPS=str(10 * (node + 1)),
+                HOLD_S="90",
+                STOP_FILE=str(stop),
+            )
+            nodes.append(_launch([*common, f"--node-rank={node}", "--rdzv-id=two-nodes"], script, env))
+        deadline = time.monotonic() + 90
+        while len(list(directory.glob("*.json"))) < 2 and time.monotonic() < deadline:
+            assert all(node.poll() is None for node in nodes), [node.communicate() for node in nodes]
+            time.sleep(0.2)
+        prometheus = Prometheus(tmp_path, [], file_sd=[str(directory / "*.json")])
+        info = prometheus.wait_for('count(target_info{openlora_run_id="two-nodes"}) == 2', timeout=30)
+        assert info, prometheus.active_targets()
+        series = prometheus.query("target_info")
+        assert {s["metric"]["openlora_world_size"] for s in series} == {"2"}
+        assert sorted(s["metric"]["openlora_rank"] for s in series) == ["0", "1"]
+        assert {s["metric"]["openlora_local_rank"] for s in series} == {"0"}
+        ports = sorted(int(s["metric"]["instance"].rsplit(":", 1)[1]) for s in series)
+        assert ports == [base, base + 8]
+        steps = prometheus.wait_for("openlora_training_steps_total")
+        assert sorted(float(s["value"][1]) for s in steps) == [10.0, 20.0]
+        stop.touch()
+        for node in nodes:
+            _, err = _finish(node, timeout=60)
+            assert node.returncode == 0, err[-3000:]
+        assert list(directory.glob("*.json")) == []
+    finally:
+        stop.touch()
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait(timeout=10)
+        if prometheus is not None:
+            prometheus.stop()
+        shutil.rmtree(directory, ignore_errors=True)
