@@ -357,7 +357,8 @@ def test_downward_api_puts_the_pod_namespace_and_node_into_the_resource() -> Non
         assert attributes[key] == pod[K8S_ATTRIBUTE_SOURCES[key]], key
     assert attributes["k8s.container.name"] == trainer()["name"]
     # The ranks that torchrun sets land next to them.
-    assert attributes["openlora.local_rank"] == 3 and attributes["openlora.world_size"] == 16
+    world_size = int(flag(trainer()["args"], "nnodes")) * int(flag(trainer()["args"], "nproc-per-node"))
+    assert attributes["openlora.local_rank"] == 3 and attributes["openlora.world_size"] == world_size
     assert config.service_name == next(e["value"] for e in trainer()["env"] if e["name"] == "OTEL_SERVICE_NAME")
 
 
