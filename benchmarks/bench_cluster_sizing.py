@@ -42,14 +42,17 @@ The machine this runs on decides the scrape durations and CPU figures (ranks
 and servers share its cores); the counts and byte figures do not depend on it.
 
     python benchmarks/bench_cluster_sizing.py [--processes 32] [--scrape-interval-s 15] [--window-s 120]
+                                              [--json out.json] [--from-json out.json]
 
-A shorter ``--scrape-interval-s 2`` gives numbers in about 3 minutes.
+A shorter ``--scrape-interval-s 2`` gives numbers in about 2.5 minutes (32
+ranks, ``--window-s 90``); ``--from-json`` reprints a saved run's report.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gzip
 import json
 import os
@@ -95,13 +98,24 @@ FAMILIES = (  # (label in the breakdown, series-name prefixes), first match wins
     ("target_info", ("target_info",)),
 )
 MiB = 2**20
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # -- processes -------------------------------------------------------------------------------
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when this script dies, even by SIGKILL (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Processes:
-    """Children started in their own process groups, so each can be ended with everything it started."""
+    """Children started in their own process groups, so each can be ended with everything it started.
+
+    ``stop_all`` ends them (SIGTERM, then SIGKILL after a grace period); if this
+    script is killed before it runs, the kernel kills them (``PR_SET_PDEATHSIG``).
+    """
 
     def __init__(self) -> None:
         self.children: list[subprocess.Popen] = []
@@ -109,7 +123,13 @@ class Processes:
     def start(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         with log.open("wb") as handle:
             child = subprocess.Popen(
-                args, env=env, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                env=env,
+                cwd=ROOT,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.children.append(child)
         return child
@@ -197,7 +217,7 @@ class Server:
     agent: bool = False
     receiver: bool = False
     remote_write: str | None = None
-    port: int = 0
+    port: int = field(default_factory=lambda: free_port_block(1))
     process: subprocess.Popen | None = None
     rss_samples: list[int] = field(default_factory=list)
 
@@ -227,7 +247,6 @@ class Server:
 
     def start(self, processes: Processes) -> None:
         self.workdir.mkdir(parents=True)
-        self.port = free_port_block(1)
         self.write_config([])
         args = [
             shutil.which("prometheus") or "/usr/bin/prometheus",
@@ -262,7 +281,9 @@ class Server:
         def reloaded() -> bool:
             own = self.own_metrics()
             if own.get("prometheus_config_last_reload_successful") == 0.0:
-                raise RuntimeError(f"{self.name} rejected its config: {(self.workdir / 'log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"{self.name} rejected its config: {(self.workdir / 'log').read_text()[-2000:]}"
+                )
             return own.get("prometheus_config_last_reload_success_timestamp_seconds", 0.0) > before
 
         wait_until(f"{self.name} to reload its config", reloaded, 30)
@@ -345,7 +366,11 @@ def served_ok(url: str) -> bool:
 
 def exposition_samples(text: str) -> list[str]:
     """Series names of every sample line in a text or OpenMetrics exposition."""
-    return [line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+    return [
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    ]
 
 
 def family(name: str) -> str:
@@ -381,193 +406,209 @@ def fmt_rate(value: float) -> str:
     return fmt_bytes(value) + "/s"
 
 
+@dataclass
+class Fleet:
+    """The simulated ranks: scraped ones, telemetry-off ones, and the one exporting every GPU."""
+
+    ranks: list[Rank]
+    disabled: list[Rank]
+    all_gpus: Rank
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, processes: Processes, tmp: Path) -> Fleet:
+        world = args.processes
+        base_port = free_port_block(world)
+        run_id = f"sizing-{os.getpid()}"
+        command = [sys.executable, str(RANK_SCRIPT), "--step-s", str(args.step_s), "--max-s", str(args.max_s)]
+        ranks = [
+            Rank(
+                rank,
+                processes.start(command, rank_env(run_id, rank, world, base_port), tmp / f"rank{rank}.log"),
+                base_port + rank,
+            )
+            for rank in range(world)
+        ]
+        off = rank_env(run_id, 0, world, base_port, OTEL_SDK_DISABLED="true")
+        disabled = [
+            Rank(i, processes.start(command, off, tmp / f"off{i}.log"), None)
+            for i in range(args.baseline_processes)
+        ]
+        all_port = free_port_block(1)
+        env = rank_env(
+            f"{run_id}-all",
+            0,
+            1,
+            all_port,
+            OPENLORA_GPU_DEVICES="all",
+            OPENLORA_PROMETHEUS_PORT_OFFSET="none",
+        )
+        all_gpus = Rank(-1, processes.start(command, env, tmp / "rank-1.log"), all_port)
+        fleet = cls(ranks, disabled, all_gpus)
+
+        def serving() -> bool:
+            for r in [*ranks, all_gpus]:
+                if r.process.poll() is not None:
+                    raise RuntimeError(
+                        f"rank {r.rank} exited: {(tmp / f'rank{r.rank}.log').read_text()[-2000:]}"
+                    )
+            return all(served_ok(r.url) for r in [*ranks, all_gpus])
+
+        wait_until(f"{world + 1} ranks to serve /metrics", serving, 60 + 3 * world, poll_s=1.0)
+        return fleet
+
+
+def memory_reading(server: Server) -> dict[str, float]:
+    own = server.own_metrics()
+    return {
+        "rss": median([float(v) for v in server.rss_samples]),
+        "heap": own.get("go_memstats_heap_inuse_bytes", 0.0),
+        "series": own.get("prometheus_tsdb_head_series", own.get("prometheus_agent_active_series", 0.0)),
+    }
+
+
+def counters(direct: Server, agent: Server, central: Server) -> dict[str, float]:
+    d, a, c = direct.own_metrics(), agent.own_metrics(), central.own_metrics()
+    return {
+        "t": time.monotonic(),
+        "samples_s_direct": d["prometheus_tsdb_head_samples_appended_total"],
+        "samples_s_central": c["prometheus_tsdb_head_samples_appended_total"],
+        "samples_s_agent_in": a["prometheus_remote_storage_samples_in_total"],
+        "samples_s_agent_sent": a["prometheus_remote_storage_samples_total"],
+        "remote_write_bytes_s": a["prometheus_remote_storage_bytes_total"],
+        "cpu_direct": d["process_cpu_seconds_total"],
+        "cpu_agent": a["process_cpu_seconds_total"],
+        "cpu_central": c["process_cpu_seconds_total"],
+    }
+
+
+def scrape_figures(direct: Server, central: Server, targets: list[str], window_s: float) -> dict:
+    """What the servers stored: series per rank and scrape durations (the agent's reach the central server)."""
+    window = f"{int(window_s)}s"
+    per_rank_direct = direct.values_by_instance(f'count by (instance) ({{job="{JOB}"}})')
+    per_rank_central = central.values_by_instance(f'count by (instance) ({{job="{JOB}"}})')
+    missing = [t for t in targets if t not in per_rank_direct or t not in per_rank_central]
+    if missing:
+        raise RuntimeError(f"targets without series: {missing}")
+    figures = {
+        "series_per_rank_direct": sorted(per_rank_direct.values()),
+        "series_per_rank_central": sorted(per_rank_central.values()),
+        "samples_scraped_per_rank": sorted(
+            direct.values_by_instance(f'scrape_samples_scraped{{job="{JOB}"}}').values()
+        ),
+    }
+    for name, server in (("direct", direct), ("agent", central)):
+        mean = server.values_by_instance(f'avg_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
+        peak = server.values_by_instance(f'max_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
+        figures[f"scrape_s_{name}"] = median(list(mean.values()))
+        figures[f"scrape_s_{name}_max"] = max(peak.values())
+    return figures
+
+
+def exposition_figures(fleet: Fleet) -> dict:
+    """What the ranks serve: bytes per scrape in each format, and series by family."""
+    sizes = [fetch_sizes(r) for r in fleet.ranks]
+    breakdown: dict[str, int] = {}
+    for name in exposition_samples(http_get(fleet.ranks[0].url, {"Accept": TEXT_ACCEPT}).decode()):
+        breakdown[family(name)] = breakdown.get(family(name), 0) + 1
+    breakdown["Prometheus per target (up, scrape_*)"] = len(SYNTHETIC_SERIES)
+    all_names = exposition_samples(http_get(fleet.all_gpus.url, {"Accept": TEXT_ACCEPT}).decode())
+    return {
+        "breakdown": breakdown,
+        "gpu_series_process": breakdown.get("GPU", 0),
+        "gpu_series_all": sum(family(n) == "GPU" for n in all_names),
+        "bytes_text": median([s["text"] for s in sizes]),
+        "bytes_openmetrics": median([s["openmetrics"] for s in sizes]),
+        "bytes_wire": median([s["wire"] for s in sizes]),
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
-    if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
+    if shutil.which("prometheus") is None:
         raise SystemExit("the prometheus binary is not installed (Debian package `prometheus`)")
     interval = args.scrape_interval_s
     processes = Processes()
     tmp = Path(tempfile.mkdtemp(prefix="openlora-sizing-"))
-    results: dict = {"processes": args.processes, "scrape_interval_s": interval, "window_s": args.window_s}
     try:
-        # Servers first, with no targets: their memory now is the baseline.
+        # Servers first, with no targets: their memory before the ranks are added is the baseline.
         central = Server("central", tmp / "central", interval, receiver=True)
-        central.start(processes)
-        wait_until("the central prometheus to be ready", central.ready, 60)
         direct = Server("direct", tmp / "direct", interval)
         agent = Server(
             "agent", tmp / "agent", interval, agent=True, remote_write=f"{central.url}/api/v1/write"
         )
-        for server in (direct, agent):
-            server.start(processes)
         servers = (direct, agent, central)
+        for server in servers:
+            server.start(processes)
         for server in servers:
             wait_until(f"the {server.name} prometheus to be ready", server.ready, 60)
         servers_up = time.monotonic()
 
-        world = args.processes
-        base_port = free_port_block(world)
-        run_id = f"sizing-{os.getpid()}"
-        rank_args = [sys.executable, str(RANK_SCRIPT), "--step-s", str(args.step_s), "--max-s", str(args.max_s)]
-        ranks: list[Rank] = []
-        for rank in range(world):
-            env = rank_env(run_id, rank, world, base_port)
-            child = processes.start(rank_args, env, tmp / f"rank{rank}.log")
-            ranks.append(Rank(rank, child, base_port + rank))
-        disabled: list[Rank] = []
-        for i in range(args.baseline_processes):
-            env = rank_env(run_id, i, world, base_port, OTEL_SDK_DISABLED="true")
-            disabled.append(Rank(i, processes.start(rank_args, env, tmp / f"off{i}.log"), None))
-        all_port = free_port_block(1)
-        env = rank_env(
-            f"{run_id}-all", 0, 1, all_port, OPENLORA_GPU_DEVICES="all", OPENLORA_PROMETHEUS_PORT_OFFSET="none"
-        )
-        all_gpus = Rank(0, processes.start(rank_args, env, tmp / "all.log"), all_port)
-
-        def all_serving() -> bool:
-            for r in [*ranks, all_gpus]:
-                if r.process.poll() is not None:
-                    log = (tmp / f"rank{r.rank}.log") if r is not all_gpus else tmp / "all.log"
-                    raise RuntimeError(f"rank {r.rank} exited: {log.read_text()[-2000:]}")
-            return all(served_ok(r.url) for r in [*ranks, all_gpus])
-
-        wait_until(f"{world + 1} ranks to serve /metrics", all_serving, 60 + 3 * world, poll_s=1.0)
-        print(f"{world} ranks serving; servers settling for the baseline", file=sys.stderr)
-        # The baseline: servers up a while with no targets (Go runtime and caches warm), several readings.
-        while time.monotonic() - servers_up < args.settle_s:
+        fleet = Fleet.start(args, processes, tmp)
+        print(f"{args.processes} ranks serving; servers settling for the baseline", file=sys.stderr)
+        while time.monotonic() - servers_up < args.settle_s:  # Go runtime and caches warm, no targets yet
             time.sleep(0.5)
-        baseline: dict[str, dict[str, float]] = {}
+        baseline = {}
         for server in servers:
             for _ in range(3):
                 server.sample_rss()
                 time.sleep(0.3)
-            own = server.own_metrics()
-            baseline[server.name] = {
-                "rss": median([float(v) for v in server.rss_samples]),
-                "heap": own.get("go_memstats_heap_inuse_bytes", 0.0),
-                "series": own.get("prometheus_tsdb_head_series", own.get("prometheus_agent_active_series", 0.0)),
-            }
+            baseline[server.name] = memory_reading(server)
             server.rss_samples.clear()
 
-        targets = [r.target for r in ranks]
+        targets = [r.target for r in fleet.ranks]
         direct.reload(targets)
         agent.reload(targets)
         up_query = f'count(up{{job="{JOB}"}} == 1)'
         for server in (direct, central):
             wait_until(
-                f"{server.name} to see {world} targets up",
-                lambda s=server: (s.query(up_query) or [{"value": [0, "0"]}])[0]["value"][1] == str(world),
+                f"{server.name} to see {args.processes} targets up",
+                lambda s=server: (
+                    (s.query(up_query) or [{"value": [0, "0"]}])[0]["value"][1] == str(args.processes)
+                ),
                 30 + 4 * interval,
             )
         print("all targets up; warming up, then measuring", file=sys.stderr)
         time.sleep(3 * interval)  # every target scraped a few times, every series created
 
-        # The window: counters at both ends, memory sampled along the way.
-        def counters() -> dict[str, float]:
-            d, a, c = direct.own_metrics(), agent.own_metrics(), central.own_metrics()
-            return {
-                "t": time.monotonic(),
-                "direct_appended": d["prometheus_tsdb_head_samples_appended_total"],
-                "central_appended": c["prometheus_tsdb_head_samples_appended_total"],
-                "agent_in": a["prometheus_remote_storage_samples_in_total"],
-                "agent_sent": a["prometheus_remote_storage_samples_total"],
-                "agent_bytes": a["prometheus_remote_storage_bytes_total"],
-                "direct_cpu": d["process_cpu_seconds_total"],
-                "agent_cpu": a["process_cpu_seconds_total"],
-                "central_cpu": c["process_cpu_seconds_total"],
-            }
-
-        start = counters()
-        for r in [*ranks, *disabled]:
+        # The window: counters at both ends, server memory sampled along the way.
+        start = counters(direct, agent, central)
+        measured = [*fleet.ranks, *fleet.disabled]
+        for r in measured:
             r.cpu_start = cpu_seconds(r.process.pid)
         deadline = start["t"] + args.window_s
         while time.monotonic() < deadline:
             for server in servers:
                 server.sample_rss()
             time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-        end = counters()
-        for r in [*ranks, *disabled]:
+        end = counters(direct, agent, central)
+        for r in measured:
             r.cpu_end = cpu_seconds(r.process.pid)
             r.rss = rss_bytes(r.process.pid)
-        for server in servers:
-            server.sample_rss()
         elapsed = end["t"] - start["t"]
 
-        window = f"{int(args.window_s)}s"
-        per_rank_direct = direct.values_by_instance(f'count by (instance) ({{job="{JOB}"}})')
-        per_rank_central = central.values_by_instance(f'count by (instance) ({{job="{JOB}"}})')
-        scraped = direct.values_by_instance(f'scrape_samples_scraped{{job="{JOB}"}}')
-        duration_direct = direct.values_by_instance(f'avg_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
-        duration_direct_max = direct.values_by_instance(f'max_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
-        duration_agent = central.values_by_instance(f'avg_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
-        duration_agent_max = central.values_by_instance(f'max_over_time(scrape_duration_seconds{{job="{JOB}"}}[{window}])')
-        missing = [t for t in targets if t not in per_rank_direct or t not in per_rank_central]
-        if missing:
-            raise RuntimeError(f"targets without series: {missing}")
-
-        sizes = [fetch_sizes(r) for r in ranks]
-        one_rank_names = exposition_samples(http_get(ranks[0].url, {"Accept": TEXT_ACCEPT}).decode())
-        all_names = exposition_samples(http_get(all_gpus.url, {"Accept": TEXT_ACCEPT}).decode())
-        breakdown: dict[str, int] = {}
-        for name in one_rank_names:
-            breakdown[family(name)] = breakdown.get(family(name), 0) + 1
-        breakdown["Prometheus per target (up, scrape_*)"] = len(SYNTHETIC_SERIES)
-        gpu_all = sum(family(n) == "GPU" for n in all_names)
-
-        final = {s.name: s.own_metrics() for s in servers}
+        results: dict = {"processes": args.processes, "scrape_interval_s": interval, "elapsed_s": elapsed}
+        results.update({key: (end[key] - start[key]) / elapsed for key in start if key != "t"})
+        results.update(scrape_figures(direct, central, targets, args.window_s))
+        results.update(exposition_figures(fleet))
         memory = {}
         for server in servers:
-            own = final[server.name]
-            series = own.get("prometheus_tsdb_head_series", own.get("prometheus_agent_active_series", 0.0))
-            loaded_rss = median([float(v) for v in server.rss_samples])
+            loaded, base = memory_reading(server), baseline[server.name]
+            added = loaded["series"] - base["series"]
             memory[server.name] = {
-                "rss_baseline": baseline[server.name]["rss"],
-                "rss": loaded_rss,
-                "heap_baseline": baseline[server.name]["heap"],
-                "heap": own.get("go_memstats_heap_inuse_bytes", 0.0),
-                "series": series,
-                "series_added": series - baseline[server.name]["series"],
+                "rss_baseline": base["rss"],
+                "rss": loaded["rss"],
+                "series_added": added,
+                "rss_per_series": (loaded["rss"] - base["rss"]) / added if added else float("nan"),
+                "heap_per_series": (loaded["heap"] - base["heap"]) / added if added else float("nan"),
             }
-            added = memory[server.name]["series_added"] or float("nan")
-            memory[server.name]["rss_per_series"] = (loaded_rss - baseline[server.name]["rss"]) / added
-            memory[server.name]["heap_per_series"] = (memory[server.name]["heap"] - baseline[server.name]["heap"]) / added
+        results["memory"] = memory
 
-        def rate(key: str) -> float:
-            return (end[key] - start[key]) / elapsed
+        def cpu(r: Rank) -> float:
+            return (r.cpu_end - r.cpu_start) / elapsed
 
-        on = [r for r in ranks]
-        results.update(
-            {
-                "series_per_rank_direct": sorted(per_rank_direct.values()),
-                "series_per_rank_central": sorted(per_rank_central.values()),
-                "samples_scraped_per_rank": sorted(scraped.values()),
-                "breakdown": breakdown,
-                "gpu_series_process": breakdown.get("GPU", 0),
-                "gpu_series_all": gpu_all,
-                "bytes_text": median([s["text"] for s in sizes]),
-                "bytes_openmetrics": median([s["openmetrics"] for s in sizes]),
-                "bytes_wire": median([s["wire"] for s in sizes]),
-                "scrape_s_direct": median(list(duration_direct.values())),
-                "scrape_s_direct_max": max(duration_direct_max.values()),
-                "scrape_s_agent": median(list(duration_agent.values())),
-                "scrape_s_agent_max": max(duration_agent_max.values()),
-                "samples_s_direct": rate("direct_appended"),
-                "samples_s_central": rate("central_appended"),
-                "samples_s_agent_in": rate("agent_in"),
-                "samples_s_agent_sent": rate("agent_sent"),
-                "remote_write_bytes_s": rate("agent_bytes"),
-                "cpu_direct": rate("direct_cpu"),
-                "cpu_agent": rate("agent_cpu"),
-                "cpu_central": rate("central_cpu"),
-                "memory": memory,
-                "rank_rss_on": median([float(r.rss) for r in on]),
-                "rank_rss_off": median([float(r.rss) for r in disabled]) if disabled else float("nan"),
-                "rank_cpu_on": median([(r.cpu_end - r.cpu_start) / elapsed for r in on]),
-                "rank_cpu_off": median([(r.cpu_end - r.cpu_start) / elapsed for r in disabled])
-                if disabled
-                else float("nan"),
-                "elapsed_s": elapsed,
-            }
-        )
+        results["rank_rss_on"] = median([float(r.rss) for r in fleet.ranks])
+        results["rank_rss_off"] = median([float(r.rss) for r in fleet.disabled])
+        results["rank_cpu_on"] = median([cpu(r) for r in fleet.ranks])
+        results["rank_cpu_off"] = median([cpu(r) for r in fleet.disabled])
         return results
     finally:
         processes.stop_all()
@@ -588,18 +629,33 @@ def report(r: dict, target_interval: float) -> None:
         f"window {r['elapsed_s']:.0f} s =="
     )
     rows = [
-        ("series per rank, stored (direct; min-max)", f"{per_rank:.0f} ({min(r['series_per_rank_direct']):.0f}-{max(r['series_per_rank_direct']):.0f})"),
+        (
+            "series per rank, stored (direct; min-max)",
+            f"{per_rank:.0f} ({min(r['series_per_rank_direct']):.0f}-{max(r['series_per_rank_direct']):.0f})",
+        ),
         ("series per rank, stored (central, via agent)", f"{median(r['series_per_rank_central']):.0f}"),
         ("  of which exposed by the rank (scrape_samples_scraped)", f"{exposed:.0f}"),
         *[(f"    {k}", str(v)) for k, v in r["breakdown"].items()],
-        ("GPU series per rank, OPENLORA_GPU_DEVICES=process / all", f"{r['gpu_series_process']} / {r['gpu_series_all']}"),
+        (
+            "GPU series per rank, OPENLORA_GPU_DEVICES=process / all",
+            f"{r['gpu_series_process']} / {r['gpu_series_all']}",
+        ),
         ("bytes per scrape: text 0.0.4", fmt_bytes(r["bytes_text"])),
         ("bytes per scrape: OpenMetrics", fmt_bytes(r["bytes_openmetrics"])),
         ("bytes per scrape: as Prometheus asks (OpenMetrics, gzip)", fmt_bytes(r["bytes_wire"])),
-        ("scrape duration, direct: median of per-rank means / max", f"{r['scrape_s_direct'] * 1000:.1f} ms / {r['scrape_s_direct_max'] * 1000:.1f} ms"),
-        ("scrape duration, agent: median of per-rank means / max", f"{r['scrape_s_agent'] * 1000:.1f} ms / {r['scrape_s_agent_max'] * 1000:.1f} ms"),
+        (
+            "scrape duration, direct: median of per-rank means / max",
+            f"{r['scrape_s_direct'] * 1000:.1f} ms / {r['scrape_s_direct_max'] * 1000:.1f} ms",
+        ),
+        (
+            "scrape duration, agent: median of per-rank means / max",
+            f"{r['scrape_s_agent'] * 1000:.1f} ms / {r['scrape_s_agent_max'] * 1000:.1f} ms",
+        ),
         ("samples/s appended, direct", f"{r['samples_s_direct']:,.1f}"),
-        ("samples/s into the agent / sent by remote write", f"{r['samples_s_agent_in']:,.1f} / {r['samples_s_agent_sent']:,.1f}"),
+        (
+            "samples/s into the agent / sent by remote write",
+            f"{r['samples_s_agent_in']:,.1f} / {r['samples_s_agent_sent']:,.1f}",
+        ),
         ("samples/s appended, central", f"{r['samples_s_central']:,.1f}"),
         ("remote-write bytes/s (agent -> central)", fmt_rate(r["remote_write_bytes_s"])),
     ]
@@ -618,10 +674,22 @@ def report(r: dict, target_interval: float) -> None:
             )
         )
     rows += [
-        ("CPU, cores: direct / agent / central", f"{r['cpu_direct']:.3f} / {r['cpu_agent']:.3f} / {r['cpu_central']:.3f}"),
-        ("rank RSS: telemetry on / OTEL_SDK_DISABLED=true", f"{fmt_bytes(r['rank_rss_on'])} / {fmt_bytes(r['rank_rss_off'])}"),
-        ("rank CPU, cores: on / off (two scrapers per rank)", f"{r['rank_cpu_on']:.4f} / {r['rank_cpu_off']:.4f}"),
-        ("rank CPU per scrape served (on - off, two scrapes per interval)", f"{cpu_per_scrape * 1000:.1f} ms"),
+        (
+            "CPU, cores: direct / agent / central",
+            f"{r['cpu_direct']:.3f} / {r['cpu_agent']:.3f} / {r['cpu_central']:.3f}",
+        ),
+        (
+            "rank RSS: telemetry on / OTEL_SDK_DISABLED=true",
+            f"{fmt_bytes(r['rank_rss_on'])} / {fmt_bytes(r['rank_rss_off'])}",
+        ),
+        (
+            "rank CPU, cores: on / off (two scrapers per rank)",
+            f"{r['rank_cpu_on']:.4f} / {r['rank_cpu_off']:.4f}",
+        ),
+        (
+            "rank CPU per scrape served (on - off, two scrapes per interval)",
+            f"{cpu_per_scrape * 1000:.1f} ms",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -656,15 +724,20 @@ def report(r: dict, target_interval: float) -> None:
         f"remote write {rw_bytes_per_sample:.1f} B per sample (measured); "
         f"per-node agent {fmt_bytes(mem['agent']['rss_baseline'])} + {agent_rss_per_series:,.0f} B per series (measured)."
     )
-    header = f"  {'nodes':>6} {'ranks':>7} {'series':>11} {'samples/s':>11} {'scraped/s (gzip)':>17} {'scraped/s (raw)':>16} {'head memory':>12}"
+    header = (
+        f"  {'nodes':>6} {'ranks':>7} {'series':>11} {'samples/s':>11} {'scraped/s (gzip)':>17} "
+        f"{'scraped/s (raw)':>16} {'remote write/s':>15} {'head memory':>12}"
+    )
     print(header)
     for nodes in NODE_COUNTS:
         ranks = nodes * GPUS_PER_NODE
         series = ranks * per_rank
+        samples = series / target_interval
         print(
-            f"  {nodes:>6,} {ranks:>7,} {series:>11,.0f} {series / target_interval:>11,.0f} "
+            f"  {nodes:>6,} {ranks:>7,} {series:>11,.0f} {samples:>11,.0f} "
             f"{fmt_rate(ranks * r['bytes_wire'] / target_interval):>17} "
-            f"{fmt_rate(ranks * r['bytes_openmetrics'] / target_interval):>16} {fmt_bytes(series * bytes_per_series):>12}"
+            f"{fmt_rate(ranks * r['bytes_openmetrics'] / target_interval):>16} "
+            f"{fmt_rate(samples * rw_bytes_per_sample):>15} {fmt_bytes(series * bytes_per_series):>12}"
         )
     node_series = GPUS_PER_NODE * per_rank
     print(
@@ -680,21 +753,45 @@ def report(r: dict, target_interval: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=32, help="simulated ranks, 8 per node (default 32; try 64)")
-    parser.add_argument("--scrape-interval-s", type=float, default=15.0, help="scrape interval of the run (default 15)")
-    parser.add_argument("--window-s", type=float, default=None, help="measurement window (default 8 scrape intervals, at least 60 s)")
+    parser.add_argument(
+        "--processes", type=int, default=32, help="simulated ranks, 8 per node (default 32; try 64)"
+    )
+    parser.add_argument(
+        "--scrape-interval-s", type=float, default=15.0, help="scrape interval of the run (default 15)"
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=None,
+        help="measurement window (default 8 scrape intervals, at least 60 s)",
+    )
     parser.add_argument("--step-s", type=float, default=0.5, help="seconds between simulated optimizer steps")
     parser.add_argument("--baseline-processes", type=int, default=2, help="ranks with OTEL_SDK_DISABLED=true")
-    parser.add_argument("--settle-s", type=float, default=15.0, help="servers run this long with no targets before the baseline")
-    parser.add_argument("--target-interval-s", type=float, default=15.0, help="scrape interval of the extrapolation")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=15.0,
+        help="servers run this long with no targets before the baseline",
+    )
+    parser.add_argument(
+        "--target-interval-s", type=float, default=15.0, help="scrape interval of the extrapolation"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the measured figures here")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="print the report of an earlier --json, run nothing"
+    )
     args = parser.parse_args()
+    if args.from_json:
+        report(json.loads(args.from_json.read_text()), args.target_interval_s)
+        return
     if args.processes < 1 or args.scrape_interval_s < 1:
         parser.error("--processes must be >= 1 and --scrape-interval-s >= 1")
     if args.window_s is None:
         args.window_s = max(60.0, 8 * args.scrape_interval_s)
     # Every rank stops by itself after this, even if this script is killed.
     args.max_s = args.settle_s + args.window_s + 10 * args.scrape_interval_s + 300 + 3 * args.processes
+    # SIGTERM unwinds like Ctrl-C, so run()'s cleanup ends every child and removes the temp dir.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     results = run(args)
     report(results, args.target_interval_s)
