@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -201,11 +202,21 @@ def free_port_range(count: int) -> int:
 class Ranks:
     """``len(step_seconds)`` rank processes of one run on this host, on base_port + LOCAL_RANK."""
 
-    def __init__(self, run_id: str, step_seconds: list[float], *, lifetime_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        step_seconds: list[float],
+        *,
+        lifetime_s: float = 300.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.run_id = run_id
         self.world_size = len(step_seconds)
         self.base_port = free_port_range(self.world_size)
         self.processes: list[subprocess.Popen] = []
+        # Output to files, not pipes: a pipe nobody reads would block a chatty rank.
+        self.logs = [tempfile.TemporaryFile() for _ in step_seconds]  # noqa: SIM115 (closed in stop())
+        self.targets = [f"127.0.0.1:{self.base_port + rank}" for rank in range(self.world_size)]
         for rank, step_s in enumerate(step_seconds):
             env = child_env(
                 RANK=str(rank),
@@ -219,25 +230,27 @@ class Ranks:
                 OPENLORA_QUIET="true",
                 OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT="0",
                 PYTHONPATH=str(ROOT),
+                **(extra_env or {}),
             )
-            self.processes.append(
-                subprocess.Popen(
+            try:
+                process = subprocess.Popen(
                     [sys.executable, "-c", RANK_SCRIPT, str(step_s), str(lifetime_s)],
                     cwd=ROOT,
                     env=env,
-                    stdout=subprocess.PIPE,
+                    stdout=self.logs[rank],
                     stderr=subprocess.STDOUT,
-                    text=True,
                 )
-            )
-        self.targets = [f"127.0.0.1:{self.base_port + rank}" for rank in range(self.world_size)]
+            except BaseException:
+                self.stop()
+                raise
+            self.processes.append(process)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         for process, target in zip(self.processes, self.targets, strict=True):
             while True:
                 if process.poll() is not None:
-                    raise RuntimeError(f"rank at {target} exited: {process.stdout.read()[-3000:]}")
+                    raise RuntimeError(f"rank at {target} exited: {self.output(target)}")
                 try:
                     with urllib.request.urlopen(f"http://{target}/metrics", timeout=2):
                         break
@@ -245,6 +258,11 @@ class Ranks:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"rank at {target} did not serve in {timeout} s") from None
                     time.sleep(0.2)
+
+    def output(self, target: str) -> str:
+        log = self.logs[self.targets.index(target)]
+        log.seek(0)
+        return log.read().decode(errors="replace")[-3000:]
 
     def stop(self) -> None:
         for process in self.processes:
@@ -256,8 +274,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-            if process.stdout:
-                process.stdout.close()
+        for log in self.logs:
+            log.close()
 
 
 @contextmanager
