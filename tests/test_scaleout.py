@@ -385,9 +385,9 @@ def test_shipped_prometheus_configs_pass_promtool() -> None:
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_agent_config_is_refused_outside_agent_mode_and_the_flags_match() -> None:
-    # remote_write plus no rules: what agent mode allows. The shipped command lines turn on
-    # what each role needs and nothing else.
+def test_shipped_command_lines_give_each_role_its_mode() -> None:
+    # The agent: agent mode, loopback, no rules (agent mode refuses them), remote write. The
+    # central store: the receiver. Neither turns on what the other role needs.
     agent = shipped_args(DEPLOY / "agent.default")
     central = shipped_args(DEPLOY / "central.default")
     assert "--enable-feature=agent" in agent and "--web.enable-remote-write-receiver" not in agent
@@ -398,6 +398,21 @@ def test_agent_config_is_refused_outside_agent_mode_and_the_flags_match() -> Non
     config = yaml.safe_load((DEPLOY / "agent.yml").read_text())
     assert "rule_files" not in config and config["remote_write"]
     assert {job["job_name"] for job in config["scrape_configs"]} == {"openlora"}  # the job the rules read
+
+
+def test_vmalert_unit_runs_the_installed_binary_with_the_shipped_flags() -> None:
+    # No systemd here: the unit is checked against the files and the package, not started.
+    unit = (VM_DIR / "vmalert.service").read_text()
+    default = (VM_DIR / "vmalert.default").read_text()
+    environment = re.search(r"^EnvironmentFile=(\S+)$", unit, re.M).group(1)
+    assert f"# {environment} " in default, "vmalert.default does not say where it goes"
+    executable = re.search(r"^ExecStart=(\S+) \$ARGS$", unit, re.M).group(1)
+    assert executable == binary("vmalert", "victoria-metrics")
+    user = re.search(r"^User=(\S+)$", unit, re.M).group(1)
+    import pwd
+
+    pwd.getpwnam(user)  # the user the package creates for victoria-metrics
+    assert "-rule=/etc/prometheus/rules/*.yml" in shipped_args(VM_DIR / "vmalert.default")
 
 
 def test_rules_load_in_vmalert() -> None:
