@@ -185,16 +185,24 @@ class Stack:
     vm_missing: str
 
 
+def host_label() -> str:
+    """This host's name as registration file names carry it."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+
+
 def write_file_sd(sd_dir: Path, ranks: Ranks) -> None:
-    """What each rank writes under OPENLORA_PROMETHEUS_FILE_SD_DIR (stand-in until that exists):
-    the address the agent reaches, and an instance named after the host, unique in the store."""
-    host = socket.gethostname()
+    """What each rank writes under OPENLORA_PROMETHEUS_FILE_SD_DIR (stand-in until that exists
+    on this branch): the address it bound, no labels, atomically."""
     for target in ranks.targets:
         port = target.rsplit(":", 1)[1]
-        entry = [{"targets": [target], "labels": {"instance": f"{host}:{port}"}}]
-        tmp = sd_dir / f".openlora-{host}-{port}.json.tmp"
-        tmp.write_text(json.dumps(entry))
-        tmp.rename(sd_dir / f"openlora-{host}-{port}.json")  # atomic: the agent never reads half a file
+        tmp = sd_dir / f".openlora-{host_label()}-{port}.json.tmp"
+        tmp.write_text(json.dumps([{"targets": [target], "labels": {}}]))
+        tmp.rename(sd_dir / f"openlora-{host_label()}-{port}.json")
+
+
+def expected_instances(ranks: Ranks) -> list[str]:
+    """The agent names each rank after its registration file: <host>:<port>, unique across nodes."""
+    return sorted(f"{host_label()}:{target.rsplit(':', 1)[1]}" for target in ranks.targets)
 
 
 @pytest.fixture(scope="module")
@@ -345,12 +353,13 @@ def wait_for_records(store: Server, timeout: float = 90.0) -> None:
     time.sleep(3)
 
 
-def check_store(store: Server) -> None:
+def check_store(store: Server, ranks: Ranks) -> None:
     # The ranks' series and their identity arrived through the agent.
     info = store.query(f'target_info{{openlora_run_id="{RUN_ID}"}}')
     assert sorted(s["metric"]["openlora_rank"] for s in info) == ["0", "1"], info
     assert {s["metric"]["openlora_world_size"] for s in info} == {"2"}
     assert {s["metric"]["job"] for s in info} == {"openlora"}
+    assert sorted(s["metric"]["instance"] for s in info) == expected_instances(ranks)
     steps = store.query(
         "openlora_training_steps_total * on (job, instance) group_left (openlora_rank) "
         f'target_info{{openlora_run_id="{RUN_ID}"}}'
@@ -438,12 +447,13 @@ def test_agent_discovers_the_ranks_through_file_sd(stack: Stack) -> None:
         f"http://{t}/metrics" for t in stack.ranks.targets
     )
     assert {t["labels"]["job"] for t in targets} == {"openlora"}
+    assert sorted(t["labels"]["instance"] for t in targets) == expected_instances(stack.ranks)
 
 
 @pytest.mark.e2e
 def test_central_prometheus_receives_the_ranks_and_the_dashboards_work(stack: Stack) -> None:
     wait_for_records(stack.central)
-    check_store(stack.central)
+    check_store(stack.central, stack.ranks)
 
 
 @pytest.mark.e2e
@@ -453,7 +463,7 @@ def test_victoriametrics_receives_the_ranks_and_the_dashboards_work(stack: Stack
             pytest.fail(stack.vm_missing + "; .ci/run must install it")
         pytest.skip(stack.vm_missing)
     wait_for_records(stack.vm)
-    check_store(stack.vm)
+    check_store(stack.vm, stack.ranks)
 
 
 @pytest.mark.e2e
