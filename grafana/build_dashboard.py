@@ -1,10 +1,15 @@
-"""Writes grafana/dashboards/openlora-training.json; tests check the committed file matches.
+"""Writes grafana/dashboards/openlora-training.json and openlora-cluster.json; tests check the committed files match.
 
 Every query filters by the template variables (job, run, instance, gpu) and
 joins target_info on (job, instance) for the run id, which works the same on
 the pull path and through the collector. Where the paths name a series
 differently (hw.gpu.* gauges with unit 1 get _ratio through the collector), the
 query matches both names with a __name__ regex.
+
+The cluster dashboard compares the ranks of one run. It reads the recording
+rules of the `openlora-ranks` group (collector/rules/openlora.yml), which
+already carry openlora_run_id and openlora_rank, so its queries stay cheap on
+a store holding thousands of ranks.
 
     python grafana/build_dashboard.py
 """
@@ -15,7 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parent / "dashboards" / "openlora-training.json"
+DASHBOARDS = Path(__file__).resolve().parent / "dashboards"
+OUT = DASHBOARDS / "openlora-training.json"
+CLUSTER_OUT = DASHBOARDS / "openlora-cluster.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 # The run filter: multiplying by target_info (value 1) keeps the value, keeps only the
@@ -41,6 +48,7 @@ def panel(
     y: int,
     w: int,
     h: int,
+    defaults: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     for index, item in enumerate(targets):
@@ -52,7 +60,7 @@ def panel(
         "description": description,
         "datasource": DS,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "fieldConfig": {"defaults": {"unit": unit, **(defaults or {})}, "overrides": []},
         "targets": targets,
     }
     if kind == "timeseries":
@@ -66,8 +74,21 @@ def panel(
             "colorMode": "value",
             "graphMode": "area",
         }
+    if kind == "bargauge":
+        # One bar per series, in the order the query returns them (sort_desc: worst first).
+        body["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "orientation": "horizontal",
+            "displayMode": "gradient",
+            "showUnfilled": True,
+        }
     body.update(extra)
     return body
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
+    """Grafana threshold steps: the first has no lower bound (None)."""
+    return {"mode": "absolute", "steps": [{"value": value, "color": color} for value, color in steps]}
 
 
 def row(title: str, y: int) -> dict[str, Any]:
@@ -96,6 +117,29 @@ def variable(name: str, label: str, query: str, *, include_all: bool = True) -> 
         "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
         "sort": 1,
     }
+
+
+# Every openlora dashboard links to the others (Grafana lists the dashboards with this tag),
+# keeping the time range and the variables they share (job, run).
+LINKS = [
+    {
+        "title": "openlora dashboards",
+        "type": "dashboards",
+        "tags": ["openlora"],
+        "asDropdown": True,
+        "includeVars": True,
+        "keepTime": True,
+    }
+]
+
+DATASOURCE_VARIABLE = {
+    "name": "datasource",
+    "label": "Data source",
+    "type": "datasource",
+    "query": "prometheus",
+    "current": {"selected": True, "text": "Prometheus", "value": "openlora-prometheus"},
+    "hide": 0,
+}
 
 
 def build() -> dict[str, Any]:
@@ -438,14 +482,7 @@ def build() -> dict[str, Any]:
         ),
     ]
     templating = [
-        {
-            "name": "datasource",
-            "label": "Data source",
-            "type": "datasource",
-            "query": "prometheus",
-            "current": {"selected": True, "text": "Prometheus", "value": "openlora-prometheus"},
-            "hide": 0,
-        },
+        DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
         variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
         variable(
@@ -471,6 +508,268 @@ def build() -> dict[str, Any]:
         "time": {"from": "now-1h", "to": "now"},
         "templating": {"list": templating},
         "annotations": {"list": []},
+        "links": LINKS,
+        "panels": panels,
+    }
+
+
+# -- the cluster dashboard -------------------------------------------------------------------
+
+# Recorded series of the openlora-ranks group: all carry openlora_run_id; the rank:* ones also
+# openlora_rank, job and instance.
+RUN_ONLY = 'openlora_run_id=~"$run"'
+RANK_SEL = f'job=~"$job", {RUN_ONLY}'
+STRAGGLER_THRESHOLD = 1.5  # OpenloraRankStraggling fires above this ratio (collector/rules/openlora.yml)
+HUNG_AFTER_S = 300  # OpenloraRankHung: a rank's last step older than 5 minutes
+
+
+def build_cluster() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    y = 0
+    panels.append(row("Cluster: the ranks of a run side by side", y))
+    y += 1
+    rank_legend = "rank {{openlora_rank}} ({{instance}})"
+    straggler_colors = thresholds((None, "green"), (1.2, "orange"), (STRAGGLER_THRESHOLD, "red"))
+    age_colors = thresholds((None, "green"), (60, "orange"), (HUNG_AFTER_S, "red"))
+    panels += [
+        panel(
+            "stat",
+            "Ranks reporting / world size",
+            "Ranks of the run whose endpoint answers (run:openlora_ranks_reporting:count) against the world size "
+            "the ranks report (run:openlora_world_size:max). Fewer reporting than the world size for 5 minutes "
+            "fires OpenloraRanksMissing.",
+            "short",
+            [
+                target(f"run:openlora_ranks_reporting:count{{{RUN_ONLY}}}", "reporting {{openlora_run_id}}"),
+                target(f"run:openlora_world_size:max{{{RUN_ONLY}}}", "world size {{openlora_run_id}}"),
+            ],
+            x=0,
+            y=y,
+            w=6,
+            h=4,
+        ),
+        panel(
+            "stat",
+            "Total tokens/s",
+            "Tokens per second of the whole run, all ranks summed (run:openlora_training_throughput_tokens_per_second:sum).",
+            "short",
+            [
+                target(
+                    f"run:openlora_training_throughput_tokens_per_second:sum{{{RUN_ONLY}}}",
+                    "{{openlora_run_id}}",
+                )
+            ],
+            x=6,
+            y=y,
+            w=6,
+            h=4,
+        ),
+        panel(
+            "stat",
+            "Worst straggler ratio",
+            f"The highest rank straggler ratio of the run: that rank's mean step time / the run's median "
+            f"(rank:openlora_training_straggler_ratio:2m). 1 is a typical rank; above {STRAGGLER_THRESHOLD} for "
+            f"3 minutes fires OpenloraRankStraggling.",
+            "none",
+            [
+                target(
+                    f"max by (openlora_run_id) (rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}})",
+                    "{{openlora_run_id}}",
+                )
+            ],
+            x=12,
+            y=y,
+            w=6,
+            h=4,
+            defaults={"decimals": 2, "thresholds": straggler_colors},
+        ),
+        panel(
+            "stat",
+            "Oldest last step",
+            "Seconds since the rank that stepped longest ago took its latest optimizer step "
+            "(rank:openlora_training_last_step_age_seconds). A hung rank grows here within one scrape.",
+            "s",
+            [
+                target(
+                    f"max by (openlora_run_id) (rank:openlora_training_last_step_age_seconds{{{RANK_SEL}}})",
+                    "{{openlora_run_id}}",
+                )
+            ],
+            x=18,
+            y=y,
+            w=6,
+            h=4,
+            defaults={"thresholds": age_colors},
+        ),
+    ]
+    y += 4
+    panels += [
+        panel(
+            "bargauge",
+            "Step time per rank, slowest first",
+            "Mean optimizer step time of each rank over 2 minutes (rank:openlora_training_step_duration_seconds:mean2m), "
+            "slowest at the top.",
+            "s",
+            [
+                target(
+                    f"sort_desc(rank:openlora_training_step_duration_seconds:mean2m{{{RANK_SEL}}})",
+                    rank_legend,
+                    instant=True,
+                )
+            ],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "bargauge",
+            "Straggler ratio per rank, highest first",
+            f"Each rank's mean step time / the run's median (rank:openlora_training_straggler_ratio:2m); red above "
+            f"{STRAGGLER_THRESHOLD}, where OpenloraRankStraggling fires after 3 minutes.",
+            "none",
+            [
+                target(
+                    f"sort_desc(rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}})",
+                    rank_legend,
+                    instant=True,
+                )
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"decimals": 2, "min": 0, "thresholds": straggler_colors},
+        ),
+        panel(
+            "bargauge",
+            "Last step age per rank, oldest first",
+            "Seconds since each rank's latest optimizer step (rank:openlora_training_last_step_age_seconds); red "
+            "past 5 minutes, where OpenloraRankHung fires if other ranks still step.",
+            "s",
+            [
+                target(
+                    f"sort_desc(rank:openlora_training_last_step_age_seconds{{{RANK_SEL}}})",
+                    rank_legend,
+                    instant=True,
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0, "thresholds": age_colors},
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "Step time per rank, the run's median and max",
+            "Mean step time per rank over 2 minutes (rank:openlora_training_step_duration_seconds:mean2m) "
+            "and the run's median and slowest rank (run:openlora_training_step_duration_seconds:median2m, "
+            "run:openlora_training_step_duration_seconds:max2m).",
+            "s",
+            [
+                target(f"rank:openlora_training_step_duration_seconds:mean2m{{{RANK_SEL}}}", rank_legend),
+                target(
+                    f"run:openlora_training_step_duration_seconds:median2m{{{RUN_ONLY}}}",
+                    "median {{openlora_run_id}}",
+                ),
+                target(
+                    f"run:openlora_training_step_duration_seconds:max2m{{{RUN_ONLY}}}",
+                    "max {{openlora_run_id}}",
+                ),
+            ],
+            x=0,
+            y=y,
+            w=12,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Straggler ratio per rank",
+            f"Each rank's mean step time / the run's median over time (rank:openlora_training_straggler_ratio:2m); "
+            f"the line is the alert threshold {STRAGGLER_THRESHOLD}.",
+            "none",
+            [target(f"rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}}", rank_legend)],
+            x=12,
+            y=y,
+            w=12,
+            h=8,
+            defaults={
+                "min": 0,
+                "thresholds": thresholds((None, "green"), (STRAGGLER_THRESHOLD, "red")),
+                "custom": {"thresholdsStyle": {"mode": "line"}},
+            },
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "GPU utilization per node",
+            "Mean utilization of the GPUs each node's ranks report, per host (hw.gpu.utilization, hw_gpu_task=general: "
+            "hw_gpu_utilization pulled, hw_gpu_utilization_ratio through the collector; host_name from target_info).",
+            "percentunit",
+            [
+                target(
+                    'avg by (openlora_run_id, host_name) ({__name__=~"hw_gpu_utilization(_ratio)?", '
+                    f'hw_gpu_task="general", job=~"$job"}}'
+                    f" * on (job, instance) group_left (openlora_run_id, host_name) target_info{{{RUN_ONLY}}})",
+                    "{{host_name}}",
+                )
+            ],
+            x=0,
+            y=y,
+            w=12,
+            h=8,
+            defaults={"min": 0, "max": 1},
+        ),
+        panel(
+            "timeseries",
+            "Tokens/s: run total and per rank",
+            "Tokens per second of the run (run:openlora_training_throughput_tokens_per_second:sum) and of each rank "
+            "(openlora_training_throughput_tokens_per_second joined with target_info for the rank).",
+            "short",
+            [
+                target(
+                    f"run:openlora_training_throughput_tokens_per_second:sum{{{RUN_ONLY}}}",
+                    "total {{openlora_run_id}}",
+                ),
+                target(
+                    'openlora_training_throughput_tokens_per_second{job=~"$job"}'
+                    f" * on (job, instance) group_left (openlora_run_id, openlora_rank) target_info{{{RUN_ONLY}}}",
+                    rank_legend,
+                ),
+            ],
+            x=12,
+            y=y,
+            w=12,
+            h=8,
+        ),
+    ]
+    templating = [
+        DATASOURCE_VARIABLE,
+        variable("job", "Job", "label_values(target_info, job)"),
+        variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
+    ]
+    return {
+        "uid": "openlora-cluster",
+        "title": "openlora-otel: cluster",
+        "description": "The ranks of a distributed openlora-otel run side by side: who reports, who is slow, "
+        "who stopped stepping. Reads the openlora-ranks recording rules.",
+        "tags": ["openlora", "training", "distributed"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": False,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": templating},
+        "annotations": {"list": []},
+        "links": LINKS,
         "panels": panels,
     }
 
@@ -481,6 +780,13 @@ def render() -> str:
     return json.dumps(build(), indent=2) + "\n"
 
 
+def render_cluster() -> str:
+    global _ids
+    _ids = iter(range(1, 1000))
+    return json.dumps(build_cluster(), indent=2) + "\n"
+
+
 if __name__ == "__main__":
-    OUT.write_text(render())
-    print(f"wrote {OUT}")
+    for path, text in ((OUT, render()), (CLUSTER_OUT, render_cluster())):
+        path.write_text(text)
+        print(f"wrote {path}")

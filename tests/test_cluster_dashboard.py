@@ -1,0 +1,526 @@
+"""grafana/dashboards/openlora-cluster.json: generated, well formed, and every query on a real two-rank run.
+
+Two training-like processes (RANK 0 and 1 of WORLD_SIZE 2, one OPENLORA_RUN_ID, a fake
+NVML each, different step times) are scraped by a real Prometheus that loads the
+`openlora-ranks` recording rules; every query of the cluster dashboard must return
+data, and the values must say which rank is the slow one.
+
+The helpers here (the rank processes, the rules file, running a dashboard's queries)
+are shared with tests/test_scaleout.py, which runs the same queries against the
+central stores a Prometheus agent remote-writes to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from openlora_otel import names
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS, MetricSpec
+from tests.conftest import child_env
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAFANA = ROOT / "grafana"
+CLUSTER_DASHBOARD = GRAFANA / "dashboards" / "openlora-cluster.json"
+TRAINING_DASHBOARD = GRAFANA / "dashboards" / "openlora-training.json"
+
+# The real rules file. Until the openlora-ranks group is merged into it, the tests load
+# STAND_IN_RULES below instead (see rules_text()); once merged, the real file is used and
+# must define every record the contract names.
+RULES = ROOT / "collector" / "rules" / "openlora.yml"
+
+# Recorded series the cluster dashboard reads (the issue-10 contract's names).
+CONTRACT_RECORDS = (
+    "rank:openlora_training_step_duration_seconds:mean2m",
+    "run:openlora_training_step_duration_seconds:median2m",
+    "run:openlora_training_step_duration_seconds:max2m",
+    "rank:openlora_training_straggler_ratio:2m",
+    "rank:openlora_training_last_step_age_seconds",
+    "run:openlora_ranks_reporting:count",
+    "run:openlora_world_size:max",
+    "run:openlora_training_throughput_tokens_per_second:sum",
+)
+
+# The contract's last-step gauge; until it is in names.py no process exports it, so the
+# queries that read it (through rank:openlora_training_last_step_age_seconds) can only be
+# checked to evaluate, not to return data.
+LAST_STEP = "openlora.training.last_step.timestamp"
+LAST_STEP_EXPORTED = any(
+    isinstance(spec, MetricSpec) and spec.name == LAST_STEP
+    for group in vars(names).values()
+    if isinstance(group, tuple)
+    for spec in group
+)
+
+_JOIN = "on (job, instance) group_left (openlora_run_id, openlora_rank, openlora_world_size) target_info"
+# STAND-IN, for tests only: the contract's records with the expression shapes it describes,
+# so that the dashboard can be run before the real group exists. Not shipped, not the
+# reference: collector/rules/openlora.yml is. PromQL cannot turn a label into a value, so the
+# stand-in's world size enumerates the sizes this test can meet.
+STAND_IN_RULES = {
+    "groups": [
+        {
+            "name": "openlora-ranks",
+            "rules": [
+                {
+                    "record": "rank:openlora_training_step_duration_seconds:mean2m",
+                    "expr": "(rate(openlora_training_step_duration_seconds_sum[2m])"
+                    " / rate(openlora_training_step_duration_seconds_count[2m]))"
+                    f" * {_JOIN}",
+                },
+                {
+                    "record": "run:openlora_training_step_duration_seconds:median2m",
+                    "expr": "quantile by (openlora_run_id) (0.5, rank:openlora_training_step_duration_seconds:mean2m)",
+                },
+                {
+                    "record": "run:openlora_training_step_duration_seconds:max2m",
+                    "expr": "max by (openlora_run_id) (rank:openlora_training_step_duration_seconds:mean2m)",
+                },
+                {
+                    "record": "rank:openlora_training_straggler_ratio:2m",
+                    "expr": "rank:openlora_training_step_duration_seconds:mean2m"
+                    " / on (openlora_run_id) group_left"
+                    " run:openlora_training_step_duration_seconds:median2m",
+                },
+                {
+                    "record": "rank:openlora_training_last_step_age_seconds",
+                    "expr": f"time() - openlora_training_last_step_timestamp_seconds * {_JOIN}",
+                },
+                {
+                    "record": "run:openlora_ranks_reporting:count",
+                    "expr": "count by (openlora_run_id) (target_info and on (job, instance) (up == 1))",
+                },
+                {
+                    "record": "run:openlora_world_size:max",
+                    "expr": " or ".join(
+                        f'max by (openlora_run_id) (target_info{{openlora_world_size="{n}"}}) * {n}'
+                        for n in range(1, 9)
+                    ),
+                },
+                {
+                    "record": "run:openlora_training_throughput_tokens_per_second:sum",
+                    "expr": "sum by (openlora_run_id) (openlora_training_throughput_tokens_per_second"
+                    " * on (job, instance) group_left (openlora_run_id) target_info)",
+                },
+            ],
+        }
+    ]
+}
+
+
+def real_rules_have_ranks_group() -> bool:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return any(group["name"] == "openlora-ranks" for group in groups)
+
+
+def rules_text() -> str:
+    """The rules the stores load: the real file once it has the openlora-ranks group, else
+    the real file plus the stand-in group."""
+    real = yaml.safe_load(RULES.read_text())
+    if real_rules_have_ranks_group():
+        return RULES.read_text()
+    real["groups"] += STAND_IN_RULES["groups"]
+    return yaml.safe_dump(real, sort_keys=False)
+
+
+def write_rules(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "openlora.yml"
+    path.write_text(rules_text())
+    return path
+
+
+# -- the training-like rank processes ----------------------------------------------------------
+
+# One rank: setup_telemetry() from the environment torchrun would set, a fake NVML of
+# WORLD_SIZE GPUs (the rank reports its own, by LOCAL_RANK), the adapter, and steps of
+# argv[1] seconds until SIGTERM (the SIGTERM guard shuts telemetry down) or argv[2] seconds.
+RANK_SCRIPT = r"""
+import os, sys, time
+from openlora_otel import gpu, nvml, setup_telemetry
+from tests.fake_nvml import FakeNvml, h100s
+
+step_s, lifetime_s = float(sys.argv[1]), float(sys.argv[2])
+local_rank = int(os.environ["LOCAL_RANK"])
+cards = h100s(int(os.environ["WORLD_SIZE"]), processes={os.getpid(): 2 * 2**30})
+for index, card in enumerate(cards):
+    card.utilization = 0.3 + 0.4 * index  # 0.3 and 0.7 on two GPUs: the node's mean is 0.5
+nvml.load_pynvml_backend = lambda: FakeNvml(cards)
+stats = {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 20, "allocated_bytes.all.peak": 15}
+uuid = cards[local_rank].uuid.removeprefix("GPU-")
+gpu.torch_allocator_stats = lambda: [(local_rank, uuid, stats)]
+telemetry = setup_telemetry("openlora-cluster-test")
+training = telemetry.training
+training.set_adapter(r=8, alpha=16, dropout=0.05, target_modules=["q_proj", "v_proj"],
+                     trainable_params=4096, total_params=1_000_000)
+print(telemetry.prometheus_url, flush=True)
+deadline = time.monotonic() + lifetime_s
+step = 0
+while time.monotonic() < deadline:
+    time.sleep(step_s)
+    step += 1
+    training.record_step(loss=3.0 / (1 + step / 100), grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4)
+    if step % 10 == 0:
+        training.record_eval(loss=3.5 / (1 + step / 100), accuracy=0.5)
+        training.record_epoch(step / 1000)
+telemetry.shutdown()
+"""
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that base .. base + count - 1 are all free on 127.0.0.1 right now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+class Ranks:
+    """``len(step_seconds)`` rank processes of one run on this host, on base_port + LOCAL_RANK."""
+
+    def __init__(
+        self,
+        run_id: str,
+        step_seconds: list[float],
+        *,
+        lifetime_s: float = 300.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.world_size = len(step_seconds)
+        self.base_port = free_port_range(self.world_size)
+        self.processes: list[subprocess.Popen] = []
+        # Output to files, not pipes: a pipe nobody reads would block a chatty rank.
+        self.logs = [tempfile.TemporaryFile() for _ in step_seconds]  # noqa: SIM115 (closed in stop())
+        self.targets = [f"127.0.0.1:{self.base_port + rank}" for rank in range(self.world_size)]
+        for rank, step_s in enumerate(step_seconds):
+            env = child_env(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(self.world_size),
+                OPENLORA_RUN_ID=run_id,
+                OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                # The port offset by LOCAL_RANK (the default), as under torchrun.
+                OTEL_EXPORTER_PROMETHEUS_PORT=str(self.base_port),
+                OPENLORA_GPU_METRICS="on",
+                OPENLORA_QUIET="true",
+                OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT="0",
+                PYTHONPATH=str(ROOT),
+                **(extra_env or {}),
+            )
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-c", RANK_SCRIPT, str(step_s), str(lifetime_s)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=self.logs[rank],
+                    stderr=subprocess.STDOUT,
+                )
+            except BaseException:
+                self.stop()
+                raise
+            self.processes.append(process)
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for process, target in zip(self.processes, self.targets, strict=True):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"rank at {target} exited: {self.output(target)}")
+                try:
+                    with urllib.request.urlopen(f"http://{target}/metrics", timeout=2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"rank at {target} did not serve in {timeout} s") from None
+                    time.sleep(0.2)
+
+    def output(self, target: str) -> str:
+        log = self.logs[self.targets.index(target)]
+        log.seek(0)
+        return log.read().decode(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        for log in self.logs:
+            log.close()
+
+
+@contextmanager
+def ranks(run_id: str, step_seconds: list[float]) -> Iterator[Ranks]:
+    started = Ranks(run_id, step_seconds)
+    try:
+        started.wait_serving()
+        yield started
+    finally:
+        started.stop()
+
+
+# -- the dashboards' queries -----------------------------------------------------------------------
+
+
+def dashboard(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def panels(path: Path) -> list[dict]:
+    return [p for p in dashboard(path)["panels"] if p["type"] != "row"]
+
+
+SUBSTITUTIONS = {"$__rate_interval": "15s", "$job": ".*", "$run": ".*", "$instance": ".*", "$gpu": ".*"}
+
+
+def substitute(expr: str, **values: str) -> str:
+    for key, value in {**SUBSTITUTIONS, **{f"${k}": v for k, v in values.items()}}.items():
+        expr = expr.replace(key, value)
+    return expr
+
+
+def needs_last_step(expr: str) -> bool:
+    return "last_step" in expr
+
+
+def run_every_query(
+    path: Path, query: Callable[[str], list[dict]], label_values: Callable[[str, str], list[str]], run_id: str
+) -> list[str]:
+    """Run every panel query and variable of a dashboard; the problems found (empty = all returned data).
+
+    Queries on the last-step gauge only have to evaluate until the gauge exists (LAST_STEP_EXPORTED).
+    """
+    problems = []
+    for panel in panels(path):
+        for target in panel["targets"]:
+            expr = substitute(target["expr"], run=run_id)
+            try:
+                result = query(expr)
+            except Exception as error:  # an invalid query: say which
+                problems.append(f"{panel['title']}: {expr}: {error}")
+                continue
+            if not result and (LAST_STEP_EXPORTED or not needs_last_step(expr)):
+                problems.append(f"{panel['title']}: no data: {expr}")
+    for variable in dashboard(path)["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"])
+        assert match, variable["query"]
+        values = label_values(substitute(match.group(1), run=run_id), match.group(2))
+        if not values:
+            problems.append(f"variable {variable['name']} has no values")
+        if variable["name"] == "run" and run_id not in values:
+            problems.append(f"variable run does not offer {run_id}: {values}")
+    return problems
+
+
+def http_label_values(base_url: str) -> Callable[[str, str], list[str]]:
+    def fetch(selector: str, label: str) -> list[str]:
+        url = f"{base_url}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": selector})
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.load(response)["data"]
+
+    return fetch
+
+
+def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+# -- the generated file and its structure ---------------------------------------------------------
+
+
+def test_committed_cluster_dashboard_matches_its_generator() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_dashboard", GRAFANA / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert CLUSTER_DASHBOARD.read_text() == module.render_cluster(), "run: python grafana/build_dashboard.py"
+
+
+def test_cluster_dashboard_structure() -> None:
+    board = dashboard(CLUSTER_DASHBOARD)
+    assert board["uid"] != dashboard(TRAINING_DASHBOARD)["uid"]
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    assert "${DS_" not in CLUSTER_DASHBOARD.read_text() and "__inputs" not in board
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert set(variables) == {"datasource", "job", "run"}
+    assert variables["datasource"] == next(
+        v for v in dashboard(TRAINING_DASHBOARD)["templating"]["list"] if v["name"] == "datasource"
+    )
+    # Both dashboards link to each other through their shared tag.
+    for linked in (board, dashboard(TRAINING_DASHBOARD)):
+        assert any(link["type"] == "dashboards" and "openlora" in link["tags"] for link in linked["links"])
+        assert "openlora" in linked["tags"]
+    titles = " / ".join(p["title"] for p in panels(CLUSTER_DASHBOARD))
+    for wanted in (
+        "world size",
+        "tokens/s",
+        "Step time per rank",
+        "Straggler ratio per rank",
+        "Last step age",
+    ):
+        assert wanted.lower() in titles.lower(), wanted
+    for panel in panels(CLUSTER_DASHBOARD):
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["fieldConfig"]["defaults"].get("unit"), f"no unit: {panel['title']}"
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            expr = target["expr"]
+            assert 'openlora_run_id=~"$run"' in expr, f"{panel['title']}: not filtered by run: {expr}"
+            if re.search(r"\b(rate|increase)\(", expr):
+                assert "[$__rate_interval]" in expr, expr
+            for name in _series_names(expr):
+                assert name in panel["description"], f"{panel['title']}: description does not name {name}"
+            if expr.startswith("sort_desc("):
+                assert target.get("instant") and panel["type"] == "bargauge", panel["title"]
+
+
+KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS)} | {
+    spec.prometheus_collector for spec in GPU_METRICS
+}
+
+
+def _series_names(expr: str) -> set[str]:
+    names = set(re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{", expr))
+    names |= {m.replace("(_ratio)?", "") for m in re.findall(r'__name__=~"([a-z_()?]+)"', expr)}
+    return names - {"target_info"}
+
+
+def test_cluster_dashboard_names_only_exported_series_and_contract_records() -> None:
+    used = set()
+    for panel in panels(CLUSTER_DASHBOARD):
+        for target in panel["targets"]:
+            for name in _series_names(target["expr"]):
+                assert name in KNOWN or name in CONTRACT_RECORDS, f"{name} is neither exported nor recorded"
+                used.add(name)
+    assert set(CONTRACT_RECORDS) <= used, (
+        f"records the dashboard does not show: {set(CONTRACT_RECORDS) - used}"
+    )
+
+
+def test_rules_the_stores_load_define_every_contract_record() -> None:
+    loaded = yaml.safe_load(rules_text())
+    records = {rule.get("record") for group in loaded["groups"] for rule in group["rules"]}
+    assert set(CONTRACT_RECORDS) <= records
+
+
+def test_stand_in_rules_are_valid_for_promtool(tmp_path) -> None:
+    import shutil
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
+        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+    path = write_rules(tmp_path / "rules")
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- every query on a real two-rank run ---------------------------------------------------------------
+
+RUN_ID = "cluster-run"
+FAST_S, SLOW_S = 0.02, 0.08  # rank 1 is the straggler: ratio about 1.6 against a median of 0.05
+
+
+def _by_rank(result: list[dict]) -> dict[str, float]:
+    return {series["metric"]["openlora_rank"]: float(series["value"][1]) for series in result}
+
+
+@pytest.mark.e2e
+def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
+    from tests.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary()
+    rules = write_rules(tmp_path / "rules")
+    with ranks(RUN_ID, [FAST_S, SLOW_S]) as run:
+        prometheus = Prometheus(tmp_path, run.targets, rule_files=[str(rules)])
+        try:
+            straggler = "rank:openlora_training_straggler_ratio:2m"
+            assert wait_until(lambda: len(prometheus.query(straggler)) == 2, timeout=60), prometheus.query(
+                "up"
+            )
+            time.sleep(3)  # a few more scrapes: throughput gauges and rates over more than one interval
+
+            problems = run_every_query(
+                CLUSTER_DASHBOARD, prometheus.query, http_label_values(prometheus.url), RUN_ID
+            )
+            assert not problems, "\n".join(problems)
+
+            # The values say what the panels promise.
+            assert float(prometheus.query("run:openlora_ranks_reporting:count")[0]["value"][1]) == 2
+            assert float(prometheus.query("run:openlora_world_size:max")[0]["value"][1]) == 2
+            step_panel = next(
+                p for p in panels(CLUSTER_DASHBOARD) if p["title"].startswith("Step time per rank,")
+            )
+            slowest_first = prometheus.query(substitute(step_panel["targets"][0]["expr"], run=RUN_ID))
+            assert [s["metric"]["openlora_rank"] for s in slowest_first] == ["1", "0"]
+            step = _by_rank(slowest_first)
+            assert FAST_S <= step["0"] < 2 * FAST_S and SLOW_S <= step["1"] < 1.5 * SLOW_S, step
+            ratio = _by_rank(prometheus.query(straggler))
+            assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+            node = prometheus.query(
+                substitute(
+                    next(p for p in panels(CLUSTER_DASHBOARD) if "per node" in p["title"])["targets"][0][
+                        "expr"
+                    ]
+                )
+            )
+            assert [s["metric"]["host_name"] for s in node] == [socket.gethostname()]
+            assert float(node[0]["value"][1]) == pytest.approx(0.5)
+            total = float(
+                prometheus.query("run:openlora_training_throughput_tokens_per_second:sum")[0]["value"][1]
+            )
+            # 512 tokens per step: about 25,600/s from rank 0 and 6,400/s from rank 1, less the loop's overhead.
+            assert 0.5 * (512 / FAST_S + 512 / SLOW_S) < total < 1.05 * (512 / FAST_S + 512 / SLOW_S), total
+            if LAST_STEP_EXPORTED:
+                age = _by_rank(prometheus.query("rank:openlora_training_last_step_age_seconds"))
+                assert all(0 <= value < 10 for value in age.values()), age
+        finally:
+            prometheus.stop()
