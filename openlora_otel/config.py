@@ -556,9 +556,12 @@ def _file_sd_dir(env: _Env) -> str | None:
     value = env.get("OPENLORA_PROMETHEUS_FILE_SD_DIR")
     if not value:
         return None
-    if "\0" in value or (os.path.exists(value) and not os.path.isdir(value)):
+    if "\0" in value:
+        raise ConfigError("OPENLORA_PROMETHEUS_FILE_SD_DIR", value, FILE_SD_ACCEPTED, "it contains a NUL character")
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError("OPENLORA_PROMETHEUS_FILE_SD_DIR", value, FILE_SD_ACCEPTED, "it is not a directory")
-    return value
+    return path
 
 
 def _choices(values: tuple[str, ...]) -> str:

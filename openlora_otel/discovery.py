@@ -10,8 +10,10 @@ target, and drops a rank when its file goes.
 
 The file carries no labels: run identity stays on ``target_info`` (from the
 Resource), so a run never multiplies the series. A process killed with SIGKILL
-cannot remove its file; the next process that registers on the same host
-removes the files of this host whose endpoint refuses connections.
+cannot remove its file, nor can one that ends without the shutdown (a
+``multiprocessing`` child leaving with ``os._exit``, a SIGTERM when the guard is
+not installed). The next process that registers on the same host removes the
+files of this host whose endpoint refuses connections.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import logging
 import os
 import re
 import socket
+import stat
+import tempfile
 from pathlib import Path
 
 from openlora_otel.config import FILE_SD_ACCEPTED, ConfigError
@@ -35,6 +39,8 @@ _VARIABLE = "OPENLORA_PROMETHEUS_FILE_SD_DIR"
 # Stale files of this host checked at one registration (each costs one refused connect at most).
 _MAX_STALE_CHECKS = 64
 _STALE_CONNECT_TIMEOUT_S = 0.2
+# Our files are one short target list; anything bigger is not one of them.
+_MAX_FILE_BYTES = 4096
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -68,16 +74,22 @@ class FileSdRegistration:
         target = scrape_address(bound_host, port)
         path = folder / f"openlora-{_host_label()}-{port}.json"
         body = json.dumps([{"targets": [target], "labels": {}}], indent=2) + "\n"
-        temporary = folder / f".{path.name}.{os.getpid()}.tmp"
+        temporary: str | None = None
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            temporary.write_text(body, encoding="utf-8")
-            temporary.chmod(0o644)  # a Prometheus running as another user must read it
-            # Atomic: Prometheus never reads a half-written file (the temporary name does not match *.json).
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                folder.chmod(0o755)  # whatever the umask: a Prometheus running as another user must list it
+            # A fresh, exclusive temporary (never a planted symlink), renamed over the target:
+            # Prometheus never reads a half-written file (the temporary name does not match *.json).
+            descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(body)
+            os.chmod(temporary, 0o644)  # mkstemp makes it 600
             os.replace(temporary, path)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
             raise ConfigError(
                 _VARIABLE, directory, FILE_SD_ACCEPTED + ", writable by this process", exc.strerror or str(exc)
             ) from None
@@ -99,7 +111,10 @@ class FileSdRegistration:
 
 
 def _remove_stale(folder: Path, keep: Path) -> None:
-    """Remove this host's files whose endpoint refuses connections (left by a killed process)."""
+    """Remove this host's files whose endpoint refuses connections (left by a killed process).
+
+    Best effort: whatever the directory holds, registration goes on.
+    """
     prefix = f"openlora-{_host_label()}-"
     try:
         candidates = sorted(p for p in folder.glob(prefix + "*.json") if p != keep)[:_MAX_STALE_CHECKS]
@@ -107,15 +122,29 @@ def _remove_stale(folder: Path, keep: Path) -> None:
         return
     for path in candidates:
         try:
-            groups = json.loads(path.read_text(encoding="utf-8"))
-            host, _, port = groups[0]["targets"][0].rpartition(":")
-            address = (host.strip("[]"), int(port))
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            continue  # not ours to judge
-        if _refused(address):
-            with contextlib.suppress(OSError):
-                path.unlink()
-                _logger.info("openlora-otel: removed %s, left by a process that no longer serves it", path)
+            _remove_if_stale(path)
+        except Exception:  # a file we cannot judge is not ours to remove
+            _logger.debug("skipped %s while looking for stale files", path, exc_info=True)
+
+
+def _remove_if_stale(path: Path) -> None:
+    before = os.lstat(path)
+    if not stat.S_ISREG(before.st_mode) or before.st_size > _MAX_FILE_BYTES:
+        return  # a FIFO would block the read, a link or a huge file is not one of ours
+    with open(path, "rb") as handle:
+        groups = json.loads(handle.read(_MAX_FILE_BYTES))
+    host, _, port = groups[0]["targets"][0].rpartition(":")
+    host = host.strip("[]")
+    if host == socket.gethostname():
+        host = "127.0.0.1"  # a wildcard bind: loopback reaches it without a name lookup
+    if not _refused((host, int(port))):
+        return
+    after = os.lstat(path)
+    # A process that bound the port since and wrote its own file under the same name keeps it.
+    if (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+        return
+    path.unlink()
+    _logger.info("openlora-otel: removed %s, left by a process that no longer serves it", path)
 
 
 def _refused(address: tuple[str, int]) -> bool:

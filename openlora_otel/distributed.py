@@ -14,10 +14,14 @@ Where the id comes from, first match wins (``OPENLORA_RUN_ID`` and a real
    where ``TORCHELASTIC_RUN_ID`` is the useless ``none``. Each rank offers a fresh
    id with ``compare_set``; the first one written is what every rank gets back.
    The store lives as long as the torchrun launch, so restarted workers keep it.
+   (The key is not scoped further: a store shared by several launches, such as
+   a long-lived external c10d endpoint without ``--rdzv-id``, shares the id too;
+   give such launches ``--rdzv-id`` or ``OPENLORA_RUN_ID``.)
 2. The default process group's store, when ``torch.distributed`` is already
    initialized (plain ``torch.distributed`` without torchrun: ``mp.spawn``,
    ``srun`` with ``env://``): the same ``compare_set``, no collective.
-3. Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, for tasks ``srun`` started.
+3. Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, for the tasks of one ``srun``
+   step of several tasks (``SLURM_STEP_NUM_TASKS`` or ``WORLD_SIZE`` > 1).
 4. A random id; with ``WORLD_SIZE`` > 1 a warning says how to share one.
 
 torch is imported only in case 1, where the process is a torchrun worker and
@@ -30,7 +34,8 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +47,7 @@ _logger = logging.getLogger(__name__)
 
 # The key every rank agrees on; no torch component uses this prefix.
 STORE_KEY = "openlora_otel/run_id"
-# How long connecting to torchrun's store may take; it is up before any worker starts.
+# How long agreeing through a store may take in all; torchrun's is up before any worker starts.
 STORE_TIMEOUT_S = 10.0
 # What a run id read back from a store may look like (ours are 16 hex digits).
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -63,10 +68,13 @@ def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     agreed = _from_process_group(candidate)
     if agreed:
         return agreed, "process group store"
-    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
-    if job.isdigit() and step.isdigit():
-        return f"slurm-{job}.{step}", "Slurm job and step"
     world = env.get("WORLD_SIZE", "")
+    several = (world.isdigit() and int(world) > 1) or _more_than_one(env.get("SLURM_STEP_NUM_TASKS", ""))
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
+    # Only for the tasks of one multi-task srun step: the sequential runs of an interactive
+    # step (srun --pty bash, salloc) share job and step ids but are separate runs.
+    if several and job.isdigit() and step.isdigit():
+        return f"slurm-{job}.{step}", "Slurm job and step"
     if world.isdigit() and int(world) > 1:
         _logger.warning(
             "openlora-otel: rank %s of %s made up its own run id: nothing shares one (no OPENLORA_RUN_ID, "
@@ -76,6 +84,41 @@ def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
             world,
         )
     return candidate, "random"
+
+
+def _more_than_one(value: str) -> bool:
+    return value.isdigit() and int(value) > 1
+
+
+def _bounded(what: str, call: Callable[[], str | None]) -> str | None:
+    """Run ``call`` on a daemon thread for at most ``STORE_TIMEOUT_S``.
+
+    A TCPStore client waits for the server's reply without its own timeout, and a
+    process group's store has the group's (up to 30 minutes): a store that accepts
+    and never answers must not hold setup_telemetry(), and so the training, back.
+    """
+    result: list[str | None] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(call())
+        except Exception as exc:  # torch missing or broken, store gone: telemetry goes on
+            failure.append(exc)
+
+    worker = threading.Thread(target=target, name="openlora-otel-run-id", daemon=True)
+    worker.start()
+    worker.join(STORE_TIMEOUT_S)
+    if result:
+        return result[0]
+    reason = str(failure[0]) if failure else f"no answer within {STORE_TIMEOUT_S:g} s"
+    _logger.warning(
+        "openlora-otel: could not agree on a run id through %s (%s); this rank uses its own "
+        "(set OPENLORA_RUN_ID to share one)",
+        what,
+        reason,
+    )
+    return None
 
 
 def _agree(store: Any, candidate: str) -> str | None:
@@ -92,20 +135,16 @@ def _from_torchrun_store(env: Mapping[str, str], candidate: str) -> str | None:
     host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     if not host or not port.isdigit():
         return None
-    try:
+
+    def agree() -> str | None:
         from torch.distributed import TCPStore
 
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        # Half the bound: a store that refuses or cannot be reached ends the thread well
+        # before the join gives up, so no thread is left inside torch's C++ code.
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S / 2))
         return _agree(store, candidate)
-    except Exception as exc:  # torch missing or broken, store gone: telemetry goes on
-        _logger.warning(
-            "openlora-otel: could not agree on a run id through torchrun's store at %s:%s (%s); this rank uses "
-            "its own (set OPENLORA_RUN_ID to share one)",
-            host,
-            port,
-            exc,
-        )
-        return None
+
+    return _bounded(f"torchrun's store at {host}:{port}", agree)
 
 
 def _from_process_group(candidate: str) -> str | None:
@@ -115,12 +154,8 @@ def _from_process_group(candidate: str) -> str | None:
     try:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        store = dist.distributed_c10d._get_default_store()
-        return _agree(store, candidate)
-    except Exception as exc:
-        _logger.warning(
-            "openlora-otel: could not agree on a run id through the process group's store (%s); this rank uses "
-            "its own (set OPENLORA_RUN_ID to share one)",
-            exc,
-        )
+    except Exception:  # a half-imported or broken torch
         return None
+    return _bounded(
+        "the process group's store", lambda: _agree(dist.distributed_c10d._get_default_store(), candidate)
+    )

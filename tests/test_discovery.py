@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import setup_telemetry
+from openlora_otel import discovery, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
-from openlora_otel.discovery import FileSdRegistration, scrape_address
+from openlora_otel.discovery import FileSdRegistration, _host_label, scrape_address
 from tests.conftest import child_env, free_port
 from tests.prometheus_server import Prometheus, prometheus_binary
 
@@ -37,7 +37,7 @@ def test_a_running_process_is_registered_and_removed_at_shutdown(tmp_path: Path)
     telemetry = setup_telemetry(config=_config(directory))
     port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])  # type: ignore[union-attr]
     [path] = _files(directory)
-    assert path.name == f"openlora-{socket.gethostname()}-{port}.json"
+    assert path.name == f"openlora-{_host_label()}-{port}.json"
     assert json.loads(path.read_text()) == [{"targets": [f"127.0.0.1:{port}"], "labels": {}}]
     assert oct(path.stat().st_mode & 0o777) == oct(0o644)
     assert not [p for p in directory.iterdir() if p.name.startswith(".")]  # no temporary left
@@ -45,10 +45,58 @@ def test_a_running_process_is_registered_and_removed_at_shutdown(tmp_path: Path)
     assert _files(directory) == []
 
 
-def test_no_file_without_the_variable_or_without_the_pull_endpoint(tmp_path: Path) -> None:
+def test_no_file_without_the_variable_or_without_the_pull_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     telemetry = setup_telemetry(config=_config(tmp_path, exporters=("none",)))
     telemetry.shutdown()
+    monkeypatch.chdir(tmp_path)
+    telemetry = setup_telemetry(config=_config(tmp_path).replace(file_sd_dir=None))
+    telemetry.shutdown()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_directory_variable_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert TelemetryConfig.from_env({"OPENLORA_PROMETHEUS_FILE_SD_DIR": "sd"}).file_sd_dir == str(tmp_path / "sd")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert TelemetryConfig.from_env({"OPENLORA_PROMETHEUS_FILE_SD_DIR": "~/x"}).file_sd_dir == str(tmp_path / "x")
+
+
+def test_odd_files_of_this_host_neither_hang_nor_break_registration(tmp_path: Path) -> None:
+    prefix = f"openlora-{_host_label()}-"
+    os.mkfifo(tmp_path / f"{prefix}1.json")  # reading it would block forever
+    (tmp_path / f"{prefix}2.json").write_text("[" * 100_000 + "]" * 100_000)  # RecursionError in json
+    (tmp_path / f"{prefix}3.json").write_text("x" * 100_000)
+    (tmp_path / f"{prefix}4.json").write_text('{"targets": 1}')
+    started = time.monotonic()
+    telemetry = setup_telemetry(config=_config(tmp_path))
+    telemetry.shutdown()
+    assert time.monotonic() - started < 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{prefix}{n}.json" for n in (1, 2, 3, 4)]
+
+
+def test_a_file_rewritten_by_a_new_process_during_the_check_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restarted rank binds the dead rank's port and writes its file between our
+    # refused connect and the removal: the new file must stay.
+    dead_port = free_port()
+    stale = tmp_path / f"openlora-{_host_label()}-{dead_port}.json"
+    stale.write_text(json.dumps([{"targets": [f"127.0.0.1:{dead_port}"], "labels": {}}]))
+    refused = discovery._refused
+
+    def refused_then_replaced(address: tuple[str, int]) -> bool:
+        answer = refused(address)
+        replacement = tmp_path / ".replacement"
+        replacement.write_text(stale.read_text())
+        os.replace(replacement, stale)
+        return answer
+
+    monkeypatch.setattr(discovery, "_refused", refused_then_replaced)
+    telemetry = setup_telemetry(config=_config(tmp_path))
+    telemetry.shutdown()
+    assert stale.exists()
 
 
 def test_a_wildcard_bind_is_registered_under_the_host_name() -> None:
@@ -71,7 +119,7 @@ def test_an_unusable_directory_fails_setup_naming_the_variable_and_frees_the_por
 
 
 def test_a_file_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path: Path) -> None:
-    host = socket.gethostname()
+    host = _host_label()
     dead_port = free_port()  # nothing listens there
     stale = tmp_path / f"openlora-{host}-{dead_port}.json"
     stale.write_text(json.dumps([{"targets": [f"127.0.0.1:{dead_port}"], "labels": {}}]))
@@ -141,14 +189,15 @@ def test_prometheus_discovers_two_ranks_and_drops_them_when_they_exit(tmp_path: 
                 [sys.executable, "-c", _RANK.format(steps=steps)],
                 env=env,
                 cwd=ROOT,
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
             )
             ranks.append(process)
-        for process in ranks:
-            assert process.stdout is not None
-            assert process.stdout.readline().startswith("http://127.0.0.1:"), process.stderr
+        deadline = time.monotonic() + 60
+        while len(_files(directory)) < 2 and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in ranks), [p.communicate()[1][-2000:] for p in ranks]
+            time.sleep(0.1)
         assert len(_files(directory)) == 2
         prometheus = Prometheus(tmp_path, [], file_sd=[str(directory / "*.json")])
         found = prometheus.wait_for('count(up{job="openlora"} == 1) == 2', timeout=30)

@@ -160,9 +160,18 @@ def test_a_rank_that_cannot_share_an_id_says_how_to(script: Path) -> None:
 def test_srun_tasks_share_the_slurm_job_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "81234")
     monkeypatch.setenv("SLURM_STEP_ID", "3")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
     assert telemetry.run_id == "slurm-81234.3"
     telemetry.shutdown()
+
+
+def test_runs_one_after_another_in_an_interactive_slurm_step_get_their_own_ids() -> None:
+    # srun --pty bash, salloc: every python started there sees the same job and step.
+    env = {"SLURM_JOB_ID": "81234", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}
+    first, second = distributed.shared_run_id(env), distributed.shared_run_id(env)
+    assert first[1] == second[1] == "random"
+    assert first[0] != second[0]
 
 
 def test_the_explicit_run_id_wins_over_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,6 +192,36 @@ def test_an_unreachable_torchrun_store_is_survived(
         run_id, source = distributed.shared_run_id(env)
     assert source == "random" and len(run_id) == 16
     assert "could not agree on a run id through torchrun's store" in caplog.text
+
+
+_SILENT_STORE = """
+import socket, time
+from openlora_otel import setup_telemetry
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen()  # the kernel accepts; nobody ever answers
+import os
+os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(silent.getsockname()[1]))
+from openlora_otel import distributed
+distributed.STORE_TIMEOUT_S = 1.0
+started = time.monotonic()
+telemetry = setup_telemetry()
+print("SETUP TOOK", round(time.monotonic() - started, 2), telemetry.run_id, flush=True)
+telemetry.shutdown()
+"""
+
+
+def test_a_store_that_accepts_and_never_answers_does_not_hold_setup() -> None:
+    # In a child: the process then ends with the agreeing thread still waiting in torch's
+    # C++ code, which must not turn the exit into an abort.
+    result = subprocess.run(
+        [sys.executable, "-c", _SILENT_STORE], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    took = float(result.stdout.split("SETUP TOOK ")[1].split()[0])
+    assert took < 10  # 1 s bound; generous for a loaded machine, far below "forever"
+    assert "no answer within 1 s" in result.stderr
 
 
 @pytest.mark.e2e
