@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ try:
     telemetry = setup_telemetry()
 except ValueError as error:  # ConfigError; exit 0 so that torchrun's exit barrier does not wait 300 s
     print(f"SETUP FAILED: {error}", file=sys.stderr, flush=True)
+    if os.environ.get("STOP_FILE"):
+        Path(os.environ["STOP_FILE"]).touch()  # the other ranks need not hold their ports any longer
     sys.exit(0)
 for _ in range(int(os.environ.get("STEPS", "0"))):
     telemetry.training.record_step(loss=1.0, tokens=5)
@@ -224,17 +227,39 @@ def test_a_store_that_accepts_and_never_answers_does_not_hold_setup() -> None:
     assert "no answer within 1 s" in result.stderr
 
 
+def _two_free_ports(gap: int) -> int:
+    """A free port whose neighbour ``gap`` above is free too (the second node's base)."""
+    for _ in range(50):
+        base = free_port()
+        if base + gap > 65535:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + gap))
+            except OSError:
+                continue
+        return base
+    pytest.fail("no two free ports found")
+
+
 @pytest.mark.e2e
 def test_two_torchrun_nodes_on_one_host(tmp_path: Path, script: Path) -> None:
     """Two launchers (--nnodes=2, c10d on 127.0.0.1): first on one base port, then one base port per node."""
     prometheus_binary()
     # 1. Same base port on both "nodes": LOCAL_RANK 0 twice, one of them cannot bind, and the error says why.
-    base = free_port()
+    base = _two_free_ports(8)
     rendezvous = free_port()
     common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}"]
-    env = _env(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", HOLD_S="8")
-    env["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(base)
+    stop = tmp_path / "stop-clash"
+    env = _env(
+        OTEL_METRICS_EXPORTER="prometheus",
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(base),
+        HOLD_S="90",
+        STOP_FILE=str(stop),
+    )
     nodes = [_launch([*common, f"--node-rank={n}", "--rdzv-id=clash"], script, env) for n in (0, 1)]
+    # The rank that cannot bind touches the stop file; the other holds its port until then.
     outputs = [_finish(node) for node in nodes]
     errors = "".join(err for _, err in outputs)
     assert len(_reports("".join(out for out, _ in outputs))) == 1, errors[-3000:]
