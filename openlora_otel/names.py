@@ -98,6 +98,13 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("openlora.training.tokens", "counter", "{token}", "Training tokens processed."),
     MetricSpec("openlora.training.step.duration", "histogram", "s", "Wall time of one optimizer step."),
     MetricSpec(
+        "openlora.training.last_step.timestamp",
+        "gauge",
+        "s",
+        "When this process recorded its latest optimizer step, in seconds since the epoch "
+        "(absent until the first step); `time() - ...` is how long ago a rank last stepped.",
+    ),
+    MetricSpec(
         "openlora.training.throughput.tokens",
         "gauge",
         "{token}/s",

@@ -14,6 +14,10 @@ exporter's or the scrape's thread:
   over the window's wall time. A window with no step repeats the previous
   loss, gradient norm and learning rate; throughput drops to 0 once such an
   empty window is at least a second long (a stalled run must show as stalled).
+- ``openlora.training.last_step.timestamp`` is the wall-clock time of the
+  latest ``record_step``: the step path stores the ``perf_counter()`` reading it
+  takes anyway, and the collection converts it. It lets PromQL compare ranks'
+  progress (``time() - ...``) without any communication between them.
 - tensors are reduced on their own device and read back there; for CUDA
   tensors the copy to the host is asynchronous and is only polled, never
   waited on with a synchronizing call, so ``torch.cuda.set_sync_debug_mode("error")``
@@ -125,6 +129,9 @@ class _Window:
     bucket_sums: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
     shortest: float = math.inf
     longest: float = -math.inf
+    # perf_counter() of the window's latest step: the step path stores the clock reading it
+    # already took; the wall-clock conversion waits for the collection.
+    last_step: float | None = None
 
 
 @dataclass
@@ -137,6 +144,7 @@ class _Snapshot:
     window_steps: int = 0
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
+    last_step_time: float | None = None  # seconds since the epoch
 
 
 class _Total:
@@ -243,6 +251,7 @@ class TrainingMetrics:
         gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
         gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
         gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
+        gauge("openlora.training.last_step.timestamp", lambda o: self._one(self._snapshot.last_step_time))
         gauge("openlora.training.throughput.tokens", lambda o: self._one(self._snapshot.tokens_per_s))
         gauge("openlora.training.throughput.samples", lambda o: self._one(self._snapshot.samples_per_s))
         gauge("openlora.training.epoch", lambda o: self._one(self._epoch))
@@ -292,6 +301,7 @@ class TrainingMetrics:
                 return
             window = self._window
             window.steps += 1
+            window.last_step = now
             if loss is not None:
                 if type(loss) is float:
                     window.loss.add_host(loss)
@@ -547,7 +557,13 @@ class TrainingMetrics:
             grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
             lr=_window_value(window.lr, previous.lr, "lr" in failed, mean=False),
             window_steps=window.loss.count or window.grad.count,
+            last_step_time=previous.last_step_time,
         )
+        if window.last_step is not None:
+            # The step's perf_counter() reading, placed on the wall clock as it reads now: an age
+            # computed against the current wall clock (Prometheus's time()) stays right even if
+            # the wall clock was stepped since, and the step path pays no time.time() call.
+            snapshot.last_step_time = time.time() - (time.perf_counter() - window.last_step)
         if window.steps or elapsed >= _MIN_EMPTY_WINDOW_S:
             snapshot.tokens_per_s = window.tokens / elapsed if elapsed > 0 else previous.tokens_per_s
             snapshot.samples_per_s = window.samples / elapsed if elapsed > 0 else previous.samples_per_s

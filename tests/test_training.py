@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from decimal import Decimal
 
 import pytest
@@ -16,6 +17,8 @@ from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 from openlora_otel.training import TrainingMetrics
 from tests.conftest import points, value
 
+WALL_OFFSET = 1_700_000_000.0
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -26,6 +29,9 @@ class FakeClock:
 
     def perf_counter(self) -> float:
         return self.now
+
+    def time(self) -> float:  # the wall clock: the same clock, some epoch seconds ahead
+        return self.now + WALL_OFFSET
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
@@ -519,3 +525,81 @@ def test_one_unreadable_value_costs_only_itself(setup, caplog: pytest.LogCapture
     finally:
         StandIn.allow = False
     assert sum("reading loss values failed" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- openlora.training.last_step.timestamp ---------------------------------------------
+LAST_STEP = "openlora.training.last_step.timestamp"
+
+
+def test_absent_until_the_first_step(setup) -> None:
+    training, reader = setup
+    training.record_epoch(0.5)
+    training.record_eval(loss=1.0)
+    assert points(reader.get_metrics_data(), LAST_STEP) == []
+    training.record_step(loss=1.0)
+    assert value(reader.get_metrics_data(), LAST_STEP) is not None
+
+
+def test_the_latest_step_of_each_window_on_the_wall_clock(clock: FakeClock, setup) -> None:
+    training, reader = setup
+    clock.sleep(5.0)
+    training.record_step(loss=1.0, step_time_s=0.1)
+    clock.sleep(2.0)
+    training.record_step(loss=1.0, step_time_s=0.1)
+    latest = clock.now
+    clock.sleep(3.0)  # collected 3 s after the step: the value is still the step's time
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(latest + WALL_OFFSET)
+    # No step since: the same time again, not the collection's.
+    clock.sleep(10.0)
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(latest + WALL_OFFSET)
+    clock.sleep(1.0)
+    training.record_step()
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(clock.now + WALL_OFFSET)
+
+
+def test_only_recorded_steps_move_it(clock: FakeClock, setup) -> None:
+    training, reader = setup
+    training.record_step(loss=1.0)
+    stepped = clock.now
+    clock.sleep(1.0)
+    with pytest.raises(ValueError):
+        training.record_step(loss=1.0, step_time_s=-1.0)  # refused: records nothing
+    training.record_values(loss=2.0)  # values without a step
+    training.record_eval(loss=1.0)
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(stepped + WALL_OFFSET)
+    training.close()
+    clock.sleep(1.0)
+    training.record_step(loss=1.0)  # after close(): ignored
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(stepped + WALL_OFFSET)
+
+
+def test_the_step_path_reads_no_wall_clock(monkeypatch: pytest.MonkeyPatch, setup) -> None:
+    # The timestamp costs the step path one store of the perf_counter() it reads anyway.
+    training, reader = setup
+
+    class Counting(FakeClock):
+        wall_reads = 0
+
+        def time(self) -> float:
+            Counting.wall_reads += 1
+            return super().time()
+
+    fake = Counting()
+    monkeypatch.setattr(training_module, "time", fake)
+    for _ in range(100):
+        fake.sleep(0.01)
+        training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=8, samples=1)
+    assert Counting.wall_reads == 0
+    assert value(reader.get_metrics_data(), LAST_STEP) == pytest.approx(fake.now + WALL_OFFSET)
+    assert Counting.wall_reads == 1  # once per collection
+
+
+def test_real_clocks_give_the_time_of_the_step(setup) -> None:
+    training, reader = setup
+    before = time.time()
+    training.record_step(loss=1.0)
+    after = time.time()
+    time.sleep(0.05)
+    stamped = value(reader.get_metrics_data(), LAST_STEP)
+    # perf_counter() and time() advance together within microseconds over this span.
+    assert before - 0.005 <= stamped <= after + 0.005
