@@ -86,7 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fine-tune a small LoRA model on CPU with live metrics (needs the demo extra)",
         description="Fine-tune a small Llama built from a config with LoRA (PEFT) on a generated corpus, on "
         "CPU, with setup_telemetry() on: by default metrics are served at http://localhost:9464/metrics "
-        "while it runs. Nothing is downloaded. Exit status: 0 done, 2 usage or configuration error, "
+        "while it runs. Nothing is downloaded. Under torchrun (torchrun --standalone --nproc_per_node=N "
+        "-m openlora_otel demo) it trains data-parallel (DDP, gloo): each rank on its own data, with its "
+        "own endpoint (port + LOCAL_RANK); only rank 0 prints, and all ranks stop at the same step on "
+        "SIGINT / SIGTERM. Exit status: 0 done, 2 usage or configuration error, "
         "130 / 143 stopped by SIGINT / SIGTERM (telemetry flushed first).",
     )
     parser.set_defaults(demo_parser=demo)
@@ -138,6 +141,18 @@ def _build_parser() -> argparse.ArgumentParser:
         "--hf-trainer", action="store_true", help="run through the Hugging Face Trainer and our callback"
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress output; the summary only")
+    demo.add_argument(
+        "--straggle-rank",
+        type=_non_negative_int,
+        metavar="R",
+        help="under torchrun: make rank R a straggler (with --straggle-ms)",
+    )
+    demo.add_argument(
+        "--straggle-ms",
+        type=_positive_float,
+        metavar="MS",
+        help="milliseconds rank R sleeps inside each of its steps (its step time shows it)",
+    )
     doctor = commands.add_parser(
         "doctor",
         help="check the configuration, the ports and endpoints it names, and the optional packages",
@@ -203,6 +218,16 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
+    from openlora_otel.demo.ddp import ranks_from_env
+
+    try:
+        ranks = ranks_from_env(environ)
+    except ValueError as exc:
+        print(f"openlora-otel demo: {exc}", file=sys.stderr)
+        return 2
+    problem = _distributed_problem(args, ranks.world_size)
+    if problem:
+        args.demo_parser.error(problem)
     try:
         from openlora_otel.demo import train as _train
         from openlora_otel.demo.train import DemoOptions, run_demo
@@ -225,8 +250,12 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         seed=args.seed,
         eval_every=args.eval_every,
         hf_trainer=args.hf_trainer,
-        quiet=args.quiet,
+        # Under torchrun only rank 0 prints (N copies of each line would say nothing more).
+        quiet=args.quiet or ranks.rank != 0,
         linger=args.linger,
+        distributed=ranks.distributed,
+        straggle_rank=args.straggle_rank,
+        straggle_ms=args.straggle_ms or 0.0,
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
@@ -235,7 +264,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
     where = _where(telemetry)
-    if not args.quiet:
+    if not options.quiet:
         print(f"metrics: {where}", file=sys.stderr)
         print(
             "full stack (collector, Prometheus, Grafana): cd collector && "
@@ -246,8 +275,32 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = run_demo(options, telemetry, where=where)
     finally:
         flushed = telemetry.shutdown()
-    _summary(result, where, flushed, run_id=telemetry.run_id)
+    if ranks.rank == 0:
+        _summary(result, where, flushed, run_id=telemetry.run_id, world_size=ranks.world_size)
     return result.exit_code
+
+
+def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """What is wrong with the straggler / trainer options for this launch, if anything."""
+    if (args.straggle_rank is None) != (args.straggle_ms is None):
+        return "--straggle-rank and --straggle-ms go together: which rank, and how much slower per step"
+    if args.straggle_rank is not None:
+        if world_size < 2:
+            return (
+                "--straggle-rank: slowing one rank needs two or more ranks, and WORLD_SIZE is "
+                f"{world_size} here; launch with torchrun --standalone --nproc_per_node=2 -m openlora_otel demo ..."
+            )
+        if args.straggle_rank >= world_size:
+            return (
+                f"--straggle-rank: {args.straggle_rank} is not a rank of this launch "
+                f"(WORLD_SIZE={world_size}: ranks 0 to {world_size - 1})"
+            )
+    if args.hf_trainer and world_size > 1:
+        return (
+            "--hf-trainer runs one process; under torchrun the demo trains with its own DDP loop "
+            "(drop --hf-trainer)"
+        )
+    return None
 
 
 def _where(telemetry: object) -> str:
@@ -265,7 +318,7 @@ def _where(telemetry: object) -> str:
     return ", ".join(places) or "nowhere (exporter none or OTEL_SDK_DISABLED)"
 
 
-def _summary(result: object, where: str, flushed: bool, *, run_id: str) -> None:
+def _summary(result: object, where: str, flushed: bool, *, run_id: str, world_size: int = 1) -> None:
     from openlora_otel.demo.train import DemoResult
 
     assert isinstance(result, DemoResult)
@@ -281,6 +334,10 @@ def _summary(result: object, where: str, flushed: bool, *, run_id: str) -> None:
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
         f"metrics went to {where}",
     ]
+    if world_size > 1:
+        lines.append(
+            f"rank 0 of {world_size} shown; every rank trained on its own data and served its own series"
+        )
     print("\n".join(lines))
 
 

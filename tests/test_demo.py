@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +171,116 @@ def test_default_length_run_learns(memory_reader: InMemoryMetricReader) -> None:
     assert result.first_eval_loss > 3.0
     assert result.final_eval_loss < result.first_eval_loss - 1.5
     assert math.isfinite(result.final_eval_loss)
+
+
+# -- under torchrun (the full run with Prometheus is in tests/test_torchrun_demo.py) -------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--straggle-rank", "1"], {}, "--straggle-rank and --straggle-ms go together"),
+        (["--straggle-ms", "50"], {}, "--straggle-rank and --straggle-ms go together"),
+        (["--straggle-rank", "1", "--straggle-ms", "50"], {}, "needs two or more ranks, and WORLD_SIZE is 1"),
+        (
+            ["--straggle-rank", "0", "--straggle-ms", "50"],
+            {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"},
+            "needs two or more ranks, and WORLD_SIZE is 1",
+        ),
+        (
+            ["--straggle-rank", "2", "--straggle-ms", "50"],
+            {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+            "2 is not a rank of this launch (WORLD_SIZE=2: ranks 0 to 1)",
+        ),
+        (["--straggle-rank", "-1", "--straggle-ms", "5"], {}, "argument --straggle-rank: must be >= 0"),
+        (["--straggle-rank", "1", "--straggle-ms", "0"], {}, "argument --straggle-ms: must be > 0"),
+        (["--hf-trainer"], {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "--hf-trainer runs one process"),
+    ],
+)
+def test_distributed_options_that_make_no_sense_are_usage_errors(
+    args, env, message, monkeypatch, capsys
+) -> None:
+    for name, setting in env.items():
+        monkeypatch.setenv(name, setting)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--exporter", "none", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_rank_outside_the_world_is_a_clear_error(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    assert main(["demo", "--exporter", "none"]) == 2
+    assert "RANK=2 with WORLD_SIZE=2" in capsys.readouterr().err
+
+
+def test_a_step_clock_without_ranks_counts_no_wait() -> None:
+    from openlora_otel.demo.ddp import StepClock
+
+    clock = StepClock()
+    clock.start()
+    assert clock.waited_since_grads_ready(clock.started + 1.0) == 0.0  # no hook ran: one process
+    clock.grads_ready = clock.started + 0.25
+    assert clock.waited_since_grads_ready(clock.started + 1.0) == pytest.approx(0.75)
+    clock.start()
+    assert clock.grads_ready is None
+
+
+# Two gloo ranks: the stop agreement, and what the DDP hook measures. No model download, no demo.
+_GROUP_SCRIPT = """
+import time, torch
+from openlora_otel.demo.ddp import StepClock, TrainingGroup
+group = TrainingGroup(torch)
+rank = group.rank
+# 1. Only rank 1 wants to stop (from step 3 on): rank 0 stops at the same step, for its reason.
+for step in range(1, 50):
+    agreed = group.agree_to_stop("SIGTERM" if rank == 1 and step >= 3 else None)
+    if agreed:
+        print(f"RANK {rank} STOPPED AT {step} FOR {agreed}", flush=True)
+        break
+# 2. Both want to stop, for different reasons: the strongest wins on both.
+print(f"RANK {rank} AGREED {group.agree_to_stop('requested' if rank == 0 else 'SIGINT')}", flush=True)
+# 3. Rank 1 works 300 ms longer before its backward: rank 0 waits for it inside backward().
+clock = StepClock()
+torch.manual_seed(0)
+model = group.wrap(torch.nn.Linear(64, 64), clock)
+for step in range(4):
+    clock.start()
+    if rank == 1:
+        time.sleep(0.3)
+    model(torch.randn(8, 64)).sum().backward()
+    done = time.perf_counter()
+    waited = clock.waited_since_grads_ready(done)
+    print(f"RANK {rank} STEP {step} WALL {done - clock.started:.3f} OWN {done - clock.started - waited:.3f}", flush=True)
+group.close()
+"""
+
+
+def test_two_ranks_stop_together_and_time_their_own_work(tmp_path) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(_GROUP_SCRIPT)
+    root = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        env=child_env(PYTHONPATH=root, OMP_NUM_THREADS="1"),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RANK 0 STOPPED AT 3 FOR SIGTERM" in out and "RANK 1 STOPPED AT 3 FOR SIGTERM" in out, out
+    assert "RANK 0 AGREED SIGINT" in out and "RANK 1 AGREED SIGINT" in out, out
+    timings = {
+        (int(m[0]), int(m[1])): (float(m[2]), float(m[3]))
+        for m in re.findall(r"RANK (\d) STEP (\d) WALL ([\d.]+) OWN ([\d.]+)", out)
+    }
+    assert len(timings) == 8, out
+    # Not steps 0 and 1: DDP's second forward rebuilds its gradient buckets, a collective, once.
+    for step in (2, 3):
+        (wall0, own0), (wall1, own1) = timings[0, step], timings[1, step]
+        assert wall0 > 0.25 and wall1 > 0.25, out  # the wall time: the same slow step on both
+        assert own1 > 0.25 > own0, out  # own work: only rank 1's has the 300 ms

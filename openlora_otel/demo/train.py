@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
+from openlora_otel.demo.ddp import StepClock, TrainingGroup
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
@@ -40,6 +41,11 @@ class DemoOptions:
     hf_trainer: bool = False
     quiet: bool = False
     linger: float = 0.0
+    # Under torchrun (WORLD_SIZE > 1): data-parallel training through DDP, gloo on CPU.
+    distributed: bool = False
+    # This rank sleeps straggle_ms inside each of its steps (distributed only).
+    straggle_rank: int | None = None
+    straggle_ms: float = 0.0
 
 
 @dataclass
@@ -63,15 +69,22 @@ class _Stop:
 
     def __init__(self, event: threading.Event | None = None) -> None:
         self._signal: str | None = None
+        self._agreed: str | None = None
         self.event = event or threading.Event()
 
     def __call__(self, signum: int, frame: Any) -> None:
         self._signal = signal.Signals(signum).name
         self.event.set()
 
+    def adopt(self, reason: str) -> None:
+        """The reason all ranks agreed to stop for (it may have come from another rank)."""
+        self._agreed = reason
+
     @property
     def signal(self) -> str | None:
         """ "SIGINT" / "SIGTERM", "requested" when the caller's event was set, else None."""
+        if self._agreed:
+            return self._agreed
         if self._signal:
             return self._signal
         return "requested" if self.event.is_set() else None
@@ -174,7 +187,7 @@ def _lora_config(peft: Any, options: DemoOptions) -> Any:
 
 
 class _Data:
-    def __init__(self, options: DemoOptions) -> None:
+    def __init__(self, options: DemoOptions, rank: int = 0) -> None:
         torch, _, _ = _require()
         self.torch = torch
         tokenizer = CharTokenizer()
@@ -183,7 +196,8 @@ class _Data:
         split = int(len(ids) * 0.95)
         self.train, self.eval = ids[:split], ids[split:]
         self.seq_len = options.seq_len
-        self.generator = torch.Generator().manual_seed(options.seed)
+        # Each rank draws its own windows: its shard of the data in a data-parallel run.
+        self.generator = torch.Generator().manual_seed(options.seed + rank)
         # A fixed evaluation set, so eval losses are comparable across the run.
         eval_starts = torch.arange(0, len(self.eval) - self.seq_len - 1, self.seq_len)[:64]
         self.eval_batch = torch.stack([self.eval[s : s + self.seq_len] for s in eval_starts.tolist()])
@@ -217,14 +231,37 @@ def run_demo(
     """Fine-tune and report through ``telemetry``; returns the summary.
 
     Stops at the next step on SIGINT/SIGTERM (when run on the main thread) or
-    when ``stop_event`` is set; never raises for either.
+    when ``stop_event`` is set; never raises for either. With
+    ``options.distributed`` it joins torchrun's process group (gloo) and trains
+    data-parallel; all ranks then stop at the same step (see ``demo/ddp.py``).
     """
     torch, _, _ = _require()
     from openlora_otel.integrations._common import describe_lora
 
+    if options.hf_trainer and options.distributed:
+        raise ValueError("the Hugging Face Trainer path runs one process; distributed runs use the plain loop")
+    group = TrainingGroup(torch) if options.distributed else None
+    try:
+        return _run(options, telemetry, torch, describe_lora, group, where, out, stop_event)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run(
+    options: DemoOptions,
+    telemetry: Telemetry,
+    torch: Any,
+    describe_lora: Callable[[Any, Any], None],
+    group: TrainingGroup | None,
+    where: str,
+    out: TextIO,
+    stop_event: threading.Event | None,
+) -> DemoResult:
+    # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(options.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    data = _Data(options)
+    data = _Data(options, rank=group.rank if group else 0)
     model = build_model(options, data.vocab_size)
     training = telemetry.training
     describe_lora(model, training)
@@ -234,7 +271,9 @@ def run_demo(
         out.write(
             f"openlora-otel demo: LoRA r={options.lora_r} alpha={options.lora_alpha} on a 4-layer Llama "
             f"({total:,} parameters, {trainable:,} trainable), {len(data.train):,} training characters, "
-            f"{options.steps} steps of {options.batch_size}x{options.seq_len} tokens\n"
+            f"{options.steps} steps of {options.batch_size}x{options.seq_len} tokens"
+            + (f" on each of {group.world_size} ranks (DDP, gloo)" if group else "")
+            + "\n"
         )
         out.flush()
     first_eval = _evaluate(model, data)
@@ -244,7 +283,9 @@ def run_demo(
         if options.hf_trainer:
             result = _train_hf(options, telemetry, model, data, stop, where, out)
         else:
-            result = _train_loop(options, training, model, data, stop, where, out)
+            result = _train_loop(options, training, model, data, stop, where, out, group)
+        if group is not None:
+            group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
         final = _evaluate(model, data)
@@ -263,9 +304,22 @@ def run_demo(
 
 
 def _train_loop(
-    options: DemoOptions, training: Any, model: Any, data: _Data, stop: _Stop, where: str, out: TextIO
+    options: DemoOptions,
+    training: Any,
+    model: Any,
+    data: _Data,
+    stop: _Stop,
+    where: str,
+    out: TextIO,
+    group: TrainingGroup | None = None,
 ) -> DemoResult:
     torch = data.torch
+    clock = StepClock()
+    # Training goes through DDP under torchrun; evaluation uses the bare model, per rank.
+    network = group.wrap(model, clock) if group is not None else model
+    straggle_s = (
+        options.straggle_ms / 1000.0 if group is not None and group.rank == options.straggle_rank else 0.0
+    )
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
     warmup = max(1, options.steps // 10)
@@ -286,13 +340,19 @@ def _train_loop(
     step = 0
     model.train()
     for step in range(1, options.steps + 1):
-        if stop.signal:
+        reason = group.agree_to_stop(stop.signal) if group is not None else stop.signal
+        if reason:
+            stop.adopt(reason)
             step -= 1
             break
-        step_started = time.perf_counter()
+        clock.start()
         batch = data.batch(options.batch_size)
-        loss = model(input_ids=batch, labels=batch).loss
+        if straggle_s:
+            time.sleep(straggle_s)  # --straggle-rank: this rank's work is slower, inside its timed step
+        loss = network(input_ids=batch, labels=batch).loss
         loss.backward()
+        # Under DDP, backward() ends with the wait for the other ranks' gradients: not this rank's work.
+        waited = clock.waited_since_grads_ready(time.perf_counter())
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         learning_rate = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -305,7 +365,7 @@ def _train_loop(
             learning_rate=learning_rate,
             tokens=tokens_per_step,
             samples=options.batch_size,
-            step_time_s=time.perf_counter() - step_started,
+            step_time_s=time.perf_counter() - clock.started - waited,
         )
         training.record_epoch(step * options.batch_size / data.windows_per_epoch)
         elapsed = time.perf_counter() - started
