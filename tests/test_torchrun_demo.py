@@ -1,0 +1,231 @@
+"""`openlora-otel demo` under torchrun: two DDP ranks scraped by a real Prometheus with the real rules.
+
+One launch (startup dominates on a 2-core machine) shows everything: both ranks' series and
+target_info, the recording rules over them, a straggling rank told apart by its ratio, and
+SIGTERM stopping both ranks at the same step with each rank's final count scraped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env, free_port
+from tests.prometheus_server import Prometheus, prometheus_binary
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "collector" / "rules" / "openlora.yml"
+THRESHOLD = 1.5  # OpenloraRankStraggling's; checked against the rules file below
+RATIO = "rank:openlora_training_straggler_ratio:2m"
+
+
+def two_free_ports() -> int:
+    """A base port whose next port is free too: LOCAL_RANK 0 and 1 serve on base and base + 1."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no two consecutive free ports on 127.0.0.1")
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (torchrun starts its workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Launch:
+    """torchrun of the demo, its output collected on a thread (nothing blocks on a full pipe)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.workers: set[int] = set()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def note_workers(self) -> None:
+        self.workers.update(descendants(self.process.pid))
+
+    def stop(self) -> None:
+        """Only for a failed test: end torchrun and the workers it started, by their ids."""
+        self.note_workers()
+        for pid in [self.process.pid, *self.workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def by_rank(prometheus: Prometheus, expr: str, info: str = "target_info") -> dict[str, float]:
+    """``expr`` per rank: joined with ``info`` (target_info) for openlora_rank."""
+    joined = f"({expr}) * on (job, instance) group_left (openlora_rank) {info}"
+    return {r["metric"]["openlora_rank"]: float(r["value"][1]) for r in prometheus.query(joined)}
+
+
+def wait_until(condition, timeout: float, what: str, launch: Launch) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        assert launch.process.poll() is None, f"torchrun ended early:\n{launch.output[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; output:\n{launch.output[-3000:]}")
+
+
+def test_the_threshold_is_the_rules_threshold() -> None:
+    assert f"{RATIO} > {THRESHOLD}" in RULES.read_text()
+
+
+@pytest.mark.e2e
+def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> None:
+    prometheus_binary()
+    base = two_free_ports()
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    shutil.copy(RULES, rules / "openlora.yml")
+    prometheus = Prometheus(
+        tmp_path, [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"], rule_files=[str(rules / "openlora.yml")]
+    )
+    env = child_env(
+        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+        OTEL_EXPORTER_PROMETHEUS_PORT=str(base),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+    )
+    # Rank 1 sleeps 400 ms inside each step: several times a small step's own work on two
+    # busy cores, so its ratio is well above 1.5 (2 (C + S) / (2 C + S) with two ranks).
+    launch = Launch(
+        [
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "openlora_otel",
+            "demo",
+            "--steps=100000",
+            "--batch-size=2",
+            "--eval-every=0",
+            "--straggle-rank=1",
+            "--straggle-ms=400",
+        ],
+        env,
+    )
+    try:
+        # Both ranks step and the rules have a ratio for each.
+        wait_until(
+            lambda: len(by_rank(prometheus, RATIO)) == 2, timeout=150, what="both ranks' ratios", launch=launch
+        )
+        launch.note_workers()
+        # The ratio is the mean since the start (the run is younger than the 2 m window):
+        # the first steps may still sway it; give it a few seconds to settle.
+        wait_until(
+            lambda: (r := by_rank(prometheus, RATIO)).get("1", 0) > THRESHOLD and r.get("0", 9) < THRESHOLD,
+            timeout=60,
+            what="rank 1's ratio above the threshold and rank 0's below",
+            launch=launch,
+        )
+        ratios = by_rank(prometheus, RATIO)
+        means = by_rank(prometheus, "rank:openlora_training_step_duration_seconds:mean2m")
+        assert ratios["1"] > THRESHOLD > ratios["0"], ratios
+        assert means["1"] - means["0"] > 0.3, means  # the 400 ms sleep, seen by rank 1 only
+
+        # target_info: the ranks, the world size, one run id.
+        infos = [r["metric"] for r in prometheus.query('target_info{job="openlora"}')]
+        assert sorted(i["openlora_rank"] for i in infos) == ["0", "1"], infos
+        assert sorted(i["openlora_local_rank"] for i in infos) == ["0", "1"], infos
+        assert {i["openlora_world_size"] for i in infos} == {"2"}, infos
+        run_ids = {i["openlora_run_id"] for i in infos}
+        assert len(run_ids) == 1 and "none" not in run_ids, infos
+        # One set of series per rank, and the run-level rules over them.
+        for series in (
+            "openlora_training_steps_total",
+            "openlora_training_last_step_timestamp_seconds",
+            "openlora_training_step_duration_seconds_count",
+            "openlora_training_loss",
+        ):
+            assert set(by_rank(prometheus, series)) == {"0", "1"}, series
+        ages = by_rank(prometheus, "rank:openlora_training_last_step_age_seconds")
+        assert set(ages) == {"0", "1"} and all(age < 10 for age in ages.values()), ages
+        (run_id,) = run_ids
+        for record, expected in (("run:openlora_world_size:max", 2), ("run:openlora_ranks_reporting:count", 2)):
+            (result,) = prometheus.query(record)
+            assert result["metric"]["openlora_run_id"] == run_id
+            assert float(result["value"][1]) == expected, record
+        assert prometheus.query("run:openlora_training_throughput_tokens_per_second:sum > 0")
+
+        # SIGTERM to torchrun, which forwards it to both workers: they agree on the step to
+        # stop after, flush, and exit; no rank is left waiting in a collective.
+        launch.note_workers()
+        launch.process.send_signal(signal.SIGTERM)
+        launch.process.wait(timeout=60)
+        launch._reader.join(timeout=10)
+    except BaseException:
+        launch.stop()
+        prometheus.stop()
+        raise
+    try:
+        output = launch.output
+        stopped = re.search(r"stopped by SIGTERM after (\d+) steps; telemetry flushed", output)
+        assert stopped, output[-3000:]
+        assert output.count("stopped by SIGTERM") == 1, "only rank 0 prints its summary"
+        steps = int(stopped.group(1))
+        assert re.search(rf"run {re.escape(run_id)}: {steps} steps in", output), output[-3000:]
+        # Each rank's final count reached Prometheus (the final scrape at shutdown), and both
+        # ranks stopped after the same step.
+        final = by_rank(
+            prometheus,
+            "last_over_time(openlora_training_steps_total[5m])",
+            info="last_over_time(target_info[5m])",  # stale since the ranks exited
+        )
+        assert final == {"0": steps, "1": steps}, (final, steps)
+        assert all(not Path(f"/proc/{pid}").exists() for pid in launch.workers), "a worker outlived torchrun"
+    finally:
+        prometheus.stop()
