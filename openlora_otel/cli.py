@@ -228,6 +228,14 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     problem = _distributed_problem(args, ranks.world_size)
     if problem:
         args.demo_parser.error(problem)
+    if ranks.distributed and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+        print(
+            f"openlora-otel demo: WORLD_SIZE={ranks.world_size} but MASTER_ADDR and MASTER_PORT are not both "
+            "set, so the ranks cannot find each other; launch it with torchrun: "
+            f"torchrun --standalone --nproc_per_node={ranks.world_size} -m openlora_otel demo",
+            file=sys.stderr,
+        )
+        return 2
     try:
         from openlora_otel.demo import train as _train
         from openlora_otel.demo.train import DemoOptions, run_demo

@@ -216,6 +216,17 @@ def test_a_rank_outside_the_world_is_a_clear_error(monkeypatch, capsys) -> None:
     assert "RANK=2 with WORLD_SIZE=2" in capsys.readouterr().err
 
 
+def test_ranks_without_a_rendezvous_address_are_told_to_use_torchrun(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert main(["demo", "--exporter", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "MASTER_ADDR and MASTER_PORT are not both set" in err
+    assert "torchrun --standalone --nproc_per_node=2 -m openlora_otel demo" in err and "Traceback" not in err
+
+
 def test_a_step_clock_without_ranks_counts_no_wait() -> None:
     from openlora_otel.demo.ddp import StepClock
 
