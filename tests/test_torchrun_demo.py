@@ -216,6 +216,7 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> N
         stopped = re.search(r"stopped by SIGTERM after (\d+) steps; telemetry flushed", output)
         assert stopped, output[-3000:]
         assert output.count("stopped by SIGTERM") == 1, "only rank 0 prints its summary"
+        assert output.count("metrics: http://") == 1, "only rank 0 says where its metrics are"
         steps = int(stopped.group(1))
         assert re.search(rf"run {re.escape(run_id)}: {steps} steps in", output), output[-3000:]
         # Each rank's final count reached Prometheus (the final scrape at shutdown), and both
