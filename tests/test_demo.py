@@ -227,44 +227,61 @@ def test_ranks_without_a_rendezvous_address_are_told_to_use_torchrun(monkeypatch
     assert "torchrun --standalone --nproc_per_node=2 -m openlora_otel demo" in err and "Traceback" not in err
 
 
-def test_a_step_clock_without_ranks_counts_no_wait() -> None:
-    from openlora_otel.demo.ddp import StepClock
+def test_a_step_without_ranks_counts_no_wait_and_agrees_on_nothing() -> None:
+    from openlora_otel.demo.ddp import StepSync
 
-    clock = StepClock()
-    clock.start()
-    assert clock.waited_since_grads_ready(clock.started + 1.0) == 0.0  # no hook ran: one process
-    clock.grads_ready = clock.started + 0.25
-    assert clock.waited_since_grads_ready(clock.started + 1.0) == pytest.approx(0.75)
-    clock.start()
-    assert clock.grads_ready is None
+    sync = StepSync()
+    sync.start(offer="SIGTERM")
+    assert sync.waited_since_grads_ready(sync.started + 1.0) == 0.0  # no hook ran: one process
+    sync.grads_ready = sync.started + 0.25
+    assert sync.waited_since_grads_ready(sync.started + 1.0) == pytest.approx(0.75)
+    sync.agreed = "SIGTERM"
+    sync.start()
+    assert (sync.grads_ready, sync.offer, sync.agreed) == (None, None, None)
 
 
-# Two gloo ranks: the stop agreement, and what the DDP hook measures. No model download, no demo.
+# Two gloo ranks through the demo's DDP wrapper: gradients still the mean over ranks, the stop
+# reasons riding on them, and what the hook measures. A small Linear model, no demo.
 _GROUP_SCRIPT = """
 import time, torch
-from openlora_otel.demo.ddp import StepClock, TrainingGroup
+from openlora_otel.demo.ddp import StepSync, TrainingGroup
 group = TrainingGroup(torch)
-rank = group.rank
-# 1. Only rank 1 wants to stop (from step 3 on): rank 0 stops at the same step, for its reason.
-for step in range(1, 50):
-    agreed = group.agree_to_stop("SIGTERM" if rank == 1 and step >= 3 else None)
-    if agreed:
-        print(f"RANK {rank} STOPPED AT {step} FOR {agreed}", flush=True)
-        break
-# 2. Both want to stop, for different reasons: the strongest wins on both.
-print(f"RANK {rank} AGREED {group.agree_to_stop('requested' if rank == 0 else 'SIGINT')}", flush=True)
-# 3. Rank 1 works 300 ms longer before its backward: rank 0 waits for it inside backward().
-clock = StepClock()
+rank, world = group.rank, group.world_size
 torch.manual_seed(0)
-model = group.wrap(torch.nn.Linear(64, 64), clock)
-for step in range(4):
-    clock.start()
-    if rank == 1:
-        time.sleep(0.3)
-    model(torch.randn(8, 64)).sum().backward()
+reference = torch.nn.Linear(64, 64)
+model = torch.nn.Linear(64, 64)
+model.load_state_dict(reference.state_dict())
+sync = StepSync()
+ddp = group.wrap(model, sync)
+
+def batch(step, of_rank):
+    return torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + of_rank))
+
+def mean_gradient(step):
+    grads = []
+    for other in range(world):
+        reference.zero_grad()
+        reference(batch(step, other)).pow(2).sum().backward()
+        grads.append(reference.weight.grad.clone())
+    return sum(grads) / world
+
+def offer(step):
+    # 1-4: nobody; 5: rank 1 only; from 8: both, with different reasons.
+    if step >= 8:
+        return "requested" if rank == 0 else "SIGINT"
+    return "SIGTERM" if rank == 1 and step == 5 else None
+
+for step in range(1, 12):
+    sync.start(offer=offer(step))
+    if rank == 1 and step in (3, 4):
+        time.sleep(0.3)  # rank 1 works 300 ms longer before its backward: rank 0 waits for it
+    ddp(batch(step, rank)).pow(2).sum().backward()
     done = time.perf_counter()
-    waited = clock.waited_since_grads_ready(done)
-    print(f"RANK {rank} STEP {step} WALL {done - clock.started:.3f} OWN {done - clock.started - waited:.3f}", flush=True)
+    waited = sync.waited_since_grads_ready(done)
+    same = torch.allclose(model.weight.grad, mean_gradient(step), rtol=1e-5, atol=1e-6)
+    model.zero_grad()
+    print(f"RANK {rank} STEP {step} MEAN {same} AGREED {sync.agreed} "
+          f"WALL {done - sync.started:.3f} OWN {done - sync.started - waited:.3f}", flush=True)
 group.close()
 """
 
@@ -283,15 +300,18 @@ def test_two_ranks_stop_together_and_time_their_own_work(tmp_path) -> None:
     )
     out = result.stdout
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "RANK 0 STOPPED AT 3 FOR SIGTERM" in out and "RANK 1 STOPPED AT 3 FOR SIGTERM" in out, out
-    assert "RANK 0 AGREED SIGINT" in out and "RANK 1 AGREED SIGINT" in out, out
-    timings = {
-        (int(m[0]), int(m[1])): (float(m[2]), float(m[3]))
-        for m in re.findall(r"RANK (\d) STEP (\d) WALL ([\d.]+) OWN ([\d.]+)", out)
+    rows = {
+        (int(m[0]), int(m[1])): (m[2] == "True", None if m[3] == "None" else m[3], float(m[4]), float(m[5]))
+        for m in re.findall(r"RANK (\d) STEP (\d+) MEAN (\w+) AGREED (\w+) WALL ([\d.]+) OWN ([\d.]+)", out)
     }
-    assert len(timings) == 8, out
-    # Not steps 0 and 1: DDP's second forward rebuilds its gradient buckets, a collective, once.
-    for step in (2, 3):
-        (wall0, own0), (wall1, own1) = timings[0, step], timings[1, step]
-        assert wall0 > 0.25 and wall1 > 0.25, out  # the wall time: the same slow step on both
+    assert len(rows) == 22, out
+    for rank in (0, 1):
+        assert all(rows[rank, step][0] for step in range(1, 12)), out  # DDP's mean, unchanged
+        # Every rank learns the same answer in the same step: the strongest reason any rank had.
+        agreed = [rows[rank, step][1] for step in range(1, 12)]
+        assert agreed == [None] * 4 + ["SIGTERM"] + [None] * 2 + ["SIGINT"] * 4, (rank, agreed)
+    # Steps 3 and 4 (after step 2, whose forward rebuilt DDP's buckets: a collective, once).
+    for step in (3, 4):
+        (_, _, wall0, own0), (_, _, wall1, own1) = rows[0, step], rows[1, step]
+        assert wall0 > 0.25 and wall1 > 0.25, out  # the wall time: the same slow step on both ranks
         assert own1 > 0.25 > own0, out  # own work: only rank 1's has the 300 ms

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
-from openlora_otel.demo.ddp import StepClock, TrainingGroup
+from openlora_otel.demo.ddp import StepSync, TrainingGroup
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
@@ -314,9 +314,9 @@ def _train_loop(
     group: TrainingGroup | None = None,
 ) -> DemoResult:
     torch = data.torch
-    clock = StepClock()
+    sync = StepSync()
     # Training goes through DDP under torchrun; evaluation uses the bare model, per rank.
-    network = group.wrap(model, clock) if group is not None else model
+    network = group.wrap(model, sync) if group is not None else model
     straggle_s = (
         options.straggle_ms / 1000.0 if group is not None and group.rank == options.straggle_rank else 0.0
     )
@@ -340,19 +340,18 @@ def _train_loop(
     step = 0
     model.train()
     for step in range(1, options.steps + 1):
-        reason = group.agree_to_stop(stop.signal) if group is not None else stop.signal
-        if reason:
-            stop.adopt(reason)
+        if group is None and stop.signal:
             step -= 1
             break
-        clock.start()
+        # Under DDP this rank's reason to stop goes out with this step's gradients (see ddp.py).
+        sync.start(offer=stop.signal)
         batch = data.batch(options.batch_size)
         if straggle_s:
             time.sleep(straggle_s)  # --straggle-rank: this rank's work is slower, inside its timed step
         loss = network(input_ids=batch, labels=batch).loss
         loss.backward()
         # Under DDP, backward() ends with the wait for the other ranks' gradients: not this rank's work.
-        waited = clock.waited_since_grads_ready(time.perf_counter())
+        waited = sync.waited_since_grads_ready(time.perf_counter())
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         learning_rate = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -365,12 +364,15 @@ def _train_loop(
             learning_rate=learning_rate,
             tokens=tokens_per_step,
             samples=options.batch_size,
-            step_time_s=time.perf_counter() - clock.started - waited,
+            step_time_s=time.perf_counter() - sync.started - waited,
         )
         training.record_epoch(step * options.batch_size / data.windows_per_epoch)
         elapsed = time.perf_counter() - started
         detached = loss.detach()
         progress.update(step, lambda detached=detached: float(detached), step * tokens_per_step / elapsed)
+        if sync.agreed:  # some rank wants to stop: every rank learned it in this step's all-reduce
+            stop.adopt(sync.agreed)
+            break
         if options.eval_every and step % options.eval_every == 0 and step < options.steps:
             eval_loss = _evaluate(model, data)
             training.record_eval(loss=eval_loss, perplexity=math.exp(eval_loss))
