@@ -96,7 +96,13 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("openlora.training.samples", "counter", "{sample}", "Training samples processed."),
     MetricSpec("openlora.training.tokens", "counter", "{token}", "Training tokens processed."),
-    MetricSpec("openlora.training.step.duration", "histogram", "s", "Wall time of one optimizer step."),
+    MetricSpec(
+        "openlora.training.step.duration",
+        "histogram",
+        "s",
+        "Time of one optimizer step: the `step_time_s` given to `record_step` (the callbacks give the "
+        "step's wall time), else the time since the previous `record_step`.",
+    ),
     MetricSpec(
         "openlora.training.last_step.timestamp",
         "gauge",
