@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openlora_otel import names
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS, MetricSpec
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
 from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,9 +38,7 @@ GRAFANA = ROOT / "grafana"
 CLUSTER_DASHBOARD = GRAFANA / "dashboards" / "openlora-cluster.json"
 TRAINING_DASHBOARD = GRAFANA / "dashboards" / "openlora-training.json"
 
-# The real rules file. Until the openlora-ranks group is merged into it, the tests load
-# STAND_IN_RULES below instead (see rules_text()); once merged, the real file is used and
-# must define every record the contract names.
+# The shipped rules file; it must define every record the cluster dashboard reads.
 RULES = ROOT / "collector" / "rules" / "openlora.yml"
 
 # Recorded series the cluster dashboard reads (the issue-10 contract's names).
@@ -56,86 +53,13 @@ CONTRACT_RECORDS = (
     "run:openlora_training_throughput_tokens_per_second:sum",
 )
 
-# The contract's last-step gauge; until it is in names.py no process exports it, so the
-# queries that read it (through rank:openlora_training_last_step_age_seconds) can only be
-# checked to evaluate, not to return data.
-LAST_STEP = "openlora.training.last_step.timestamp"
-LAST_STEP_EXPORTED = any(
-    isinstance(spec, MetricSpec) and spec.name == LAST_STEP
-    for group in vars(names).values()
-    if isinstance(group, tuple)
-    for spec in group
-)
-
-_JOIN = "on (job, instance) group_left (openlora_run_id, openlora_rank, openlora_world_size) target_info"
 # STAND-IN, for tests only: the contract's records with the expression shapes it describes,
 # so that the dashboard can be run before the real group exists. Not shipped, not the
 # reference: collector/rules/openlora.yml is. PromQL cannot turn a label into a value, so the
 # stand-in's world size enumerates the sizes this test can meet.
-STAND_IN_RULES = {
-    "groups": [
-        {
-            "name": "openlora-ranks",
-            "rules": [
-                {
-                    "record": "rank:openlora_training_step_duration_seconds:mean2m",
-                    "expr": "(rate(openlora_training_step_duration_seconds_sum[2m])"
-                    " / rate(openlora_training_step_duration_seconds_count[2m]))"
-                    f" * {_JOIN}",
-                },
-                {
-                    "record": "run:openlora_training_step_duration_seconds:median2m",
-                    "expr": "quantile by (openlora_run_id) (0.5, rank:openlora_training_step_duration_seconds:mean2m)",
-                },
-                {
-                    "record": "run:openlora_training_step_duration_seconds:max2m",
-                    "expr": "max by (openlora_run_id) (rank:openlora_training_step_duration_seconds:mean2m)",
-                },
-                {
-                    "record": "rank:openlora_training_straggler_ratio:2m",
-                    "expr": "rank:openlora_training_step_duration_seconds:mean2m"
-                    " / on (openlora_run_id) group_left"
-                    " run:openlora_training_step_duration_seconds:median2m",
-                },
-                {
-                    "record": "rank:openlora_training_last_step_age_seconds",
-                    "expr": f"time() - openlora_training_last_step_timestamp_seconds * {_JOIN}",
-                },
-                {
-                    "record": "run:openlora_ranks_reporting:count",
-                    "expr": "count by (openlora_run_id) (target_info and on (job, instance) (up == 1))",
-                },
-                {
-                    "record": "run:openlora_world_size:max",
-                    "expr": " or ".join(
-                        f'max by (openlora_run_id) (target_info{{openlora_world_size="{n}"}}) * {n}'
-                        for n in range(1, 9)
-                    ),
-                },
-                {
-                    "record": "run:openlora_training_throughput_tokens_per_second:sum",
-                    "expr": "sum by (openlora_run_id) (openlora_training_throughput_tokens_per_second"
-                    " * on (job, instance) group_left (openlora_run_id) target_info)",
-                },
-            ],
-        }
-    ]
-}
-
-
-def real_rules_have_ranks_group() -> bool:
-    groups = yaml.safe_load(RULES.read_text())["groups"]
-    return any(group["name"] == "openlora-ranks" for group in groups)
-
-
 def rules_text() -> str:
-    """The rules the stores load: the real file once it has the openlora-ranks group, else
-    the real file plus the stand-in group."""
-    real = yaml.safe_load(RULES.read_text())
-    if real_rules_have_ranks_group():
-        return RULES.read_text()
-    real["groups"] += STAND_IN_RULES["groups"]
-    return yaml.safe_dump(real, sort_keys=False)
+    """The rules the stores load: the shipped file."""
+    return RULES.read_text()
 
 
 def write_rules(directory: Path) -> Path:
@@ -314,16 +238,10 @@ def substitute(expr: str, **values: str) -> str:
     return expr
 
 
-def needs_last_step(expr: str) -> bool:
-    return "last_step" in expr
-
-
 def run_every_query(
     path: Path, query: Callable[[str], list[dict]], label_values: Callable[[str, str], list[str]], run_id: str
 ) -> list[str]:
     """Run every panel query and variable of a dashboard; the problems found (empty = all returned data).
-
-    Queries on the last-step gauge only have to evaluate until the gauge exists (LAST_STEP_EXPORTED).
     """
     problems = []
     for panel in panels(path):
@@ -334,7 +252,7 @@ def run_every_query(
             except Exception as error:  # an invalid query: say which
                 problems.append(f"{panel['title']}: {expr}: {error}")
                 continue
-            if not result and (LAST_STEP_EXPORTED or not needs_last_step(expr)):
+            if not result:
                 problems.append(f"{panel['title']}: no data: {expr}")
     for variable in dashboard(path)["templating"]["list"]:
         if variable["type"] != "query":
@@ -519,8 +437,7 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
             )
             # 512 tokens per step: about 25,600/s from rank 0 and 6,400/s from rank 1, less the loop's overhead.
             assert 0.5 * (512 / FAST_S + 512 / SLOW_S) < total < 1.05 * (512 / FAST_S + 512 / SLOW_S), total
-            if LAST_STEP_EXPORTED:
-                age = _by_rank(prometheus.query("rank:openlora_training_last_step_age_seconds"))
-                assert all(0 <= value < 10 for value in age.values()), age
+            age = _by_rank(prometheus.query("rank:openlora_training_last_step_age_seconds"))
+            assert sorted(age) == ["0", "1"] and all(0 <= value < 10 for value in age.values()), age
         finally:
             prometheus.stop()
