@@ -142,6 +142,34 @@ DATASOURCE_VARIABLE = {
 }
 
 
+def dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    tags: list[str],
+    templating: list[dict[str, Any]],
+    panels: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The settings every openlora dashboard shares around its own variables and panels."""
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": tags,
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": False,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": templating},
+        "annotations": {"list": []},
+        "links": LINKS,
+        "panels": panels,
+    }
+
+
 def build() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     y = 0
@@ -494,23 +522,14 @@ def build() -> dict[str, Any]:
             "gpu", "GPU", 'label_values(hw_gpu_memory_limit_bytes{job=~"$job", instance=~"$instance"}, hw_id)'
         ),
     ]
-    return {
-        "uid": "openlora-training",
-        "title": "openlora-otel: training and GPUs",
-        "description": "LoRA fine-tuning runs reported by openlora-otel, on the pull path or through the OpenTelemetry Collector.",
-        "tags": ["openlora", "training", "gpu"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": False,
-        "graphTooltip": 1,
-        "refresh": "10s",
-        "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": templating},
-        "annotations": {"list": []},
-        "links": LINKS,
-        "panels": panels,
-    }
+    return dashboard(
+        "openlora-training",
+        "openlora-otel: training and GPUs",
+        "LoRA fine-tuning runs reported by openlora-otel, on the pull path or through the OpenTelemetry Collector.",
+        ["openlora", "training", "gpu"],
+        templating,
+        panels,
+    )
 
 
 # -- the cluster dashboard -------------------------------------------------------------------
@@ -754,24 +773,15 @@ def build_cluster() -> dict[str, Any]:
         variable("job", "Job", "label_values(target_info, job)"),
         variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
     ]
-    return {
-        "uid": "openlora-cluster",
-        "title": "openlora-otel: cluster",
-        "description": "The ranks of a distributed openlora-otel run side by side: who reports, who is slow, "
+    return dashboard(
+        "openlora-cluster",
+        "openlora-otel: cluster",
+        "The ranks of a distributed openlora-otel run side by side: who reports, who is slow, "
         "who stopped stepping. Reads the openlora-ranks recording rules.",
-        "tags": ["openlora", "training", "distributed"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": False,
-        "graphTooltip": 1,
-        "refresh": "10s",
-        "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": templating},
-        "annotations": {"list": []},
-        "links": LINKS,
-        "panels": panels,
-    }
+        ["openlora", "training", "distributed"],
+        templating,
+        panels,
+    )
 
 
 def render() -> str:
