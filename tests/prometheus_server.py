@@ -31,7 +31,64 @@ def prometheus_binary() -> str:
     return binary
 
 
-class Prometheus:
+class ServerProcess:
+    """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
+
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, ready_path: str) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = workdir / f"{name}.log"
+        self._log_handle = self.log.open("wb")
+        self._process = subprocess.Popen(argv, stdout=self._log_handle, stderr=subprocess.STDOUT, cwd=workdir)
+        deadline = time.monotonic() + 30
+        while True:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + ready_path, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def get(self, path: str, **params: str | list[str]) -> dict:
+        url = f"{self.url}{path}?" + urllib.parse.urlencode(params, doseq=True)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+
+    def query(self, expr: str) -> list[dict]:
+        """Instant query; the ``result`` list of the HTTP API."""
+        body = self.get("/api/v1/query", query=expr)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 20.0) -> list[dict]:
+        """Poll (bounded) until ``expr`` returns at least one series."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(timeout=5)
+        self._log_handle.close()
+
+
+class Prometheus(ServerProcess):
+    """Debian's Prometheus with a generated scrape config and a temporary data directory."""
+
     def __init__(
         self,
         workdir: Path,
@@ -43,8 +100,7 @@ class Prometheus:
         file_sd: list[str] | None = None,
     ) -> None:
         """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         config = workdir / "prometheus.yml"
         target_list = ", ".join(f'"{t}"' for t in targets)
         config.write_text(
@@ -63,64 +119,17 @@ class Prometheus:
                 else ""
             )
         )
-        self.log = workdir / "prometheus.log"
-        self._log_handle = self.log.open("wb")
-        self._process = subprocess.Popen(
-            [
-                prometheus_binary(),
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
-            ],
-            stdout=self._log_handle,
-            stderr=subprocess.STDOUT,
-        )
-        self._wait_ready(timeout=30)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("prometheus did not become ready in time")
-
-    def query(self, expr: str) -> list[dict]:
-        """Instant query; the ``result`` list of the HTTP API."""
-        url = self.url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=5) as response:
-            body = json.load(response)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+        argv = [
+            prometheus_binary(),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ]
+        super().__init__("prometheus", argv, port, workdir, "/-/ready")
 
     def active_targets(self) -> list[dict]:
         """The scrape targets Prometheus knows now (``/api/v1/targets``, active ones)."""
-        with urllib.request.urlopen(self.url + "/api/v1/targets?state=active", timeout=5) as response:
-            body = json.load(response)
+        body = self.get("/api/v1/targets", state="active")
         assert body["status"] == "success", body
         return body["data"]["activeTargets"]
-
-    def wait_for(self, expr: str, timeout: float = 20.0) -> list[dict]:
-        """Poll (bounded) until ``expr`` returns at least one series."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(expr)
-            if result or time.monotonic() > deadline:
-                return result
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(timeout=5)
-        self._log_handle.close()

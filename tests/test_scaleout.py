@@ -15,12 +15,10 @@ the shipped *.default files with the same kind of rewrites, so what ships is wha
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -32,8 +30,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openlora_otel.config import VARIABLES
+from openlora_otel.discovery import _host_label
 from tests.conftest import free_port
+from tests.prometheus_server import ServerProcess as Server
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     FAST_S,
@@ -51,9 +50,6 @@ DEPLOY = ROOT / "deploy" / "prometheus"
 VM_DIR = DEPLOY / "victoria-metrics"
 RUN_ID = "scaleout-run"
 
-# Ranks register themselves in the agent's file_sd directory once the lead's
-# OPENLORA_PROMETHEUS_FILE_SD_DIR exists; until then this test writes the same files.
-RANKS_WRITE_FILE_SD = any(v.name == "OPENLORA_PROMETHEUS_FILE_SD_DIR" for v in VARIABLES)
 
 
 def binary(name: str, package: str) -> str:
@@ -130,51 +126,6 @@ def global_config(central_port: int) -> dict:
 # -- processes ---------------------------------------------------------------------------------------
 
 
-class Server:
-    """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
-
-    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, ready_path: str) -> None:
-        self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = workdir / f"{name}.log"
-        self._log_handle = self.log.open("wb")
-        self._process = subprocess.Popen(argv, stdout=self._log_handle, stderr=subprocess.STDOUT, cwd=workdir)
-        deadline = time.monotonic() + 30
-        while True:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"{name} exited: {self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + ready_path, timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def get(self, path: str, **params: str | list[str]) -> dict:
-        url = f"{self.url}{path}?" + urllib.parse.urlencode(params, doseq=True)
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.load(response)
-
-    def query(self, expr: str) -> list[dict]:
-        body = self.get("/api/v1/query", query=expr)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=5)
-        self._log_handle.close()
-
-
 @dataclass
 class Stack:
     ranks: Ranks
@@ -185,24 +136,9 @@ class Stack:
     vm_missing: str
 
 
-def host_label() -> str:
-    """This host's name as registration file names carry it."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
-
-
-def write_file_sd(sd_dir: Path, ranks: Ranks) -> None:
-    """What each rank writes under OPENLORA_PROMETHEUS_FILE_SD_DIR (stand-in until that exists
-    on this branch): the address it bound, no labels, atomically."""
-    for target in ranks.targets:
-        port = target.rsplit(":", 1)[1]
-        tmp = sd_dir / f".openlora-{host_label()}-{port}.json.tmp"
-        tmp.write_text(json.dumps([{"targets": [target], "labels": {}}]))
-        tmp.rename(sd_dir / f"openlora-{host_label()}-{port}.json")
-
-
 def expected_instances(ranks: Ranks) -> list[str]:
     """The agent names each rank after its registration file: <host>:<port>, unique across nodes."""
-    return sorted(f"{host_label()}:{target.rsplit(':', 1)[1]}" for target in ranks.targets)
+    return sorted(f"{_host_label()}:{target.rsplit(':', 1)[1]}" for target in ranks.targets)
 
 
 @pytest.fixture(scope="module")
@@ -332,11 +268,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         started.append(federated)
 
-        extra = {"OPENLORA_PROMETHEUS_FILE_SD_DIR": str(sd_dir)} if RANKS_WRITE_FILE_SD else {}
-        ranks = Ranks(RUN_ID, [FAST_S, SLOW_S], extra_env=extra)
+        # Each rank registers itself in the agent's file_sd directory.
+        ranks = Ranks(RUN_ID, [FAST_S, SLOW_S], extra_env={"OPENLORA_PROMETHEUS_FILE_SD_DIR": str(sd_dir)})
         ranks.wait_serving()
-        if not RANKS_WRITE_FILE_SD:
-            write_file_sd(sd_dir, ranks)
         yield Stack(ranks, agent, central, federated, vm, vm_missing)
     finally:
         if ranks is not None:
