@@ -285,6 +285,11 @@ VARIABLES: tuple[Variable, ...] = (
         "`true`: on SIGTERM (when the application has no SIGTERM handler of its own) do the bounded final export, then exit with status 143; `false`: leave SIGTERM alone.",
     ),
     Variable(
+        "OPENLORA_PEAK_FLOPS",
+        "(unset)",
+        "Peak FLOP/s of one device of this process (for example `989e12`), used for model FLOPs utilization instead of the datasheet table; a number > 0. Set it on CPUs or GPUs the table does not know.",
+    ),
+    Variable(
         "OPENLORA_QUIET",
         "false",
         "`true` silences the one line on standard error that says where the metrics go (shown when logging does not show INFO).",
@@ -410,6 +415,7 @@ class TelemetryConfig:
     handle_sigterm: bool = True
     quiet: bool = False
     file_sd_dir: str | None = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -443,6 +449,8 @@ class TelemetryConfig:
             raise ConfigError("gpu_devices", self.gpu_devices, _choices(GPU_DEVICE_MODES))
         if not _in_range(self.gpu_timeout_s, _seconds(GPU_TIMEOUT_RANGE_MS)):
             raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, _s_accepted(GPU_TIMEOUT_RANGE_MS))
+        if self.peak_flops is not None and not _in_range(self.peak_flops, PEAK_FLOPS_RANGE):
+            raise ConfigError("peak_flops", self.peak_flops, PEAK_FLOPS_ACCEPTED)
         if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
@@ -545,7 +553,26 @@ class TelemetryConfig:
             handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
             quiet=env.boolean("OPENLORA_QUIET"),
             file_sd_dir=_file_sd_dir(env),
+            peak_flops=_peak_flops(env),
         )
+
+
+PEAK_FLOPS_RANGE = (1.0, 1e21)
+PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21, such as 989e12"
+
+
+def _peak_flops(env: _Env) -> float | None:
+    """``OPENLORA_PEAK_FLOPS``: unset, or a plain positive number (exponent allowed)."""
+    raw = env.get("OPENLORA_PEAK_FLOPS")
+    if not raw:
+        return None
+    try:
+        number = float(raw)
+    except ValueError:
+        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED) from None
+    if not _in_range(number, PEAK_FLOPS_RANGE):
+        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
+    return number
 
 
 FILE_SD_ACCEPTED = "a directory, or a path where one can be created"

@@ -21,7 +21,9 @@ from typing import Literal
 __all__ = [
     "ADAPTER_METRICS",
     "ATTR_EVAL_METRIC",
+    "ATTR_GUARD_REASON",
     "GPU_METRICS",
+    "GUARD_REASONS",
     "STEP_DURATION_BUCKETS",
     "TRAINING_METRICS",
     "MetricSpec",
@@ -32,6 +34,9 @@ Kind = Literal["gauge", "counter", "histogram", "updowncounter"]
 
 # Attribute on openlora.training.eval.value naming the evaluation metric (accuracy, perplexity, ...).
 ATTR_EVAL_METRIC = "openlora.eval.metric"
+# Attribute on openlora.training.guard.trips: why the guard tripped (two values).
+ATTR_GUARD_REASON = "openlora.guard.reason"
+GUARD_REASONS = ("nonfinite_loss", "loss_spike")
 
 # Step duration buckets in seconds: 1 ms to 60 s, roughly x2-x2.5 apart, so that
 # histogram_quantile stays within about a factor of 2 across that whole range.
@@ -76,6 +81,30 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "",
         "Gradient norm: mean over the finite values of the steps since the previous collection.",
         "openlora_gradient_norm",
+    ),
+    MetricSpec(
+        "openlora.training.loss.max",
+        "gauge",
+        "",
+        "Largest finite loss among the steps since the previous collection: a single spike shows in full.",
+    ),
+    MetricSpec(
+        "openlora.training.loss.min",
+        "gauge",
+        "",
+        "Smallest finite loss among the steps since the previous collection.",
+    ),
+    MetricSpec(
+        "openlora.training.gradient_norm.max",
+        "gauge",
+        "",
+        "Largest finite gradient norm among the steps since the previous collection.",
+    ),
+    MetricSpec(
+        "openlora.training.gradient_norm.min",
+        "gauge",
+        "",
+        "Smallest finite gradient norm among the steps since the previous collection.",
     ),
     MetricSpec("openlora.training.learning_rate", "gauge", "", "Learning rate of the latest step."),
     MetricSpec(
@@ -123,6 +152,46 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "Samples per second over the interval since the previous collection.",
     ),
     MetricSpec(
+        "openlora.training.data_wait.duration",
+        "gauge",
+        "s",
+        "Mean time a step waited for its batch, over the steps since the previous collection "
+        "(the `data_time_s` given to `record_step`).",
+    ),
+    MetricSpec(
+        "openlora.training.data_wait.fraction",
+        "gauge",
+        "",
+        "Fraction of wall time spent waiting for data since the previous collection: data waits over "
+        "the time between consecutive `record_step` calls, 0 to 1.",
+    ),
+    MetricSpec(
+        "openlora.model.flops_per_token",
+        "gauge",
+        "{flop}",
+        "Training FLOPs per token of the model (forward and backward; frozen weights get no "
+        "weight-gradient matmul), as given to `set_model_flops`.",
+    ),
+    MetricSpec(
+        "openlora.training.throughput.flops",
+        "gauge",
+        "{flop}/s",
+        "Achieved model FLOP/s: tokens per second times FLOPs per token.",
+    ),
+    MetricSpec(
+        "openlora.training.peak_flops",
+        "gauge",
+        "{flop}/s",
+        "Peak FLOP/s of this process's device that utilization is measured against "
+        "(`OPENLORA_PEAK_FLOPS`, else the datasheet table).",
+    ),
+    MetricSpec(
+        "openlora.training.model_flops.utilization",
+        "gauge",
+        "",
+        "Model FLOPs utilization (MFU): achieved FLOP/s over the peak, 0 to 1; absent without a peak.",
+    ),
+    MetricSpec(
         "openlora.training.loss.nonfinite", "counter", "{step}", "Steps whose loss was NaN or infinite."
     ),
     MetricSpec(
@@ -131,12 +200,25 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "{step}",
         "Steps whose gradient norm was NaN or infinite.",
     ),
+    MetricSpec(
+        "openlora.training.guard.trips",
+        "counter",
+        "{trip}",
+        f"Times a divergence guard tripped, per `{ATTR_GUARD_REASON}` (`nonfinite_loss`, `loss_spike`); "
+        "present once a guard is attached.",
+    ),
     MetricSpec("openlora.training.eval.loss", "gauge", "", "Loss of the latest evaluation."),
     MetricSpec(
         "openlora.training.eval.value",
         "gauge",
         "",
         f"Other metrics of the latest evaluation, one series per `{ATTR_EVAL_METRIC}` attribute.",
+    ),
+    MetricSpec(
+        "openlora.training.eval.nonfinite",
+        "counter",
+        "{evaluation}",
+        f"Evaluation values that were NaN or infinite, per `{ATTR_EVAL_METRIC}` (`loss` for the eval loss).",
     ),
 )
 

@@ -121,7 +121,9 @@ class Telemetry:
         with self._lock:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
-                self._training = TrainingMetrics(self._meter, window_histogram=self._owns_provider)
+                self._training = TrainingMetrics(
+                    self._meter, window_histogram=self._owns_provider, peak_flops=self._config.peak_flops
+                )
                 if self._closed:
                     self._training.close()
             return self._training

@@ -54,7 +54,8 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
-from openlora_otel.names import ATTR_EVAL_METRIC, STEP_DURATION_BUCKETS
+from openlora_otel.guard import DivergenceGuard, LossWindow
+from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
 
 __all__ = ["TrainingMetrics", "step_duration_view"]
 
@@ -84,17 +85,29 @@ _DURATION = "openlora.training.step.duration"
 
 
 class _Series:
-    """Sum, count, non-finite count and last value of one scalar over a window, host values plus deferred tensors."""
+    """One scalar over a window: sum, count, extremes and last value, host values plus deferred tensors.
 
-    __slots__ = ("count", "deferred", "fold_failed", "foreign", "last", "nonfinite", "partials", "total")
+    ``trailing`` is how many values at the end of the window were non-finite in a
+    row (what the divergence guard counts). Values merged from a device read-back
+    count as coming after the host values of the same window.
+    """
+
+    __slots__ = (
+        "count", "deferred", "fold_failed", "foreign", "highest", "last", "lowest", "nonfinite",
+        "partials", "total", "trailing",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.total = 0.0
         self.count = 0
         self.nonfinite = 0
         self.last: float | None = None
+        self.highest = -math.inf  # of the finite values; -inf while there is none
+        self.lowest = math.inf
+        self.trailing = 0
         self.deferred: list[Any] = []  # torch tensors, detached, not yet folded
-        self.partials: list[Any] = []  # folded 4-vectors [sum_finite, n_finite, n_nonfinite, last] on device
+        # folded vectors on device: [sum_finite, n_finite, n_nonfinite, last, max, min, trailing]
+        self.partials: list[Any] = []
         self.foreign: list[Any] = []  # tensor-likes that are not torch tensors
         # A fold failed in this window: no more folds until the window is collected
         # (a new window, with a new series, folds again).
@@ -104,16 +117,53 @@ class _Series:
         if value - value == 0.0:  # finite (NaN and inf give NaN)
             self.total += value
             self.count += 1
+            self.trailing = 0
+            if value > self.highest:
+                self.highest = value
+            if value < self.lowest:
+                self.lowest = value
         else:
             self.nonfinite += 1
+            self.trailing += 1
         self.last = value
 
-    def merge(self, total: float, count: int, nonfinite: int, last: float | None) -> None:
-        self.total += total
-        self.count += count
-        self.nonfinite += nonfinite
-        if last is not None:
-            self.last = last
+    def merge(self, values: _Folded) -> None:
+        self.total += values.total
+        self.count += values.count
+        self.nonfinite += values.nonfinite
+        if values.last is not None:
+            self.last = values.last
+        self.highest = max(self.highest, values.highest)
+        self.lowest = min(self.lowest, values.lowest)
+        # Values merged here came after this series' own: their run continues ours only
+        # when none of them was finite.
+        self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
+
+    def copy(self) -> _Series:
+        """A copy whose lists can be read while the step path appends to the original's."""
+        twin = _Series()
+        for name in self.__slots__:
+            value = getattr(self, name)
+            setattr(twin, name, list(value) if type(value) is list else value)
+        return twin
+
+
+@dataclass(frozen=True)
+class _Folded:
+    """What a device read-back gives for one series (see `_fold`)."""
+
+    total: float
+    count: int
+    nonfinite: int
+    last: float | None
+    highest: float
+    lowest: float
+    trailing: int
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> _Folded:
+        total, count, nonfinite, last, highest, lowest, trailing = values
+        return cls(total, int(count), int(nonfinite), last, highest, lowest, int(trailing))
 
 
 @dataclass
@@ -132,6 +182,12 @@ class _Window:
     # perf_counter() of the window's latest step: the step path stores the clock reading it
     # already took; the wall-clock conversion waits for the collection.
     last_step: float | None = None
+    # Steps that gave data_time_s: how many, their data waits, and (for those that also
+    # had a previous call) their waits and the wall time since the previous record_step.
+    data_steps: int = 0
+    data_total: float = 0.0
+    data_timed: float = 0.0
+    data_wall: float = 0.0
 
 
 @dataclass
@@ -141,6 +197,12 @@ class _Snapshot:
     loss: float | None = None
     grad: float | None = None
     lr: float | None = None
+    loss_max: float | None = None
+    loss_min: float | None = None
+    grad_max: float | None = None
+    grad_min: float | None = None
+    data_wait: float | None = None
+    data_fraction: float | None = None
     window_steps: int = 0
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
@@ -191,6 +253,9 @@ class TrainingMetrics:
       tensor raises ``TypeError`` because counting it would need a device read.
     - ``step_time_s``: non-negative seconds; when omitted, the time since the
       previous ``record_step`` call is used (nothing for the first call).
+    - ``data_time_s``: non-negative seconds this step waited for its batch. The
+      wait fraction is measured against the wall time between consecutive
+      ``record_step`` calls, whatever ``step_time_s`` covers.
     """
 
     def __init__(
@@ -199,6 +264,7 @@ class TrainingMetrics:
         *,
         step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS,
         window_histogram: bool = False,
+        peak_flops: float | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -216,6 +282,15 @@ class TrainingMetrics:
         self._eval_loss: float | None = None
         self._eval: dict[str, float] = {}
         self._adapter: dict[str, float] = {}
+        # Model FLOPs: per token from set_model_flops(); the peak given there, unless
+        # the configuration (OPENLORA_PEAK_FLOPS) set one, which wins.
+        self._flops_per_token: float | None = None
+        self._configured_peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
+        self._peak_flops = self._configured_peak
+        self._guard: DivergenceGuard | None = None
+        self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
+        self._guard_stop = threading.Event()
+        self._steps_recorded = 0  # for Trip.steps: committed windows' steps
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
         self._warned: set[str] = set()
@@ -239,6 +314,16 @@ class TrainingMetrics:
         self._samples = counter("openlora.training.samples")
         self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
         self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
+        self._guard_trips = meter.create_counter(
+            "openlora.training.guard.trips",
+            unit=spec["openlora.training.guard.trips"].unit,
+            description=spec["openlora.training.guard.trips"].description,
+        )
+        self._eval_nonfinite = meter.create_counter(
+            "openlora.training.eval.nonfinite",
+            unit=spec["openlora.training.eval.nonfinite"].unit,
+            description=spec["openlora.training.eval.nonfinite"].description,
+        )
         duration = spec[_DURATION]
         self._duration = meter.create_histogram(
             duration.name,
@@ -249,11 +334,21 @@ class TrainingMetrics:
         # The first callback of every collection takes the window; the rest read the snapshot.
         gauge("openlora.training.loss", self._observe_loss)
         gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
+        gauge("openlora.training.loss.max", lambda o: self._one(self._snapshot.loss_max))
+        gauge("openlora.training.loss.min", lambda o: self._one(self._snapshot.loss_min))
+        gauge("openlora.training.gradient_norm.max", lambda o: self._one(self._snapshot.grad_max))
+        gauge("openlora.training.gradient_norm.min", lambda o: self._one(self._snapshot.grad_min))
+        gauge("openlora.training.data_wait.duration", lambda o: self._one(self._snapshot.data_wait))
+        gauge("openlora.training.data_wait.fraction", lambda o: self._one(self._snapshot.data_fraction))
         gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
         gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
         gauge("openlora.training.last_step.timestamp", lambda o: self._one(self._snapshot.last_step_time))
         gauge("openlora.training.throughput.tokens", lambda o: self._one(self._snapshot.tokens_per_s))
         gauge("openlora.training.throughput.samples", lambda o: self._one(self._snapshot.samples_per_s))
+        gauge("openlora.model.flops_per_token", lambda o: self._one(self._flops_per_token))
+        gauge("openlora.training.throughput.flops", lambda o: self._one(self._achieved_flops()))
+        gauge("openlora.training.peak_flops", lambda o: self._one(self._peak_flops))
+        gauge("openlora.training.model_flops.utilization", lambda o: self._one(self._utilization()))
         gauge("openlora.training.epoch", lambda o: self._one(self._epoch))
         gauge("openlora.training.eval.loss", lambda o: self._one(self._eval_loss))
         gauge("openlora.training.eval.value", self._observe_eval)
@@ -271,19 +366,24 @@ class TrainingMetrics:
         tokens: Any = None,
         samples: Any = None,
         step_time_s: Any = None,
+        data_time_s: Any = None,
     ) -> None:
         """Record one optimizer step. See the class docstring for what each argument accepts."""
         now = time.perf_counter()
+        last, self._last_call = self._last_call, now
         if step_time_s is None:
-            last, self._last_call = self._last_call, now
             step_time = None if last is None else now - last
         else:
-            self._last_call = now
             if type(step_time_s) is not float:
                 step_time_s = _host_number(step_time_s, "step_time_s")
             if not step_time_s >= 0.0 or step_time_s == math.inf:
                 raise ValueError(f"step_time_s must be finite and >= 0, got {step_time_s!r}")
             step_time = step_time_s
+        if data_time_s is not None:
+            if type(data_time_s) is not float:
+                data_time_s = _host_number(data_time_s, "data_time_s")
+            if not data_time_s >= 0.0 or data_time_s == math.inf:
+                raise ValueError(f"data_time_s must be finite and >= 0, got {data_time_s!r}")
         # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
         if tokens is not None and (type(tokens) is not int or tokens >> 63):
             tokens = _count(tokens, "tokens")
@@ -321,6 +421,12 @@ class TrainingMetrics:
                 window.tokens += tokens
             if samples:
                 window.samples += samples
+            if data_time_s is not None:
+                window.data_steps += 1
+                window.data_total += data_time_s
+                if last is not None:
+                    window.data_timed += data_time_s
+                    window.data_wall += now - last
             if step_time is not None:
                 index = bisect.bisect_left(self._bounds, step_time)
                 window.bucket_counts[index] += 1
@@ -402,7 +508,9 @@ class TrainingMetrics:
         Values are read at once (evaluation is not the step path); tensors are
         converted with ``float()``. A NaN or infinite value is data, not an
         error: OpenTelemetry cannot export it, so that series shows no value
-        until a finite one is recorded, and one warning per metric name says so.
+        until a finite one is recorded; ``openlora.training.eval.nonfinite``
+        counts it (per metric name) and one warning per name says so. At most
+        64 names besides the loss are kept; more are ignored with one warning.
         """
         values: dict[str, float] = {}
         if loss is not None:
@@ -411,21 +519,24 @@ class TrainingMetrics:
             if value is not None:
                 values[key] = _host_number(value, key)
         for key, number in values.items():
-            if not math.isfinite(number):
-                self._warn_once(
-                    f"eval-{key}",
-                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
-                    "that series shows no value until a finite one is recorded (warned once per name)",
-                )
-            if key == "loss":  # the `loss` argument: a keyword cannot repeat it
-                self._eval_loss = number
-                continue
-            if key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
+            if key != "loss" and key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
                 self._warn_once(
                     "eval", f"more than {_MAX_EVAL_METRICS} evaluation metric names; {key!r} ignored"
                 )
                 continue
-            self._eval[key] = number
+            if not math.isfinite(number):
+                # Counted, so an alert can see it: the value's own series goes quiet.
+                self._eval_nonfinite.add(1, {ATTR_EVAL_METRIC: key})
+                self._warn_once(
+                    f"eval-{key}",
+                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
+                    "that series shows no value until a finite one is recorded; "
+                    "openlora.training.eval.nonfinite counts it (warned once per name)",
+                )
+            if key == "loss":  # the `loss` argument: a keyword cannot repeat it
+                self._eval_loss = number
+            else:
+                self._eval[key] = number
 
     def set_adapter(
         self,
@@ -480,6 +591,82 @@ class TrainingMetrics:
                 adapter["openlora.adapter.trainable.ratio"] = trainable / total if total else 0.0
         self._adapter = adapter
 
+    def set_model_flops(self, per_token: float, *, peak_flops: float | None = None) -> None:
+        """Set the model's training FLOPs per token, and the peak FLOP/s of this process's device.
+
+        Achieved FLOP/s is then tokens/s x ``per_token``, and model FLOPs
+        utilization is achieved / peak. ``peak_flops`` is ignored when the
+        configuration gave one (``OPENLORA_PEAK_FLOPS``); with neither, only the
+        achieved FLOP/s is reported (on a CPU, say). See
+        :func:`openlora_otel.flops.training_flops_per_token` for the estimate.
+        """
+        flops = _positive(per_token, "per_token")
+        peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
+        self._flops_per_token = flops
+        self._peak_flops = self._configured_peak if self._configured_peak is not None else peak
+
+    def _achieved_flops(self) -> float | None:
+        tokens_per_s, per_token = self._snapshot.tokens_per_s, self._flops_per_token
+        return None if tokens_per_s is None or per_token is None else tokens_per_s * per_token
+
+    def _utilization(self) -> float | None:
+        achieved, peak = self._achieved_flops(), self._peak_flops
+        return None if achieved is None or peak is None else achieved / peak
+
+    def attach_guard(self, guard: DivergenceGuard) -> DivergenceGuard:
+        """Watch the losses with ``guard`` (see :mod:`openlora_otel.guard`); returns it.
+
+        Starts the guard's check thread. One guard per ``TrainingMetrics``:
+        attaching the same one again does nothing, another raises ``ValueError``.
+        """
+        if not isinstance(guard, DivergenceGuard):
+            raise TypeError(f"attach_guard takes a DivergenceGuard, got {type(guard).__name__}")
+        with self._guard_lock:
+            if self._guard is guard:
+                return guard
+            if self._guard is not None:
+                raise ValueError("a divergence guard is already attached to this TrainingMetrics")
+            self._guard = guard
+        for reason in GUARD_REASONS:  # the series exist from the start, so increase() sees the first trip
+            self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
+        guard._bind(lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}))
+        if not self._closed:
+            threading.Thread(
+                target=self._guard_loop, args=(guard,), name="openlora-otel-guard", daemon=True
+            ).start()
+        return guard
+
+    def _guard_loop(self, guard: DivergenceGuard) -> None:
+        while not self._guard_stop.wait(guard.check_interval_s):
+            if self._closed:
+                return
+            try:
+                self._check_current_window(guard)
+            except Exception:
+                self._warn_once("guard", "the divergence guard's check failed; it retries", exc=True)
+
+    def _check_current_window(self, guard: DivergenceGuard) -> None:
+        """Show the guard the window so far, read back the collection's way, without taking it."""
+        with self._lock:
+            window = self._window
+            loss = window.loss.copy()
+            steps = self._steps_recorded + window.steps
+        if not (loss.count or loss.nonfinite or loss.deferred or loss.partials or loss.foreign):
+            return
+        for item in loss.foreign:
+            loss.add_host(float(item))
+        if loss.deferred or loss.partials:
+            failed: list[str] = []
+            handles = _start_readback(loss, sys.modules.get("torch"), lambda: failed.append("loss"))
+            waiting: list[tuple[str, list[Any]]] = []
+            for _, folded in _poll_readbacks([("loss", handles)], waiting):
+                loss.merge(folded)
+            if failed or waiting:
+                return  # not readable yet: the next check or the collection sees it
+        with self._guard_lock:
+            if self._window is window:  # else the collection took it and judges it whole
+                guard._observe(_loss_window(loss, steps), complete=False)
+
     def close(self) -> None:
         """Stop accepting records (idempotent); later calls are ignored.
 
@@ -493,6 +680,7 @@ class TrainingMetrics:
         # lands in the window the final collection takes (the collection takes the lock)
         # or is ignored. Both are fine.
         self._closed = True
+        self._guard_stop.set()
 
     # -- collection ---------------------------------------------------------------
     @staticmethod
@@ -517,7 +705,7 @@ class TrainingMetrics:
 
     def _roll(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self._guard_lock, self._lock:
             window, self._window = self._window, _Window(started=now)
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
@@ -544,9 +732,14 @@ class TrainingMetrics:
                     pending.append((label, handles))
         ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
         merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
-        for label, (total, count, nonfinite, last) in ready:
-            merged[label].merge(total, count, nonfinite, last)
+        for label, folded in ready:
+            merged[label].merge(folded)
 
+        self._steps_recorded += window.steps
+        guard = self._guard
+        if guard is not None and "loss" not in failed:
+            with self._guard_lock:
+                guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
         if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
             window.grad.nonfinite
         ):
@@ -556,6 +749,14 @@ class TrainingMetrics:
             loss=_window_value(window.loss, previous.loss, "loss" in failed, mean=True),
             grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
             lr=_window_value(window.lr, previous.lr, "lr" in failed, mean=False),
+            loss_max=_window_extreme(window.loss, previous.loss_max, "loss" in failed, highest=True),
+            loss_min=_window_extreme(window.loss, previous.loss_min, "loss" in failed, highest=False),
+            grad_max=_window_extreme(window.grad, previous.grad_max, "grad" in failed, highest=True),
+            grad_min=_window_extreme(window.grad, previous.grad_min, "grad" in failed, highest=False),
+            data_wait=window.data_total / window.data_steps if window.data_steps else previous.data_wait,
+            data_fraction=(
+                min(window.data_timed / window.data_wall, 1.0) if window.data_wall > 0 else previous.data_fraction
+            ),
             window_steps=window.loss.count or window.grad.count,
             last_step_time=previous.last_step_time,
         )
@@ -646,6 +847,26 @@ def _window_value(series: _Series, previous: float | None, failed: bool, *, mean
     if failed and not series.nonfinite:
         return None  # repeating the previous value would hide that nothing could be read
     return previous
+
+
+def _loss_window(series: _Series, steps: int) -> LossWindow:
+    return LossWindow(series.count, series.nonfinite, series.trailing, series.highest, series.total, steps)
+
+
+def _window_extreme(series: _Series, previous: float | None, failed: bool, *, highest: bool) -> float | None:
+    """The window's largest (smallest) finite value, with the same fallbacks as `_window_value`."""
+    if series.count:
+        return series.highest if highest else series.lowest
+    if failed and not series.nonfinite:
+        return None
+    return previous
+
+
+def _positive(value: Any, what: str) -> float:
+    number = _host_number(value, what)
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"{what} must be finite and > 0, got {value!r}")
+    return number
 
 
 # -- the step-duration histogram: one measurement per window -----------------------
@@ -895,7 +1116,11 @@ def _reduce_dtype(device_type: str, torch: Any) -> Any:
 
 
 def _fold(tensors: list[Any], torch: Any) -> Any:
-    """Reduce 0-d tensors of one device to [sum of finite, n finite, n non-finite, last]; no sync."""
+    """Reduce 0-d tensors of one device to [sum of finite, n finite, n non-finite, last, max, min, trailing]; no sync.
+
+    max and min are of the finite values (-inf and inf when there is none);
+    trailing is how many values at the end are non-finite in a row.
+    """
     dtype = _reduce_dtype(tensors[0].device.type, torch)
     stacked = (
         torch.stack([t.to(dtype) for t in tensors])
@@ -905,19 +1130,40 @@ def _fold(tensors: list[Any], torch: Any) -> Any:
     stacked = stacked.to(dtype)
     finite = torch.isfinite(stacked)
     zeros = torch.zeros_like(stacked)
+    inf = torch.full_like(stacked, math.inf)
+    index = torch.arange(stacked.shape[0], device=stacked.device, dtype=dtype)
+    last_finite = torch.where(finite, index, torch.full_like(index, -1.0)).max()
     return torch.stack(
         (
             torch.where(finite, stacked, zeros).sum(),
             finite.sum().to(dtype),
             (~finite).sum().to(dtype),
             stacked[-1],
+            torch.where(finite, stacked, -inf).max(),
+            torch.where(finite, stacked, inf).min(),
+            (stacked.shape[0] - 1) - last_finite,
         )
     )
 
 
 def _combine(partials: list[Any], torch: Any) -> Any:
+    """Partials in the order they were folded, combined into one; no sync."""
     stacked = torch.stack(partials)
-    return torch.cat((stacked[:, :3].sum(dim=0), stacked[-1, 3:]))
+    index = torch.arange(stacked.shape[0], device=stacked.device, dtype=stacked.dtype)
+    # The trailing run of the whole: the trailing runs from the last partial that had a
+    # finite value onwards (the partials after it were non-finite throughout).
+    has_finite = stacked[:, 1] > 0
+    start = torch.where(has_finite, index, torch.full_like(index, -1.0)).max()
+    trailing = torch.where(index >= start, stacked[:, 6], torch.zeros_like(index)).sum()
+    return torch.cat(
+        (
+            stacked[:, :3].sum(dim=0),
+            stacked[-1, 3:4],
+            stacked[:, 4].max().reshape(1),
+            stacked[:, 5].min().reshape(1),
+            trailing.reshape(1),
+        )
+    )
 
 
 def _start_readback(series: _Series, torch: Any, on_failure: Any) -> list[Any]:
@@ -991,13 +1237,13 @@ def _poll_readbacks(
     pending: list[tuple[str, list[Any]]],
     carry: list[tuple[str, list[Any]]],
     on_failure: Any = None,
-) -> list[tuple[str, tuple[float, int, int, float | None]]]:
+) -> list[tuple[str, _Folded]]:
     """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
 
     A read-back that raises is dropped alone (``on_failure(label)`` is called).
     """
     deadline = time.monotonic() + _READBACK_WAIT_S
-    ready: list[tuple[str, tuple[float, int, int, float | None]]] = []
+    ready: list[tuple[str, _Folded]] = []
     for label, handles in pending:
         waiting = []
         for handle in handles:
@@ -1005,8 +1251,7 @@ def _poll_readbacks(
                 while not handle.ready() and time.monotonic() < deadline:
                     time.sleep(0.001)
                 if handle.ready():
-                    total, count, nonfinite, last = handle.values()
-                    ready.append((label, (total, int(count), int(nonfinite), last)))
+                    ready.append((label, _Folded.from_values(handle.values())))
                 else:
                     waiting.append(handle)
             except Exception:

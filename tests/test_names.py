@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel.guard import DivergenceGuard
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS, prometheus_name
 from tests.conftest import served_series
 
@@ -51,8 +54,12 @@ def test_pull_endpoint_serves_exactly_the_documented_names() -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0))
     training = telemetry.training
     training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=5, samples=1, step_time_s=0.1)
+    training.record_step(loss=1.0, tokens=5, data_time_s=0.01)
     training.record_epoch(1)
     training.record_eval(loss=1.0, accuracy=0.5)
+    training.record_eval(perplexity=math.inf)
+    training.set_model_flops(1e6, peak_flops=1e12)
+    training.attach_guard(DivergenceGuard())
     training.set_adapter(r=8, alpha=16, dropout=0.1, target_modules=2, trainable_params=1, total_params=10)
     served = served_series(telemetry.prometheus_url)
     telemetry.shutdown()

@@ -13,6 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import training as training_module
+from openlora_otel.guard import DivergenceGuard
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 from openlora_otel.training import TrainingMetrics
 from tests.conftest import points, value
@@ -54,11 +55,17 @@ def setup(memory_reader: InMemoryMetricReader):
 def test_every_documented_instrument_is_exported(setup) -> None:
     training, reader = setup
     training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=1, samples=1, step_time_s=0.1)
+    training.record_step(
+        loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=1, samples=1, step_time_s=0.1, data_time_s=0.01
+    )
     training.record_epoch(1)
     training.record_eval(loss=1.0, accuracy=0.5)
+    training.record_eval(perplexity=math.nan)
     training.set_adapter(
         r=8, alpha=16, dropout=0.05, target_modules=["q", "v"], trainable_params=10, total_params=100
     )
+    training.set_model_flops(1e6, peak_flops=1e12)
+    training.attach_guard(DivergenceGuard())
     data = reader.get_metrics_data()
     exported = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     for spec in (*TRAINING_METRICS, *ADAPTER_METRICS):
@@ -341,11 +348,13 @@ def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: 
             return self._values
 
     carry: list = []
-    slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0])
+    slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0, 3.0, 1.0, 0])
     assert training_module._poll_readbacks([("loss", [slow])], carry) == []
     assert carry == [("loss", [slow])]
     later: list = []
-    assert training_module._poll_readbacks(carry, later) == [("loss", (6.0, 3, 1, 2.0))]
+    assert training_module._poll_readbacks(carry, later) == [
+        ("loss", training_module._Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
+    ]
     assert later == []
 
 
