@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,8 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "while it runs. Nothing is downloaded. Under torchrun (torchrun --standalone --nproc_per_node=N "
         "-m openlora_otel demo) it trains data-parallel (DDP, gloo): each rank on its own data, with its "
         "own endpoint (port + LOCAL_RANK); only rank 0 prints, and all ranks stop at the same step on "
-        "SIGINT / SIGTERM. Exit status: 0 done, 2 usage or configuration error, "
-        "130 / 143 stopped by SIGINT / SIGTERM (telemetry flushed first).",
+        "SIGINT / SIGTERM. A divergence guard watches the loss: 3 non-finite losses in a row stop the run. "
+        "Exit status: 0 done, 2 usage or configuration error, 3 stopped by the divergence guard, "
+        "130 / 143 stopped by SIGINT / SIGTERM (telemetry flushed first in every case).",
     )
     parser.set_defaults(demo_parser=demo)
     defaults = DemoOptions()
@@ -152,6 +154,20 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         metavar="MS",
         help="milliseconds rank R sleeps inside each of its steps (its step time shows it)",
+    )
+    demo.add_argument(
+        "--nan-at-step",
+        type=_positive_int,
+        metavar="N",
+        help="from step N on the loss is NaN (to watch the NaN counters, alerts and the divergence guard "
+        "work); the guard stops the run within about a second, exit status 3",
+    )
+    demo.add_argument(
+        "--data-delay-ms",
+        type=_positive_float,
+        metavar="MS",
+        help="each batch takes MS milliseconds longer to arrive: an input-bound run, seen in "
+        "openlora_training_data_wait_fraction",
     )
     doctor = commands.add_parser(
         "doctor",
@@ -264,6 +280,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         distributed=ranks.distributed,
         straggle_rank=args.straggle_rank,
         straggle_ms=args.straggle_ms or 0.0,
+        nan_at_step=args.nan_at_step,
+        data_delay_ms=args.data_delay_ms or 0.0,
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
@@ -303,6 +321,8 @@ def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | Non
                 f"--straggle-rank: {args.straggle_rank} is not a rank of this launch "
                 f"(WORLD_SIZE={world_size}: ranks 0 to {world_size - 1})"
             )
+    if args.hf_trainer and (args.nan_at_step is not None or args.data_delay_ms is not None):
+        return "--nan-at-step and --data-delay-ms work with the demo's own loop; drop --hf-trainer"
     if args.hf_trainer and world_size > 1:
         return (
             "--hf-trainer runs one process; under torchrun the demo trains with its own DDP loop "
@@ -331,14 +351,23 @@ def _summary(result: object, where: str, flushed: bool, *, run_id: str, world_si
 
     assert isinstance(result, DemoResult)
     lines = []
-    if result.interrupted:
+    flush = "flushed" if flushed else "flush did not finish within OPENLORA_SHUTDOWN_TIMEOUT"
+    if result.interrupted == "diverged":
         lines.append(
-            f"stopped by {result.interrupted} after {result.steps} steps; telemetry "
-            + ("flushed" if flushed else "flush did not finish within OPENLORA_SHUTDOWN_TIMEOUT")
+            f"stopped by the divergence guard after {result.steps} steps ({result.stop_detail}); telemetry {flush}"
         )
+    elif result.interrupted:
+        lines.append(f"stopped by {result.interrupted} after {result.steps} steps; telemetry {flush}")
+    if math.isfinite(result.final_eval_loss):
+        evaluation = (
+            f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} "
+            f"(best {result.best_eval_loss:.3f})"
+        )
+    else:  # stopped before any later evaluation (or --eval-every 0 and stopped early)
+        evaluation = f"eval loss {result.first_eval_loss:.3f} at the start, no evaluation after it"
     lines += [
         f"run {run_id}: {result.steps} steps in {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s",
-        f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} (best {result.best_eval_loss:.3f})"
+        evaluation
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
         f"metrics went to {where}",
     ]

@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
-from openlora_otel.cli import main
+from openlora_otel.cli import _summary, main
 from openlora_otel.demo.train import DemoOptions, run_demo
 from tests.conftest import child_env, free_port, value
 from tests.otlp_receiver import HttpReceiver
@@ -195,6 +195,9 @@ def test_default_length_run_learns(memory_reader: InMemoryMetricReader) -> None:
         (["--straggle-rank", "-1", "--straggle-ms", "5"], {}, "argument --straggle-rank: must be >= 0"),
         (["--straggle-rank", "1", "--straggle-ms", "0"], {}, "argument --straggle-ms: must be > 0"),
         (["--hf-trainer"], {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "--hf-trainer runs one process"),
+        (["--hf-trainer", "--nan-at-step", "5"], {}, "work with the demo's own loop; drop --hf-trainer"),
+        (["--hf-trainer", "--data-delay-ms", "5"], {}, "work with the demo's own loop; drop --hf-trainer"),
+        (["--nan-at-step", "0"], {}, "argument --nan-at-step: must be > 0"),
     ],
 )
 def test_distributed_options_that_make_no_sense_are_usage_errors(
@@ -315,3 +318,33 @@ def test_two_ranks_stop_together_and_time_their_own_work(tmp_path) -> None:
         (_, _, wall0, own0), (_, _, wall1, own1) = rows[0, step], rows[1, step]
         assert wall0 > 0.25 and wall1 > 0.25, out  # the wall time: the same slow step on both ranks
         assert own1 > 0.25 > own0, out  # own work: only rank 1's has the 300 ms
+
+
+def test_a_loss_gone_nan_trips_the_guard_and_the_demo_stops_with_status_3(
+    memory_reader: InMemoryMetricReader, capsys
+) -> None:
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    options = DemoOptions(steps=2000, nan_at_step=10, quiet=True)
+    result = run_demo(options, telemetry, where="memory")
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    assert result.interrupted == "diverged" and result.exit_code == 3
+    # Tripped on the 3rd NaN at the earliest; the guard's own check (every 0.5 s) bounds the lag.
+    assert 12 <= result.steps < 2000
+    assert "non-finite losses in a row" in result.stop_detail
+    assert value(data, "openlora.training.loss.nonfinite") == result.steps - 9
+    assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
+    # The summary says why, and no "-> inf" for the evaluation that never came.
+    _summary(result, "memory", True, run_id="r")
+    out = capsys.readouterr().out
+    assert f"stopped by the divergence guard after {result.steps} steps (" in out
+    assert "no evaluation after it" in out and "inf" not in out
+
+
+def test_a_slow_input_pipeline_shows_as_data_wait(memory_reader: InMemoryMetricReader) -> None:
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    run_demo(DemoOptions(steps=8, eval_every=0, quiet=True, data_delay_ms=60), telemetry, where="memory")
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    assert 0.06 <= value(data, "openlora.training.data_wait.duration") < 1.0
+    assert 0.0 < value(data, "openlora.training.data_wait.fraction") <= 1.0

@@ -39,7 +39,7 @@ from typing import Any
 __all__ = ["STOP_REASONS", "Ranks", "StepSync", "TrainingGroup", "ranks_from_env"]
 
 # Stop reasons in increasing strength: the group stops for the strongest any rank has.
-STOP_REASONS: tuple[str, ...] = ("requested", "SIGINT", "SIGTERM")
+STOP_REASONS: tuple[str, ...] = ("requested", "diverged", "SIGINT", "SIGTERM")
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,15 @@ from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
+from openlora_otel.guard import DivergenceGuard
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
-EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "requested": 1}
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "requested": 1, "diverged": 3}
+# The demo's guard: this many non-finite losses in a row stop the run, checked this often.
+GUARD_NONFINITE_LOSSES = 3
+GUARD_CHECK_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class DemoOptions:
     # This rank sleeps straggle_ms inside each of its steps (distributed only).
     straggle_rank: int | None = None
     straggle_ms: float = 0.0
+    # From this step on the loss is made NaN (the guard then stops the run).
+    nan_at_step: int | None = None
+    # Each batch takes this much longer to arrive (an input-bound run).
+    data_delay_ms: float = 0.0
 
 
 @dataclass
@@ -57,7 +65,8 @@ class DemoResult:
     best_eval_loss: float
     last_train_loss: float | None
     tokens_per_s: float
-    interrupted: str | None  # "SIGINT" / "SIGTERM" / "requested" (stop_event) when stopped early
+    interrupted: str | None  # "SIGINT" / "SIGTERM" / "requested" (stop_event) / "diverged" when stopped early
+    stop_detail: str | None = None  # what the divergence guard saw, when it stopped the run
 
     @property
     def exit_code(self) -> int:
@@ -70,7 +79,12 @@ class _Stop:
     def __init__(self, event: threading.Event | None = None) -> None:
         self._signal: str | None = None
         self._agreed: str | None = None
+        self._diverged = False
         self.event = event or threading.Event()
+
+    def diverge(self) -> None:
+        """The divergence guard tripped on this rank."""
+        self._diverged = True
 
     def __call__(self, signum: int, frame: Any) -> None:
         self._signal = signal.Signals(signum).name
@@ -87,6 +101,8 @@ class _Stop:
             return self._agreed
         if self._signal:
             return self._signal
+        if self._diverged:
+            return "diverged"
         return "requested" if self.event.is_set() else None
 
 
@@ -196,6 +212,7 @@ class _Data:
         split = int(len(ids) * 0.95)
         self.train, self.eval = ids[:split], ids[split:]
         self.seq_len = options.seq_len
+        self.delay_s = options.data_delay_ms / 1000.0
         # Each rank draws its own windows: its shard of the data in a data-parallel run.
         self.generator = torch.Generator().manual_seed(options.seed + rank)
         # A fixed evaluation set, so eval losses are comparable across the run.
@@ -207,6 +224,8 @@ class _Data:
         return max(1, len(self.train) // self.seq_len)
 
     def batch(self, size: int) -> Any:
+        if self.delay_s:
+            time.sleep(self.delay_s)  # --data-delay-ms: a slow input pipeline
         starts = self.torch.randint(0, len(self.train) - self.seq_len - 1, (size,), generator=self.generator)
         return self.torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()])
 
@@ -265,6 +284,9 @@ def _run(
     model = build_model(options, data.vocab_size)
     training = telemetry.training
     describe_lora(model, training)
+    guard = training.attach_guard(
+        DivergenceGuard(nonfinite_losses=GUARD_NONFINITE_LOSSES, check_interval_s=GUARD_CHECK_INTERVAL_S)
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     if not options.quiet:
@@ -281,9 +303,9 @@ def _run(
     stop = _Stop(stop_event)
     with _signals(stop):
         if options.hf_trainer:
-            result = _train_hf(options, telemetry, model, data, stop, where, out)
+            result = _train_hf(options, telemetry, model, data, stop, where, out, guard)
         else:
-            result = _train_loop(options, training, model, data, stop, where, out, group)
+            result = _train_loop(options, training, model, data, stop, where, out, group, guard)
         if group is not None:
             group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
@@ -293,6 +315,8 @@ def _run(
         result.final_eval_loss = final
         result.best_eval_loss = min(result.best_eval_loss, final)
     result.interrupted = stop.signal
+    if stop.signal == "diverged":
+        result.stop_detail = guard.trip.detail if guard.trip is not None else "another rank's guard tripped"
     if options.linger > 0 and not stop.signal:
         if not options.quiet:
             out.write(f"serving the final values at {where} for {options.linger:g} s (Ctrl-C to stop)\n")
@@ -312,6 +336,7 @@ def _train_loop(
     where: str,
     out: TextIO,
     group: TrainingGroup | None = None,
+    guard: DivergenceGuard | None = None,
 ) -> DemoResult:
     torch = data.torch
     sync = StepSync()
@@ -345,10 +370,14 @@ def _train_loop(
             break
         # Under DDP this rank's reason to stop goes out with this step's gradients (see ddp.py).
         sync.start(offer=stop.signal)
+        fetch_started = time.perf_counter()
         batch = data.batch(options.batch_size)
+        data_time = time.perf_counter() - fetch_started
         if straggle_s:
             time.sleep(straggle_s)  # --straggle-rank: this rank's work is slower, inside its timed step
         loss = network(input_ids=batch, labels=batch).loss
+        if options.nan_at_step is not None and step >= options.nan_at_step:
+            loss = loss * math.nan  # --nan-at-step: the gradients and then the weights go NaN too
         loss.backward()
         # Under DDP, backward() ends with the wait for the other ranks' gradients: not this rank's work.
         waited = sync.waited_since_grads_ready(time.perf_counter())
@@ -365,7 +394,10 @@ def _train_loop(
             tokens=tokens_per_step,
             samples=options.batch_size,
             step_time_s=time.perf_counter() - sync.started - waited,
+            data_time_s=data_time,
         )
+        if guard is not None and guard.tripped:
+            stop.diverge()  # this rank stops next step; under DDP all ranks stop with it
         training.record_epoch(step * options.batch_size / data.windows_per_epoch)
         elapsed = time.perf_counter() - started
         detached = loss.detach()
@@ -395,7 +427,14 @@ def _train_loop(
 
 
 def _train_hf(
-    options: DemoOptions, telemetry: Telemetry, model: Any, data: _Data, stop: _Stop, where: str, out: TextIO
+    options: DemoOptions,
+    telemetry: Telemetry,
+    model: Any,
+    data: _Data,
+    stop: _Stop,
+    where: str,
+    out: TextIO,
+    guard: DivergenceGuard | None = None,
 ) -> DemoResult:
     import tempfile
 
@@ -419,6 +458,8 @@ def _train_hf(
 
     class StopOnSignal(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if guard is not None and guard.tripped:
+                stop.diverge()
             if stop.signal:
                 control.should_training_stop = True
             return control
