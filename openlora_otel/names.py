@@ -38,11 +38,16 @@ ATTR_EVAL_METRIC = "openlora.eval.metric"
 ATTR_GUARD_REASON = "openlora.guard.reason"
 GUARD_REASONS = ("nonfinite_loss", "loss_spike")
 
-# Step duration buckets in seconds: 1 ms to 60 s, roughly x2-x2.5 apart, so that
-# histogram_quantile stays within about a factor of 2 across that whole range.
+# Step duration buckets in seconds. From 10 ms to 10 s, 25 per decade (neighbours at
+# most 1.097x apart, 4 significant digits): histogram_quantile interpolates inside the
+# bucket that holds the true quantile, so its answer is within 9.7 % of it for any
+# step time in that range. Coarser bounds below (1 ms) and above (60 s) keep the
+# tails. 82 bounds: 83 `_bucket` series per process, plus `_sum` and `_count`.
 STEP_DURATION_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-)  # fmt: skip
+    (0.001, 0.0025, 0.005)
+    + tuple(float(f"{0.01 * 10 ** (k / 25):.4g}") for k in range(76))
+    + (20.0, 30.0, 60.0)
+)
 
 
 @dataclass(frozen=True)
