@@ -1128,20 +1128,21 @@ def _fold(tensors: list[Any], torch: Any) -> Any:
         else torch.stack(tensors)
     )
     stacked = stacked.to(dtype)
+    size = stacked.shape[0]
     finite = torch.isfinite(stacked)
-    zeros = torch.zeros_like(stacked)
-    inf = torch.full_like(stacked, math.inf)
-    index = torch.arange(stacked.shape[0], device=stacked.device, dtype=dtype)
-    last_finite = torch.where(finite, index, torch.full_like(index, -1.0)).max()
+    count = finite.sum().to(dtype)
+    # Python scalars, not filled tensors: fewer kernels per fold.
+    index = torch.arange(size, device=stacked.device, dtype=dtype)
+    last_finite = torch.where(finite, index, -1.0).max()
     return torch.stack(
         (
-            torch.where(finite, stacked, zeros).sum(),
-            finite.sum().to(dtype),
-            (~finite).sum().to(dtype),
+            torch.where(finite, stacked, 0.0).sum(),
+            count,
+            size - count,
             stacked[-1],
-            torch.where(finite, stacked, -inf).max(),
-            torch.where(finite, stacked, inf).min(),
-            (stacked.shape[0] - 1) - last_finite,
+            torch.where(finite, stacked, -math.inf).max(),
+            torch.where(finite, stacked, math.inf).min(),
+            (size - 1) - last_finite,
         )
     )
 
