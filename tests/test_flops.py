@@ -13,11 +13,13 @@ from openlora_otel.flops import (
     GPU_PEAKS,
     device_peak_flops,
     peak_flops,
+    peak_table_markdown,
     training_flops_per_token,
 )
 from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
 
 
 def _torch() -> Any:
@@ -459,3 +461,6 @@ def test_float32_follows_torchs_tf32_setting(fake_gpu: dict[int, str]) -> None:
     fake_gpu[0] = "Tesla V100-SXM2-32GB"
     assert device_peak_flops("cuda:0", torch.float32) == 15.7e12
 
+
+def test_readme_peak_table_matches_the_module() -> None:
+    assert peak_table_markdown() in README
