@@ -38,6 +38,7 @@ __all__ = [
     "device_peak_flops",
     "peak_flops",
     "peak_table_markdown",
+    "report_model_flops",
     "training_flops_per_token",
 ]
 
@@ -580,3 +581,27 @@ def peak_table_markdown() -> str:
         cells = [f"{row.tflops[d]:g}" if d in row.tflops else "-" for d in DTYPES]
         rows.append(f"| {row.label} | {names} | {' | '.join(cells)} | {row.source} |")
     return "\n".join(rows)
+
+
+def report_model_flops(
+    training: Any, model: Any, *, seq_len: int | None = None, device: Any = None, dtype: Any = None
+) -> FlopsEstimate:
+    """Estimate ``model``'s FLOPs per token and hand them, with its device's peak, to ``training``.
+
+    ``training`` is a :class:`~openlora_otel.training.TrainingMetrics`. ``device`` and
+    ``dtype`` default to those of the model's first parameter; pass the compute dtype
+    under mixed precision (bf16 autocast over float32 weights, say), since that is what
+    the matmuls run at. The framework callbacks call this at train start.
+    """
+    estimate = training_flops_per_token(model, seq_len=seq_len)
+    if device is None or dtype is None:
+        first = next(iter(model.parameters()), None)
+        if first is not None:
+            device = first.device if device is None else device
+            dtype = first.dtype if dtype is None else dtype
+    peak = None if device is None or dtype is None else device_peak_flops(device, dtype)
+    if estimate.per_token > 0:
+        training.set_model_flops(estimate.per_token, peak_flops=peak)
+    for note in estimate.assumptions:
+        _logger.debug("openlora-otel: FLOPs estimate: %s", note)
+    return estimate

@@ -44,9 +44,13 @@ GUARD_REASONS = ("nonfinite_loss", "loss_spike")
 # step time in that range. Coarser bounds below (1 ms) and above (60 s) keep the
 # tails. 82 bounds: 83 `_bucket` series per process, plus `_sum` and `_count`.
 STEP_DURATION_BUCKETS: tuple[float, ...] = (
-    (0.001, 0.0025, 0.005)
-    + tuple(float(f"{0.01 * 10 ** (k / 25):.4g}") for k in range(76))
-    + (20.0, 30.0, 60.0)
+    0.001,
+    0.0025,
+    0.005,
+    *(float(f"{0.01 * 10 ** (k / 25):.4g}") for k in range(76)),
+    20.0,
+    30.0,
+    60.0,
 )
 
 

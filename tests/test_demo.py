@@ -348,3 +348,19 @@ def test_a_slow_input_pipeline_shows_as_data_wait(memory_reader: InMemoryMetricR
     telemetry.shutdown()
     assert 0.06 <= value(data, "openlora.training.data_wait.duration") < 1.0
     assert 0.0 < value(data, "openlora.training.data_wait.fraction") <= 1.0
+
+
+def test_the_demo_reports_model_flops_and_mfu_with_a_configured_peak(
+    memory_reader: InMemoryMetricReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENLORA_PEAK_FLOPS", "1e12")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    telemetry = setup_telemetry(metric_readers=[memory_reader])
+    run_demo(DemoOptions(steps=6, eval_every=0, quiet=True), telemetry, where="memory")
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    # The hand count of tests/test_flops.py for the demo's model at seq_len 64.
+    assert value(data, "openlora.model.flops_per_token") == 3_448_832
+    achieved = value(data, "openlora.training.throughput.flops")
+    assert achieved == pytest.approx(value(data, "openlora.training.throughput.tokens") * 3_448_832)
+    assert value(data, "openlora.training.model_flops.utilization") == pytest.approx(achieved / 1e12)

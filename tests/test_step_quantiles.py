@@ -8,18 +8,16 @@ quantile of the recorded sample.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import subprocess
 import sys
 import time
 
-import pytest
-
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from tests.conftest import child_env, free_port
 from tests.prometheus_server import Prometheus
-
 
 SAMPLES = 3000
 QUANTILES = (0.5, 0.9, 0.99)
@@ -136,5 +134,5 @@ def test_histogram_quantile_is_within_10_percent_for_known_distributions(tmp_pat
 def test_bucket_bounds_keep_neighbours_within_10_percent() -> None:
     inside = [b for b in STEP_DURATION_BUCKETS if 0.01 <= b <= 10.0]
     assert inside[0] == 0.01 and inside[-1] == 10.0
-    assert max(high / low for low, high in zip(inside, inside[1:], strict=False)) < 1.1
+    assert max(high / low for low, high in itertools.pairwise(inside)) < 1.1
     assert list(STEP_DURATION_BUCKETS) == sorted(set(STEP_DURATION_BUCKETS))

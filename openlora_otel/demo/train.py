@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
+from openlora_otel.flops import report_model_flops
 from openlora_otel.guard import DivergenceGuard
 from openlora_otel.telemetry import Telemetry
 
@@ -284,6 +285,9 @@ def _run(
     model = build_model(options, data.vocab_size)
     training = telemetry.training
     describe_lora(model, training)
+    # FLOPs per token for achieved FLOP/s (and MFU where a peak is known: not on a CPU
+    # unless OPENLORA_PEAK_FLOPS gives one).
+    report_model_flops(training, model, seq_len=options.seq_len)
     guard = training.attach_guard(
         DivergenceGuard(nonfinite_losses=GUARD_NONFINITE_LOSSES, check_interval_s=GUARD_CHECK_INTERVAL_S)
     )
