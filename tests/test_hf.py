@@ -2,21 +2,81 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
-from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.integrations.hf import TelemetryCallback
-from tests.conftest import points, value
-from tests.tiny_lm import CountingCorpus, tiny_llama, with_lora
+import openlora_otel.integrations  # noqa: E402
+from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
+from openlora_otel.integrations.hf import TelemetryCallback  # noqa: E402
+from tests.conftest import points, value  # noqa: E402
+from tests.test_training_torch import HOST_READS  # noqa: E402
+from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+
+# Tensor methods that bring a value to the host (and so wait for the device that computes it).
+READS = HOST_READS | {"__repr__", "__str__", "__format__", "__array__", "to", "copy_"}
+INTEGRATIONS = str(Path(openlora_otel.integrations.__file__).parent)
+
+
+class HostReads(TorchFunctionMode):
+    """Every host read of a tensor during training: the ones made under an openlora-otel hook, and the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours: list[str] = []
+        self.others = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            frame = sys._getframe(1)
+            while frame is not None and not frame.f_code.co_filename.startswith(INTEGRATIONS):
+                frame = frame.f_back
+            if frame is None:
+                self.others += 1
+            else:
+                self.ours.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class KeepingTrainer(Trainer):
+    """The Trainer, keeping what its own training_step returns: the reference for each step's loss."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept: list[tuple[int, float]] = []  # (steps done before it, micro-batch loss)
+        self.scaled: list[bool] = []  # whether the Trainer passed num_items_in_batch
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.kept.append((self.state.global_step, loss.detach().clone()))
+        self.scaled.append(num_items_in_batch is not None)
+        return loss
+
+
+class Collector(TrainerCallback):
+    """Collects the metrics every ``every`` steps, as a scrape would, keeping what each collection showed."""
+
+    def __init__(self, reader: InMemoryMetricReader, every: int) -> None:
+        self.reader = reader
+        self.every = every
+        self.seen: list[tuple[int, object]] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.seen.append((state.global_step, self.reader.get_metrics_data()))
 
 
 class LogKeeper(TrainerCallback):
@@ -124,3 +184,184 @@ def test_callback_sets_up_and_shuts_down_its_own_telemetry(monkeypatch: pytest.M
     assert owned is not None and owned.enabled
     callback.on_train_end(args, State(), None)
     assert owned.is_shutdown
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "model_scales_loss"),
+    [(1, True), (2, True), (2, False)],
+    ids=["no-accumulation", "accumulation-loss-over-step-tokens", "accumulation-mean-loss"],
+)
+def test_default_arguments_report_loss_tokens_and_learning_rate_every_step(
+    tmp_path,
+    memory_reader: InMemoryMetricReader,
+    caplog: pytest.LogCaptureFixture,
+    accumulation: int,
+    model_scales_loss: bool,
+) -> None:
+    """Trainer defaults (logging_steps=500, no token counting): every collection has loss, tokens and
+    learning rate, equal to what the Trainer computed, and no openlora-otel hook read a tensor."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    handed: list[object] = []
+    record_step = telemetry.training.record_step
+
+    def spy(**kwargs):
+        handed.append(kwargs.get("loss"))
+        record_step(**kwargs)
+
+    telemetry.training.record_step = spy
+    max_steps, batch, every = 20, 4, 5
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    assert args.logging_steps == 500 and args.include_num_input_tokens_seen == "no"
+    collector = Collector(memory_reader, every)
+    trainer = KeepingTrainer(
+        model=with_lora(tiny_llama()),
+        args=args,
+        train_dataset=CountingCorpus(256),
+        callbacks=[TelemetryCallback(telemetry), collector],
+    )
+    # False: the model returns a per-micro-batch mean and the Trainer divides it by the accumulation.
+    trainer.model_accepts_loss_kwargs = model_scales_loss
+    reads = HostReads()
+    with caplog.at_level(logging.WARNING, logger="openlora_otel.integrations"), reads:
+        trainer.train()
+
+    # The Trainer's own loss for each step: the sum of what its training_step returned for the step.
+    step_loss = [0.0] * max_steps
+    for done, loss in trainer.kept:
+        step_loss[done] += float(loss)
+    assert len(trainer.kept) == max_steps * accumulation
+    assert set(trainer.scaled) == {model_scales_loss}
+    assert [step for step, _ in collector.seen] == list(range(every, max_steps + 1, every))
+    for step, data in collector.seen:
+        window = step_loss[step - every : step]
+        assert value(data, "openlora.training.loss") == pytest.approx(statistics.fmean(window), rel=1e-5)
+        assert value(data, "openlora.training.loss.max") == pytest.approx(max(window), rel=1e-5)
+        assert value(data, "openlora.training.tokens") == step * batch * accumulation * SEQ
+        assert value(data, "openlora.training.samples") == step * batch * accumulation
+        # linear decay from 5e-5 without warmup; the step's rate is the one before the scheduler steps
+        assert value(data, "openlora.training.learning_rate") == pytest.approx(
+            5e-5 * (max_steps - step + 1) / max_steps
+        )
+        assert value(data, "openlora.training.gradient_norm") is None  # the Trainer never logged one
+    # Said once, at train start: what these settings cannot give.
+    said = [r.getMessage() for r in caplog.records if "gradient norm is reported" in r.getMessage()]
+    assert len(said) == 1 and "logging_steps=500" in said[0]
+    # No host read under any openlora-otel hook; the detector does see the Trainer's own reads.
+    assert reads.ours == []
+    assert reads.others > 0
+    assert len(handed) == max_steps and all(isinstance(loss, torch.Tensor) for loss in handed)
+    telemetry.shutdown()
+
+
+def test_eval_forwards_are_not_counted_and_trainer_logs_are_not_added_twice(
+    tmp_path, memory_reader: InMemoryMetricReader
+) -> None:
+    """With logging every step, the per-step values win: loss and learning rate reach the window once
+    per step (the Trainer's logged copies are dropped), the gradient norm once per log."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    training = telemetry.training
+    handed: dict[str, int] = {"loss": 0, "grad_norm": 0, "learning_rate": 0}
+
+    def counting(method):
+        def call(**kwargs):
+            for key in handed:
+                handed[key] += kwargs.get(key) is not None
+            method(**kwargs)
+
+        return call
+
+    training.record_step = counting(training.record_step)
+    training.record_values = counting(training.record_values)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        per_device_eval_batch_size=8,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = KeepingTrainer(
+        model=with_lora(tiny_llama()),
+        args=args,
+        train_dataset=CountingCorpus(64),
+        eval_dataset=CountingCorpus(32, seed=1),
+        callbacks=[TelemetryCallback(telemetry)],
+    )
+    trainer.train()
+    data = memory_reader.get_metrics_data()
+    logged = [e for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
+    assert len(logged) == 6 and sum("eval_loss" in e for e in trainer.state.log_history) == 2
+    assert handed == {"loss": 6, "grad_norm": 6, "learning_rate": 6}
+    # Evaluation forwards (32 rows in 4 batches, twice) add neither tokens nor losses.
+    assert value(data, "openlora.training.tokens") == 6 * 4 * SEQ
+    assert value(data, "openlora.training.loss") == pytest.approx(statistics.fmean(e["loss"] for e in logged))
+    telemetry.shutdown()
+
+
+class SlowCollator:
+    """The Trainer's default collator, sleeping a known time per batch of ``size`` rows (``eval_s`` for others)."""
+
+    def __init__(self, size: int, seconds: float, eval_s: float) -> None:
+        self.size, self.seconds, self.eval_s = size, seconds, eval_s
+
+    def __call__(self, features):
+        time.sleep(self.seconds if len(features) == self.size else self.eval_s)
+        return default_data_collator(features)
+
+
+def test_data_wait_is_the_time_the_steps_waited_for_their_batches(
+    tmp_path, memory_reader: InMemoryMetricReader
+) -> None:
+    """A collator sleeping 50 ms per training batch, two micro-batches per step: 100 ms of waiting per step;
+    evaluations (slow on purpose) are neither waiting nor step time."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    sleep, accumulation, steps = 0.05, 2, 8
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        eval_strategy="steps",
+        eval_steps=4,
+        per_device_eval_batch_size=8,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=with_lora(tiny_llama()),
+        args=args,
+        train_dataset=CountingCorpus(256),
+        eval_dataset=CountingCorpus(16, seed=1),
+        data_collator=SlowCollator(4, sleep, eval_s=0.5),
+        callbacks=[TelemetryCallback(telemetry)],
+    )
+    trainer.train()
+    data = memory_reader.get_metrics_data()
+    wait = value(data, "openlora.training.data_wait.duration")
+    [duration] = points(data, "openlora.training.step.duration")
+    assert duration.count == steps
+    step_mean = duration.sum / duration.count
+    # At least the sleeps; at most a little more (the fetch's own work), never an evaluation (2 x 0.5 s).
+    assert accumulation * sleep <= wait < accumulation * sleep + 0.05
+    # Step time holds the wait and the compute, not the evaluations.
+    assert wait < step_mean < wait + 1.0
+    assert step_mean - wait > 0.005
+    fraction = value(data, "openlora.training.data_wait.fraction")
+    assert 0.0 < fraction < 1.0
+    telemetry.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 
@@ -110,4 +111,68 @@ def test_no_host_read_of_the_loss_in_the_callback(memory_reader: InMemoryMetricR
     assert value(data, "openlora.training.loss") == pytest.approx(3.0)
     assert value(data, "openlora.training.steps") == 5
     assert value(data, "openlora.training.tokens") == 5 * 2 * SEQ
+    telemetry.shutdown()
+
+
+class SlowCollate:
+    """torch's default collate, sleeping a known time per batch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, rows):
+        time.sleep(self.seconds)
+        return torch.utils.data.default_collate(rows)
+
+
+class Span(pl.Callback):
+    """When training started and ended, and how many validations ran in between."""
+
+    def __init__(self) -> None:
+        self.started = self.ended = 0.0
+        self.validations = 0
+
+    def on_train_start(self, trainer, pl_module):
+        self.started = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations += not trainer.sanity_checking
+
+    def on_train_end(self, trainer, pl_module):
+        self.ended = time.perf_counter()
+
+
+def test_data_wait_is_the_time_the_steps_waited_for_their_batches(memory_reader: InMemoryMetricReader) -> None:
+    """A loader sleeping 50 ms per batch, two micro-batches per optimizer step: 100 ms of waiting per step.
+    Validations (slow on purpose, one of them between a step's micro-batches) are neither waiting nor step time."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    sleep, accumulation, steps, val_sleep = 0.05, 2, 8, 0.3
+    loader = torch.utils.data.DataLoader(CountingCorpus(256), batch_size=4, collate_fn=SlowCollate(sleep))
+    val_loader = torch.utils.data.DataLoader(
+        CountingCorpus(16, seed=1), batch_size=8, collate_fn=SlowCollate(val_sleep)
+    )
+    span = Span()
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accumulate_grad_batches=accumulation,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=5,  # batches 5 and 15 are the first micro-batch of a step, 10 the last
+        num_sanity_val_steps=0,
+        callbacks=[TelemetryCallback(telemetry), span],
+    )
+    trainer.fit(LoraModule(), loader, val_loader)
+    data = memory_reader.get_metrics_data()
+    wait = value(data, "openlora.training.data_wait.duration")
+    [duration] = points(data, "openlora.training.step.duration")
+    assert duration.count == steps and span.validations == 3
+    # At least the sleeps; at most a little more (the fetch's own work), never a validation (2 x 0.3 s).
+    assert accumulation * sleep <= wait < accumulation * sleep + 0.05
+    assert duration.sum / steps - wait > 0.005  # the step holds compute as well as the wait
+    # Step time leaves the validations out, also the ones in the middle of a step.
+    assert duration.sum < (span.ended - span.started) - span.validations * 2 * val_sleep
+    assert 0.0 < value(data, "openlora.training.data_wait.fraction") < 1.0
     telemetry.shutdown()

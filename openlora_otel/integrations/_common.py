@@ -1,14 +1,15 @@
-"""What the framework callbacks share: owning a Telemetry, and describing a PEFT LoRA adapter."""
+"""What the framework callbacks share: owning a Telemetry, describing a PEFT LoRA adapter, timing steps."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from openlora_otel.telemetry import Telemetry, setup_telemetry
 from openlora_otel.training import TrainingMetrics
 
-__all__ = ["TelemetryOwner", "describe_lora"]
+__all__ = ["StepClock", "TelemetryOwner", "describe_lora", "safe"]
 
 _logger = logging.getLogger("openlora_otel.integrations")
 
@@ -41,6 +42,65 @@ class TelemetryOwner:
             self._owned = False
         else:
             self._telemetry.force_flush()
+
+
+class StepClock:
+    """Host wall time of each optimizer step, and how much of it went to waiting for batches.
+
+    The callbacks call :meth:`idle` where the training loop is between batches
+    and about to fetch the next one (a step or micro-batch ended, an
+    evaluation ended), :meth:`batch_started` when a (micro-)batch arrives and
+    :meth:`step_ended` at the end of each optimizer step. A step's data wait
+    is the sum of the gaps from :meth:`idle` to :meth:`batch_started` within
+    it; its time runs from the first of those gaps' start to its end, less
+    what :meth:`pause` / :meth:`resume` took out (an evaluation that ran in
+    the middle of a step's micro-batches). Only ``perf_counter()`` calls: no
+    device is touched.
+    """
+
+    __slots__ = ("_excluded", "_idle_since", "_paused_at", "_started", "_waited")
+
+    def __init__(self) -> None:
+        self._idle_since: float | None = None
+        self._started: float | None = None
+        self._waited: float | None = None
+        self._excluded = 0.0
+        self._paused_at: float | None = None
+
+    def idle(self) -> None:
+        """The loop is between batches: the time from here to the next batch is waiting for it."""
+        self._idle_since = time.perf_counter()
+
+    def batch_started(self) -> None:
+        now = time.perf_counter()
+        since, self._idle_since = self._idle_since, None
+        if since is None:  # no idle point seen (a hook the framework skipped): no wait to claim
+            if self._started is None:
+                self._started = now
+            return
+        self._waited = (self._waited or 0.0) + (now - since)
+        if self._started is None:
+            self._started = since
+
+    def pause(self) -> None:
+        """Something that is not the step runs now (an evaluation): keep it out of the step's time."""
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        now = time.perf_counter()
+        if self._paused_at is not None and self._started is not None:
+            self._excluded += now - self._paused_at
+        self._paused_at = None
+        self._idle_since = now
+
+    def step_ended(self) -> tuple[float | None, float | None]:
+        """``(step_time_s, data_time_s)`` of the step that just ended; either is None when unknown."""
+        now = time.perf_counter()
+        step_time = None if self._started is None else max(now - self._started - self._excluded, 0.0)
+        waited = self._waited
+        self._started = self._waited = None
+        self._excluded = 0.0
+        return step_time, waited
 
 
 def describe_lora(model: Any, training: TrainingMetrics) -> bool:

@@ -3,31 +3,108 @@
     from openlora_otel.integrations.hf import TelemetryCallback
     trainer = Trainer(..., callbacks=[TelemetryCallback(telemetry)])
 
-Per optimizer step (``on_step_end``): one ``record_step`` with the step's wall
-time, the tokens the Trainer counted (``include_num_input_tokens_seen``; else
-none) and the nominal samples (per-device batch size x gradient accumulation).
-Loss, gradient norm and learning rate come from the Trainer's own logs
-(``on_log``, every ``logging_steps``): the Trainer has already read them to the
-host there, so the callback adds no device sync of its own. Evaluations
-(``on_evaluate``) go to ``record_eval``; a PEFT LoRA config on the model is
-described at train start; metrics are flushed at train end. Independent of
-``report_to``: it works with ``"none"`` and next to other reporters.
+Every optimizer step, whatever ``logging_steps`` and ``include_num_input_tokens_seen``
+say, one ``record_step`` (at ``on_step_end``) carries:
+
+- the loss: a forward hook on the model keeps ``output.loss`` (detached, never
+  read) of each training forward, that is a forward with the model in training
+  mode and gradients enabled, so evaluation forwards are left out. The step's
+  loss is what the Trainer itself would log for it: the mean of the
+  micro-batch losses, or their sum when the Trainer passed
+  ``num_items_in_batch`` (the model then already divided by the whole step's
+  token count), times the number of processes when
+  ``average_tokens_across_devices`` makes the Trainer do so (data parallel).
+  The sum and mean are taken on the loss's device.
+- tokens: the element count of the model's main input (``input_ids``),
+  padding included, a shape fact; with ``include_num_input_tokens_seen`` on,
+  the Trainer's own count instead. Samples: the first dimension of that input.
+- the learning rate of the first parameter group, read at ``on_optimizer_step``
+  (before the scheduler moves it on, the value the Trainer logs for the step).
+- the step's wall time and how long it waited for its batches (`StepClock`):
+  the wait is the time from the end of the previous step, or of the logging,
+  evaluation or checkpoint that followed it, to ``on_step_begin``. The Trainer
+  fetches all of a step's micro-batches in that gap (``get_batch_samples``),
+  so with gradient accumulation every fetch is counted; the gap also holds the
+  move of the batch to the device and the Trainer's count of the label tokens.
+  Step time runs from that same point to ``on_step_end``, so it includes the
+  wait and leaves out logging, evaluation and checkpoints.
+
+What cannot be had per step: the gradient norm. The Trainer keeps each step's
+norm in a local variable that no callback event receives, and the gradients a
+callback can see (``on_pre_optimizer_step``) are already clipped; the gauge
+gets the Trainer's logged ``grad_norm`` every ``logging_steps`` and the
+callback says so once at train start. When the model computes no loss (label
+smoothing, ``compute_loss_func``, tuple outputs), the loss also comes from the
+logs only, said once.
+
+Which source wins: a value the hooks took per step is never added again from
+``on_log``, so loss and learning rate are counted once; ``grad_norm`` only
+ever comes from ``on_log``. Evaluations (``on_evaluate``) go to
+``record_eval``; a PEFT LoRA config on the model is described at train start;
+metrics are flushed at train end. Independent of ``report_to``: it works with
+``"none"`` and next to other reporters.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
-from openlora_otel.integrations._common import TelemetryOwner, describe_lora, safe
+from openlora_otel.integrations._common import StepClock, TelemetryOwner, describe_lora, safe
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
 
+_logger = logging.getLogger("openlora_otel.integrations")
+
 # Keys of Trainer logs and eval metrics that are bookkeeping, not model quality.
 _NOT_EVAL_METRICS = {"epoch", "runtime", "samples_per_second", "steps_per_second", "loss"}
+
+
+class _ForwardTap:
+    """A forward hook that keeps each training forward's loss tensor and batch shape, reading nothing."""
+
+    def __init__(self, main_input: str) -> None:
+        self.main_input = main_input
+        self.handle: Any = None
+        self.failed = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss: Any = None  # sum of the step's micro-batch losses, on their device
+        self.parts = 0
+        self.scaled = False  # the model divided by the step's token count (num_items_in_batch)
+        self.tokens = 0
+        self.samples = 0
+        self.forwards = 0
+
+    def __call__(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        # Runs inside the model's forward: never raise into it.
+        try:
+            if not (module.training and torch.is_grad_enabled()):
+                return  # evaluation or prediction
+            self.forwards += 1
+            ids = kwargs.get(self.main_input)
+            if ids is None and args:
+                ids = args[0]
+            if isinstance(ids, torch.Tensor) and ids.dim() > 0:
+                self.tokens += ids.numel()  # shape facts: no device read
+                self.samples += ids.shape[0]
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                return
+            loss = loss.detach().reshape(())
+            self.loss = loss if self.loss is None else self.loss + loss  # on the device, not read
+            self.parts += 1
+            if kwargs.get("num_items_in_batch") is not None:
+                self.scaled = True
+        except Exception:
+            if not self.failed:
+                self.failed = True
+                _logger.warning("openlora-otel forward hook failed; training continues", exc_info=True)
 
 
 class TelemetryCallback(TrainerCallback):
@@ -41,9 +118,17 @@ class TelemetryCallback(TrainerCallback):
 
     def __init__(self, telemetry: Telemetry | None = None) -> None:
         self._owner = TelemetryOwner(telemetry)
-        self._step_started: float | None = None
+        self._clock = StepClock()
+        self._tap: _ForwardTap | None = None
+        self._loss_scale = 1
         self._tokens_seen = 0
+        self._trainer_counts_tokens = False
         self._samples_per_step = 0
+        self._learning_rate: Any = None
+        self._step_loss_seen = False  # a per-step loss reached the window since the last on_log
+        self._step_lr_seen = False
+        self._said_no_loss = False
+        self._said_no_input = False
 
     @safe
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -51,31 +136,109 @@ class TelemetryCallback(TrainerCallback):
         if model is not None:
             describe_lora(model, training)
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False)
         self._samples_per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
+        # The Trainer multiplies a loss normalised over all processes' tokens back by the process count.
+        world = int(getattr(args, "world_size", 1) or 1)
+        self._loss_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
+        self._remove_tap()
+        if model is not None and int(getattr(args, "n_gpu", 1) or 1) <= 1:
+            self._tap = _ForwardTap(str(getattr(model, "main_input_name", "input_ids") or "input_ids"))
+            self._tap.handle = model.register_forward_hook(self._tap, with_kwargs=True)
+        else:
+            _logger.warning(
+                "openlora-otel: no forward hook (%s); loss comes from the Trainer's logs every "
+                "logging_steps, tokens only with include_num_input_tokens_seen",
+                "no model given" if model is None else "DataParallel over several GPUs",
+            )
+        every = getattr(state, "logging_steps", None) or getattr(args, "logging_steps", None)
+        strategy = getattr(args, "logging_strategy", "steps")
+        if not (getattr(strategy, "value", strategy) == "steps" and every == 1):
+            _logger.warning(
+                "openlora-otel: the gradient norm is reported from the Trainer's logs only (logging_steps=%s): "
+                "the Trainer gives each step's norm to no callback, and the gradients a callback sees are "
+                "already clipped. Loss, learning rate and tokens are reported every step.",
+                every,
+            )
+        self._clock = StepClock()
+        self._clock.idle()
+
+    @safe
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._clock.idle()  # the epoch's iterator is created and its first batches fetched next
 
     @safe
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._step_started = time.perf_counter()
+        self._clock.batch_started()
+
+    @safe
+    def on_optimizer_step(
+        self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any
+    ) -> None:
+        groups = getattr(optimizer, "param_groups", None)
+        self._learning_rate = groups[0].get("lr") if groups else None
 
     @safe
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        now = time.perf_counter()
-        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        tokens = max(seen - self._tokens_seen, 0) if seen else None
-        self._tokens_seen = seen
-        step_time = None if self._step_started is None else now - self._step_started
-        self._owner.training.record_step(tokens=tokens, samples=self._samples_per_step, step_time_s=step_time)
+        step_time, data_time = self._clock.step_ended()
+        loss = tokens = samples = None
+        tap = self._tap
+        if tap is not None:
+            if tap.parts:
+                loss = tap.loss
+                if tap.scaled:
+                    if self._loss_scale != 1:
+                        loss = loss * self._loss_scale
+                elif tap.parts > 1:
+                    loss = loss / tap.parts
+                self._step_loss_seen = True
+            elif tap.forwards and not self._said_no_loss:
+                self._said_no_loss = True
+                _logger.warning(
+                    "openlora-otel: the model's forward returns no loss (label smoothing, compute_loss_func "
+                    "or tuple outputs); the loss comes from the Trainer's logs every logging_steps"
+                )
+            if tap.samples:
+                tokens, samples = tap.tokens, tap.samples
+            elif tap.forwards and not self._said_no_input:
+                self._said_no_input = True
+                _logger.warning(
+                    "openlora-otel: the model's forward gets no %r tensor; tokens are counted only with "
+                    "include_num_input_tokens_seen, samples are the nominal batch size",
+                    tap.main_input,
+                )
+            tap.reset()
+        if self._trainer_counts_tokens or tokens is None:
+            seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+            tokens = max(seen - self._tokens_seen, 0) if seen else tokens
+            self._tokens_seen = seen
+        learning_rate, self._learning_rate = _rate(self._learning_rate), None
+        if learning_rate is not None:
+            self._step_lr_seen = True
+        self._owner.training.record_step(
+            loss=loss,
+            learning_rate=learning_rate,
+            tokens=tokens,
+            samples=samples if samples else self._samples_per_step,
+            step_time_s=step_time,
+            data_time_s=data_time,
+        )
+        self._clock.idle()
 
     @safe
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        self._clock.idle()  # logging is not waiting for data
         if not logs:
             return
         training = self._owner.training
-        loss = _number(logs.get("loss"))
+        # Values the hooks already took for these steps are not added twice.
+        loss = None if self._step_loss_seen else _number(logs.get("loss"))
+        learning_rate = None if self._step_lr_seen else _number(logs.get("learning_rate"))
+        if "loss" in logs:  # a training log (not an evaluation's): the next one starts afresh
+            self._step_loss_seen = self._step_lr_seen = False
         grad_norm = _number(logs.get("grad_norm"))
-        learning_rate = _number(logs.get("learning_rate"))
         if grad_norm is not None and grad_norm < 0:
             grad_norm = None
         training.record_values(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate)
@@ -86,6 +249,7 @@ class TelemetryCallback(TrainerCallback):
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        self._clock.idle()
         if not metrics:
             return
         others = {}
@@ -97,13 +261,30 @@ class TelemetryCallback(TrainerCallback):
         self._owner.training.record_eval(loss=_number(metrics.get("eval_loss")), **others)
 
     @safe
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._clock.idle()
+
+    @safe
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.epoch is not None:
             self._owner.training.record_epoch(float(state.epoch))
 
     @safe
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_tap()
         self._owner.finish()
+
+    def _remove_tap(self) -> None:
+        if self._tap is not None and self._tap.handle is not None:
+            self._tap.handle.remove()
+        self._tap = None
+
+
+def _rate(value: Any) -> Any:
+    """A learning rate as the optimizer holds it: a float, or a one-element tensor passed on unread."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.numel() == 1 else None
+    return _number(value)
 
 
 def _number(value: Any) -> float | None:

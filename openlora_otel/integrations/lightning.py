@@ -3,8 +3,8 @@
     from openlora_otel.integrations.lightning import TelemetryCallback
     trainer = lightning.Trainer(..., callbacks=[TelemetryCallback(telemetry)])
 
-Per optimizer step: one ``record_step`` with the step's wall time, tokens and
-samples. The loss tensor Lightning hands to ``on_train_batch_end`` is passed
+Per optimizer step: one ``record_step`` with the step's wall time, how long it
+waited for its batches, tokens and samples. The loss tensor Lightning hands to ``on_train_batch_end`` is passed
 as a tensor (read later, off the training thread: no sync per step); with
 gradient accumulation every micro-batch loss joins the window. The gradient
 norm of the trainable parameters is computed on their device before the
@@ -16,18 +16,29 @@ given. Otherwise: samples is the first dimension of ``batch["input_ids"]`` (or
 of the batch tensor), and tokens the element count of ``input_ids``, padding
 included: both are shape facts, so no device read. Validation metrics come
 from ``trainer.callback_metrics`` at validation end.
+
+Waiting for data (`StepClock`): the time from each ``on_train_batch_end`` (or
+``on_train_start``, ``on_train_epoch_start``, the end of a validation) to the
+next ``on_train_batch_start``, summed over the step's micro-batches, so every
+fetch under gradient accumulation counts. That gap holds Lightning's fetch
+from the dataloader, the move of the batch to the device, the learning-rate
+scheduler and logger bookkeeping, and the other callbacks' ``on_train_batch_end``
+that run after this one (a progress bar among them). Not in it: the first
+epoch's iterator creation (Lightning makes it before ``on_train_start``).
+Step time runs from the end of the previous step to the end of this one,
+waits included, validation excluded (also one run between the micro-batches
+of a step).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from openlora_otel.integrations._common import TelemetryOwner, describe_lora, safe
+from openlora_otel.integrations._common import StepClock, TelemetryOwner, describe_lora, safe
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
@@ -54,7 +65,7 @@ class TelemetryCallback(pl.Callback):
         self._grad_norm = grad_norm
         self._tokens_fn = tokens_fn
         self._samples_fn = samples_fn
-        self._step_started: float | None = None
+        self._clock = StepClock()
         self._last_global_step = 0
         self._tokens = 0
         self._samples = 0
@@ -63,14 +74,18 @@ class TelemetryCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         describe_lora(pl_module, self._owner.training)
         self._last_global_step = trainer.global_step
-        self._step_started = time.perf_counter()
+        self._clock = StepClock()
+        self._clock.idle()
+
+    @safe
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.idle()  # the epoch's iterator is created and its first batch fetched next
 
     @safe
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._step_started is None:
-            self._step_started = time.perf_counter()
+        self._clock.batch_started()
         self._tokens += self._count_tokens(batch)
         self._samples += self._count_samples(batch)
 
@@ -91,6 +106,12 @@ class TelemetryCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        try:
+            self._batch_end(trainer, outputs)
+        finally:
+            self._clock.idle()  # from here to the next on_train_batch_start: fetching the next batch
+
+    def _batch_end(self, trainer: pl.Trainer, outputs: Any) -> None:
         training = self._owner.training
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
@@ -98,7 +119,7 @@ class TelemetryCallback(pl.Callback):
         if trainer.global_step == self._last_global_step:
             return  # a micro-batch under gradient accumulation: no optimizer step yet
         self._last_global_step = trainer.global_step
-        now = time.perf_counter()
+        step_time, data_time = self._clock.step_ended()
         learning_rate = None
         if trainer.optimizers:
             learning_rate = trainer.optimizers[0].param_groups[0].get("lr")
@@ -106,17 +127,22 @@ class TelemetryCallback(pl.Callback):
             learning_rate=learning_rate if isinstance(learning_rate, float) else None,
             tokens=self._tokens,
             samples=self._samples,
-            step_time_s=None if self._step_started is None else now - self._step_started,
+            step_time_s=step_time,
+            data_time_s=data_time,
         )
         self._tokens = self._samples = 0
-        self._step_started = now
 
     @safe
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._owner.training.record_epoch(trainer.current_epoch + 1)
 
     @safe
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.pause()
+
+    @safe
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.resume()  # validation is neither the step nor waiting for its data
         if trainer.sanity_checking:
             return
         metrics: dict[str, float] = {}
