@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import sys
 import time
@@ -365,3 +366,90 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(
     fraction = value(data, "openlora.training.data_wait.fraction")
     assert 0.0 < fraction < 1.0
     telemetry.shutdown()
+
+
+class StepTimes(TrainerCallback):
+    """When each optimizer step ended (the Trainer's step count at that moment)."""
+
+    def __init__(self) -> None:
+        self.ended: dict[int, float] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ended[state.global_step] = time.perf_counter()
+
+
+def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag_after_a_checkpoint(
+    tmp_path, memory_reader: InMemoryMetricReader
+) -> None:
+    from openlora_otel.guard import DivergenceGuard
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    model = with_lora(tiny_llama())
+    times = StepTimes()
+    bad_from = 10  # the forward of optimizer step 10 (0-based count of steps done) returns NaN
+
+    def poison(module, args, kwargs, output):
+        if times.ended and max(times.ended) >= bad_from:
+            output.loss = output.loss * math.nan
+        return output
+
+    model.register_forward_hook(poison, with_kwargs=True)  # before ours: ours sees the NaN
+    guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2000,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=CountingCorpus(8000),
+        callbacks=[times, TelemetryCallback(telemetry, guard=guard, save_on_trip=True)],
+    )
+    trainer.train()
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    stopped = trainer.state.global_step
+    assert guard.trip is not None and guard.trip.reason == "nonfinite_loss"
+    third_bad = bad_from + 3  # steps 11, 12, 13 carried NaN losses
+    assert third_bad <= stopped < 2000
+    # The documented lag: the guard's check interval plus a read-back (here a CPU one), with slack
+    # for a loaded machine; the step that saw the trip is the last.
+    assert times.ended[stopped] - times.ended[third_bad] < 0.05 + 2.0
+    assert (tmp_path / f"checkpoint-{stopped}").is_dir()  # save_on_trip: the Trainer saved first
+    assert value(data, "openlora.training.loss.nonfinite") == stopped - bad_from
+    assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
+
+
+def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkeypatch) -> None:
+    from openlora_otel.flops import training_flops_per_token
+
+    monkeypatch.setenv("OPENLORA_PEAK_FLOPS", "1e12")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    telemetry = setup_telemetry(metric_readers=[memory_reader])
+    model = with_lora(tiny_llama())
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    Trainer(
+        model=model, args=args, train_dataset=CountingCorpus(64), callbacks=[TelemetryCallback(telemetry)]
+    ).train()
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    per_token = training_flops_per_token(model, seq_len=SEQ).per_token
+    assert value(data, "openlora.model.flops_per_token") == per_token
+    assert value(data, "openlora.training.model_flops.utilization") == pytest.approx(
+        value(data, "openlora.training.throughput.tokens") * per_token / 1e12
+    )

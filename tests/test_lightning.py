@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -176,3 +177,70 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(memory_reader:
     assert duration.sum < (span.ended - span.started) - span.validations * 2 * val_sleep
     assert 0.0 < value(data, "openlora.training.data_wait.fraction") < 1.0
     telemetry.shutdown()
+
+
+class DivergingModule(LoraModule):
+    """The loss goes NaN from optimizer step ``bad_from`` on."""
+
+    bad_from = 10
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        if self.trainer.global_step >= self.bad_from:
+            loss = loss * math.nan
+        return loss
+
+
+def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: InMemoryMetricReader) -> None:
+    from openlora_otel.guard import DivergenceGuard
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+    module = DivergingModule()
+    ended: dict[int, float] = {}
+
+    class StepTimes(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ended[trainer.global_step] = time.perf_counter()
+
+    trainer = pl.Trainer(
+        max_steps=3000,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimes(), TelemetryCallback(telemetry, guard=guard)],
+    )
+    loader = torch.utils.data.DataLoader(CountingCorpus(12000), batch_size=2)
+    trainer.fit(module, loader)
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    stopped = trainer.global_step
+    assert guard.trip is not None and guard.trip.reason == "nonfinite_loss"
+    third_bad = DivergingModule.bad_from + 3
+    assert third_bad <= stopped < 3000
+    assert ended[stopped] - ended[third_bad] < 0.05 + 2.0
+    assert value(data, "openlora.training.loss.nonfinite") >= 3
+    assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
+
+
+def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) -> None:
+    from openlora_otel.flops import training_flops_per_token
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    module = LoraModule()
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TelemetryCallback(telemetry)],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(32), batch_size=4))
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    assert value(data, "openlora.model.flops_per_token") == training_flops_per_token(module, seq_len=SEQ).per_token
+    assert value(data, "openlora.training.model_flops.utilization") is None  # a CPU, no peak configured

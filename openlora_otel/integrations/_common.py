@@ -9,7 +9,7 @@ from typing import Any
 from openlora_otel.telemetry import Telemetry, setup_telemetry
 from openlora_otel.training import TrainingMetrics
 
-__all__ = ["StepClock", "TelemetryOwner", "describe_lora", "safe"]
+__all__ = ["ModelFlops", "StepClock", "TelemetryOwner", "describe_lora", "safe"]
 
 _logger = logging.getLogger("openlora_otel.integrations")
 
@@ -101,6 +101,31 @@ class StepClock:
         self._started = self._waited = None
         self._excluded = 0.0
         return step_time, waited
+
+
+class ModelFlops:
+    """Reports the model's FLOPs per token once, at the first step whose sequence length is known.
+
+    The attention term needs the sequence length, which only the first batch
+    tells (a shape fact: tokens / samples). ``dtype`` is the matmuls' compute
+    dtype (the mixed-precision setting), None for the model's own.
+    """
+
+    __slots__ = ("_dtype", "_model", "done")
+
+    def __init__(self, model: Any, dtype: Any = None) -> None:
+        self._model = model
+        self._dtype = dtype
+        self.done = model is None
+
+    def step(self, training: TrainingMetrics, tokens: int | None, samples: int | None) -> None:
+        if self.done:
+            return
+        self.done = True  # once, whatever happens below
+        from openlora_otel.flops import report_model_flops
+
+        seq_len = tokens // samples if tokens and samples else None
+        report_model_flops(training, self._model, seq_len=seq_len, dtype=self._dtype)
 
 
 def describe_lora(model: Any, training: TrainingMetrics) -> bool:

@@ -53,7 +53,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from openlora_otel.integrations._common import StepClock, TelemetryOwner, describe_lora, safe
+from openlora_otel.guard import DivergenceGuard
+from openlora_otel.integrations._common import ModelFlops, StepClock, TelemetryOwner, describe_lora, safe
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
@@ -114,10 +115,30 @@ class TelemetryCallback(TrainerCallback):
     callback calls ``setup_telemetry()`` at train start and shuts it down at
     train end. Every hook is guarded: a failure is logged once and never
     reaches the training loop.
+
+    ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
+    start; once it trips, the step it is seen at sets
+    ``control.should_training_stop`` (and ``control.should_save`` with
+    ``save_on_trip=True``, so the Trainer writes a checkpoint first).
+    ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
+    is known) from the first step's sequence length.
     """
 
-    def __init__(self, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        telemetry: Telemetry | None = None,
+        *,
+        guard: DivergenceGuard | None = None,
+        save_on_trip: bool = False,
+        flops: bool = True,
+    ) -> None:
+        if guard is not None and not isinstance(guard, DivergenceGuard):
+            raise TypeError(f"guard must be a DivergenceGuard, got {type(guard).__name__}")
         self._owner = TelemetryOwner(telemetry)
+        self._guard = guard
+        self._save_on_trip = save_on_trip
+        self._flops_wanted = flops
+        self._flops = ModelFlops(None)
         self._clock = StepClock()
         self._tap: _ForwardTap | None = None
         self._loss_scale = 1
@@ -135,6 +156,12 @@ class TelemetryCallback(TrainerCallback):
         training = self._owner.training
         if model is not None:
             describe_lora(model, training)
+        if self._guard is not None:
+            training.attach_guard(self._guard)
+        if self._flops_wanted and model is not None:
+            dtype = torch.bfloat16 if getattr(args, "bf16", False) else None
+            dtype = torch.float16 if getattr(args, "fp16", False) else dtype
+            self._flops = ModelFlops(model, dtype)
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False)
         self._samples_per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
@@ -223,7 +250,13 @@ class TelemetryCallback(TrainerCallback):
             step_time_s=step_time,
             data_time_s=data_time,
         )
+        guard = self._guard
+        if guard is not None and guard.tripped:
+            control.should_training_stop = True
+            if self._save_on_trip:
+                control.should_save = True
         self._clock.idle()
+        self._flops.step(self._owner.training, tokens, samples or self._samples_per_step)
 
     @safe
     def on_log(

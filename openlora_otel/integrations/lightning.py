@@ -38,7 +38,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from openlora_otel.integrations._common import StepClock, TelemetryOwner, describe_lora, safe
+from openlora_otel.guard import DivergenceGuard
+from openlora_otel.integrations._common import ModelFlops, StepClock, TelemetryOwner, describe_lora, safe
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
@@ -51,6 +52,11 @@ class TelemetryCallback(pl.Callback):
     callback calls ``setup_telemetry()`` at train start and shuts it down at
     train end. ``grad_norm=False`` skips the gradient norm. Every hook is
     guarded: a failure is logged once and never reaches the training loop.
+
+    ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
+    start; once it trips, the step it is seen at sets ``trainer.should_stop``.
+    ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
+    is known) from the first step's sequence length.
     """
 
     def __init__(
@@ -60,8 +66,15 @@ class TelemetryCallback(pl.Callback):
         grad_norm: bool = True,
         tokens_fn: Callable[[Any], int] | None = None,
         samples_fn: Callable[[Any], int] | None = None,
+        guard: DivergenceGuard | None = None,
+        flops: bool = True,
     ) -> None:
+        if guard is not None and not isinstance(guard, DivergenceGuard):
+            raise TypeError(f"guard must be a DivergenceGuard, got {type(guard).__name__}")
         self._owner = TelemetryOwner(telemetry)
+        self._guard = guard
+        self._flops_wanted = flops
+        self._flops = ModelFlops(None)
         self._grad_norm = grad_norm
         self._tokens_fn = tokens_fn
         self._samples_fn = samples_fn
@@ -72,7 +85,12 @@ class TelemetryCallback(pl.Callback):
 
     @safe
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        describe_lora(pl_module, self._owner.training)
+        training = self._owner.training
+        describe_lora(pl_module, training)
+        if self._guard is not None:
+            training.attach_guard(self._guard)
+        if self._flops_wanted:
+            self._flops = ModelFlops(pl_module, _compute_dtype(str(getattr(trainer, "precision", ""))))
         self._last_global_step = trainer.global_step
         self._clock = StepClock()
         self._clock.idle()
@@ -130,7 +148,11 @@ class TelemetryCallback(pl.Callback):
             step_time_s=step_time,
             data_time_s=data_time,
         )
+        tokens, samples = self._tokens, self._samples
         self._tokens = self._samples = 0
+        if self._guard is not None and self._guard.tripped:
+            trainer.should_stop = True
+        self._flops.step(training, tokens, samples)
 
     @safe
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -175,3 +197,12 @@ class TelemetryCallback(pl.Callback):
         if isinstance(first, (list, tuple)) and first:
             first = first[0]
         return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0
+
+
+def _compute_dtype(precision: str) -> Any:
+    """The matmuls' dtype under a Lightning precision setting ("bf16-mixed", "16-true", ...); None: the model's."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
