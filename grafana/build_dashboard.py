@@ -170,6 +170,292 @@ def dashboard(
     }
 
 
+# OpenloraInputBound fires when a process's data-wait fraction averages above this
+# (collector/rules/openlora.yml); the panels draw it as a line.
+INPUT_BOUND_THRESHOLD = 0.25
+
+
+def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
+    """Is the run waiting for its data, and how much of the device's peak does it use: the row, from y."""
+    legend = "{{instance}}"
+    panels.append(row("Input and compute", y))
+    y += 1
+    panels += [
+        panel(
+            "timeseries",
+            "Data-wait fraction",
+            "Share of wall time spent waiting for batches over each collection window "
+            "(openlora_training_data_wait_fraction: the data_time_s given to record_step over the time between "
+            f"steps), 0 to 1. The line is {INPUT_BOUND_THRESHOLD:g}: averaged above it over 5 minutes, for 10 "
+            "minutes while steps advance, OpenloraInputBound fires.",
+            "percentunit",
+            [target(f"openlora_training_data_wait_fraction{{{SEL}}}{RUN}", legend)],
+            x=0,
+            y=y,
+            w=6,
+            h=8,
+            defaults={
+                "min": 0,
+                "max": 1,
+                "thresholds": thresholds((None, "green"), (INPUT_BOUND_THRESHOLD, "red")),
+                "custom": {"thresholdsStyle": {"mode": "line"}},
+            },
+        ),
+        panel(
+            "timeseries",
+            "Data wait per step",
+            "Mean time a step waited for its batch over each collection window "
+            "(openlora_training_data_wait_duration_seconds): compare it with the step time quantiles.",
+            "s",
+            [target(f"openlora_training_data_wait_duration_seconds{{{SEL}}}{RUN}", legend)],
+            x=6,
+            y=y,
+            w=6,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Model FLOP/s: achieved and peak",
+            "Achieved model FLOP/s, tokens per second times the model's training FLOPs per token "
+            "(openlora_training_throughput_flops_per_second; present once set_model_flops() was called, which "
+            "the framework callbacks do), and the peak of the process's device it is measured against "
+            "(openlora_training_peak_flops_per_second: OPENLORA_PEAK_FLOPS, else the datasheet table).",
+            "flops",
+            [
+                target(f"openlora_training_throughput_flops_per_second{{{SEL}}}{RUN}", f"achieved {legend}"),
+                target(f"openlora_training_peak_flops_per_second{{{SEL}}}{RUN}", f"peak {legend}"),
+            ],
+            x=12,
+            y=y,
+            w=6,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "MFU (model FLOPs utilization)",
+            "Achieved model FLOP/s over the device's peak (openlora_training_model_flops_utilization), 0 to 1. "
+            "Absent where no peak is known: on CPU, and on GPUs the datasheet table does not list, unless "
+            "OPENLORA_PEAK_FLOPS gives the peak; absent too until set_model_flops() was called.",
+            "percentunit",
+            [target(f"openlora_training_model_flops_utilization{{{SEL}}}{RUN}", legend)],
+            x=18,
+            y=y,
+            w=6,
+            h=8,
+            defaults={"min": 0},
+        ),
+    ]
+    return y + 8
+
+
+def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
+    """Evaluation metrics beyond the loss, non-finite evaluations, divergence guard trips: the row, from y."""
+    legend = "{{instance}}"
+    panels.append(row("Evaluation and divergence", y))
+    y += 1
+    panels += [
+        panel(
+            "timeseries",
+            "Evaluation metrics",
+            "The latest value of each evaluation metric besides the loss (perplexity, accuracy, ...), one series "
+            "per openlora_eval_metric (openlora_training_eval_value). A NaN or infinite value cannot be exported: "
+            "its series has a gap, and the non-finite panel counts it.",
+            "none",
+            [target(f"openlora_training_eval_value{{{SEL}}}{RUN}", "{{openlora_eval_metric}} " + legend)],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Non-finite evaluations",
+            "Evaluation values that were NaN or infinite since the process started, per openlora_eval_metric "
+            "(loss for the eval loss; openlora_training_eval_nonfinite_total). The series appears with the first "
+            "one; OpenloraEvalNonFinite fires on it.",
+            "short",
+            [
+                target(
+                    f"openlora_training_eval_nonfinite_total{{{SEL}}}{RUN}",
+                    "{{openlora_eval_metric}} " + legend,
+                )
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "Divergence guard trips",
+            "Times the divergence guard tripped since the process started, per openlora_guard_reason "
+            "(nonfinite_loss, loss_spike; openlora_training_guard_trips_total, at 0 from attach_guard()). "
+            "A trip stops the run under the framework callbacks; OpenloraDivergenceGuardTripped fires on it.",
+            "short",
+            [
+                target(
+                    f"openlora_training_guard_trips_total{{{SEL}}}{RUN}",
+                    "{{openlora_guard_reason}} " + legend,
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0},
+        ),
+    ]
+    return y + 8
+
+
+# Block devices that are not disks (loop mounts, RAM disks, compressed swap in RAM).
+VIRTUAL_DISKS = 'device!~"loop[0-9]+|ram[0-9]+|zram[0-9]+"'
+
+
+def host(panels: list[dict[str, Any]], y: int) -> int:
+    """Host and process metrics (opentelemetry-instrumentation-system-metrics): the row, from y.
+
+    process.* come from every process, system.* from one process per node (LOCAL_RANK 0),
+    so a node's system series are under its rank-0 instance. system.cpu.utilization has
+    unit 1: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector.
+    """
+    legend = "{{instance}}"
+    cpu = '__name__=~"system_cpu_utilization(_ratio)?"'
+    panels.append(row("Host", y))
+    y += 1
+    panels += [
+        panel(
+            "timeseries",
+            "Process CPU",
+            "CPU time the training process used per second, in cores, user and system "
+            "(rate of process_cpu_time_seconds_total by type). A data-parallel rank near one core while its "
+            "GPU idles is bound by Python on the host.",
+            "short",
+            [
+                target(
+                    f"sum by (job, instance, type) (rate(process_cpu_time_seconds_total{{{SEL}}}[$__rate_interval])){RUN}",
+                    "{{type}} " + legend,
+                )
+            ],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Process memory (RSS)",
+            "Resident memory of the training process (process_memory_usage_bytes): host RAM, not GPU memory.",
+            "bytes",
+            [target(f"process_memory_usage_bytes{{{SEL}}}{RUN}", legend)],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Process disk I/O",
+            "Bytes per second the training process read from and wrote to storage, page-cache hits not included "
+            "(rate of process_disk_io_bytes_total by direction): data loading and checkpoints.",
+            "Bps",
+            [
+                target(
+                    f"rate(process_disk_io_bytes_total{{{SEL}}}[$__rate_interval]){RUN}",
+                    "{{direction}} " + legend,
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0},
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "Node CPU busy",
+            "Share of the node's CPU time not idle, averaged over its logical CPUs (1 minus system.cpu.utilization "
+            "with state idle: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector). "
+            "Reported by LOCAL_RANK 0 only. Near 1 while the GPUs idle: the data loader's workers or other "
+            "processes are short of CPU.",
+            "percentunit",
+            [
+                target(
+                    f'(1 - avg by (job, instance) ({{{cpu}, state="idle", {SEL}}})){RUN}',
+                    f"busy {legend}",
+                )
+            ],
+            x=0,
+            y=y,
+            w=6,
+            h=8,
+            defaults={"min": 0, "max": 1},
+        ),
+        panel(
+            "timeseries",
+            "Node memory",
+            "Node memory used (total minus available) and available (system_memory_usage_bytes, state used and "
+            "available). Reported by LOCAL_RANK 0 only.",
+            "bytes",
+            [
+                target(
+                    f'system_memory_usage_bytes{{state=~"used|available", {SEL}}}{RUN}',
+                    "{{state}} " + legend,
+                )
+            ],
+            x=6,
+            y=y,
+            w=6,
+            h=8,
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Node disk I/O",
+            "Bytes per second read and written per block device, loop and RAM devices left out (rate of "
+            "system_disk_io_bytes_total by device and direction; a partition is a line of its own next to its "
+            "disk). Reported by LOCAL_RANK 0 only.",
+            "Bps",
+            [
+                target(
+                    f"rate(system_disk_io_bytes_total{{{VIRTUAL_DISKS}, {SEL}}}[$__rate_interval]){RUN}",
+                    "{{device}} {{direction}} " + legend,
+                )
+            ],
+            x=12,
+            y=y,
+            w=6,
+            h=8,
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Node network I/O",
+            "Bytes per second received and transmitted per network interface, loopback left out (rate of "
+            "system_network_io_bytes_total by device and direction): remote data, checkpoints, and the "
+            "collectives of a multi-node run. Reported by LOCAL_RANK 0 only.",
+            "Bps",
+            [
+                target(
+                    f'rate(system_network_io_bytes_total{{device!="lo", {SEL}}}[$__rate_interval]){RUN}',
+                    "{{device}} {{direction}} " + legend,
+                )
+            ],
+            x=18,
+            y=y,
+            w=6,
+            h=8,
+            defaults={"min": 0},
+        ),
+    ]
+    return y + 8
+
+
 def build() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     y = 0
@@ -225,11 +511,15 @@ def build() -> dict[str, Any]:
     panels += [
         panel(
             "timeseries",
-            "Loss and eval loss",
-            "Training loss, the mean over each collection window (openlora_training_loss), and the latest evaluation loss (openlora_training_eval_loss).",
+            "Loss: window mean, max and min; eval loss",
+            "Training loss over each collection window: the mean (openlora_training_loss), the largest and the "
+            "smallest step (openlora_training_loss_max, openlora_training_loss_min), so that a one-step spike shows "
+            "at its full height, not averaged away; and the latest evaluation loss (openlora_training_eval_loss).",
             "none",
             [
-                target(f"openlora_training_loss{{{SEL}}}{RUN}", f"train {legend}"),
+                target(f"openlora_training_loss{{{SEL}}}{RUN}", f"mean {legend}"),
+                target(f"openlora_training_loss_max{{{SEL}}}{RUN}", f"max {legend}"),
+                target(f"openlora_training_loss_min{{{SEL}}}{RUN}", f"min {legend}"),
                 target(f"openlora_training_eval_loss{{{SEL}}}{RUN}", f"eval {legend}"),
             ],
             x=0,
@@ -239,10 +529,14 @@ def build() -> dict[str, Any]:
         ),
         panel(
             "timeseries",
-            "Gradient norm",
-            "Mean gradient norm over each collection window (openlora_training_gradient_norm).",
+            "Gradient norm: window mean and max",
+            "Gradient norm over each collection window: the mean (openlora_training_gradient_norm) and the largest "
+            "step (openlora_training_gradient_norm_max): a single exploding step shows in full.",
             "none",
-            [target(f"openlora_training_gradient_norm{{{SEL}}}{RUN}", legend)],
+            [
+                target(f"openlora_training_gradient_norm{{{SEL}}}{RUN}", f"mean {legend}"),
+                target(f"openlora_training_gradient_norm_max{{{SEL}}}{RUN}", f"max {legend}"),
+            ],
             x=12,
             y=y,
             w=12,
@@ -337,8 +631,8 @@ def build() -> dict[str, Any]:
         ),
         panel(
             "table",
-            "Adapter shape",
-            "The LoRA adapter: rank, alpha, dropout, targeted modules, trainable and total parameters (openlora_adapter_rank, openlora_adapter_alpha, openlora_adapter_dropout, openlora_adapter_target_modules, openlora_adapter_parameters_trainable, openlora_model_parameters).",
+            "Adapter and model",
+            "The LoRA adapter: rank, alpha, dropout, targeted modules, trainable and total parameters (openlora_adapter_rank, openlora_adapter_alpha, openlora_adapter_dropout, openlora_adapter_target_modules, openlora_adapter_parameters_trainable, openlora_model_parameters), and the model's training FLOPs per token (openlora_model_flops_per_token, once set_model_flops() was called).",
             "short",
             [
                 target(f"{name}{{{SEL}}}{RUN}", name.removeprefix("openlora_"), format="table", instant=True)
@@ -349,6 +643,7 @@ def build() -> dict[str, Any]:
                     "openlora_adapter_target_modules",
                     "openlora_adapter_parameters_trainable",
                     "openlora_model_parameters",
+                    "openlora_model_flops_per_token",
                 )
             ],
             x=16,
@@ -359,6 +654,9 @@ def build() -> dict[str, Any]:
         ),
     ]
     y += 8
+
+    y = input_and_compute(panels, y)
+    y = evaluation_and_divergence(panels, y)
 
     panels.append(row("GPU", y))
     y += 1
@@ -509,6 +807,8 @@ def build() -> dict[str, Any]:
             h=8,
         ),
     ]
+    y += 8
+    y = host(panels, y)
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
@@ -766,6 +1066,57 @@ def build_cluster() -> dict[str, Any]:
             y=y,
             w=12,
             h=8,
+        ),
+    ]
+    y += 8
+    # An input-bound rank is a classic straggler: its own loader or storage is slow, and under
+    # synchronous data parallelism every other rank waits for it.
+    panels += [
+        panel(
+            "bargauge",
+            "Data-wait fraction per rank, highest first",
+            "Share of each rank's wall time spent waiting for its batches, averaged over 2 minutes "
+            "(rank:openlora_training_data_wait_fraction:avg2m); red above "
+            f"{INPUT_BOUND_THRESHOLD:g}, where OpenloraInputBound fires after 10 minutes. A straggler with a "
+            "high fraction is slow at loading data, not at computing.",
+            "percentunit",
+            [
+                target(
+                    f"sort_desc(rank:openlora_training_data_wait_fraction:avg2m{{{RANK_SEL}}})",
+                    rank_legend,
+                    instant=True,
+                )
+            ],
+            x=0,
+            y=y,
+            w=12,
+            h=8,
+            defaults={
+                "min": 0,
+                "max": 1,
+                "thresholds": thresholds((None, "green"), (INPUT_BOUND_THRESHOLD, "red")),
+            },
+        ),
+        panel(
+            "bargauge",
+            "MFU per rank, lowest first",
+            "Model FLOPs utilization of each rank, averaged over 2 minutes "
+            "(rank:openlora_training_model_flops_utilization:avg2m): achieved model FLOP/s over its device's "
+            "peak. Absent for ranks without a known peak (CPU without OPENLORA_PEAK_FLOPS) or without "
+            "set_model_flops().",
+            "percentunit",
+            [
+                target(
+                    f"sort(rank:openlora_training_model_flops_utilization:avg2m{{{RANK_SEL}}})",
+                    rank_legend,
+                    instant=True,
+                )
+            ],
+            x=12,
+            y=y,
+            w=12,
+            h=8,
+            defaults={"min": 0},
         ),
     ]
     templating = [
