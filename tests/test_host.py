@@ -413,27 +413,30 @@ def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_d
         prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}" for port in ports.values()])
         node, other = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
 
-        for spec in HOST_METRICS:
-            instances = {
-                s["metric"]["instance"]
-                for s in prometheus.wait_for(f"count by (instance) ({spec.prometheus})")
-            }
-            # The torchrun rule: the node's series once, from local rank 0; process series from every rank.
-            assert instances == ({node} if spec.name.startswith("system.") else {node, other}), spec.name
+        def instances_of(expr: str, expected: set[str], deadline: float) -> tuple[set[str], list[dict]]:
+            """Poll (bounded) until ``expr`` has series from every expected instance; what it had last."""
+            while True:
+                result = prometheus.query(expr)
+                found = {s["metric"].get("instance") for s in result}
+                if found >= expected or time.monotonic() > deadline:
+                    return found, result
+                time.sleep(0.25)
+
+        deadline = time.monotonic() + 30
+        # Process series first, from both ranks: then both targets have been scraped, and the node's
+        # series having only local rank 0's instance is the torchrun rule, not a scrape not yet made.
+        for spec in sorted(HOST_METRICS, key=lambda spec: spec.name.startswith("system.")):
+            expected = {node} if spec.name.startswith("system.") else {node, other}
+            found, _ = instances_of(f"count by (instance) ({spec.prometheus})", expected, deadline)
+            assert found == expected, spec.name
         labels = prometheus.query('system_cpu_utilization{state="idle"}')[0]["metric"]
         assert labels["otel_scope_name"] == SCOPE_NAME and labels["cpu"] == "1"
 
         deadline = time.monotonic() + 30
         for query in readme_queries():
-            expr = query.replace("$__rate_interval", "5s")
-            result = prometheus.wait_for(expr, timeout=max(1.0, deadline - time.monotonic()))
-            assert result, f"no data for README query: {query}"
-            instances = {s["metric"].get("instance") for s in result}
-            assert instances <= {node, other}, (query, instances)
-            if "system_" in query:
-                assert instances == {node}, query
-            else:
-                assert instances == {node, other}, query
+            expected = {node} if "system_" in query else {node, other}
+            found, result = instances_of(query.replace("$__rate_interval", "5s"), expected, deadline)
+            assert found == expected, f"README query answered for {found}, not {expected}: {query}"
             if "host_name" in query:
                 assert all(s["metric"].get("host_name") for s in result)
     finally:
