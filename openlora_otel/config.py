@@ -273,6 +273,16 @@ VARIABLES: tuple[Variable, ...] = (
         + "; past that the collection serves the last good one (up to 60 s old) and says how old.",
     ),
     Variable(
+        "OPENLORA_HOST_METRICS",
+        "true",
+        "`true`: host and process metrics (CPU, memory, disk and network I/O) through `opentelemetry-instrumentation-system-metrics`, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
+    ),
+    Variable(
+        "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
+        "(empty)",
+        "The instrumentation package's own variable: comma list of glob patterns (`system.network.*`, `process.disk.io`) of host metrics to leave out.",
+    ),
+    Variable(
         "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
         "15000",
         "Milliseconds `shutdown()` keeps the Prometheus endpoint open for one more scrape, so the run's final values are collected; only when the endpoint was scraped before, and no longer than about 1.5 observed scrape intervals; "
@@ -410,6 +420,8 @@ class TelemetryConfig:
     gpu_devices: Literal["process", "all"] = "process"
     gpu_timeout_s: float = 1.0
     cuda_visible_devices: str | None = None
+    host_metrics: bool = True
+    host_metrics_excluded: tuple[str, ...] = ()
     prometheus_port_explicit: bool = True
     final_scrape_timeout_s: float = 15.0
     handle_sigterm: bool = True
@@ -451,6 +463,12 @@ class TelemetryConfig:
             raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, _s_accepted(GPU_TIMEOUT_RANGE_MS))
         if self.peak_flops is not None and not _in_range(self.peak_flops, PEAK_FLOPS_RANGE):
             raise ConfigError("peak_flops", self.peak_flops, PEAK_FLOPS_ACCEPTED)
+        if not isinstance(self.host_metrics, bool):
+            raise ConfigError("host_metrics", self.host_metrics, "`True` or `False`")
+        if isinstance(self.host_metrics_excluded, str) or not all(
+            isinstance(p, str) and _GLOB_RE.fullmatch(p) for p in self.host_metrics_excluded
+        ):
+            raise ConfigError("host_metrics_excluded", self.host_metrics_excluded, "a tuple of " + _GLOBS_ACCEPTED)
         if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
@@ -548,6 +566,8 @@ class TelemetryConfig:
             gpu_devices=env.choice("OPENLORA_GPU_DEVICES", GPU_DEVICE_MODES) or "process",  # type: ignore[arg-type]
             gpu_timeout_s=1.0 if gpu_timeout is None else gpu_timeout / 1000.0,
             cuda_visible_devices=visible,
+            host_metrics=env.boolean("OPENLORA_HOST_METRICS", default=True),
+            host_metrics_excluded=_excluded_metrics(env),
             prometheus_port_explicit=bool(env.get("OTEL_EXPORTER_PROMETHEUS_PORT")),
             final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
             handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
@@ -573,6 +593,27 @@ def _peak_flops(env: _Env) -> float | None:
     if not _in_range(number, PEAK_FLOPS_RANGE):
         raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
     return number
+
+
+# The instrumentation matches these with fnmatch against metric names: a pattern with
+# any other character (a space, a slash) can never match, so it is a typo to report.
+_GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
+_GLOBS_ACCEPTED = "glob patterns over metric names (letters, digits, `.`, `_`, `-`, `*`, `?`, `[...]`), e.g. `system.network.*`"
+
+
+def _excluded_metrics(env: _Env) -> tuple[str, ...]:
+    """``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS`` split as the instrumentation splits it (commas, blanks dropped)."""
+    raw = env.get("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
+    patterns = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for pattern in patterns:
+        if not _GLOB_RE.fullmatch(pattern):
+            raise ConfigError(
+                "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
+                raw,
+                "a comma list of " + _GLOBS_ACCEPTED,
+                f"{pattern!r} can match no metric name",
+            )
+    return patterns
 
 
 FILE_SD_ACCEPTED = "a directory, or a path where one can be created"

@@ -71,6 +71,7 @@ class Telemetry:
         self._training: TrainingMetrics | None = None
         self._gpu: Any = None
         self._nvml: Any = None
+        self._host: Any = None
         self._sigterm: Any = None
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
@@ -148,6 +149,27 @@ class Telemetry:
         )
         self._nvml = backend
         self._gpu = GpuMetrics(self._meter, collector)
+
+    @property
+    def host(self) -> Any:
+        """The :class:`~openlora_otel.host.HostMetrics` when host and process metrics run, else None."""
+        return self._host
+
+    def _attach_host(self) -> None:
+        """Start host and process metrics on our provider; a failure is logged and leaves them off."""
+        config = self._config
+        if not config.host_metrics:
+            return
+        from openlora_otel.host import start_host_metrics
+
+        try:
+            self._host = start_host_metrics(
+                self._meter_provider,
+                local_rank=config.resource_attributes.get("openlora.local_rank"),
+                excluded=config.host_metrics_excluded,
+            )
+        except Exception:
+            _logger.warning("host metrics off: starting them failed", exc_info=True)
 
     @property
     def is_shutdown(self) -> bool:
@@ -262,8 +284,11 @@ class Telemetry:
             )
 
     def _release(self, deadline: float) -> bool:
-        """Stop NVML, the endpoint and the SIGTERM guard, and free the global slot; never raises."""
+        """Stop host metrics, NVML, the endpoint and the SIGTERM guard, and free the global slot; never raises."""
         ok = True
+        if self._host is not None:
+            # The provider is shut down: its callbacks no longer run; a later setup may instrument again.
+            self._host.stop()
         if self._nvml is not None:
             try:
                 self._nvml.shutdown()
@@ -438,6 +463,11 @@ def setup_telemetry(
             )
             if nvml is not None:
                 telemetry._attach_gpu(nvml)
+            if config.host_metrics:
+                _logger.info(
+                    "host metrics are not added to a MeterProvider openlora-otel does not own "
+                    "(opentelemetry-instrument starts its own SystemMetricsInstrumentor on it)"
+                )
             _global_owner = telemetry
             _install_sigterm(telemetry)
             return telemetry
@@ -465,6 +495,7 @@ def setup_telemetry(
         )
         if nvml is not None:
             telemetry._attach_gpu(nvml)
+        telemetry._attach_host()
         _global_owner = telemetry
     _install_sigterm(telemetry)
     _announce(telemetry)

@@ -177,6 +177,8 @@ INVALID = [
     ("OPENLORA_GPU_METRICS", "yes", "`auto`, `on`, `off`"),
     ("OPENLORA_GPU_DEVICES", "mine", "`process`, `all`"),
     ("OPENLORA_GPU_TIMEOUT", "-1", "milliseconds from 1 to 60000 (1 min)"),
+    ("OPENLORA_HOST_METRICS", "yes", "`true` or `false`"),
+    ("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", "system.cpu.*,system network", "glob patterns over metric names"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "-1", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "1e9", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_HANDLE_SIGTERM", "no", "`true` or `false`"),
