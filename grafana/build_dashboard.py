@@ -308,16 +308,20 @@ def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
     return y + 8
 
 
-# Block devices that are not disks (loop mounts, RAM disks, compressed swap in RAM).
-VIRTUAL_DISKS = 'device!~"loop[0-9]+|ram[0-9]+|zram[0-9]+"'
+# Whole disks only: a partition's bytes are also its disk's, and loop or RAM devices are not
+# storage. Interfaces that are not the node's own links: loopback, containers' veth pairs and
+# bridges, traffic-shaping ifb. Both as in the README's host queries (tests/test_host.py).
+WHOLE_DISKS = 'device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
+NODE_LINKS = 'device!~"lo|veth.*|docker.*|br-.*|ifb.*"'
 
 
 def host(panels: list[dict[str, Any]], y: int) -> int:
-    """Host and process metrics (opentelemetry-instrumentation-system-metrics): the row, from y.
+    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/host.py): the row, from y.
 
     process.* come from every process, system.* from one process per node (LOCAL_RANK 0),
     so a node's system series are under its rank-0 instance. system.cpu.utilization has
-    unit 1: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector.
+    unit 1: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector;
+    only its idle state is reported.
     """
     legend = "{{instance}}"
     cpu = '__name__=~"system_cpu_utilization(_ratio)?"'
@@ -379,16 +383,21 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
         panel(
             "timeseries",
             "Node CPU busy",
-            "Share of the node's CPU time not idle, averaged over its logical CPUs (1 minus system.cpu.utilization "
-            "with state idle: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector). "
-            "Reported by LOCAL_RANK 0 only. Near 1 while the GPUs idle: the data loader's workers or other "
-            "processes are short of CPU.",
+            "Share of the node's CPU time not idle (I/O wait counts as busy), the mean over its logical CPUs and "
+            "the busiest one (1 minus system.cpu.utilization with state idle: system_cpu_utilization pulled, "
+            "system_cpu_utilization_ratio through the collector). Reported by LOCAL_RANK 0 only. The mean near 1 "
+            "while the GPUs idle: the loader's workers are short of CPU; one CPU pegged: a single-threaded "
+            "input pipeline.",
             "percentunit",
             [
                 target(
                     f'(1 - avg by (job, instance) ({{{cpu}, state="idle", {SEL}}})){RUN}',
-                    f"busy {legend}",
-                )
+                    f"mean {legend}",
+                ),
+                target(
+                    f'(1 - min by (job, instance) ({{{cpu}, state="idle", {SEL}}})){RUN}',
+                    f"busiest CPU {legend}",
+                ),
             ],
             x=0,
             y=y,
@@ -417,14 +426,15 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
         panel(
             "timeseries",
             "Node disk I/O",
-            "Bytes per second read and written per block device, loop and RAM devices left out (rate of "
-            "system_disk_io_bytes_total by device and direction; a partition is a line of its own next to its "
-            "disk). Reported by LOCAL_RANK 0 only.",
+            "Bytes per second read and written by the node's whole disks, sd*, vd*, xvd*, hd* and nvme*n* "
+            "(partitions would count twice, loop and RAM devices are not storage; rate of "
+            "system_disk_io_bytes_total by direction). Reported by LOCAL_RANK 0 only.",
             "Bps",
             [
                 target(
-                    f"rate(system_disk_io_bytes_total{{{VIRTUAL_DISKS}, {SEL}}}[$__rate_interval]){RUN}",
-                    "{{device}} {{direction}} " + legend,
+                    f"sum by (job, instance, direction) (rate(system_disk_io_bytes_total{{{WHOLE_DISKS}, {SEL}}}"
+                    f"[$__rate_interval])){RUN}",
+                    "{{direction}} " + legend,
                 )
             ],
             x=12,
@@ -436,14 +446,16 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
         panel(
             "timeseries",
             "Node network I/O",
-            "Bytes per second received and transmitted per network interface, loopback left out (rate of "
-            "system_network_io_bytes_total by device and direction): remote data, checkpoints, and the "
-            "collectives of a multi-node run. Reported by LOCAL_RANK 0 only.",
+            "Bytes per second received and transmitted through the node's own interfaces, loopback, veth, "
+            "docker, bridge and ifb interfaces left out (rate of system_network_io_bytes_total by direction): "
+            "remote data, checkpoints, NCCL's socket transport (RDMA bypasses the kernel and does not show). "
+            "Reported by LOCAL_RANK 0 only.",
             "Bps",
             [
                 target(
-                    f'rate(system_network_io_bytes_total{{device!="lo", {SEL}}}[$__rate_interval]){RUN}',
-                    "{{device}} {{direction}} " + legend,
+                    f"sum by (job, instance, direction) (rate(system_network_io_bytes_total{{{NODE_LINKS}, {SEL}}}"
+                    f"[$__rate_interval])){RUN}",
+                    "{{direction}} " + legend,
                 )
             ],
             x=18,

@@ -13,7 +13,6 @@ central stores a Prometheus agent remote-writes to.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -57,37 +56,6 @@ CONTRACT_RECORDS = (
     "rank:openlora_training_data_wait_fraction:avg2m",
     "rank:openlora_training_model_flops_utilization:avg2m",
 )
-
-# -- host metrics: pending the merge of openlora_otel/host.py --------------------------------------
-
-# The Host row of the training dashboard reads the series of opentelemetry-instrumentation-system-
-# metrics, which another branch wires in (openlora_otel/host.py). Until that is merged nothing
-# exports them: these are the names the row reads, as the package (0.66b2) names them on the pull
-# path, plus system_cpu_utilization_ratio, the unit-1 gauge's name through the collector.
-# While openlora_otel.host does not exist, queries naming them may return nothing; once it
-# exists, they must return data like every other query, and its names must include these.
-# Remove this list after the merge (names.py or host.py is then the reference).
-PENDING_HOST_SERIES = frozenset(
-    {
-        "process_cpu_time_seconds_total",
-        "process_memory_usage_bytes",
-        "process_disk_io_bytes_total",
-        "system_cpu_utilization",
-        "system_cpu_utilization_ratio",
-        "system_memory_usage_bytes",
-        "system_disk_io_bytes_total",
-        "system_network_io_bytes_total",
-    }
-)
-
-
-def host_metrics_exported() -> bool:
-    return importlib.util.find_spec("openlora_otel.host") is not None
-
-
-def awaits_host_metrics(expr: str) -> bool:
-    """A query of series only the unmerged host metrics export, while they are not merged."""
-    return not host_metrics_exported() and bool(_series_names(expr) & PENDING_HOST_SERIES)
 
 
 # STAND-IN, for tests only: the contract's records with the expression shapes it describes,
@@ -310,10 +278,7 @@ def substitute(expr: str, **values: str) -> str:
 def run_every_query(
     path: Path, query: Callable[[str], list[dict]], label_values: Callable[[str, str], list[str]], run_id: str
 ) -> list[str]:
-    """Run every panel query and variable of a dashboard; the problems found (empty = all returned data).
-
-    Queries of the host metrics may return nothing while those are not merged (PENDING_HOST_SERIES).
-    """
+    """Run every panel query and variable of a dashboard; the problems found (empty = all returned data)."""
     problems = []
     for panel in panels(path):
         for target in panel["targets"]:
@@ -323,7 +288,7 @@ def run_every_query(
             except Exception as error:  # an invalid query: say which
                 problems.append(f"{panel['title']}: {expr}: {error}")
                 continue
-            if not result and not awaits_host_metrics(expr):
+            if not result:
                 problems.append(f"{panel['title']}: no data: {expr}")
     for variable in dashboard(path)["templating"]["list"]:
         if variable["type"] != "query":
