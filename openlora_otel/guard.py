@@ -116,6 +116,10 @@ class DivergenceGuard:
         self._lock = threading.Lock()
         self._trip: Trip | None = None
         self._count_trip: Callable[[str], None] | None = None
+        self._steps_now: Callable[[], int] | None = None
+        # Steps recorded when reset() was called: losses from before it never count again
+        # (they may still sit in the window the next look reads).
+        self._steps_at_reset = 0
         # State from complete windows only; a check of the current window reads it, never changes it.
         self._run = 0  # non-finite losses in a row at the end of the complete windows
         self._baseline: float | None = None
@@ -132,22 +136,33 @@ class DivergenceGuard:
         return self._trip
 
     def reset(self) -> None:
-        """Clear the trip and the history (after restoring a checkpoint, say)."""
+        """Clear the trip and the history (after restoring a checkpoint, say).
+
+        Losses recorded before the reset no longer count, even those a later look
+        still finds in the current window: a run of non-finite losses is capped at
+        the steps recorded since the reset.
+        """
         with self._lock:
             self._trip = None
             self._run = 0
             self._baseline = None
             self._finite_seen = 0
+            self._steps_at_reset = self._steps_now() if self._steps_now is not None else 0
 
     # -- called by TrainingMetrics --------------------------------------------------
-    def _bind(self, count_trip: Callable[[str], None]) -> None:
+    def _bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
         with self._lock:
             self._count_trip = count_trip
+            self._steps_now = steps_now
 
-    def _observe(self, window: LossWindow, *, complete: bool) -> None:
-        """Judge a window; a ``complete`` window also moves the history on (caller serialises the calls)."""
+    def _observe(self, window: LossWindow, *, complete: bool) -> Trip | None:
+        """Judge a window; a ``complete`` window also moves the history on (caller serialises the calls).
+
+        Returns a new trip, which the caller hands to :meth:`_fire` once it holds no lock.
+        """
         with self._lock:
             run = window.trailing if window.count else self._run + window.nonfinite
+            run = min(run, max(window.steps - self._steps_at_reset, 0))
             trip: Trip | None = None
             if self._trip is None:
                 if self.nonfinite_losses is not None and run >= self.nonfinite_losses:
@@ -182,14 +197,23 @@ class DivergenceGuard:
                         else _BASELINE_WEIGHT * mean + (1 - _BASELINE_WEIGHT) * self._baseline
                     )
                     self._finite_seen += window.count
-            count_trip = self._count_trip
-        if trip is None:
-            return
+        return trip
+
+    def _fire(self, trip: Trip) -> None:
+        """Log and count a trip; hand it to ``on_trip`` on a thread of its own.
+
+        Its own thread: the hook may flush the telemetry, post to a chat or take
+        seconds, and neither a scrape (whose collection found the trip) nor the
+        guard's checks should wait for it or deadlock on it.
+        """
         _logger.warning("openlora-otel: divergence guard tripped: %s", trip.detail)
-        if count_trip is not None:
-            count_trip(trip.reason)
+        if self._count_trip is not None:
+            self._count_trip(trip.reason)
         if self._on_trip is not None:
-            try:
-                self._on_trip(trip)
-            except Exception:
-                _logger.warning("openlora-otel: the divergence guard's on_trip hook raised", exc_info=True)
+            threading.Thread(target=self._call_hook, args=(trip,), name="openlora-otel-on-trip", daemon=True).start()
+
+    def _call_hook(self, trip: Trip) -> None:
+        try:
+            self._on_trip(trip)  # type: ignore[misc]
+        except Exception:
+            _logger.warning("openlora-otel: the divergence guard's on_trip hook raised", exc_info=True)

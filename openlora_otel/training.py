@@ -76,6 +76,8 @@ _NO_FLOAT64 = frozenset({"mps"})
 _MAX_FOREIGN = 65536
 # How long a collection polls for a GPU read-back before carrying it to the next one.
 _READBACK_WAIT_S = 0.2
+# How long the guard's own check polls (its thread has nothing else to do).
+_GUARD_READBACK_WAIT_S = 5.0
 # An empty window shorter than this keeps the previous throughput (two readers back to back).
 _MIN_EMPTY_WINDOW_S = 1.0
 _MAX_EVAL_METRICS = 64
@@ -291,6 +293,7 @@ class TrainingMetrics:
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
         self._guard_stop = threading.Event()
         self._steps_recorded = 0  # for Trip.steps: committed windows' steps
+        self._pending_trip: Any = None  # found by _roll under the guard lock, fired after it
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
         self._warned: set[str] = set()
@@ -629,7 +632,10 @@ class TrainingMetrics:
             self._guard = guard
         for reason in GUARD_REASONS:  # the series exist from the start, so increase() sees the first trip
             self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
-        guard._bind(lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}))
+        guard._bind(
+            lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}),
+            lambda: self._steps_recorded + self._window.steps,
+        )
         if not self._closed:
             threading.Thread(
                 target=self._guard_loop, args=(guard,), name="openlora-otel-guard", daemon=True
@@ -659,13 +665,18 @@ class TrainingMetrics:
             failed: list[str] = []
             handles = _start_readback(loss, sys.modules.get("torch"), lambda: failed.append("loss"))
             waiting: list[tuple[str, list[Any]]] = []
-            for _, folded in _poll_readbacks([("loss", handles)], waiting):
+            # This thread has nothing else to do: it waits for a device that runs far behind
+            # the host as long as the window lasts, rather than giving up and starting over.
+            for _, folded in _poll_readbacks([("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S):
                 loss.merge(folded)
             if failed or waiting:
                 return  # not readable yet: the next check or the collection sees it
         with self._guard_lock:
-            if self._window is window:  # else the collection took it and judges it whole
-                guard._observe(_loss_window(loss, steps), complete=False)
+            if self._window is not window:  # the collection took it and judges it whole
+                return
+            trip = guard._observe(_loss_window(loss, steps), complete=False)
+        if trip is not None:
+            guard._fire(trip)
 
     def close(self) -> None:
         """Stop accepting records (idempotent); later calls are ignored.
@@ -705,7 +716,20 @@ class TrainingMetrics:
 
     def _roll(self) -> None:
         now = time.monotonic()
-        with self._guard_lock, self._lock:
+        # The guard lock is held from the swap until the guard has seen this window whole
+        # (below): a check of the new window in between would count the old one's
+        # non-finite run twice. Only the guard's thread ever waits for it.
+        self._guard_lock.acquire()
+        try:
+            self._roll_locked(now)
+        finally:
+            self._guard_lock.release()
+        trip, self._pending_trip = self._pending_trip, None
+        if trip is not None and self._guard is not None:
+            self._guard._fire(trip)
+
+    def _roll_locked(self, now: float) -> None:
+        with self._lock:
             window, self._window = self._window, _Window(started=now)
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
@@ -738,8 +762,7 @@ class TrainingMetrics:
         self._steps_recorded += window.steps
         guard = self._guard
         if guard is not None and "loss" not in failed:
-            with self._guard_lock:
-                guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
+            self._pending_trip = guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
         if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
             window.grad.nonfinite
         ):
@@ -1238,12 +1261,13 @@ def _poll_readbacks(
     pending: list[tuple[str, list[Any]]],
     carry: list[tuple[str, list[Any]]],
     on_failure: Any = None,
+    wait_s: float | None = None,
 ) -> list[tuple[str, _Folded]]:
     """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
 
     A read-back that raises is dropped alone (``on_failure(label)`` is called).
     """
-    deadline = time.monotonic() + _READBACK_WAIT_S
+    deadline = time.monotonic() + (_READBACK_WAIT_S if wait_s is None else wait_s)
     ready: list[tuple[str, _Folded]] = []
     for label, handles in pending:
         waiting = []

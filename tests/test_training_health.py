@@ -219,13 +219,19 @@ def test_guard_arguments_are_checked() -> None:
 def test_a_plain_loop_sees_the_flag_after_the_collection(setup) -> None:
     training, reader = setup
     trips: list[Trip] = []
-    guard = training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=3600, on_trip=trips.append))
+    hooked = threading.Event()
+    guard = training.attach_guard(
+        DivergenceGuard(
+            nonfinite_losses=3, check_interval_s=3600, on_trip=lambda trip: (trips.append(trip), hooked.set())
+        )
+    )
     for step in range(20):
         training.record_step(loss=torch.tensor(math.nan if step >= 10 else 1.0))
         if step in (9, 11):  # a collection: two NaNs in a row are not enough
             reader.get_metrics_data()
             assert not guard.tripped
     data = reader.get_metrics_data()
+    assert hooked.wait(10)  # on_trip runs on a thread of its own
     assert guard.tripped and guard.trip is trips[0]
     assert guard.trip.reason == "nonfinite_loss" and "10 non-finite losses in a row" in guard.trip.detail
     assert guard.trip.steps == 20
@@ -298,13 +304,20 @@ def test_the_spike_rule_compares_the_window_maximum_with_the_recent_mean(setup) 
 def test_a_failing_hook_is_logged_and_survived(setup, caplog) -> None:
     training, reader = setup
 
+    called = threading.Event()
+
     def hook(trip: Trip) -> None:
+        called.set()
         raise RuntimeError("the pager is down")
 
     guard = training.attach_guard(DivergenceGuard(nonfinite_losses=1, check_interval_s=3600, on_trip=hook))
     training.record_step(loss=math.nan)
     with caplog.at_level(logging.WARNING):
         data = reader.get_metrics_data()
+        assert called.wait(10)
+        hooks = [t for t in threading.enumerate() if t.name == "openlora-otel-on-trip"]
+        for thread in hooks:
+            thread.join(10)
     assert guard.tripped
     assert value(data, "openlora.training.loss.nonfinite") == 1  # the collection completed
     assert any("on_trip hook raised" in r.getMessage() for r in caplog.records)
