@@ -378,7 +378,7 @@ class StepTimes(TrainerCallback):
         self.ended[state.global_step] = time.perf_counter()
 
 
-def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag_after_a_checkpoint(
+def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
     tmp_path, memory_reader: InMemoryMetricReader
 ) -> None:
     from openlora_otel.guard import DivergenceGuard
@@ -409,7 +409,7 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag_after_a_checkpoi
         model=model,
         args=args,
         train_dataset=CountingCorpus(8000),
-        callbacks=[times, TelemetryCallback(telemetry, guard=guard, save_on_trip=True)],
+        callbacks=[times, TelemetryCallback(telemetry, guard=guard)],
     )
     trainer.train()
     data = memory_reader.get_metrics_data()
@@ -421,7 +421,6 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag_after_a_checkpoi
     # The documented lag: the guard's check interval plus a read-back (here a CPU one), with slack
     # for a loaded machine; the step that saw the trip is the last.
     assert times.ended[stopped] - times.ended[third_bad] < 0.05 + 2.0
-    assert (tmp_path / f"checkpoint-{stopped}").is_dir()  # save_on_trip: the Trainer saved first
     assert value(data, "openlora.training.loss.nonfinite") == stopped - bad_from
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
 

@@ -244,3 +244,65 @@ def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) ->
     telemetry.shutdown()
     assert value(data, "openlora.model.flops_per_token") == training_flops_per_token(module, seq_len=SEQ).per_token
     assert value(data, "openlora.training.model_flops.utilization") is None  # a CPU, no peak configured
+
+
+_DDP_SCRIPT = """
+import math, sys
+import lightning.pytorch as pl
+import torch
+from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel.guard import DivergenceGuard
+from openlora_otel.integrations.lightning import TelemetryCallback
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+    def training_step(self, batch, batch_idx):
+        loss = self.lin(batch).square().mean()
+        if self.global_rank == 0 and self.global_step >= 10:
+            loss = loss * math.nan  # rank 0 only; the all-reduced gradients spread it
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+class Where(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        print(f"RANK {trainer.global_rank} STOPPED {trainer.global_step}", flush=True)
+
+telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_steps=800, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    callbacks=[TelemetryCallback(telemetry, guard=guard), Where()],
+)
+trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(4000, 8), batch_size=4))
+telemetry.shutdown()
+"""
+
+
+def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path) -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from openlora_otel.integrations._common import GUARD_SYNC_EVERY
+    from tests.conftest import child_env
+
+    script = tmp_path / "ddp_guard.py"
+    script.write_text(_DDP_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = {int(rank): int(step) for rank, step in re.findall(r"RANK (\d) STOPPED (\d+)", result.stdout)}
+    assert set(stopped) == {0, 1}, result.stdout
+    assert stopped[0] == stopped[1], stopped  # together, at an agreement step
+    assert stopped[0] % GUARD_SYNC_EVERY == 0 and 13 <= stopped[0] < 800, stopped

@@ -9,7 +9,11 @@ from typing import Any
 from openlora_otel.telemetry import Telemetry, setup_telemetry
 from openlora_otel.training import TrainingMetrics
 
-__all__ = ["ModelFlops", "StepClock", "TelemetryOwner", "describe_lora", "safe"]
+__all__ = ["GUARD_SYNC_EVERY", "ModelFlops", "StepClock", "TelemetryOwner", "describe_lora", "safe"]
+
+# Under data parallelism the ranks agree on a guard's trip every this many optimizer steps
+# (one all-reduce of one number, read back: a sync, so not every step).
+GUARD_SYNC_EVERY = 10
 
 _logger = logging.getLogger("openlora_otel.integrations")
 

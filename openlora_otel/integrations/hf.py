@@ -54,7 +54,14 @@ import torch
 from transformers import TrainerCallback
 
 from openlora_otel.guard import DivergenceGuard
-from openlora_otel.integrations._common import ModelFlops, StepClock, TelemetryOwner, describe_lora, safe
+from openlora_otel.integrations._common import (
+    GUARD_SYNC_EVERY,
+    ModelFlops,
+    StepClock,
+    TelemetryOwner,
+    describe_lora,
+    safe,
+)
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
@@ -118,8 +125,9 @@ class TelemetryCallback(TrainerCallback):
 
     ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
     start; once it trips, the step it is seen at sets
-    ``control.should_training_stop`` (and ``control.should_save`` with
-    ``save_on_trip=True``, so the Trainer writes a checkpoint first).
+    ``control.should_training_stop``. With several processes (DDP) the ranks
+    agree first, every ``GUARD_SYNC_EVERY`` steps (one all-reduce of one number),
+    so all of them stop at the same step.
     ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
     is known) from the first step's sequence length.
     """
@@ -129,14 +137,12 @@ class TelemetryCallback(TrainerCallback):
         telemetry: Telemetry | None = None,
         *,
         guard: DivergenceGuard | None = None,
-        save_on_trip: bool = False,
         flops: bool = True,
     ) -> None:
         if guard is not None and not isinstance(guard, DivergenceGuard):
             raise TypeError(f"guard must be a DivergenceGuard, got {type(guard).__name__}")
         self._owner = TelemetryOwner(telemetry)
         self._guard = guard
-        self._save_on_trip = save_on_trip
         self._flops_wanted = flops
         self._flops = ModelFlops(None)
         self._clock = StepClock()
@@ -250,11 +256,8 @@ class TelemetryCallback(TrainerCallback):
             step_time_s=step_time,
             data_time_s=data_time,
         )
-        guard = self._guard
-        if guard is not None and guard.tripped:
+        if self._guard is not None and _agreed_trip(self._guard.tripped, args, state.global_step):
             control.should_training_stop = True
-            if self._save_on_trip:
-                control.should_save = True
         self._clock.idle()
         self._flops.step(self._owner.training, tokens, samples or self._samples_per_step)
 
@@ -326,3 +329,22 @@ def _number(value: Any) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)  # NaN/inf pass through: TrainingMetrics counts them as non-finite
     return None
+
+
+def _agreed_trip(tripped: bool, args: Any, step: int) -> bool:
+    """This process's trip, or under DDP whether any rank tripped, asked every ``GUARD_SYNC_EVERY`` steps.
+
+    Every rank reaches the same global step, so the all-reduce lines up; in between no rank
+    stops (one rank leaving while the others wait in a gradient all-reduce would hang them).
+    """
+    world = int(getattr(args, "world_size", 1) or 1)
+    if world <= 1:
+        return tripped
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return tripped
+    if step % GUARD_SYNC_EVERY:
+        return False
+    flag = torch.tensor([1.0 if tripped else 0.0], device=args.device)
+    distributed.all_reduce(flag)
+    return bool(flag.item() > 0)

@@ -39,7 +39,14 @@ import lightning.pytorch as pl
 import torch
 
 from openlora_otel.guard import DivergenceGuard
-from openlora_otel.integrations._common import ModelFlops, StepClock, TelemetryOwner, describe_lora, safe
+from openlora_otel.integrations._common import (
+    GUARD_SYNC_EVERY,
+    ModelFlops,
+    StepClock,
+    TelemetryOwner,
+    describe_lora,
+    safe,
+)
 from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
@@ -55,6 +62,8 @@ class TelemetryCallback(pl.Callback):
 
     ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
     start; once it trips, the step it is seen at sets ``trainer.should_stop``.
+    With several processes the ranks agree first, every ``GUARD_SYNC_EVERY``
+    steps (``strategy.reduce_boolean_decision``), so all stop at the same step.
     ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
     is known) from the first step's sequence length.
     """
@@ -150,8 +159,17 @@ class TelemetryCallback(pl.Callback):
         )
         tokens, samples = self._tokens, self._samples
         self._tokens = self._samples = 0
-        if self._guard is not None and self._guard.tripped:
-            trainer.should_stop = True
+        if self._guard is not None:
+            tripped = self._guard.tripped
+            if trainer.world_size > 1:
+                # Every rank is at the same global step: the collective lines up. Between
+                # agreements no rank stops alone (the others would wait for it forever).
+                tripped = (
+                    trainer.global_step % GUARD_SYNC_EVERY == 0
+                    and trainer.strategy.reduce_boolean_decision(tripped, all=False)
+                )
+            if tripped:
+                trainer.should_stop = True
         self._flops.step(training, tokens, samples)
 
     @safe
