@@ -243,7 +243,10 @@ class TelemetryCallback(TrainerCallback):
             tap.reset()
         if self._trainer_counts_tokens or tokens is None:
             seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-            tokens = max(seen - self._tokens_seen, 0) if seen else tokens
+            # The Trainer's count is gathered over all processes; each process reports its
+            # own share (an even split: the per-rank detail is not kept), as every series here.
+            world = max(int(getattr(args, "world_size", 1) or 1), 1)
+            tokens = max(seen - self._tokens_seen, 0) // world if seen else tokens
             self._tokens_seen = seen
         learning_rate, self._learning_rate = _rate(self._learning_rate), None
         if learning_rate is not None:
