@@ -54,7 +54,7 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
-from openlora_otel.guard import DivergenceGuard, LossWindow
+from openlora_otel.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
 
 __all__ = ["TrainingMetrics", "step_duration_view"]
@@ -293,7 +293,6 @@ class TrainingMetrics:
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
         self._guard_stop = threading.Event()
         self._steps_recorded = 0  # for Trip.steps: committed windows' steps
-        self._pending_trip: Any = None  # found by _roll under the guard lock, fired after it
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
         self._warned: set[str] = set()
@@ -305,10 +304,11 @@ class TrainingMetrics:
                 name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
             )
 
+        def raw_counter(name: str) -> Any:
+            return meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
+
         def counter(name: str) -> _Total:
-            return _Total(
-                meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
-            )
+            return _Total(raw_counter(name))
 
         # Counters are synchronous: a window's counts are added once, when it is taken
         # (see the module docstring for why not observable counters).
@@ -317,16 +317,9 @@ class TrainingMetrics:
         self._samples = counter("openlora.training.samples")
         self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
         self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
-        self._guard_trips = meter.create_counter(
-            "openlora.training.guard.trips",
-            unit=spec["openlora.training.guard.trips"].unit,
-            description=spec["openlora.training.guard.trips"].description,
-        )
-        self._eval_nonfinite = meter.create_counter(
-            "openlora.training.eval.nonfinite",
-            unit=spec["openlora.training.eval.nonfinite"].unit,
-            description=spec["openlora.training.eval.nonfinite"].description,
-        )
+        # Counted with attributes, one at a time: plain SDK counters.
+        self._guard_trips = raw_counter("openlora.training.guard.trips")
+        self._eval_nonfinite = raw_counter("openlora.training.eval.nonfinite")
         duration = spec[_DURATION]
         self._duration = meter.create_histogram(
             duration.name,
@@ -377,16 +370,12 @@ class TrainingMetrics:
         if step_time_s is None:
             step_time = None if last is None else now - last
         else:
-            if type(step_time_s) is not float:
-                step_time_s = _host_number(step_time_s, "step_time_s")
-            if not step_time_s >= 0.0 or step_time_s == math.inf:
-                raise ValueError(f"step_time_s must be finite and >= 0, got {step_time_s!r}")
+            # The check inline for the usual float; the call only for anything else.
+            if type(step_time_s) is not float or not 0.0 <= step_time_s < math.inf:
+                step_time_s = _seconds(step_time_s, "step_time_s")
             step_time = step_time_s
-        if data_time_s is not None:
-            if type(data_time_s) is not float:
-                data_time_s = _host_number(data_time_s, "data_time_s")
-            if not data_time_s >= 0.0 or data_time_s == math.inf:
-                raise ValueError(f"data_time_s must be finite and >= 0, got {data_time_s!r}")
+        if data_time_s is not None and (type(data_time_s) is not float or not 0.0 <= data_time_s < math.inf):
+            data_time_s = _seconds(data_time_s, "data_time_s")
         # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
         if tokens is not None and (type(tokens) is not int or tokens >> 63):
             tokens = _count(tokens, "tokens")
@@ -719,16 +708,13 @@ class TrainingMetrics:
         # The guard lock is held from the swap until the guard has seen this window whole
         # (below): a check of the new window in between would count the old one's
         # non-finite run twice. Only the guard's thread ever waits for it.
-        self._guard_lock.acquire()
-        try:
-            self._roll_locked(now)
-        finally:
-            self._guard_lock.release()
-        trip, self._pending_trip = self._pending_trip, None
+        with self._guard_lock:
+            trip = self._roll_locked(now)
         if trip is not None and self._guard is not None:
-            self._guard._fire(trip)
+            self._guard._fire(trip)  # after the lock: on_trip may collect
 
-    def _roll_locked(self, now: float) -> None:
+    def _roll_locked(self, now: float) -> Trip | None:
+        """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
         with self._lock:
             window, self._window = self._window, _Window(started=now)
         # Counts first, before anything that reads a tensor can fail: the window is
@@ -761,8 +747,9 @@ class TrainingMetrics:
 
         self._steps_recorded += window.steps
         guard = self._guard
+        trip = None
         if guard is not None and "loss" not in failed:
-            self._pending_trip = guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
+            trip = guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
         if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
             window.grad.nonfinite
         ):
@@ -804,6 +791,7 @@ class TrainingMetrics:
                 f"{self._dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
                 f"them failed and more than {_MAX_UNFOLDED} waited for one collection",
             )
+        return trip
 
     def _commit(self, window: _Window) -> None:
         """Hand the window's counts and step durations to the SDK's synchronous instruments."""
@@ -883,6 +871,14 @@ def _window_extreme(series: _Series, previous: float | None, failed: bool, *, hi
     if failed and not series.nonfinite:
         return None
     return previous
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A duration argument: a finite host number >= 0."""
+    number = _host_number(value, what)
+    if not 0.0 <= number < math.inf:
+        raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
+    return number
 
 
 def _positive(value: Any, what: str) -> float:
