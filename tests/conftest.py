@@ -11,7 +11,9 @@ import pytest
 from opentelemetry.metrics import _internal as metrics_internal
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 
+from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
+from openlora_otel import training as training_module
 
 _OWN_PREFIXES = ("OTEL_", "OPENLORA_")
 # Launcher variables (torchrun, torch.distributed's env://, Slurm) that decide ranks, ports and the run id.
@@ -112,6 +114,41 @@ def served_series(url: str) -> set[str]:
 @pytest.fixture
 def memory_reader() -> InMemoryMetricReader:
     return InMemoryMetricReader()
+
+
+# -- shared by the TrainingMetrics tests --------------------------------------------
+@pytest.fixture
+def setup(memory_reader: InMemoryMetricReader):
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    yield telemetry.training, memory_reader
+    telemetry.shutdown()
+
+
+WALL_OFFSET = 1_700_000_000.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:  # the wall clock: the same clock, some epoch seconds ahead
+        return self.now + WALL_OFFSET
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(training_module, "time", fake)
+    return fake
 
 
 class SlowOnce:

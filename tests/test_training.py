@@ -17,40 +17,7 @@ from openlora_otel import training as training_module
 from openlora_otel.guard import DivergenceGuard
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 from openlora_otel.training import TrainingMetrics
-from tests.conftest import points, value
-
-WALL_OFFSET = 1_700_000_000.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def time(self) -> float:  # the wall clock: the same clock, some epoch seconds ahead
-        return self.now + WALL_OFFSET
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(training_module, "time", fake)
-    return fake
-
-
-@pytest.fixture
-def setup(memory_reader: InMemoryMetricReader):
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
-    yield telemetry.training, memory_reader
-    telemetry.shutdown()
+from tests.conftest import WALL_OFFSET, FakeClock, points, value
 
 
 def test_every_documented_instrument_is_exported(setup) -> None:

@@ -10,20 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
-from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel import training as training_module  # noqa: E402
 from tests.conftest import value  # noqa: E402
 
 FOLD_EVERY = training_module._FOLD_EVERY
-
-
-@pytest.fixture
-def setup(memory_reader: InMemoryMetricReader):
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
-    yield telemetry.training, memory_reader
-    telemetry.shutdown()
 
 
 class FailingFold:

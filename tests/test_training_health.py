@@ -15,24 +15,9 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import training as training_module
 from openlora_otel.guard import DivergenceGuard, Trip
 from openlora_otel.training import TrainingMetrics
-from tests.conftest import points, value
-from tests.test_training import FakeClock
+from tests.conftest import FakeClock, points, value
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(training_module, "time", fake)
-    return fake
-
-
-@pytest.fixture
-def setup(memory_reader: InMemoryMetricReader):
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
-    yield telemetry.training, memory_reader
-    telemetry.shutdown()
 
 
 # -- 1. spikes stay visible ----------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader  # noqa: E402
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
@@ -41,13 +41,6 @@ def guarded(value: float, requires_grad: bool = False) -> torch.Tensor:
     if requires_grad:
         tensor = tensor * 1.0  # a non-leaf with a grad_fn, like a real loss
     return tensor.as_subclass(NoHostRead)
-
-
-@pytest.fixture
-def setup(memory_reader: InMemoryMetricReader):
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
-    yield telemetry.training, memory_reader
-    telemetry.shutdown()
 
 
 def test_tensors_are_never_read_on_the_step_path(setup) -> None:
