@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -170,6 +171,15 @@ class SlowOnce:
             self.left -= 1
             time.sleep(self.seconds)
         return []
+
+
+def reap(process: subprocess.Popen, timeout: float) -> None:
+    """Wait up to ``timeout`` for a child to end, then kill it (bounded either way)."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
 
 
 def wait_for_child(pid: int, timeout: float, what: str) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, reap
 
 
 def prometheus_binary() -> str:
@@ -78,11 +78,7 @@ class ServerProcess:
     def stop(self) -> None:
         if self._process.poll() is None:
             self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=5)
+            reap(self._process, 15)
         self._log_handle.close()
 
 

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
-from tests.conftest import child_env
+from tests.conftest import child_env, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -236,11 +236,7 @@ class Ranks:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+            reap(process, 20)
         for log in self.logs:
             log.close()
 

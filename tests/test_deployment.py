@@ -22,7 +22,7 @@ import yaml
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
-from tests.conftest import child_env, free_port
+from tests.conftest import child_env, free_port, reap
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
@@ -569,11 +569,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
         _check_every_query(telemetry, prometheus, diverging_port, diverging_log)
     finally:
         diverging.stdin.close()  # the diverged run shuts down
-        try:
-            diverging.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            diverging.kill()
-            diverging.wait(timeout=5)
+        reap(diverging, 30)
         if prometheus is not None:
             prometheus.stop()
         if telemetry is not None:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from tests.conftest import child_env, free_port
+from tests.conftest import child_env, free_port, reap
 from tests.prometheus_server import Prometheus
 
 SAMPLES = 3000
@@ -122,11 +122,7 @@ def test_histogram_quantile_is_within_10_percent_for_known_distributions(tmp_pat
                 child.stdin.write("\n")
                 child.stdin.flush()
         for child in children:
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(timeout=5)
+            reap(child, 15)
         if prometheus is not None:
             prometheus.stop()
 
