@@ -40,7 +40,7 @@ CLUSTER_DASHBOARD = GRAFANA / "dashboards" / "openlora-cluster.json"
 TRAINING_DASHBOARD = GRAFANA / "dashboards" / "openlora-training.json"
 
 # The shipped rules file; it must define every record the cluster dashboard reads.
-RULES = ROOT / "collector" / "rules" / "openlora.yml"
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 
 # Recorded series the cluster dashboard reads (the issue-10 contract's names, then issue 11's
 # per-rank data wait and MFU).
@@ -60,7 +60,7 @@ CONTRACT_RECORDS = (
 
 # STAND-IN, for tests only: the contract's records with the expression shapes it describes,
 # so that the dashboard can be run before the real group exists. Not shipped, not the
-# reference: collector/rules/openlora.yml is. PromQL cannot turn a label into a value, so the
+# reference: openlora_otel/rules/openlora.yml is. PromQL cannot turn a label into a value, so the
 # stand-in's world size enumerates the sizes this test can meet.
 def rules_text() -> str:
     """The rules the stores load: the shipped file."""

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "openlora-training.json"
-RULES = COLLECTOR / "rules" / "openlora.yml"
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -53,11 +53,11 @@ def test_promtool_check_config() -> None:
 
 
 def test_promtool_check_rules() -> None:
-    result = promtool("check", "rules", "collector/rules/openlora.yml")
+    result = promtool("check", "rules", "openlora_otel/rules/openlora.yml")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-RULE_TESTS = sorted((COLLECTOR / "rules" / "tests").glob("*.yml"))
+RULE_TESTS = sorted((ROOT / "tests" / "rules").glob("*.yml"))
 
 
 def test_promtool_test_rules_fire_and_stay_quiet() -> None:
@@ -77,7 +77,7 @@ def alerts() -> list[dict]:
 
 def test_every_alert_has_severity_summary_description_runbook_and_tests() -> None:
     readme = (ROOT / "README.md").read_text()
-    tests = yaml.safe_load((COLLECTOR / "rules" / "tests" / "openlora_test.yml").read_text())["tests"]
+    tests = yaml.safe_load((ROOT / "tests" / "rules" / "openlora_test.yml").read_text())["tests"]
     firing: dict[str, int] = {}
     quiet: dict[str, int] = {}
     for test in tests:
@@ -113,7 +113,7 @@ def test_every_alert_has_severity_summary_description_runbook_and_tests() -> Non
 def test_healthy_setups_are_checked_for_every_alert_over_their_whole_span() -> None:
     # ALERTS over the whole span: a rule added later is covered without being named here,
     # and an alert that fires for a while and resolves is caught too.
-    tests = yaml.safe_load((COLLECTOR / "rules" / "tests" / "healthy_setup_test.yml").read_text())["tests"]
+    tests = yaml.safe_load((ROOT / "tests" / "rules" / "healthy_setup_test.yml").read_text())["tests"]
     pull_targets = [
         s["values"] for test in tests for s in test["input_series"] if s["series"].startswith('up{job="openlora",')
     ]

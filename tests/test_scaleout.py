@@ -361,7 +361,7 @@ def test_vmalert_unit_runs_the_installed_binary_with_the_shipped_flags() -> None
 def test_rules_load_in_vmalert() -> None:
     vmalert = binary("vmalert", "victoria-metrics")
     result = subprocess.run(
-        [vmalert, "-dryRun", "-rule=collector/rules/openlora.yml", "-loggerLevel=ERROR"],
+        [vmalert, "-dryRun", "-rule=openlora_otel/rules/openlora.yml", "-loggerLevel=ERROR"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[1]
-RULES = ROOT / "collector" / "rules" / "openlora.yml"
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 THRESHOLD = 1.5  # OpenloraRankStraggling's; checked against the rules file below
 RATIO = "rank:openlora_training_straggler_ratio:2m"
 
