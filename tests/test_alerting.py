@@ -1,0 +1,311 @@
+"""Alerts that reach a person: collector/alertmanager.yml (checked by amtool, routed and inhibited by a
+real Alertmanager), the Alertmanager in compose, the alerting blocks of the Prometheus configs, and a
+real run gone NaN whose alert reaches a webhook through the stack ``openlora-otel stack`` writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+COLLECTOR = ROOT / "collector"
+ALERTMANAGER_CONFIG = COLLECTOR / "alertmanager.yml"
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
+
+
+def tool(*names: str) -> str:
+    for name in names:
+        binary = shutil.which(name)
+        if binary:
+            return binary
+    message = (
+        f"{' or '.join(names)} is not installed (Debian packages `prometheus`, `prometheus-alertmanager`)"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(message + "; .ci/run must install it")
+    pytest.skip(message)
+
+
+def amtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([tool("amtool"), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def uncommented(text: str) -> str:
+    """collector/alertmanager.yml with its commented Slack and email receivers switched on."""
+    lines = []
+    for line in text.splitlines():
+        match = re.fullmatch(r"    # (slack_configs:|email_configs:)", line)
+        if match:
+            lines.append(f"    {match.group(1)}")
+        elif line.startswith("    #   "):
+            lines.append("      " + line.removeprefix("    #   "))
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+
+
+# -- collector/alertmanager.yml ---------------------------------------------------------------------------
+
+
+def test_amtool_accepts_the_config_and_its_commented_receivers(tmp_path: Path) -> None:
+    result = amtool("check-config", "collector/alertmanager.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The Slack and email examples are valid for this Alertmanager when switched on.
+    switched_on = tmp_path / "alertmanager.yml"
+    switched_on.write_text(uncommented(ALERTMANAGER_CONFIG.read_text()))
+    config = yaml.safe_load(switched_on.read_text())
+    receivers = {r["name"]: r for r in config["receivers"]}
+    assert "slack_configs" in receivers["critical"] and "email_configs" in receivers["warning"]
+    result = amtool("check-config", str(switched_on))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_secrets_come_from_files_never_inline() -> None:
+    config = yaml.safe_load(uncommented(ALERTMANAGER_CONFIG.read_text()))
+    for receiver in config["receivers"]:
+        for slack in receiver.get("slack_configs", []):
+            assert "api_url" not in slack and slack["api_url_file"].startswith("/etc/alertmanager/secrets/")
+        for email in receiver.get("email_configs", []):
+            assert "auth_password" not in email and "auth_secret" not in email
+            assert email["auth_password_file"].startswith("/etc/alertmanager/secrets/")
+        for webhook in receiver.get("webhook_configs", []):
+            url = webhook["url"]
+            assert url.startswith("http://127.0.0.1:") and "@" not in url  # a local receiver, no token
+    assert config.get("global", {}).keys() <= {"resolve_timeout"}  # no global SMTP or Slack secret
+    # The secrets directory compose would mount is the one the files are read from.
+    compose = (COLLECTOR / "docker-compose.yml").read_text()
+    assert "# - ./secrets:/etc/alertmanager/secrets:ro" in compose
+
+
+def _routed(*labels: str) -> str:
+    result = amtool("config", "routes", "test", "--config.file=collector/alertmanager.yml", *labels)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def test_every_alert_is_routed_by_its_severity_and_grouped_by_run() -> None:
+    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    assert config["route"]["group_by"] == ["alertname", "openlora_run_id"]
+    for rule in alert_rules():
+        severity = rule["labels"]["severity"]
+        assert _routed(f"alertname={rule['alert']}", f"severity={severity}", "openlora_run_id=r1") == severity
+    # Critical alerts go out faster than warnings.
+    critical, warning = config["route"]["routes"]
+    assert critical["receiver"] == "critical" and warning["receiver"] == "warning"
+    assert critical["group_wait"] < config["route"]["group_wait"]
+
+
+def test_every_per_run_alert_carries_the_run_labels_the_config_groups_and_inhibits_by() -> None:
+    # An alert that names no run could neither be grouped per run nor inhibited by its run's
+    # critical alert; the collector's own alerts are the only ones without a run.
+    for rule in alert_rules():
+        expr = rule["expr"]
+        if rule["alert"].startswith("OpenloraCollector"):
+            assert "openlora_run" not in expr
+        elif "group_left (openlora_run_id, openlora_run_name) instance:openlora_run:current" in expr:
+            assert expr.rstrip().endswith("instance:openlora_run:current"), rule["alert"]
+        else:
+            assert expr.rstrip().endswith("group_left (openlora_run_name) run:openlora_run:name"), rule[
+                "alert"
+            ]
+            assert "openlora_run_id" in rule["annotations"]["summary"]
+
+
+# -- compose and the Prometheus configs ----------------------------------------------------------------
+
+
+def compose() -> dict:
+    return yaml.safe_load((COLLECTOR / "docker-compose.yml").read_text())
+
+
+def _flag(command: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in command if a.startswith(f"--{name}=")]
+    return value
+
+
+def test_compose_runs_a_pinned_alertmanager_on_loopback_that_prometheus_sends_to() -> None:
+    services = compose()["services"]
+    alertmanager = services["alertmanager"]
+    image, tag = alertmanager["image"].rsplit(":", 1)
+    assert image == "prom/alertmanager" and re.fullmatch(r"v\d+\.\d+\.\d+", tag)
+    # The pattern of the other services on the host's network: no ports, told to use loopback.
+    assert alertmanager["network_mode"] == "host" and "ports" not in alertmanager
+    listen = _flag(alertmanager["command"], "web.listen-address")
+    assert listen.rsplit(":", 1)[0] == "127.0.0.1"
+    assert _flag(alertmanager["command"], "cluster.listen-address") == ""  # no gossip port on 0.0.0.0
+    config_file = _flag(alertmanager["command"], "config.file")
+    assert f"./alertmanager.yml:{config_file}:ro" in alertmanager["volumes"]
+    assert "alertmanager" in services["prometheus"]["depends_on"]
+    # Prometheus (on the host's network too) sends to where Alertmanager listens.
+    prometheus = yaml.safe_load((COLLECTOR / "prometheus.yml").read_text())
+    assert prometheus["alerting"]["alertmanagers"] == [{"static_configs": [{"targets": [listen]}]}]
+
+
+def test_every_prometheus_config_that_loads_the_rules_sends_their_alerts() -> None:
+    configs = [COLLECTOR / "prometheus.yml", *sorted((ROOT / "deploy").rglob("*.yml"))]
+    loading = []
+    for path in configs:
+        config = yaml.safe_load(path.read_text())
+        if isinstance(config, dict) and config.get("rule_files"):
+            loading.append(path.relative_to(ROOT))
+            targets = [
+                t
+                for am in config["alerting"]["alertmanagers"]
+                for sc in am["static_configs"]
+                for t in sc["targets"]
+            ]
+            assert targets == ["127.0.0.1:9093"], path
+    assert {str(p) for p in loading} == {"collector/prometheus.yml", "deploy/prometheus/central.yml"}
+    # vmalert, the rule evaluator of the VictoriaMetrics variant, sends to the same place.
+    vmalert = (ROOT / "deploy" / "prometheus" / "victoria-metrics" / "vmalert.default").read_text()
+    assert "-notifier.url=http://127.0.0.1:9093" in vmalert
+
+
+# -- a real Alertmanager ------------------------------------------------------------------------------
+
+
+class Webhook:
+    """A webhook receiver on loopback that keeps every notification Alertmanager POSTs."""
+
+    def __init__(self) -> None:
+        self.notifications: list[dict] = []
+        self._lock = threading.Lock()
+        received = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with received._lock:
+                    received.notifications.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def alerts(self) -> list[dict]:
+        with self._lock:
+            return [dict(alert, receiver=n["receiver"]) for n in self.notifications for alert in n["alerts"]]
+
+    def wait_for(self, predicate, timeout: float) -> list[dict]:
+        """Alerts received so far that match ``predicate``, polling (bounded) until there is one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [a for a in self.alerts() if predicate(a)]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.25)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def webhook() -> Iterator[Webhook]:
+    receiver = Webhook()
+    yield receiver
+    receiver.close()
+
+
+@pytest.mark.e2e
+def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_warnings(
+    tmp_path: Path, webhook: Webhook
+) -> None:
+    from tests.prometheus_server import ServerProcess
+
+    binary = tool("prometheus-alertmanager", "alertmanager")
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(ALERTMANAGER_CONFIG.read_text().replace("http://127.0.0.1:9095/alerts", webhook.url))
+    port = free_port()
+    server = ServerProcess(
+        "alertmanager",
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ],
+        port,
+        tmp_path,
+        "/-/ready",
+    )
+    try:
+
+        def alert(name: str, severity: str, run: str) -> dict:
+            return {
+                "labels": {
+                    "alertname": name,
+                    "severity": severity,
+                    "openlora_run_id": run,
+                    "openlora_run_name": f"name-of-{run}",
+                    "instance": "localhost:9464",
+                },
+                "annotations": {"summary": f"{name} in {run}"},
+            }
+
+        alerts = [
+            alert("OpenloraLossNonFinite", "critical", "run-a"),
+            alert("OpenloraLossDiverging", "warning", "run-a"),
+            alert("OpenloraLossDiverging", "warning", "run-b"),
+        ]
+        request = urllib.request.Request(
+            f"{server.url}/api/v2/alerts",
+            data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+        # Inhibition: run a's warning is suppressed by run a's critical alert, run b's is not.
+        deadline = time.monotonic() + 15
+        while True:
+            state = {
+                (a["labels"]["alertname"], a["labels"]["openlora_run_id"]): a["status"]
+                for a in server.get("/api/v2/alerts")
+            }
+            if (
+                state[("OpenloraLossDiverging", "run-a")]["state"] == "suppressed"
+                or time.monotonic() > deadline
+            ):
+                break
+            time.sleep(0.25)
+        assert state[("OpenloraLossDiverging", "run-a")]["state"] == "suppressed"
+        assert state[("OpenloraLossDiverging", "run-a")]["inhibitedBy"]
+        assert state[("OpenloraLossDiverging", "run-b")]["state"] == "active"
+        assert state[("OpenloraLossNonFinite", "run-a")]["state"] == "active"
+        # The critical one reaches the webhook after the critical route's group_wait (10 s).
+        (received,) = webhook.wait_for(lambda a: a["labels"]["alertname"] == "OpenloraLossNonFinite", 30)
+        assert received["receiver"] == "critical" and received["status"] == "firing"
+        assert received["labels"]["openlora_run_name"] == "name-of-run-a"
+        (notification,) = [n for n in webhook.notifications if n["receiver"] == "critical"]
+        assert notification["groupLabels"] == {
+            "alertname": "OpenloraLossNonFinite",
+            "openlora_run_id": "run-a",
+        }
+    finally:
+        server.stop()
