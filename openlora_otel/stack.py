@@ -1,0 +1,665 @@
+"""``openlora-otel stack``: Prometheus and Alertmanager on this machine, without Docker.
+
+The compose stack in ``collector/`` needs Docker. On a plain Linux box the pull path needs only
+two binaries (Debian: ``prometheus`` and ``prometheus-alertmanager``; or the upstream tarballs).
+This command writes, into one directory, a Prometheus config that scrapes the local ranks'
+endpoints (``localhost:PORT`` .. ``PORT+N-1``, or the targets the ranks register in
+``OPENLORA_PROMETHEUS_FILE_SD_DIR``), loads the alerting rules shipped in this package and sends
+alerts to a local Alertmanager, and an ``alertmanager.yml`` with the routes of
+``collector/alertmanager.yml`` and a webhook receiver. It prints the two command lines; with
+``--start`` it runs both on 127.0.0.1 until Ctrl-C or SIGTERM and stops them cleanly. Unless
+``--webhook`` names a receiver of your own, ``--start`` also runs a small one that prints every
+notification, so a NaN alert shows up in the terminal with the run's name and id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from openlora_otel._version import __version__
+from openlora_otel.redaction import redact_url
+
+__all__ = [
+    "AlertPrinter",
+    "StackPlan",
+    "add_parser",
+    "alertmanager_config",
+    "main",
+    "prometheus_config",
+    "rules_text",
+    "run",
+]
+
+DEFAULT_PROMETHEUS_PORT = 9090
+DEFAULT_ALERTMANAGER_PORT = 9093
+DEFAULT_RECEIVER_PORT = 9095
+DEFAULT_METRICS_PORT = 9464
+# The shipped timings of collector/prometheus.yml: the rules' thresholds assume them.
+DEFAULT_SCRAPE_INTERVAL = "5s"
+DEFAULT_EVALUATION_INTERVAL = "15s"
+LOOPBACK = "127.0.0.1"
+# Prometheus and Alertmanager answer /-/ready within a few seconds; a slow disk may take longer.
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+# Per-node torchrun launches; a bigger list is a typo, not a node.
+MAX_RANKS = 1024
+PROMETHEUS_BINARIES = ("prometheus",)
+ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")
+_DURATION = re.compile(r"(\d+)(ms|s|m)")
+
+
+def rules_text() -> str:
+    """The alerting and recording rules shipped in the package (``openlora_otel/rules/openlora.yml``)."""
+    return (resources.files("openlora_otel") / "rules" / "openlora.yml").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """What the stack scrapes, where it listens and where alerts go."""
+
+    directory: Path
+    targets: tuple[str, ...] = (f"localhost:{DEFAULT_METRICS_PORT}",)
+    file_sd_dir: str | None = None
+    webhook_url: str = f"http://{LOOPBACK}:{DEFAULT_RECEIVER_PORT}/alerts"
+    builtin_receiver: bool = True
+    prometheus_port: int = DEFAULT_PROMETHEUS_PORT
+    alertmanager_port: int = DEFAULT_ALERTMANAGER_PORT
+    receiver_port: int = DEFAULT_RECEIVER_PORT
+    scrape_interval: str = DEFAULT_SCRAPE_INTERVAL
+    evaluation_interval: str = DEFAULT_EVALUATION_INTERVAL
+
+    @property
+    def prometheus_config_path(self) -> Path:
+        return self.directory / "prometheus.yml"
+
+    @property
+    def alertmanager_config_path(self) -> Path:
+        return self.directory / "alertmanager.yml"
+
+    @property
+    def rules_path(self) -> Path:
+        return self.directory / "rules" / "openlora.yml"
+
+    def prometheus_argv(self, binary: str = "prometheus") -> list[str]:
+        return [
+            binary,
+            f"--config.file={self.prometheus_config_path}",
+            f"--storage.tsdb.path={self.directory / 'data' / 'prometheus'}",
+            f"--web.listen-address={LOOPBACK}:{self.prometheus_port}",
+            # An alert that fires before Prometheus has found the Alertmanager (its first
+            # seconds) is sent again after this delay: one evaluation, not the default minute.
+            f"--rules.alert.resend-delay={self.evaluation_interval}",
+        ]
+
+    def alertmanager_argv(self, binary: str = "prometheus-alertmanager") -> list[str]:
+        return [
+            binary,
+            f"--config.file={self.alertmanager_config_path}",
+            f"--storage.path={self.directory / 'data' / 'alertmanager'}",
+            f"--web.listen-address={LOOPBACK}:{self.alertmanager_port}",
+            # One Alertmanager, no cluster: the gossip listener would otherwise bind 0.0.0.0:9094.
+            "--cluster.listen-address=",
+        ]
+
+
+def _quoted(text: str) -> str:
+    """A YAML double-quoted scalar (JSON's string syntax is valid YAML)."""
+    return json.dumps(text)
+
+
+def prometheus_config(plan: StackPlan) -> str:
+    """The native Prometheus config: the pull job, the rules, the local Alertmanager."""
+    if plan.file_sd_dir:
+        glob = str(Path(plan.file_sd_dir).resolve() / "*.json")
+        discovery = (
+            "    # Each rank registers its endpoint here while it runs (OPENLORA_PROMETHEUS_FILE_SD_DIR).\n"
+            "    file_sd_configs:\n"
+            f"      - files: [{_quoted(glob)}]\n"
+        )
+        scraped = f"the ranks registered in {plan.file_sd_dir}"
+    else:
+        discovery = (
+            "    # One target per rank: port + LOCAL_RANK (OPENLORA_PROMETHEUS_PORT_OFFSET). A target\n"
+            "    # shows DOWN while no run is on; no alert fires on that.\n"
+            "    static_configs:\n"
+            f"      - targets: [{', '.join(_quoted(t) for t in plan.targets)}]\n"
+        )
+        scraped = ", ".join(plan.targets)
+    return (
+        f"# Written by `openlora-otel stack` (openlora-otel {__version__}); running it again rewrites it.\n"
+        f"# A native Prometheus for the pull path: scrapes {scraped},\n"
+        "# evaluates openlora-otel's rules and sends alerts to the local Alertmanager.\n"
+        "global:\n"
+        f"  scrape_interval: {plan.scrape_interval}\n"
+        f"  scrape_timeout: {plan.scrape_interval}\n"
+        f"  evaluation_interval: {plan.evaluation_interval}\n"
+        "\n"
+        "rule_files:\n"
+        "  - rules/openlora.yml\n"
+        "\n"
+        "alerting:\n"
+        "  alertmanagers:\n"
+        "    - static_configs:\n"
+        f"        - targets: [{_quoted(f'{LOOPBACK}:{plan.alertmanager_port}')}]\n"
+        "\n"
+        "scrape_configs:\n"
+        "  # The job name the rules read for the pull path.\n"
+        "  - job_name: openlora\n" + discovery
+    )
+
+
+def alertmanager_config(webhook_url: str) -> str:
+    """Routes, grouping and inhibition as in ``collector/alertmanager.yml``; both receivers POST to ``webhook_url``."""
+    receiver = f"    webhook_configs:\n      - url: {_quoted(webhook_url)}\n        send_resolved: true\n"
+    return (
+        "# Written by `openlora-otel stack`; running it again rewrites it. The routes, grouping and\n"
+        "# inhibition of collector/alertmanager.yml; Slack and email receivers are shown there\n"
+        '# (secrets read from files) and in the README, section "Alerts: Alertmanager and receivers".\n'
+        "global:\n"
+        "  resolve_timeout: 5m\n"
+        "\n"
+        "route:\n"
+        "  receiver: warning\n"
+        "  group_by: [alertname, openlora_run_id]\n"
+        "  group_wait: 30s\n"
+        "  group_interval: 5m\n"
+        "  repeat_interval: 4h\n"
+        "  routes:\n"
+        "    - matchers: ['severity=\"critical\"']\n"
+        "      receiver: critical\n"
+        "      group_wait: 10s\n"
+        "      group_interval: 1m\n"
+        "      repeat_interval: 1h\n"
+        "    - matchers: ['severity=\"warning\"']\n"
+        "      receiver: warning\n"
+        "\n"
+        "inhibit_rules:\n"
+        "  - source_matchers: ['severity=\"critical\"', 'openlora_run_id=~\".+\"']\n"
+        "    target_matchers: ['severity=\"warning\"']\n"
+        "    equal: [openlora_run_id]\n"
+        "\n"
+        "receivers:\n"
+        "  - name: critical\n" + receiver + "  - name: warning\n" + receiver
+    )
+
+
+def write(plan: StackPlan) -> list[Path]:
+    """Write the three files (the rules copied from the package); returns their paths."""
+    plan.rules_path.parent.mkdir(parents=True, exist_ok=True)
+    plan.rules_path.write_text(rules_text(), encoding="utf-8")
+    plan.prometheus_config_path.write_text(prometheus_config(plan), encoding="utf-8")
+    # The webhook URL may carry a token: readable by this user only.
+    path = plan.alertmanager_config_path
+    path.write_text(alertmanager_config(plan.webhook_url), encoding="utf-8")
+    path.chmod(0o600)
+    return [plan.prometheus_config_path, plan.rules_path, path]
+
+
+# -- the built-in receiver ---------------------------------------------------------------------------
+
+
+def format_notification(payload: dict[str, Any]) -> list[str]:
+    """One line per alert of an Alertmanager webhook notification (version 4)."""
+    lines = []
+    for alert in payload.get("alerts") or []:
+        labels = alert.get("labels") or {}
+        annotations = alert.get("annotations") or {}
+        status = str(alert.get("status") or payload.get("status") or "?").upper()
+        text = str(annotations.get("summary") or "")
+        name, run_id, instance = (
+            labels.get("openlora_run_name"),
+            labels.get("openlora_run_id"),
+            labels.get("instance"),
+        )
+        if instance and instance not in text:
+            text += f" on {instance}"
+        if name and name not in text:
+            text += f" (run {name})"
+        if run_id and run_id != name:
+            text += f" [run id {run_id}]"
+        line = f"[{status}] {labels.get('severity', '?')} {labels.get('alertname', '?')}"
+        lines.append(f"{line}: {text.strip()}" if text.strip() else line)
+    return lines
+
+
+class AlertPrinter:
+    """A webhook receiver on loopback that prints each alert of every notification to ``out``."""
+
+    def __init__(self, port: int, out: TextIO | None = None, host: str = LOOPBACK) -> None:
+        self._out = out if out is not None else sys.stdout
+        self._lock = threading.Lock()
+        printer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = min(int(self.headers.get("Content-Length") or 0), 10 * 2**20)
+                try:
+                    payload = json.loads(self.rfile.read(length) or b"{}")
+                    lines = format_notification(payload) if isinstance(payload, dict) else []
+                except (ValueError, UnicodeDecodeError):
+                    self.send_response(400)
+                    self.end_headers()
+                    return
+                printer._print(lines)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: only the alerts are shown
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.url = f"http://{host}:{self.port}/alerts"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="openlora-alerts", daemon=True
+        )
+
+    def _print(self, lines: list[str]) -> None:
+        with self._lock:
+            for line in lines:
+                print(line, file=self._out, flush=True)
+
+    def start(self) -> AlertPrinter:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# -- running the two servers ----------------------------------------------------------------------------
+
+
+def find_binary(names: Sequence[str]) -> str | None:
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _tail(path: Path, size: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-size:]
+    except OSError:
+        return ""
+
+
+class _Server:
+    def __init__(self, name: str, argv: list[str], ready_url: str, log: Path) -> None:
+        self.name = name
+        self.ready_url = ready_url
+        self.log = log
+        self._log_handle = log.open("ab")
+        # A session of its own: Ctrl-C in the terminal reaches this command only, which then
+        # stops the servers one after the other.
+        self.process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log_handle.close()
+
+
+def _start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
+    prometheus = find_binary(PROMETHEUS_BINARIES)
+    alertmanager = find_binary(ALERTMANAGER_BINARIES)
+    missing = []
+    if prometheus is None:
+        missing.append("`prometheus` (Debian/Ubuntu: apt-get install prometheus)")
+    if alertmanager is None:
+        missing.append(
+            "`prometheus-alertmanager` or `alertmanager` (Debian/Ubuntu: apt-get install prometheus-alertmanager)"
+        )
+    if missing:
+        print(
+            "openlora-otel stack: not found on PATH: "
+            + "; ".join(missing)
+            + ". Or take the release tarballs from https://prometheus.io/download/ and put the binaries "
+            "on PATH. The configs are written; the commands above start them by hand.",
+            file=err,
+        )
+        return 2
+    assert prometheus is not None and alertmanager is not None
+    printer = None
+    if plan.builtin_receiver:
+        try:
+            printer = AlertPrinter(plan.receiver_port, out).start()
+        except OSError as exc:
+            print(
+                f"openlora-otel stack: cannot listen on {LOOPBACK}:{plan.receiver_port} for alerts "
+                f"({exc.strerror or exc}); pick another --receiver-port or pass --webhook",
+                file=err,
+            )
+            return 1
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    servers: list[_Server] = []
+    try:
+        (plan.directory / "data").mkdir(parents=True, exist_ok=True)
+        servers.append(
+            _Server(
+                "Alertmanager",
+                plan.alertmanager_argv(alertmanager),
+                f"http://{LOOPBACK}:{plan.alertmanager_port}/-/ready",
+                plan.directory / "alertmanager.log",
+            )
+        )
+        servers.append(
+            _Server(
+                "Prometheus",
+                plan.prometheus_argv(prometheus),
+                f"http://{LOOPBACK}:{plan.prometheus_port}/-/ready",
+                plan.directory / "prometheus.log",
+            )
+        )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        waiting = list(servers)
+        while waiting and not stop.is_set():
+            for server in list(waiting):
+                if server.exited():
+                    return _died(server, err)
+                if _ready(server.ready_url):
+                    waiting.remove(server)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(s.name for s in waiting)
+                print(
+                    f"openlora-otel stack: {names} not ready in {READY_TIMEOUT_S:.0f} s; see the log in "
+                    f"{plan.directory}",
+                    file=err,
+                )
+                return 1
+            stop.wait(0.2)
+        if stop.is_set():
+            return 0
+        alerts = "printed here" if printer is not None else f"sent to {redact_url(plan.webhook_url)}"
+        print(
+            f"Prometheus   http://{LOOPBACK}:{plan.prometheus_port}  (log {servers[1].log})\n"
+            f"Alertmanager http://{LOOPBACK}:{plan.alertmanager_port}  (log {servers[0].log})\n"
+            f"alerts: {alerts}\n"
+            "Ctrl-C stops both.",
+            file=out,
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            for server in servers:
+                if server.exited():
+                    return _died(server, err)
+        return 0
+    finally:
+        for server in reversed(servers):  # Prometheus first: it stops sending before Alertmanager goes
+            server.stop()
+        if printer is not None:
+            printer.close()
+        _restore_handlers(previous)
+
+
+def _died(server: _Server, err: TextIO) -> int:
+    print(
+        f"openlora-otel stack: {server.name} exited with status {server.process.returncode}; "
+        f"the end of {server.log}:\n{_tail(server.log)}",
+        file=err,
+    )
+    return 1
+
+
+def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
+    """SIGINT and SIGTERM set ``stop`` (main thread only; elsewhere the caller stops by other means)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for number in (signal.SIGINT, signal.SIGTERM):
+        previous[number] = signal.signal(number, lambda *_: stop.set())
+    return previous
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
+def _receiver_only(port: int, out: TextIO, err: TextIO) -> int:
+    try:
+        printer = AlertPrinter(port, out).start()
+    except OSError as exc:
+        print(f"openlora-otel stack: cannot listen on {LOOPBACK}:{port} ({exc.strerror or exc})", file=err)
+        return 1
+    stop = threading.Event()
+    previous = _install_stop_handlers(stop)
+    try:
+        print(f"receiving alerts at {printer.url}; Ctrl-C stops", file=out, flush=True)
+        stop.wait()
+    finally:
+        printer.close()
+        _restore_handlers(previous)
+    return 0
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+
+def _duration(text: str) -> str:
+    match = _DURATION.fullmatch(text)
+    seconds = 0.0
+    if match:
+        seconds = int(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[match.group(2)]
+    if not match or not 1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(
+            f"expected a Prometheus duration from 1s to 60m such as 5s, 15s or 1m, got {text!r}"
+        )
+    return text
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {text!r}")
+    return value
+
+
+def _ranks(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"expected a number of ranks from 1 to {MAX_RANKS}, got {text!r}")
+    return value
+
+
+def _webhook(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {redact_url(text)!r}")
+    return text
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``stack`` subcommand to ``openlora-otel``'s subparsers."""
+    parser = subparsers.add_parser(
+        "stack",
+        help="write (and with --start run) a native Prometheus and Alertmanager for local runs, no Docker",
+        description="Write into DIR a Prometheus config that scrapes the local ranks' endpoints "
+        "(localhost:PORT to PORT+N-1, or the targets the ranks register in OPENLORA_PROMETHEUS_FILE_SD_DIR "
+        "when it is set), loads openlora-otel's alerting rules and sends alerts to a local Alertmanager, "
+        "and an alertmanager.yml that routes them to a webhook; print the two command lines. With --start, "
+        "run both on 127.0.0.1 (binaries `prometheus` and `prometheus-alertmanager` or `alertmanager` on "
+        "PATH) until Ctrl-C or SIGTERM, and, unless --webhook names your receiver, print every alert here. "
+        "Exit status: 0 done or stopped, 1 a server failed, 2 usage error or a binary missing.",
+    )
+    parser.add_argument("--dir", type=Path, metavar="DIR", help="where the configs, data and logs go")
+    parser.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=1,
+        metavar="N",
+        help="training processes on this machine, on ports PORT to PORT+N-1 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--port",
+        type=_port,
+        metavar="PORT",
+        help="the first rank's metrics port (default: OTEL_EXPORTER_PROMETHEUS_PORT, else 9464)",
+    )
+    parser.add_argument(
+        "--webhook",
+        type=_webhook,
+        metavar="URL",
+        help="send alerts to this webhook (Alertmanager's JSON) instead of printing them here",
+    )
+    parser.add_argument("--start", action="store_true", help="run Prometheus and Alertmanager until Ctrl-C")
+    parser.add_argument(
+        "--receiver-only",
+        action="store_true",
+        help="only print the alerts an Alertmanager sends to http://127.0.0.1:RECEIVER_PORT/alerts (the "
+        "default receiver of collector/alertmanager.yml, for the compose stack); no --dir needed",
+    )
+    parser.add_argument(
+        "--prometheus-port", type=_port, default=DEFAULT_PROMETHEUS_PORT, help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--alertmanager-port", type=_port, default=DEFAULT_ALERTMANAGER_PORT, help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--receiver-port",
+        type=_port,
+        default=DEFAULT_RECEIVER_PORT,
+        help="the port of the alert printer (default %(default)s)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=_duration,
+        default=DEFAULT_SCRAPE_INTERVAL,
+        help="(default %(default)s, as collector/prometheus.yml; under 5s OpenloraTrainingEndpointUnresponsive "
+        "cannot fire, its threshold is 4 s of scrape time)",
+    )
+    parser.add_argument(
+        "--evaluation-interval",
+        type=_duration,
+        default=DEFAULT_EVALUATION_INTERVAL,
+        help="(default %(default)s)",
+    )
+    parser.set_defaults(stack_parser=parser)
+    return parser
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Carry out ``openlora-otel stack`` for parsed ``args``."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    parser: argparse.ArgumentParser = args.stack_parser
+    if args.receiver_only:
+        return _receiver_only(args.receiver_port, out, err)
+    if args.dir is None:
+        parser.error("--dir is required (where the configs go), unless --receiver-only")
+    from openlora_otel.config import ConfigError, TelemetryConfig
+    from openlora_otel.discovery import scrape_address
+
+    try:
+        config = TelemetryConfig.from_env()
+    except ConfigError as exc:
+        print(f"openlora-otel stack: {exc}", file=err)
+        return 2
+    port = args.port
+    if port is None:
+        port = config.prometheus_port if config.prometheus_port_explicit and config.prometheus_port else 9464
+    if port + args.ranks - 1 > 65535:
+        parser.error(f"--port {port} with --ranks {args.ranks} runs past port 65535")
+    ports = {args.prometheus_port, args.alertmanager_port} | (set() if args.webhook else {args.receiver_port})
+    if len(ports) < (2 if args.webhook else 3):
+        parser.error("--prometheus-port, --alertmanager-port and --receiver-port must differ")
+    directory = args.dir.expanduser().resolve()
+    plan = StackPlan(
+        directory=directory,
+        targets=tuple(scrape_address(config.prometheus_host, p) for p in range(port, port + args.ranks)),
+        file_sd_dir=config.file_sd_dir,
+        webhook_url=args.webhook or f"http://{LOOPBACK}:{args.receiver_port}/alerts",
+        builtin_receiver=args.webhook is None,
+        prometheus_port=args.prometheus_port,
+        alertmanager_port=args.alertmanager_port,
+        receiver_port=args.receiver_port,
+        scrape_interval=args.scrape_interval,
+        evaluation_interval=args.evaluation_interval,
+    )
+    try:
+        paths = write(plan)
+    except OSError as exc:
+        print(f"openlora-otel stack: cannot write into {directory} ({exc.strerror or exc})", file=err)
+        return 2
+    scraped = f"the ranks registered in {plan.file_sd_dir}" if plan.file_sd_dir else ", ".join(plan.targets)
+    prometheus = find_binary(PROMETHEUS_BINARIES) or "prometheus"
+    alertmanager = find_binary(ALERTMANAGER_BINARIES) or "prometheus-alertmanager"
+    alerts = (
+        f"sent to {redact_url(plan.webhook_url)}"
+        if not plan.builtin_receiver
+        else f"sent to {plan.webhook_url}, printed there by --start (or by `openlora-otel stack --receiver-only`)"
+    )
+    print(
+        "wrote " + ", ".join(str(p) for p in paths) + "\n"
+        f"Prometheus scrapes {scraped}; alerts {alerts}\n"
+        + ("starting:" if args.start else "start them (or run this command again with --start):")
+        + "\n  "
+        + shlex.join([Path(prometheus).name, *plan.prometheus_argv(prometheus)[1:]])
+        + "\n  "
+        + shlex.join([Path(alertmanager).name, *plan.alertmanager_argv(alertmanager)[1:]]),
+        file=out,
+        flush=True,
+    )
+    if not args.start:
+        return 0
+    return _start(plan, err, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``openlora-otel stack ARGS`` given ARGS (``python -m openlora_otel.stack ARGS``)."""
+    parser = argparse.ArgumentParser(prog="openlora-otel")
+    add_parser(parser.add_subparsers(dest="command"))
+    return run(parser.parse_args(["stack", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""``openlora-otel stack``: the configs it writes, the checks Prometheus's and Alertmanager's own tools
+run on them, the built-in alert printer, errors, and a real start and stop of both servers."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from openlora_otel import stack
+from tests.conftest import child_env, free_port, reap
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
+COLLECTOR_ALERTMANAGER = ROOT / "collector" / "alertmanager.yml"
+
+
+def tool(name: str) -> str:
+    binary = shutil.which(name)
+    if binary is None:
+        package = "prometheus-alertmanager" if name == "amtool" else "prometheus"
+        message = f"{name} is not installed (Debian package `{package}`)"
+        if os.environ.get("CI"):
+            pytest.fail(message + "; .ci/run must install it")
+        pytest.skip(message)
+    return binary
+
+
+def run_stack(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    parser = argparse.ArgumentParser(prog="openlora-otel")
+    stack.add_parser(parser.add_subparsers(dest="command"))
+    code = stack.run(parser.parse_args(["stack", *argv]), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_package_ships_the_one_rules_file(tmp_path: Path) -> None:
+    # One file: what compose mounts, the tests load and the stack writes. No copy to drift.
+    assert stack.rules_text() == RULES.read_text()
+    assert not (ROOT / "collector" / "rules").exists()
+    # A pip-installed user gets it: the wheel built from this tree holds it (built from a copy,
+    # so that the build leaves nothing in the checkout).
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT / "openlora_otel", source / "openlora_otel", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("openlora_otel-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("openlora_otel/rules/openlora.yml").decode() == RULES.read_text()
+
+
+def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:
+    code, out, err = run_stack("--dir", str(tmp_path / "stack"), "--ranks", "4", "--port", "9500")
+    assert code == 0, err
+    directory = tmp_path / "stack"
+    config = yaml.safe_load((directory / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "openlora"  # the job the pull-path rules read
+    assert job["static_configs"] == [{"targets": [f"localhost:{p}" for p in range(9500, 9504)]}]
+    assert config["rule_files"] == ["rules/openlora.yml"]
+    assert (directory / "rules" / "openlora.yml").read_text() == RULES.read_text()
+    assert config["alerting"]["alertmanagers"] == [{"static_configs": [{"targets": ["127.0.0.1:9093"]}]}]
+    # The timings the rules assume: those of collector/prometheus.yml.
+    shipped = yaml.safe_load((ROOT / "collector" / "prometheus.yml").read_text())["global"]
+    assert config["global"] == shipped
+    # The exact command lines, on loopback, with the files just written.
+    assert (
+        f"prometheus --config.file={directory}/prometheus.yml --storage.tsdb.path={directory}/data/prometheus "
+        "--web.listen-address=127.0.0.1:9090 --rules.alert.resend-delay=15s"
+    ) in out
+    assert (
+        f"--config.file={directory}/alertmanager.yml --storage.path={directory}/data/alertmanager "
+        "--web.listen-address=127.0.0.1:9093 --cluster.listen-address=" in out
+    )
+
+
+def test_promtool_and_amtool_accept_what_it_writes(tmp_path: Path) -> None:
+    code, _, err = run_stack("--dir", str(tmp_path), "--ranks", "2")
+    assert code == 0, err
+    checked = subprocess.run(
+        [tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 1 rule files found" in checked.stdout
+    checked = subprocess.run(
+        [tool("amtool"), "check-config", str(tmp_path / "alertmanager.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_alertmanager_config_has_the_routes_of_the_compose_one(tmp_path: Path) -> None:
+    code, _, err = run_stack("--dir", str(tmp_path), "--webhook", "https://hooks.example/openlora")
+    assert code == 0, err
+    written = yaml.safe_load((tmp_path / "alertmanager.yml").read_text())
+    shipped = yaml.safe_load(COLLECTOR_ALERTMANAGER.read_text())
+    for key in ("global", "route", "inhibit_rules"):
+        assert written[key] == shipped[key], key
+    assert [r["name"] for r in written["receivers"]] == [r["name"] for r in shipped["receivers"]]
+    for receiver in written["receivers"]:
+        assert receiver["webhook_configs"] == [
+            {"url": "https://hooks.example/openlora", "send_resolved": True}
+        ]
+    # The URL may carry a token: the file is this user's only.
+    assert stat.S_IMODE((tmp_path / "alertmanager.yml").stat().st_mode) == 0o600
+
+
+def test_file_sd_directory_replaces_the_port_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    targets = tmp_path / "targets"
+    monkeypatch.setenv("OPENLORA_PROMETHEUS_FILE_SD_DIR", str(targets))
+    code, out, err = run_stack("--dir", str(tmp_path / "stack"))
+    assert code == 0, err
+    (job,) = yaml.safe_load((tmp_path / "stack" / "prometheus.yml").read_text())["scrape_configs"]
+    assert "static_configs" not in job
+    assert job["file_sd_configs"] == [{"files": [str(targets.resolve() / "*.json")]}]
+    assert f"the ranks registered in {targets}" in out
+
+
+def test_port_and_host_follow_the_training_processes_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the ranks of a run started from the same shell bind: the port variable, and a
+    # wildcard bind is reached by this machine's name (as the file_sd registration writes it).
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9700")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "0.0.0.0")
+    code, _, err = run_stack("--dir", str(tmp_path), "--ranks", "2")
+    assert code == 0, err
+    (job,) = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]
+    host = socket.gethostname()
+    assert job["static_configs"] == [{"targets": [f"{host}:9700", f"{host}:9701"]}]
+
+
+def test_bad_settings_fail_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "ninety")
+    code, _, err = run_stack("--dir", str(tmp_path / "a"))
+    assert code == 2 and "OTEL_EXPORTER_PROMETHEUS_PORT='ninety' is not valid" in err
+    assert not (tmp_path / "a").exists()
+    monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT")
+    for argv, message in (
+        (["--ranks", "0"], "expected a number of ranks from 1 to 1024"),
+        (["--port", "65535", "--ranks", "2"], "runs past port 65535"),
+        (["--scrape-interval", "5"], "expected a Prometheus duration"),
+        (["--webhook", "ftp://x"], "expected an http:// or https:// URL"),
+        (["--prometheus-port", "9093"], "must differ"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            run_stack("--dir", str(tmp_path / "b"), *argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit):
+        run_stack()  # no --dir
+
+
+def test_credentials_in_the_webhook_url_are_not_printed(tmp_path: Path) -> None:
+    code, out, err = run_stack(
+        "--dir", str(tmp_path), "--webhook", "https://bot:s3cr3t-t0ken@hooks.example/x"
+    )
+    assert code == 0
+    assert "s3cr3t-t0ken" not in out + err
+    assert "s3cr3t-t0ken" in (tmp_path / "alertmanager.yml").read_text()  # where Alertmanager needs it
+
+
+def test_start_without_the_binaries_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, out, err = run_stack("--dir", str(tmp_path / "stack"), "--start")
+    assert code == 2
+    assert "not found on PATH: `prometheus`" in err
+    assert "apt-get install prometheus-alertmanager" in err
+    assert (tmp_path / "stack" / "prometheus.yml").exists()  # written: the commands above still apply
+    assert "prometheus --config.file=" in out
+
+
+def test_the_alert_printer_shows_each_alert_with_its_run() -> None:
+    out = io.StringIO()
+    printer = stack.AlertPrinter(0, out).start()
+    try:
+        payload = {
+            "version": "4",
+            "status": "firing",
+            "receiver": "critical",
+            "alerts": [
+                {
+                    "status": "firing",
+                    "labels": {
+                        "alertname": "OpenloraLossNonFinite",
+                        "severity": "critical",
+                        "instance": "localhost:9464",
+                        "openlora_run_id": "3f2a",
+                        "openlora_run_name": "lr-high",
+                    },
+                    "annotations": {"summary": "NaN or infinite loss on localhost:9464 (run lr-high)"},
+                },
+                {
+                    "status": "resolved",
+                    "labels": {"alertname": "OpenloraCollectorDown", "severity": "critical"},
+                },
+            ],
+        }
+        request = urllib.request.Request(
+            printer.url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+        bad = urllib.request.Request(printer.url, data=b"{not json")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=5)
+        assert refused.value.code == 400
+    finally:
+        printer.close()
+    assert out.getvalue().splitlines() == [
+        "[FIRING] critical OpenloraLossNonFinite: NaN or infinite loss on localhost:9464 (run lr-high) [run id 3f2a]",
+        "[RESOLVED] critical OpenloraCollectorDown",
+    ]
+
+
+# -- the servers themselves -----------------------------------------------------------------------------
+
+
+def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
+    """Lines of ``process``'s stdout up to the one containing ``needle`` (bounded)."""
+    import selectors
+
+    lines: list[str] = []
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buffer = b""
+    while time.monotonic() < deadline:
+        if not selector.select(timeout=0.5):
+            if process.poll() is not None:
+                break
+            continue
+        chunk = os.read(process.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        buffer += chunk
+        *done, buffer = buffer.split(b"\n")
+        lines += [line.decode() for line in done]
+        if any(needle in line for line in lines):
+            return lines
+    raise AssertionError(f"no {needle!r} from the stack in {timeout} s: {lines} {buffer!r}")
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def start_stack(directory: Path, *argv: str) -> tuple[subprocess.Popen, list[str]]:
+    """``python -m openlora_otel.stack --start`` (the ``stack`` subcommand); returns the process and its first lines."""
+    tool("prometheus")
+    stack.find_binary(stack.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "openlora_otel.stack", "--dir", str(directory), "--start", *argv],
+        cwd=ROOT,
+        env=child_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        lines = _wait_for_line(process, "Ctrl-C stops both", 90)
+    except BaseException:
+        process.kill()
+        reap(process, 10)
+        raise
+    return process, lines
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT])
+def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.Signals) -> None:
+    ports = [free_port() for _ in range(3)]
+    process, lines = start_stack(
+        tmp_path,
+        "--prometheus-port",
+        str(ports[0]),
+        "--alertmanager-port",
+        str(ports[1]),
+        "--receiver-port",
+        str(ports[2]),
+    )
+    try:
+        assert f"Prometheus   http://127.0.0.1:{ports[0]}" in "\n".join(lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/api/v1/alertmanagers", timeout=5) as r:
+            body = json.load(r)
+        deadline = time.monotonic() + 20  # the notifier's discovery sends its first update within 5 s
+        while not body["data"]["activeAlertmanagers"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/api/v1/alertmanagers", timeout=5) as r:
+                body = json.load(r)
+        assert body["data"]["activeAlertmanagers"] == [{"url": f"http://127.0.0.1:{ports[1]}/api/v2/alerts"}]
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/api/v1/rules", timeout=5) as r:
+            groups = json.load(r)["data"]["groups"]
+        assert {g["name"] for g in groups} >= {"openlora-training", "openlora-ranks"}
+        # The servers listen on loopback only, on the ports asked for: no Alertmanager gossip port.
+        import psutil
+
+        pids = {process.pid} | {child.pid for child in psutil.Process(process.pid).children(recursive=True)}
+        assert len(pids) == 3  # this command, Prometheus, Alertmanager
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        }
+        assert listening == {("127.0.0.1", port) for port in ports}
+    finally:
+        process.send_signal(how)
+        reap(process, 40)
+    assert process.returncode == 0, process.stdout.read().decode()
+    assert all(_refused(port) for port in ports)  # both servers and the printer are gone
