@@ -12,6 +12,8 @@ from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
+from openlora_otel.stack import add_parser as add_stack_parser
+from openlora_otel.stack import run as run_stack
 
 __all__ = ["main", "metrics_markdown", "variables_markdown"]
 
@@ -189,6 +191,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="list every metric with its Prometheus series name, type, unit and meaning",
         description="Print the table of metrics openlora-otel exports, as Markdown.",
     )
+    add_stack_parser(commands)
     return parser
 
 
@@ -206,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         print(variables_markdown())
         return 0
+    if args.command == "stack":
+        return run_stack(args)
     if args.command == "metrics":
         print(metrics_markdown())
         print()
