@@ -27,6 +27,7 @@ from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
+from openlora_otel.run import RunInfo, normalize_hyperparameters
 from openlora_otel.training import TrainingMetrics, step_duration_view
 from openlora_otel.views import observed_total_views
 
@@ -75,6 +76,7 @@ class Telemetry:
         self._sigterm: Any = None
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
+        self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -100,6 +102,35 @@ class Telemetry:
     @property
     def run_id(self) -> str:
         return self._run_id
+
+    @property
+    def run_name(self) -> str:
+        """The run's name: ``run_name`` / ``OPENLORA_RUN_NAME``, a callback's, else the run id."""
+        return self._run.name
+
+    @property
+    def hyperparameters(self) -> dict[str, str]:
+        """The hyperparameters on ``openlora.run.info``, as exported (normalized keys, text values)."""
+        return self._run.hyperparameters
+
+    def set_run_info(
+        self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
+    ) -> None:
+        """Name the run and add hyperparameters to ``openlora.run.info`` (from the next collection on).
+
+        Values set here override earlier ones, including those the Hugging Face and
+        Lightning callbacks fill in. Keys become lowercase ``[a-z0-9_]`` (at most 40
+        characters), values short text (at most 100 characters); at most 32 keys.
+        The Resource keeps the name given at setup: it cannot change once built.
+        """
+        self._run.update(name=name, hyperparameters=hyperparameters, explicit=True)
+
+    def _fill_run_info(
+        self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
+    ) -> None:
+        """What an integration found (a Trainer's run name, learning rate, LoRA rank): fills in,
+        never overrides what the application gave."""
+        self._run.update(name=name, hyperparameters=hyperparameters, explicit=False)
 
     @property
     def enabled(self) -> bool:
@@ -387,6 +418,8 @@ def setup_telemetry(
     service_name: str | None = None,
     *,
     run_id: str | None = None,
+    run_name: str | None = None,
+    hyperparameters: Mapping[str, object] | None = None,
     resource_attributes: Mapping[str, str | int | float | bool] | None = None,
     config: TelemetryConfig | None = None,
     metric_readers: Sequence[MetricReader] = (),
@@ -394,8 +427,11 @@ def setup_telemetry(
     """Build the run's MeterProvider from configuration and return its :class:`Telemetry` handle.
 
     ``config`` defaults to :meth:`TelemetryConfig.from_env`; explicit
-    ``service_name`` and ``run_id`` win over it, and ``resource_attributes`` are
-    added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+    ``service_name``, ``run_id`` and ``run_name`` win over it, and ``resource_attributes``
+    are added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+    ``run_name`` and ``hyperparameters`` (a mapping of names to numbers, strings,
+    booleans or lists) label the run on the ``openlora.run.info`` series (see
+    :meth:`Telemetry.set_run_info`); the name is also the Resource's ``openlora.run.name``.
     ``metric_readers`` are extra readers attached next to the configured ones
     (an ``InMemoryMetricReader`` in tests, a custom exporter's reader).
 
@@ -417,6 +453,9 @@ def setup_telemetry(
         config = config.replace(service_name=service_name)
     if run_id is not None and not run_id:
         raise ConfigError("run_id", run_id, "a non-empty string")
+    if run_name is not None:
+        config = config.replace(run_name=run_name)
+    hyperparameters = normalize_hyperparameters(hyperparameters)  # a TypeError now, before anything starts
     resolved_run_id = run_id or config.run_id
     if not resolved_run_id:
         if config.sdk_disabled:
@@ -430,13 +469,15 @@ def setup_telemetry(
 
     if config.sdk_disabled:
         _logger.info("OTEL_SDK_DISABLED=true: telemetry is a no-op")
-        return Telemetry(
+        telemetry = Telemetry(
             config=config,
             meter_provider=NoOpMeterProvider(),
             resource=None,
             run_id=resolved_run_id,
             owns_provider=False,
         )
+        telemetry.set_run_info(hyperparameters=hyperparameters)
+        return telemetry
 
     with _global_lock:
         if _global_owner is not None and not _global_owner.is_shutdown:
@@ -468,6 +509,7 @@ def setup_telemetry(
                     "host metrics are not added to a MeterProvider openlora-otel does not own "
                     "(opentelemetry-instrument starts its own SystemMetricsInstrumentor on it)"
                 )
+            telemetry.set_run_info(hyperparameters=hyperparameters)
             _global_owner = telemetry
             _install_sigterm(telemetry)
             return telemetry
@@ -496,6 +538,7 @@ def setup_telemetry(
         if nvml is not None:
             telemetry._attach_gpu(nvml)
         telemetry._attach_host()
+        telemetry.set_run_info(hyperparameters=hyperparameters)
         _global_owner = telemetry
     _install_sigterm(telemetry)
     _announce(telemetry)
