@@ -125,7 +125,7 @@ class Telemetry:
         """
         self._run.update(name=name, hyperparameters=hyperparameters, explicit=True)
 
-    def _fill_run_info(
+    def fill_run_info(
         self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
     ) -> None:
         """What an integration found (a Trainer's run name, learning rate, LoRA rank): fills in,
