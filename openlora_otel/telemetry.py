@@ -28,7 +28,7 @@ from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
-from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
@@ -59,6 +59,7 @@ class Telemetry:
         run_id: str,
         owns_provider: bool,
         prometheus: Any = None,
+        readers: Sequence[MetricReader] = (),
     ) -> None:
         self._config = config
         self._meter_provider = meter_provider
@@ -66,6 +67,7 @@ class Telemetry:
         self._run_id = run_id
         self._owns_provider = owns_provider
         self._prometheus = prometheus
+        self._readers = tuple(readers)  # each collects under its own key: its own training window
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self._lock = threading.Lock()
         self._closed = False
@@ -154,7 +156,10 @@ class Telemetry:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
                 self._training = TrainingMetrics(
-                    self._meter, window_histogram=self._owns_provider, peak_flops=self._config.peak_flops
+                    self._meter,
+                    window_histogram=self._owns_provider,
+                    peak_flops=self._config.peak_flops,
+                    readers=self._readers,
                 )
                 if self._closed:
                     self._training.close()
@@ -515,7 +520,7 @@ def setup_telemetry(
             return telemetry
 
         try:
-            provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
+            provider, prometheus, readers = _build_provider(config, resource_attributes, metric_readers)
         except BaseException:
             if nvml is not None:
                 nvml.shutdown()
@@ -534,6 +539,7 @@ def setup_telemetry(
             run_id=resolved_run_id,
             owns_provider=True,
             prometheus=prometheus,
+            readers=readers,
         )
         if nvml is not None:
             telemetry._attach_gpu(nvml)
@@ -612,8 +618,12 @@ def _build_provider(
     config: TelemetryConfig,
     resource_attributes: Mapping[str, str | int | float | bool] | None,
     extra_readers: Sequence[MetricReader],
-) -> tuple[SDKMeterProvider, Any]:
-    """Create the readers and the provider; on any failure, stop whatever was started."""
+) -> tuple[SDKMeterProvider, Any, list[MetricReader]]:
+    """Create the readers and the provider; on any failure, stop whatever was started.
+
+    Returns the provider, the pull endpoint (or None) and every reader, each made to
+    collect under its own key (:func:`~openlora_otel.training.collecting_for`).
+    """
     exporters = config.enabled_exporters
     # Fail on a missing package before binding a port or starting a thread.
     if "otlp" in exporters:
@@ -668,4 +678,28 @@ def _build_provider(
             prometheus.close()
         raise
     provider._openlora_otel = True  # type: ignore[attr-defined]
-    return provider, prometheus
+    every = [*readers, *extra_readers]
+    for reader in every:
+        _collect_as_itself(reader)
+    return provider, prometheus, every
+
+
+def _collect_as_itself(reader: MetricReader) -> None:
+    """Run ``reader``'s collections under its own key, so the training gauges it reads cover
+    the steps since its own previous collection, not since any reader's.
+
+    The provider hands each reader its collect function (``MetricReader._collect``, set by
+    ``_set_collect_callback``); every path into a collection (a periodic export, a
+    scrape, a flush, the final one) goes through it. Without it the reader shares the
+    one window of readers we did not build.
+    """
+    inner = getattr(reader, "_collect", None)
+    if not callable(inner):  # pragma: no cover - an SDK that collects differently
+        _logger.debug("%s has no collect callback to key; it shares the training window", type(reader).__name__)
+        return
+
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        with collecting_for(reader):
+            return inner(*args, **kwargs)
+
+    reader._collect = collect  # type: ignore[method-assign]
