@@ -11,7 +11,7 @@ from typing import Any
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from openlora_otel.stack import add_parser as add_stack_parser
 from openlora_otel.stack import run as run_stack
 
@@ -33,7 +33,7 @@ def metrics_markdown() -> str:
         "| OpenTelemetry name | Prometheus series (pulled; through the Collector where it differs) | Type | Unit | Meaning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
+    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
         series = spec.prometheus
         if spec.kind == "histogram":
             series = f"{series}_bucket`, `_sum`, `_count"
@@ -47,7 +47,7 @@ def metrics_markdown() -> str:
 def seeds_markdown() -> str:
     """The map from the seeds' metric names to ours."""
     rows = ["| Seeds' name | Ours (Prometheus series) |", "| --- | --- |"]
-    for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
+    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
         if spec.seed_name:
             rows.append(f"| `{spec.seed_name}` | `{spec.prometheus}` |")
     return "\n".join(rows)
@@ -128,6 +128,11 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=defaults.eval_every,
         help="steps between evaluations, 0 for none (default %(default)s)",
+    )
+    demo.add_argument(
+        "--run-name",
+        metavar="NAME",
+        help="a name for the run in legends, alerts and reports (overrides OPENLORA_RUN_NAME; default: the run id)",
     )
     demo.add_argument(
         "--exporter",
@@ -290,7 +295,12 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
-        telemetry = setup_telemetry("openlora-demo", config=config.replace(quiet=True))
+        telemetry = setup_telemetry(
+            "openlora-demo",
+            config=config.replace(quiet=True),
+            run_name=args.run_name,
+            hyperparameters=options.hyperparameters(world_size=ranks.world_size),
+        )
     except (ConfigError, MissingDependencyError) as exc:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
@@ -307,7 +317,14 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     finally:
         flushed = telemetry.shutdown()
     if ranks.rank == 0:
-        _summary(result, where, flushed, run_id=telemetry.run_id, world_size=ranks.world_size)
+        _summary(
+            result,
+            where,
+            flushed,
+            run_id=telemetry.run_id,
+            run_name=telemetry.run_name,
+            world_size=ranks.world_size,
+        )
     return result.exit_code
 
 
@@ -351,7 +368,9 @@ def _where(telemetry: object) -> str:
     return ", ".join(places) or "nowhere (exporter none or OTEL_SDK_DISABLED)"
 
 
-def _summary(result: object, where: str, flushed: bool, *, run_id: str, world_size: int = 1) -> None:
+def _summary(
+    result: object, where: str, flushed: bool, *, run_id: str, run_name: str | None = None, world_size: int = 1
+) -> None:
     from openlora_otel.demo.train import DemoResult
 
     assert isinstance(result, DemoResult)
@@ -371,7 +390,7 @@ def _summary(result: object, where: str, flushed: bool, *, run_id: str, world_si
     else:  # stopped before any later evaluation (or --eval-every 0 and stopped early)
         evaluation = f"eval loss {result.first_eval_loss:.3f} at the start, no evaluation after it"
     lines += [
-        f"run {run_id}: {result.steps} steps in {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s",
+        f"run {run_id}{f' ({run_name})' if run_name and run_name != run_id else ''}: {result.steps} steps in {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s",
         evaluation
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
         f"metrics went to {where}",

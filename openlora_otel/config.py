@@ -64,6 +64,10 @@ OTLP_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
 SHUTDOWN_TIMEOUT_RANGE_MS = (1.0, 600_000.0)
 GPU_TIMEOUT_RANGE_MS = (1.0, 60_000.0)
 FINAL_SCRAPE_TIMEOUT_RANGE_MS = (0.0, 600_000.0)
+HISTORY_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
+DEFAULT_HISTORY_MAX_BYTES = 64 * 1024 * 1024
+MIN_HISTORY_MAX_BYTES = 1024 * 1024
+MAX_RUN_NAME_LENGTH = 100
 # Ranks are exported as integers: keep them far inside int64.
 MAX_RANK = 2**31 - 1
 
@@ -237,6 +241,28 @@ VARIABLES: tuple[Variable, ...] = (
         "OPENLORA_RUN_ID",
         "shared by the launcher, else random",
         "Run id in the Resource (`openlora.run.id`). Unset, every rank of one job gets the same id anyway: torchrun's `TORCHELASTIC_RUN_ID`, torchrun's store (static rendezvous), the initialized process group's store, or Slurm's job and step ids (see Distributed training).",
+    ),
+    Variable(
+        "OPENLORA_RUN_NAME",
+        "(unset: the run id)",
+        "A name for the run, at most 100 characters: the Resource attribute `openlora.run.name` and the name on `openlora_run_info` (legends, alerts, reports). `setup_telemetry(run_name=...)` wins over it.",
+    ),
+    Variable(
+        "OPENLORA_HISTORY_DIR",
+        "(unset: no file)",
+        "A directory (created if missing) where the run's history is written as OTLP JSON Lines, one line per collection: `<run id>.jsonl`, or `<run id>.rank<RANK>.jsonl` under a launcher. Read by `openlora-otel report`. Works next to any exporter.",
+    ),
+    Variable(
+        "OPENLORA_HISTORY_INTERVAL",
+        "5000",
+        "Milliseconds between two lines of the history file, "
+        + _ms_range(HISTORY_INTERVAL_RANGE_MS)
+        + "; the final values are written at shutdown and on SIGTERM.",
+    ),
+    Variable(
+        "OPENLORA_HISTORY_MAX_BYTES",
+        str(DEFAULT_HISTORY_MAX_BYTES),
+        f"Size bound of one history file, from {MIN_HISTORY_MAX_BYTES} bytes (1 MiB): when a line would pass it, every other line is dropped and from then on every other collection is written (then every 4th, ...), so the whole run stays at a lower resolution.",
     ),
     Variable(
         "OPENLORA_SHUTDOWN_TIMEOUT",
@@ -428,6 +454,10 @@ class TelemetryConfig:
     quiet: bool = False
     file_sd_dir: str | None = None
     peak_flops: float | None = None
+    run_name: str | None = None
+    history_dir: str | None = None
+    history_interval_ms: float = 5000.0
+    history_max_bytes: int = DEFAULT_HISTORY_MAX_BYTES
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -469,6 +499,18 @@ class TelemetryConfig:
             isinstance(p, str) and _GLOB_RE.fullmatch(p) for p in self.host_metrics_excluded
         ):
             raise ConfigError("host_metrics_excluded", self.host_metrics_excluded, "a tuple of " + _GLOBS_ACCEPTED)
+        if self.run_name is not None:
+            problem = run_name_problem(self.run_name)
+            if problem:
+                raise ConfigError("run_name", self.run_name, RUN_NAME_ACCEPTED, problem)
+        if not _in_range(self.history_interval_ms, HISTORY_INTERVAL_RANGE_MS):
+            raise ConfigError(
+                "history_interval_ms", self.history_interval_ms, _ms_accepted(HISTORY_INTERVAL_RANGE_MS)
+            )
+        if isinstance(self.history_max_bytes, bool) or not (
+            isinstance(self.history_max_bytes, int) and self.history_max_bytes >= MIN_HISTORY_MAX_BYTES
+        ):
+            raise ConfigError("history_max_bytes", self.history_max_bytes, HISTORY_MAX_BYTES_ACCEPTED)
         if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
@@ -544,6 +586,7 @@ class TelemetryConfig:
             "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", bounds=FINAL_SCRAPE_TIMEOUT_RANGE_MS
         )
         visible = env.get("CUDA_VISIBLE_DEVICES") if "CUDA_VISIBLE_DEVICES" in env else None
+        history_interval = env.milliseconds("OPENLORA_HISTORY_INTERVAL", bounds=HISTORY_INTERVAL_RANGE_MS)
 
         # Validated whether or not `otlp` is selected: a bad value is caught now,
         # not when someone later adds `otlp` to the exporter list.
@@ -574,6 +617,10 @@ class TelemetryConfig:
             quiet=env.boolean("OPENLORA_QUIET"),
             file_sd_dir=_file_sd_dir(env),
             peak_flops=_peak_flops(env),
+            run_name=_run_name(env),
+            history_dir=_directory(env, "OPENLORA_HISTORY_DIR"),
+            history_interval_ms=5000.0 if history_interval is None else history_interval,
+            history_max_bytes=_history_max_bytes(env),
         )
 
 
@@ -616,20 +663,57 @@ def _excluded_metrics(env: _Env) -> tuple[str, ...]:
     return patterns
 
 
-FILE_SD_ACCEPTED = "a directory, or a path where one can be created"
+DIRECTORY_ACCEPTED = "a directory, or a path where one can be created"
+FILE_SD_ACCEPTED = DIRECTORY_ACCEPTED
 
 
-def _file_sd_dir(env: _Env) -> str | None:
-    """``OPENLORA_PROMETHEUS_FILE_SD_DIR``: unset, or a path that is (or can become) a directory."""
-    value = env.get("OPENLORA_PROMETHEUS_FILE_SD_DIR")
+def _directory(env: _Env, variable: str) -> str | None:
+    """A directory variable: unset, or a path that is (or can become) a directory, made absolute."""
+    value = env.get(variable)
     if not value:
         return None
     if "\0" in value:
-        raise ConfigError("OPENLORA_PROMETHEUS_FILE_SD_DIR", value, FILE_SD_ACCEPTED, "it contains a NUL character")
+        raise ConfigError(variable, value, DIRECTORY_ACCEPTED, "it contains a NUL character")
     path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError("OPENLORA_PROMETHEUS_FILE_SD_DIR", value, FILE_SD_ACCEPTED, "it is not a directory")
+        raise ConfigError(variable, value, DIRECTORY_ACCEPTED, "it is not a directory")
     return path
+
+
+def _file_sd_dir(env: _Env) -> str | None:
+    """``OPENLORA_PROMETHEUS_FILE_SD_DIR``."""
+    return _directory(env, "OPENLORA_PROMETHEUS_FILE_SD_DIR")
+
+
+RUN_NAME_ACCEPTED = f"a name of 1 to {MAX_RUN_NAME_LENGTH} printable characters"
+
+
+def run_name_problem(name: object) -> str | None:
+    if not isinstance(name, str) or not name.strip():
+        return "it is empty"
+    if len(name) > MAX_RUN_NAME_LENGTH:
+        return f"it has {len(name)} characters"
+    if not name.isprintable():
+        return "it contains a control character"
+    return None
+
+
+def _run_name(env: _Env) -> str | None:
+    value = env.get("OPENLORA_RUN_NAME")
+    if not value:
+        return None
+    problem = run_name_problem(value)
+    if problem:
+        raise ConfigError("OPENLORA_RUN_NAME", value, RUN_NAME_ACCEPTED, problem)
+    return value.strip()
+
+
+HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTORY_MAX_BYTES} (1 MiB)"
+
+
+def _history_max_bytes(env: _Env) -> int:
+    value = env.integer("OPENLORA_HISTORY_MAX_BYTES", minimum=MIN_HISTORY_MAX_BYTES)
+    return DEFAULT_HISTORY_MAX_BYTES if value is None else value
 
 
 def _choices(values: tuple[str, ...]) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "ATTR_GUARD_REASON",
     "GPU_METRICS",
     "GUARD_REASONS",
+    "RUN_METRICS",
     "STEP_DURATION_BUCKETS",
     "TRAINING_METRICS",
     "MetricSpec",
@@ -228,6 +229,18 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "{evaluation}",
         f"Evaluation values that were NaN or infinite, per `{ATTR_EVAL_METRIC}` (`loss` for the eval loss).",
+    ),
+)
+
+# The run's name and hyperparameters (openlora_otel.run): one info-style series per process.
+RUN_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "openlora.run.info",
+        "gauge",
+        "",
+        "1 while the process runs; attributes `openlora.run.name` (the run id when no name is given) and "
+        "`openlora.hparam.<key>` per hyperparameter (at most 32, values at most 100 characters). "
+        "One series per process: join it on `(job, instance)` for names in legends and alerts.",
     ),
 )
 

@@ -19,9 +19,10 @@ from opentelemetry.sdk.version import __version__ as _sdk_version
 from openlora_otel._version import __version__
 from openlora_otel.config import TelemetryConfig
 
-__all__ = ["RUN_ID_ATTRIBUTE", "build_resource", "new_run_id"]
+__all__ = ["RUN_ID_ATTRIBUTE", "RUN_NAME_ATTRIBUTE", "build_resource", "new_run_id"]
 
 RUN_ID_ATTRIBUTE = "openlora.run.id"
+RUN_NAME_ATTRIBUTE = "openlora.run.name"
 
 
 def new_run_id() -> str:
@@ -39,8 +40,8 @@ def build_resource(
 
     Precedence, lowest first: SDK and host facts, ``OTEL_RESOURCE_ATTRIBUTES`` and
     rank variables (already in ``config.resource_attributes``), ``extra_attributes``
-    (the caller's argument), then ``service.name`` and the run id, which always
-    come from their dedicated settings.
+    (the caller's argument), then ``service.name``, the run id and the run name,
+    which always come from their dedicated settings.
 
     This does not call ``Resource.create()``: that would read the environment a
     second time with the SDK's own, more lenient parser.
@@ -60,4 +61,6 @@ def build_resource(
         attributes.update(extra_attributes)
     attributes["service.name"] = config.service_name
     attributes[RUN_ID_ATTRIBUTE] = run_id
+    if config.run_name:
+        attributes[RUN_NAME_ATTRIBUTE] = config.run_name
     return Resource(attributes)

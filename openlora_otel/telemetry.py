@@ -27,7 +27,8 @@ from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
-from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.run import RunInfo, normalize_hyperparameters
+from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
@@ -58,6 +59,7 @@ class Telemetry:
         run_id: str,
         owns_provider: bool,
         prometheus: Any = None,
+        readers: Sequence[MetricReader] = (),
     ) -> None:
         self._config = config
         self._meter_provider = meter_provider
@@ -65,6 +67,7 @@ class Telemetry:
         self._run_id = run_id
         self._owns_provider = owns_provider
         self._prometheus = prometheus
+        self._readers = tuple(readers)  # each collects under its own key: its own training window
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self._lock = threading.Lock()
         self._closed = False
@@ -75,6 +78,7 @@ class Telemetry:
         self._sigterm: Any = None
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
+        self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -102,6 +106,35 @@ class Telemetry:
         return self._run_id
 
     @property
+    def run_name(self) -> str:
+        """The run's name: ``run_name`` / ``OPENLORA_RUN_NAME``, a callback's, else the run id."""
+        return self._run.name
+
+    @property
+    def hyperparameters(self) -> dict[str, str]:
+        """The hyperparameters on ``openlora.run.info``, as exported (normalized keys, text values)."""
+        return self._run.hyperparameters
+
+    def set_run_info(
+        self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
+    ) -> None:
+        """Name the run and add hyperparameters to ``openlora.run.info`` (from the next collection on).
+
+        Values set here override earlier ones, including those the Hugging Face and
+        Lightning callbacks fill in. Keys become lowercase ``[a-z0-9_]`` (at most 40
+        characters), values short text (at most 100 characters); at most 32 keys.
+        The Resource keeps the name given at setup: it cannot change once built.
+        """
+        self._run.update(name=name, hyperparameters=hyperparameters, explicit=True)
+
+    def fill_run_info(
+        self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
+    ) -> None:
+        """What an integration found (a Trainer's run name, learning rate, LoRA rank): fills in,
+        never overrides what the application gave."""
+        self._run.update(name=name, hyperparameters=hyperparameters, explicit=False)
+
+    @property
     def enabled(self) -> bool:
         """False for the no-op handle (``OTEL_SDK_DISABLED=true``)."""
         return not isinstance(self._meter_provider, NoOpMeterProvider)
@@ -123,7 +156,10 @@ class Telemetry:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
                 self._training = TrainingMetrics(
-                    self._meter, window_histogram=self._owns_provider, peak_flops=self._config.peak_flops
+                    self._meter,
+                    window_histogram=self._owns_provider,
+                    peak_flops=self._config.peak_flops,
+                    readers=self._readers,
                 )
                 if self._closed:
                     self._training.close()
@@ -387,6 +423,8 @@ def setup_telemetry(
     service_name: str | None = None,
     *,
     run_id: str | None = None,
+    run_name: str | None = None,
+    hyperparameters: Mapping[str, object] | None = None,
     resource_attributes: Mapping[str, str | int | float | bool] | None = None,
     config: TelemetryConfig | None = None,
     metric_readers: Sequence[MetricReader] = (),
@@ -394,8 +432,11 @@ def setup_telemetry(
     """Build the run's MeterProvider from configuration and return its :class:`Telemetry` handle.
 
     ``config`` defaults to :meth:`TelemetryConfig.from_env`; explicit
-    ``service_name`` and ``run_id`` win over it, and ``resource_attributes`` are
-    added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+    ``service_name``, ``run_id`` and ``run_name`` win over it, and ``resource_attributes``
+    are added to the Resource on top of ``OTEL_RESOURCE_ATTRIBUTES``.
+    ``run_name`` and ``hyperparameters`` (a mapping of names to numbers, strings,
+    booleans or lists) label the run on the ``openlora.run.info`` series (see
+    :meth:`Telemetry.set_run_info`); the name is also the Resource's ``openlora.run.name``.
     ``metric_readers`` are extra readers attached next to the configured ones
     (an ``InMemoryMetricReader`` in tests, a custom exporter's reader).
 
@@ -417,6 +458,9 @@ def setup_telemetry(
         config = config.replace(service_name=service_name)
     if run_id is not None and not run_id:
         raise ConfigError("run_id", run_id, "a non-empty string")
+    if run_name is not None:
+        config = config.replace(run_name=run_name)
+    hyperparameters = normalize_hyperparameters(hyperparameters)  # a TypeError now, before anything starts
     resolved_run_id = run_id or config.run_id
     if not resolved_run_id:
         if config.sdk_disabled:
@@ -430,13 +474,15 @@ def setup_telemetry(
 
     if config.sdk_disabled:
         _logger.info("OTEL_SDK_DISABLED=true: telemetry is a no-op")
-        return Telemetry(
+        telemetry = Telemetry(
             config=config,
             meter_provider=NoOpMeterProvider(),
             resource=None,
             run_id=resolved_run_id,
             owns_provider=False,
         )
+        telemetry.set_run_info(hyperparameters=hyperparameters)
+        return telemetry
 
     with _global_lock:
         if _global_owner is not None and not _global_owner.is_shutdown:
@@ -468,12 +514,13 @@ def setup_telemetry(
                     "host metrics are not added to a MeterProvider openlora-otel does not own "
                     "(opentelemetry-instrument starts its own SystemMetricsInstrumentor on it)"
                 )
+            telemetry.set_run_info(hyperparameters=hyperparameters)
             _global_owner = telemetry
             _install_sigterm(telemetry)
             return telemetry
 
         try:
-            provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
+            provider, prometheus, readers = _build_provider(config, resource_attributes, metric_readers)
         except BaseException:
             if nvml is not None:
                 nvml.shutdown()
@@ -492,10 +539,12 @@ def setup_telemetry(
             run_id=resolved_run_id,
             owns_provider=True,
             prometheus=prometheus,
+            readers=readers,
         )
         if nvml is not None:
             telemetry._attach_gpu(nvml)
         telemetry._attach_host()
+        telemetry.set_run_info(hyperparameters=hyperparameters)
         _global_owner = telemetry
     _install_sigterm(telemetry)
     _announce(telemetry)
@@ -569,8 +618,12 @@ def _build_provider(
     config: TelemetryConfig,
     resource_attributes: Mapping[str, str | int | float | bool] | None,
     extra_readers: Sequence[MetricReader],
-) -> tuple[SDKMeterProvider, Any]:
-    """Create the readers and the provider; on any failure, stop whatever was started."""
+) -> tuple[SDKMeterProvider, Any, list[MetricReader]]:
+    """Create the readers and the provider; on any failure, stop whatever was started.
+
+    Returns the provider, the pull endpoint (or None) and every reader, each made to
+    collect under its own key (:func:`~openlora_otel.training.collecting_for`).
+    """
     exporters = config.enabled_exporters
     # Fail on a missing package before binding a port or starting a thread.
     if "otlp" in exporters:
@@ -625,4 +678,28 @@ def _build_provider(
             prometheus.close()
         raise
     provider._openlora_otel = True  # type: ignore[attr-defined]
-    return provider, prometheus
+    every = [*readers, *extra_readers]
+    for reader in every:
+        _collect_as_itself(reader)
+    return provider, prometheus, every
+
+
+def _collect_as_itself(reader: MetricReader) -> None:
+    """Run ``reader``'s collections under its own key, so the training gauges it reads cover
+    the steps since its own previous collection, not since any reader's.
+
+    The provider hands each reader its collect function (``MetricReader._collect``, set by
+    ``_set_collect_callback``); every path into a collection (a periodic export, a
+    scrape, a flush, the final one) goes through it. Without it the reader shares the
+    one window of readers we did not build.
+    """
+    inner = getattr(reader, "_collect", None)
+    if not callable(inner):  # pragma: no cover - an SDK that collects differently
+        _logger.debug("%s has no collect callback to key; it shares the training window", type(reader).__name__)
+        return
+
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        with collecting_for(reader):
+            return inner(*args, **kwargs)
+
+    reader._collect = collect  # type: ignore[method-assign]

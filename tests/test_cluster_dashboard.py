@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, reap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -369,7 +369,7 @@ def test_cluster_dashboard_structure() -> None:
                 assert target.get("instant") and panel["type"] == "bargauge", panel["title"]
 
 
-KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS)} | {
+KNOWN = {spec.prometheus for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS)} | {
     spec.prometheus_collector for spec in GPU_METRICS
 }
 

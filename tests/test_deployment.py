@@ -21,7 +21,7 @@ import yaml
 
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.host import HOST_METRICS
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, free_port, reap
 
 if TYPE_CHECKING:
@@ -463,7 +463,7 @@ def test_dashboard_structure() -> None:
     assert provisioning["datasources"][0]["uid"] == variables["datasource"]["current"]["value"]
 
 
-KNOWN = {spec.prometheus for spec in (*TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS)} | {
+KNOWN = {spec.prometheus for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS)} | {
     spec.prometheus_collector for spec in (*GPU_METRICS, *HOST_METRICS)
 }
 

@@ -8,10 +8,10 @@ import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.guard import DivergenceGuard
-from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS, prometheus_name
+from openlora_otel.names import ADAPTER_METRICS, RUN_METRICS, TRAINING_METRICS, prometheus_name
 from tests.conftest import served_series
 
-ALL = (*TRAINING_METRICS, *ADAPTER_METRICS)
+ALL = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS)
 
 
 def test_names_follow_the_conventions() -> None:

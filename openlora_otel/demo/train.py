@@ -33,6 +33,12 @@ GUARD_NONFINITE_LOSSES = 3
 GUARD_CHECK_INTERVAL_S = 0.5
 
 
+# The demo's fixed choices, named once for the model and for openlora.run.info.
+BASE_MODEL = "tiny-llama"
+LORA_DROPOUT = 0.0
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class DemoOptions:
     steps: int = 800
@@ -55,6 +61,22 @@ class DemoOptions:
     nan_at_step: int | None = None
     # Each batch takes this much longer to arrive (an input-bound run).
     data_delay_ms: float = 0.0
+
+    def hyperparameters(self, world_size: int = 1) -> dict[str, object]:
+        """What this run is, for ``openlora.run.info``: the keys the callbacks use too."""
+        return {
+            "learning_rate": self.lr,
+            "batch_size": self.batch_size,
+            "max_steps": self.steps,
+            "seed": self.seed,
+            "lora_r": self.lora_r,
+            "lora_alpha": self.lora_alpha,
+            "lora_dropout": LORA_DROPOUT,
+            "lora_target_modules": LORA_TARGET_MODULES,
+            "base_model": BASE_MODEL,
+            "world_size": world_size,
+            "trainer": "hf" if self.hf_trainer else "loop",
+        }
 
 
 @dataclass
@@ -197,8 +219,8 @@ def _lora_config(peft: Any, options: DemoOptions) -> Any:
     return peft.LoraConfig(
         r=options.lora_r,
         lora_alpha=options.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_dropout=LORA_DROPOUT,
+        target_modules=list(LORA_TARGET_MODULES),
         task_type="CAUSAL_LM",
     )
 

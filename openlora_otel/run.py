@@ -1,0 +1,227 @@
+"""The run's name and hyperparameters, as one info-style series.
+
+The Resource is fixed when the MeterProvider is built, but a Trainer's learning
+rate or a LoRA rank is known only when training starts. So the name and the
+hyperparameters travel in one gauge, ``openlora.run.info`` (value 1), whose
+attributes are the name and one ``openlora.hparam.<key>`` per hyperparameter.
+It is a single series per process, like ``target_info``: dashboards and rules
+join it on ``(job, instance)`` to label curves and alerts, and no other series
+carries any of it. When the information changes, the next collection reports
+the new attribute set only; the old one goes stale.
+
+Everything is bounded, so a config object with hundreds of fields cannot turn
+the series into a payload: at most :data:`MAX_HYPERPARAMETERS` keys, keys of at
+most :data:`MAX_KEY_LENGTH` characters out of ``[a-z0-9_]``, values written as
+text of at most :data:`MAX_VALUE_LENGTH` characters.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+import threading
+from collections.abc import Iterable, Mapping
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from openlora_otel.config import RUN_NAME_ACCEPTED, ConfigError, run_name_problem
+from openlora_otel.names import RUN_METRICS
+from openlora_otel.resource import RUN_NAME_ATTRIBUTE
+
+__all__ = [
+    "HPARAM_PREFIX",
+    "MAX_HYPERPARAMETERS",
+    "MAX_KEY_LENGTH",
+    "MAX_VALUE_LENGTH",
+    "RunInfo",
+    "hyperparameter_key",
+    "hyperparameter_value",
+    "normalize_hyperparameters",
+]
+
+_logger = logging.getLogger(__name__)
+
+HPARAM_PREFIX = "openlora.hparam."
+MAX_HYPERPARAMETERS = 32
+MAX_KEY_LENGTH = 40
+MAX_VALUE_LENGTH = 100
+
+_NOT_KEY = re.compile(r"[^a-z0-9_]+")
+
+
+def hyperparameter_key(key: object) -> str:
+    """``key`` as a hyperparameter key: lowercase ``[a-z0-9_]``, at most :data:`MAX_KEY_LENGTH` characters.
+
+    Anything else becomes ``_`` (``LoRA r`` -> ``lora_r``), so the Prometheus label
+    ``openlora_hparam_<key>`` is the key itself. Empty when nothing is left.
+    """
+    text = _NOT_KEY.sub("_", str(key).strip().lower()).strip("_")
+    return text[:MAX_KEY_LENGTH].rstrip("_")
+
+
+def hyperparameter_value(value: object) -> str | None:
+    """``value`` as short text: numbers compact (``0.0002``, ``8``), booleans ``true``/``false``,
+    sequences and sets joined with ``,`` (sets sorted); None for None. At most
+    :data:`MAX_VALUE_LENGTH` characters (longer text ends in ``…``)."""
+    if value is None:
+        return None
+    if isinstance(value, enum.Enum):  # transformers' SchedulerType, OptimizerNames, ...
+        value = value.value
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, int):
+        text = str(value)
+    elif isinstance(value, float):
+        text = _number(value)
+    elif isinstance(value, str):
+        text = value
+    elif isinstance(value, (set, frozenset)):
+        text = ",".join(sorted(str(hyperparameter_value(v)) for v in value))
+    elif isinstance(value, (list, tuple)):
+        text = ",".join(str(hyperparameter_value(v)) for v in value)
+    else:
+        text = str(value)
+    # One line of printable text: a label value a person reads in a legend.
+    text = " ".join(text.split())
+    if not text:
+        return None  # an empty label value is no label at all in Prometheus
+    if len(text) > MAX_VALUE_LENGTH:
+        text = text[: MAX_VALUE_LENGTH - 1] + "…"
+    return text
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+def normalize_hyperparameters(
+    values: Mapping[str, object] | None, *, what: str = "hyperparameters"
+) -> dict[str, str]:
+    """Keys and values as :func:`hyperparameter_key` / :func:`hyperparameter_value` make them.
+
+    None values and keys that normalize to nothing are dropped; of two keys that
+    normalize alike the first wins. Past :data:`MAX_HYPERPARAMETERS` keys the rest
+    are dropped with one warning that says how many.
+    """
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise TypeError(f"{what} must be a mapping of names to values, got {type(values).__name__}")
+    out: dict[str, str] = {}
+    dropped = 0
+    for raw_key, raw_value in values.items():
+        key = hyperparameter_key(raw_key)
+        value = hyperparameter_value(raw_value)
+        if not key or value is None or key in out:
+            continue
+        if len(out) >= MAX_HYPERPARAMETERS:
+            dropped += 1
+            continue
+        out[key] = value
+    if dropped:
+        _logger.warning(
+            "openlora-otel: %d %s beyond the first %d were left out of openlora.run.info",
+            dropped,
+            what,
+            MAX_HYPERPARAMETERS,
+        )
+    return out
+
+
+def _check_name(name: object, what: str) -> str:
+    problem = run_name_problem(name)
+    if problem:
+        raise ConfigError(what, name, RUN_NAME_ACCEPTED, problem)
+    return str(name).strip()
+
+
+class RunInfo:
+    """The ``openlora.run.info`` series of one :class:`~openlora_otel.telemetry.Telemetry`.
+
+    Values given when it is built (``setup_telemetry(run_name=..., hyperparameters=...)``)
+    are the user's and win; :meth:`update` with ``explicit=False`` (what the
+    callbacks call) only fills what the user left out.
+    """
+
+    def __init__(
+        self,
+        meter: Meter,
+        *,
+        run_id: str,
+        name: str | None = None,
+        hyperparameters: Mapping[str, object] | None = None,
+    ) -> None:
+        self._run_id = run_id
+        self._lock = threading.Lock()
+        self._name = _check_name(name, "run_name") if name is not None else None
+        self._name_explicit = name is not None
+        self._explicit = normalize_hyperparameters(hyperparameters)
+        self._filled: dict[str, str] = {}
+        self._attributes = self._build()
+        (spec,) = RUN_METRICS
+        meter.create_observable_gauge(
+            spec.name, callbacks=[self._observe], unit=spec.unit, description=spec.description
+        )
+
+    @property
+    def name(self) -> str:
+        """The run's name: the one given, else the run id."""
+        return self._name or self._run_id
+
+    @property
+    def hyperparameters(self) -> dict[str, str]:
+        """The hyperparameters as they are exported (normalized keys, text values)."""
+        with self._lock:
+            return {
+                k[len(HPARAM_PREFIX) :]: str(v)
+                for k, v in self._attributes.items()
+                if k.startswith(HPARAM_PREFIX)
+            }
+
+    def update(
+        self,
+        *,
+        name: str | None = None,
+        hyperparameters: Mapping[str, object] | None = None,
+        explicit: bool = True,
+    ) -> None:
+        """Set the name and add hyperparameters; the next collection exports them.
+
+        ``explicit=True`` (the default, for application code) overrides earlier
+        values; ``explicit=False`` (for integrations) never overrides a value the
+        application gave.
+        """
+        checked = _check_name(name, "name") if name is not None else None
+        values = normalize_hyperparameters(hyperparameters)
+        with self._lock:
+            if checked is not None and (explicit or not self._name_explicit):
+                self._name = checked
+                self._name_explicit = self._name_explicit or explicit
+            if explicit:
+                self._explicit.update(values)
+            else:
+                self._filled.update(values)
+            self._attributes = self._build()
+
+    def _build(self) -> dict[str, str]:
+        merged = {**self._filled, **self._explicit}
+        # The user's keys first, so the cap never drops one of theirs for an integration's.
+        ordered = list(self._explicit) + [k for k in self._filled if k not in self._explicit]
+        attributes = {RUN_NAME_ATTRIBUTE: self._name or self._run_id}
+        for key in ordered[:MAX_HYPERPARAMETERS]:
+            attributes[HPARAM_PREFIX + key] = merged[key]
+        return attributes
+
+    def _observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(1, self._attributes)]
+
+    def __repr__(self) -> str:
+        return f"RunInfo(name={self.name!r}, hyperparameters={self.hyperparameters!r})"
