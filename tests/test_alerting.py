@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -309,3 +310,99 @@ def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_wa
         }
     finally:
         server.stop()
+
+
+# -- a real run gone NaN, through the stack the README starts ---------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Path, webhook: Webhook) -> None:
+    """README: `openlora-otel stack --dir DIR --start`, then `openlora-otel demo --nan-at-step N --run-name NAME`.
+
+    The demo's loss is NaN from step 20; its divergence guard stops it within a second (exit 3)
+    after one final scrape. That scrape is the only one that sees the NaNs: OpenloraLossNonFinite and
+    OpenloraDivergenceGuardTripped fire on it after the process is gone, named by the run.
+    """
+    import sys
+
+    from tests.conftest import child_env, reap
+    from tests.test_stack import start_stack
+
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    metrics_port, prometheus_port, alertmanager_port = free_port(), free_port(), free_port()
+    # Fast timings for a test (the shipped ones are 5 s and 15 s): a scrape and an evaluation a second.
+    process, _ = start_stack(
+        tmp_path / "stack",
+        "--port",
+        str(metrics_port),
+        "--webhook",
+        webhook.url,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--alertmanager-port",
+        str(alertmanager_port),
+        "--scrape-interval",
+        "1s",
+        "--evaluation-interval",
+        "1s",
+        cli=True,
+    )
+    try:
+        run_id = f"nan-{os.getpid()}-{metrics_port}"
+        started = time.monotonic()
+        demo = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "openlora_otel",
+                "demo",
+                "--steps",
+                "300",
+                "--batch-size",
+                "2",
+                "--nan-at-step",
+                "20",
+                "--run-name",
+                "lr-too-high",
+                "--quiet",
+            ],
+            cwd=ROOT,
+            env=child_env(
+                OPENLORA_RUN_ID=run_id,
+                OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert demo.returncode == 3, demo.stdout + demo.stderr  # stopped by the divergence guard
+        ended = time.monotonic()
+        names = ("OpenloraLossNonFinite", "OpenloraDivergenceGuardTripped")
+        deadline = ended + 90
+        while time.monotonic() < deadline:
+            firing = {a["labels"]["alertname"]: a for a in webhook.alerts() if a["status"] == "firing"}
+            if all(name in firing for name in names):
+                break
+            time.sleep(0.25)
+        received = time.monotonic()
+        assert all(name in firing for name in names), (
+            f"received {webhook.notifications}; Prometheus log: {(tmp_path / 'stack' / 'prometheus.log').read_text()[-2000:]}"
+        )
+        for name in names:
+            alert = firing[name]
+            assert alert["receiver"] == "critical"
+            assert alert["labels"]["openlora_run_id"] == run_id
+            assert alert["labels"]["openlora_run_name"] == "lr-too-high"
+            assert alert["labels"]["instance"] == f"localhost:{metrics_port}"
+            assert "(run lr-too-high)" in alert["annotations"]["summary"]
+        assert firing["OpenloraDivergenceGuardTripped"]["labels"]["openlora_guard_reason"] == "nonfinite_loss"
+        print(
+            f"demo ran {ended - started:.1f} s; both alerts at the webhook {received - ended:.1f} s after it exited"
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        reap(process, 40)
+    assert process.returncode == 0

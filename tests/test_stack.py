@@ -263,7 +263,7 @@ def test_the_alert_printer_shows_each_alert_with_its_run() -> None:
 # -- the servers themselves -----------------------------------------------------------------------------
 
 
-def _wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
+def wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
     """Lines of ``process``'s stdout up to the one containing ``needle`` (bounded)."""
     import selectors
 
@@ -293,19 +293,21 @@ def _refused(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def start_stack(directory: Path, *argv: str) -> tuple[subprocess.Popen, list[str]]:
-    """``python -m openlora_otel.stack --start`` (the ``stack`` subcommand); returns the process and its first lines."""
+def start_stack(directory: Path, *argv: str, cli: bool = False) -> tuple[subprocess.Popen, list[str]]:
+    """The stack with ``--start``, as ``python -m openlora_otel stack`` (``cli``) or ``python -m
+    openlora_otel.stack``; returns the process and its lines up to the one saying it runs."""
     tool("prometheus")
     stack.find_binary(stack.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
+    command = ["-m", "openlora_otel", "stack"] if cli else ["-m", "openlora_otel.stack"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "openlora_otel.stack", "--dir", str(directory), "--start", *argv],
+        [sys.executable, *command, "--dir", str(directory), "--start", *argv],
         cwd=ROOT,
         env=child_env(PYTHONPATH=str(ROOT)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     try:
-        lines = _wait_for_line(process, "Ctrl-C stops both", 90)
+        lines = wait_for_line(process, "Ctrl-C stops both", 90)
     except BaseException:
         process.kill()
         reap(process, 10)
@@ -355,3 +357,26 @@ def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.
         reap(process, 40)
     assert process.returncode == 0, process.stdout.read().decode()
     assert all(_refused(port) for port in ports)  # both servers and the printer are gone
+
+
+def test_receiver_only_prints_alerts_until_sigterm() -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "openlora_otel.stack", "--receiver-only", "--receiver-port", str(port)],
+        cwd=ROOT,
+        env=child_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for_line(process, f"receiving alerts at http://127.0.0.1:{port}/alerts", 30)
+        payload = {"alerts": [{"status": "firing", "labels": {"alertname": "X", "severity": "warning"}}]}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/alerts", data=json.dumps(payload).encode())
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+        wait_for_line(process, "[FIRING] warning X", 10)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        reap(process, 20)
+    assert process.returncode == 0
+    assert _refused(port)
