@@ -51,7 +51,6 @@ VM_DIR = DEPLOY / "victoria-metrics"
 RUN_ID = "scaleout-run"
 
 
-
 def binary(name: str, package: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -112,6 +111,9 @@ def central_config(rules: Path) -> dict:
     config["global"]["evaluation_interval"] = "1s"
     assert config["rule_files"], "the central store must load the rules"
     config["rule_files"] = [str(rules)]
+    # Nothing listens there: alerts are not under test here (and no Alertmanager of this machine gets them).
+    assert config["alerting"]["alertmanagers"], "the central store must send its alerts"
+    config["alerting"]["alertmanagers"] = [{"static_configs": [{"targets": [f"127.0.0.1:{free_port()}"]}]}]
     return config
 
 
@@ -310,6 +312,20 @@ def check_store(store: Server, ranks: Ranks) -> None:
         for s in store.query("rank:openlora_training_straggler_ratio:2m")
     }
     assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+    # The records that name an alert's run (its id from target_info, its name from
+    # openlora_run_info) for each rank, and for the run (the ranks' alerts).
+    names = {
+        s["metric"]["openlora_run_name"]
+        for s in store.query(
+            f'openlora_run_info * on (job, instance) group_left () target_info{{openlora_run_id="{RUN_ID}"}}'
+        )
+    }
+    assert len(names) == 1, names
+    current = store.query(f'instance:openlora_run:current{{openlora_run_id="{RUN_ID}"}}')
+    assert sorted(s["metric"]["instance"] for s in current) == expected_instances(ranks)
+    assert {s["metric"]["openlora_run_name"] for s in current} == names
+    (run,) = store.query(f'run:openlora_run:name{{openlora_run_id="{RUN_ID}"}}')
+    assert {run["metric"]["openlora_run_name"]} == names
 
 
 # -- the shipped files -------------------------------------------------------------------------------
