@@ -349,6 +349,28 @@ def test_the_final_line_goes_out_behind_a_hanging_otlp_collector(tmp_path: Path)
         hanging.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_writes_nothing_to_the_file(tmp_path: Path) -> None:
+    """A DataLoader worker forked from the training process gets a copy of the reader (the SDK restarts its
+    thread there); its frozen copy of the metrics must not be appended to the run's file."""
+    telemetry = setup_telemetry(config=_config(tmp_path, history_interval_ms=100.0), run_id="fork")
+    telemetry.training.record_step(loss=1.0)
+    pid = os.fork()
+    if pid == 0:  # the worker: steps the parent never took, then several intervals, then shutdown
+        try:
+            for _ in range(100):
+                telemetry.training.record_step(loss=1.0)
+            time.sleep(0.6)
+            telemetry.shutdown()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert telemetry.shutdown()
+    steps = _steps(tmp_path / "fork.jsonl")
+    assert steps and set(steps) <= {None, 1}, steps
+
+
 # -- the bound ---------------------------------------------------------------------------
 def test_the_file_stays_within_the_bound_and_keeps_the_whole_run_at_a_lower_resolution(tmp_path: Path) -> None:
     telemetry = setup_telemetry(
@@ -452,6 +474,14 @@ def test_the_reader_skips_a_torn_last_line_and_lines_that_are_not_otlp(
     telemetry.shutdown()
     path = tmp_path / "r.jsonl"
     (line,) = _lines(path)
+    body = json.loads(line)
+    assert all(re.fullmatch(r"[a-z][A-Za-z]*", key) for key in _keys(body))
+    metrics = {m["name"]: m for m in body["resourceMetrics"][0]["scopeMetrics"][0]["metrics"]}
+    assert metrics[STEPS]["sum"]["aggregationTemporality"] == 2
+    assert metrics["openlora.training.step.duration"]["histogram"]["dataPoints"][0]["count"] == "1"
+    assert json_format.MessageToDict(
+        json_format.Parse(line, ExportMetricsServiceRequest()), use_integers_for_enums=True
+    ) == body
     path.write_text(line + "\nnot json\n" + line + "\n" + line[: len(line) // 2], encoding="utf-8")
     caplog.set_level(logging.WARNING)
     snapshots = list(read_history(path))
