@@ -247,7 +247,9 @@ def test_the_history_needs_the_otlp_extra_and_says_so_at_setup(
     assert not (tmp_path / "history").exists()
 
 
-def test_file_names_carry_the_rank_and_never_leave_the_directory(tmp_path: Path) -> None:
+def test_file_names_carry_the_rank_and_never_leave_the_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     resource = Resource({"openlora.run.id": "job-7", "openlora.rank": 3})
     assert history_path(tmp_path, resource) == tmp_path / "job-7.rank3.jsonl"
     assert history_path(tmp_path, Resource({"openlora.run.id": "../../etc/x y"})) == tmp_path / "_.._etc_x_y.jsonl"
@@ -255,6 +257,8 @@ def test_file_names_carry_the_rank_and_never_leave_the_directory(tmp_path: Path)
     telemetry = setup_telemetry(
         config=_config(tmp_path, resource_attributes={"openlora.rank": 1}), run_id="ddp-run"
     )
+    # The line that says where the metrics go names the file.
+    assert f"metrics written to {tmp_path / 'ddp-run.rank1.jsonl'} every 86400 s" in capsys.readouterr().err
     telemetry.training.record_step(loss=1.0)
     assert telemetry.shutdown()
     (snapshot,) = read_history(tmp_path / "ddp-run.rank1.jsonl")

@@ -3,7 +3,8 @@
 With ``OPENLORA_HISTORY_DIR`` set, every ``OPENLORA_HISTORY_INTERVAL`` milliseconds
 one line is appended to ``<dir>/<run id>.jsonl`` (``<run id>.rank<RANK>.jsonl``
 when the Resource has ``openlora.rank``): one OTLP ``ExportMetricsServiceRequest``
-in the OTLP/JSON encoding, the format the OpenTelemetry Collector's file exporter
+in the OTLP/JSON encoding (the same JSON as the ``MetricsData`` of the OTLP file
+exporter specification), the format the OpenTelemetry Collector's file exporter
 writes and its ``otlpjsonfile`` receiver reads. Each line holds the Resource and
 every metric, cumulative, so any one line stands on its own and the last one
 holds the run's totals. The final line is written at shutdown (also on SIGTERM
