@@ -106,6 +106,15 @@ class Telemetry:
         return self._run_id
 
     @property
+    def history_path(self) -> str | None:
+        """The run's history file (``OPENLORA_HISTORY_DIR``), or None when none is written."""
+        if not (self._config.history_dir and self._owns_provider and self._resource is not None):
+            return None
+        from openlora_otel.exporters.history import history_path
+
+        return str(history_path(self._config.history_dir, self._resource))
+
+    @property
     def run_name(self) -> str:
         """The run's name: ``run_name`` / ``OPENLORA_RUN_NAME``, a callback's, else the run id."""
         return self._run.name
@@ -571,11 +580,8 @@ def _announce(telemetry: Telemetry) -> None:
         )
     if "console" in config.enabled_exporters:
         where.append(f"printed every {config.export_interval_ms / 1000:g} s")
-    if config.history_dir and telemetry.resource is not None:
-        from openlora_otel.exporters.history import history_path
-
-        path = history_path(config.history_dir, telemetry.resource)
-        where.append(f"written to {path} every {config.history_interval_ms / 1000:g} s")
+    if telemetry.history_path is not None:
+        where.append(f"written to {telemetry.history_path} every {config.history_interval_ms / 1000:g} s")
     message = f"openlora-otel: run {telemetry.run_id}: metrics {' and '.join(where) or 'not exported (none)'}"
     if _logger.isEnabledFor(logging.INFO) and _logger.hasHandlers():
         _logger.info("%s", message)
