@@ -82,7 +82,8 @@ def write_rules(directory: Path) -> Path:
 
 # -- the training-like rank processes ----------------------------------------------------------
 
-# One rank: setup_telemetry() from the environment torchrun would set, a fake NVML of
+# One rank: setup_telemetry() from the environment torchrun would set (and OPENLORA_RUN_NAME),
+# its learning rate and LoRA r as hyperparameters, a fake NVML of
 # WORLD_SIZE GPUs (the rank reports its own, by LOCAL_RANK), the adapter, a divergence guard,
 # the model's FLOPs per token and its device's peak (argv[4], argv[5]), and steps of argv[1]
 # seconds, of which argv[2] waiting for the batch, until SIGTERM (the SIGTERM guard shuts
@@ -104,7 +105,7 @@ nvml.load_pynvml_backend = lambda: FakeNvml(cards)
 stats = {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 20, "allocated_bytes.all.peak": 15}
 uuid = cards[local_rank].uuid.removeprefix("GPU-")
 gpu.torch_allocator_stats = lambda: [(local_rank, uuid, stats)]
-telemetry = setup_telemetry("openlora-cluster-test")
+telemetry = setup_telemetry("openlora-cluster-test", hyperparameters={"learning_rate": 1e-4, "lora_r": 8})
 training = telemetry.training
 training.set_adapter(r=8, alpha=16, dropout=0.05, target_modules=["q_proj", "v_proj"],
                      trainable_params=4096, total_params=1_000_000)
@@ -173,11 +174,13 @@ class Ranks:
         data_seconds: list[float] | None = None,
         lifetime_s: float = 300.0,
         extra_env: dict[str, str] | None = None,
+        run_name: str | None = None,
     ) -> None:
         data_seconds = data_seconds or [0.0] * len(step_seconds)
         assert len(data_seconds) == len(step_seconds)
         assert all(0 <= data <= step for data, step in zip(data_seconds, step_seconds, strict=True))
         self.run_id = run_id
+        self.run_name = run_name or f"name of {run_id}"
         self.world_size = len(step_seconds)
         self.base_port = free_port_range(self.world_size)
         self.processes: list[subprocess.Popen] = []
@@ -190,6 +193,7 @@ class Ranks:
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(self.world_size),
                 OPENLORA_RUN_ID=run_id,
+                OPENLORA_RUN_NAME=self.run_name,
                 OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
                 # The port offset by LOCAL_RANK (the default), as under torchrun.
                 OTEL_EXPORTER_PROMETHEUS_PORT=str(self.base_port),
@@ -551,6 +555,7 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
                 prometheus.query,
                 http_variable_options(prometheus.url),
                 RUN_ID,
+                run_names={RUN_ID: run.run_name},
             )
             assert not problems, "\n".join(problems)
 
