@@ -106,6 +106,15 @@ class Telemetry:
         return self._run_id
 
     @property
+    def history_path(self) -> str | None:
+        """The run's history file (``OPENLORA_HISTORY_DIR``), or None when none is written."""
+        if not (self._config.history_dir and self._owns_provider and self._resource is not None):
+            return None
+        from openlora_otel.exporters.history import history_path
+
+        return str(history_path(self._config.history_dir, self._resource))
+
+    @property
     def run_name(self) -> str:
         """The run's name: ``run_name`` / ``OPENLORA_RUN_NAME``, a callback's, else the run id."""
         return self._run.name
@@ -571,6 +580,8 @@ def _announce(telemetry: Telemetry) -> None:
         )
     if "console" in config.enabled_exporters:
         where.append(f"printed every {config.export_interval_ms / 1000:g} s")
+    if telemetry.history_path is not None:
+        where.append(f"written to {telemetry.history_path} every {config.history_interval_ms / 1000:g} s")
     message = f"openlora-otel: run {telemetry.run_id}: metrics {' and '.join(where) or 'not exported (none)'}"
     if _logger.isEnabledFor(logging.INFO) and _logger.hasHandlers():
         _logger.info("%s", message)
@@ -638,6 +649,13 @@ def _build_provider(
     if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
         raise AssertionError("run id missing from the resource")
 
+    history = None
+    if config.history_dir:
+        from openlora_otel.exporters.history import build_history_exporter, history_reader
+
+        # Checked before a port is bound or a thread started (ConfigError / MissingDependencyError).
+        history = build_history_exporter(config, resource)
+
     readers: list[MetricReader] = []
     prometheus = None
     try:
@@ -660,6 +678,9 @@ def _build_provider(
             from openlora_otel.exporters.console import build_console_reader
 
             readers.append(build_console_reader(config))
+        if history is not None:
+            # First in line at shutdown: the file's final line never waits behind a slow push export.
+            readers.insert(0, history_reader(history, config))
         # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
         # the SDK's would wait for its full export timeout on a dead endpoint.
         provider = SDKMeterProvider(
