@@ -366,8 +366,12 @@ def test_unresponsive_alert_tells_a_frozen_endpoint_from_a_closed_port(tmp_path)
         frozen.listen(16)  # the kernel accepts connections; nothing ever answers
         frozen_target = f"{host}:{frozen.getsockname()[1]}"
         closed_target = f"{host}:{free_port()}"  # what an exited process leaves
+        # The rules loaded: the alert's expression reads the record that names each target's run.
         prometheus = Prometheus(
-            tmp_path, [frozen_target, closed_target], scrape_interval=settings["scrape_interval"]
+            tmp_path,
+            [frozen_target, closed_target],
+            scrape_interval=settings["scrape_interval"],
+            rule_files=[str(RULES)],
         )
         try:
             closed = prometheus.wait_for(f'scrape_duration_seconds{{instance="{closed_target}"}}', timeout=30)
