@@ -7,7 +7,7 @@ differently (hw.gpu.* gauges with unit 1 get _ratio through the collector), the
 query matches both names with a __name__ regex.
 
 The cluster dashboard compares the ranks of one run. It reads the recording
-rules of the `openlora-ranks` group (collector/rules/openlora.yml), which
+rules of the `openlora-ranks` group (openlora_otel/rules/openlora.yml), which
 already carry openlora_run_id and openlora_rank, so its queries stay cheap on
 a store holding thousands of ranks.
 
@@ -222,7 +222,7 @@ def dashboard(
 
 
 # OpenloraInputBound fires when a process's data-wait fraction averages above this
-# (collector/rules/openlora.yml); the panels draw it as a line.
+# (openlora_otel/rules/openlora.yml); the panels draw it as a line.
 INPUT_BOUND_THRESHOLD = 0.25
 
 
@@ -903,7 +903,7 @@ def build() -> dict[str, Any]:
 # openlora_rank, job and instance.
 RUN_ONLY = 'openlora_run_id=~"$run"'
 RANK_SEL = f'job=~"$job", {RUN_ONLY}'
-STRAGGLER_THRESHOLD = 1.5  # OpenloraRankStraggling fires above this ratio (collector/rules/openlora.yml)
+STRAGGLER_THRESHOLD = 1.5  # OpenloraRankStraggling fires above this ratio (openlora_otel/rules/openlora.yml)
 HUNG_AFTER_S = 300  # OpenloraRankHung: a rank's last step older than 5 minutes
 
 
