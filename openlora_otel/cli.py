@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from openlora_otel import report
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
@@ -194,6 +195,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="list every metric with its Prometheus series name, type, unit and meaning",
         description="Print the table of metrics openlora-otel exports, as Markdown.",
     )
+    report.add_parser(commands)
     return parser
 
 
@@ -216,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(seeds_markdown())
         return 0
+    if args.command == "report":
+        return report.main(args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -487,3 +487,27 @@ def test_promql_reads_one_process_on_both_paths() -> None:
         'hw_gpu_task="general"})'
     )
     assert PrometheusSource("127.0.0.1:9090").shown == "127.0.0.1:9090"
+
+
+def test_the_command_line_writes_both_files_next_to_each_other(two_runs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "openlora_otel", "report", str(two_runs)],
+        cwd=out,
+        env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["openlora-report.html", "openlora-report.png"]
+    assert "run aaaa1111 (a): 60 steps" in result.stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "openlora_otel", "report", "--help"],
+        env=child_env(PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "openlora-report.png and openlora-report.html in the current directory" in " ".join(help_text.split())
