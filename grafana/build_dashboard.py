@@ -12,6 +12,12 @@ already carry openlora_run_id and openlora_rank, so its queries stay cheap on
 a store holding thousands of ranks.
 
     python grafana/build_dashboard.py
+
+Plain dicts on purpose. grafana-foundation-sdk (the 11.6 flavour, the newest with a Grafana
+version; none for 12) was tried on a slice in issue 12: the panel, row and variable helpers and
+the "Input and compute" row took 182 lines against 186 here, its only saving the automatic grid
+layout; its JSON was ours but for defaults it adds, no variable `definition`, and no panel ids or
+query refIds unless set by hand. Not worth an alpha dependency whose versions are build stamps.
 """
 
 from __future__ import annotations
@@ -26,8 +32,17 @@ CLUSTER_OUT = DASHBOARDS / "openlora-cluster.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 # The run filter: multiplying by target_info (value 1) keeps the value, keeps only the
-# selected run's processes, and adds the run id as a label for legends.
-RUN = ' * on (job, instance) group_left (openlora_run_id) target_info{openlora_run_id=~"$run"}'
+# selected runs' processes, and adds the run id as a label.
+RUN_FILTER = ' * on (job, instance) group_left (openlora_run_id) target_info{openlora_run_id=~"$run"}'
+# Then openlora_run_info (value 1, one series per process) adds the run's name and the value of
+# the hyperparameter the hparam variable picks, for legends that tell runs apart. A key the run
+# does not have leaves that part of its legend empty; a process without openlora_run_info at all
+# (an older openlora-otel) drops out of the panels.
+RUN_INFO = " * on (job, instance) group_left (openlora_run_name, openlora_hparam_$hparam) openlora_run_info"
+RUN = RUN_FILTER + RUN_INFO
+BY_RUN = "openlora_run_id, openlora_run_name, openlora_hparam_$hparam"
+RUN_LEGEND = "{{openlora_run_name}} $hparam={{openlora_hparam_$hparam}}"
+LEGEND = RUN_LEGEND + " {{instance}}"
 SEL = 'job=~"$job", instance=~"$instance"'
 GPU = f'{SEL}, hw_id=~"$gpu"'
 
@@ -102,21 +117,57 @@ def row(title: str, y: int) -> dict[str, Any]:
     }
 
 
-def variable(name: str, label: str, query: str, *, include_all: bool = True) -> dict[str, Any]:
-    return {
+def variable(
+    name: str, label: str, query: str, *, regex: str = "", default: str | None = None
+) -> dict[str, Any]:
+    """A query variable refreshed on time range change: several values, All at first; or,
+    given a default, one value."""
+    body: dict[str, Any] = {
         "name": name,
         "label": label,
         "type": "query",
         "datasource": DS,
         "query": {"query": query, "refId": f"{name}-query"},
         "definition": query,
+        "regex": regex,
         "refresh": 2,
-        "includeAll": include_all,
-        "allValue": ".*",
-        "multi": True,
+        "includeAll": default is None,
+        "multi": default is None,
         "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
         "sort": 1,
     }
+    if default is None:
+        body["allValue"] = ".*"
+    else:
+        body["current"] = {"selected": True, "text": default, "value": default}
+    return body
+
+
+# The runs seen in the time range, each offered by its name (openlora_run_info) with its run id
+# as the value, so that the panels keep filtering target_info by id. openlora_run_info has no id:
+# the join on (job, instance) is evaluated at each step of a subquery (two runs one after the
+# other on the same endpoint are never joined to each other's name), and each pair's value is the
+# last time it was seen: sorted newest first, a run renamed at train start (the callbacks) is
+# offered by its latest name (Grafana keeps the first option of a value). A run without
+# openlora_run_info (an older openlora-otel) is still offered, by its id.
+RUN_NAMES = (
+    "sort_desc(max_over_time(timestamp(group by (openlora_run_id, openlora_run_name) ("
+    'openlora_run_info * on (job, instance) group_left (openlora_run_id) target_info{job=~"$job"}'
+    "))[$__range:$__interval]) or on (openlora_run_id) group by (openlora_run_id) ("
+    'last_over_time(target_info{job=~"$job"}[$__range])))'
+)
+# Grafana's named groups: text is what the list shows, value what $run becomes. The g flag
+# lets the two groups match in either order; without a name, the text is the id.
+RUN_NAME_REGEX = '/openlora_run_id="(?<value>[^"]+)"|openlora_run_name="(?<text>[^"]+)"/g'
+RUN_VARIABLE = variable("run", "Run", f"query_result({RUN_NAMES})", regex=RUN_NAME_REGEX)
+# The hyperparameter legends show: a key of openlora_run_info's openlora_hparam_<key> labels.
+HPARAM_VARIABLE = variable(
+    "hparam",
+    "Hyperparameter in legends",
+    "label_names(openlora_run_info)",
+    regex="/^openlora_hparam_(.+)$/",
+    default="learning_rate",
+)
 
 
 # Every openlora dashboard links to the others (Grafana lists the dashboards with this tag),
@@ -177,7 +228,7 @@ INPUT_BOUND_THRESHOLD = 0.25
 
 def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
     """Is the run waiting for its data, and how much of the device's peak does it use: the row, from y."""
-    legend = "{{instance}}"
+    legend = LEGEND
     panels.append(row("Input and compute", y))
     y += 1
     panels += [
@@ -250,7 +301,7 @@ def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
 
 def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
     """Evaluation metrics beyond the loss, non-finite evaluations, divergence guard trips: the row, from y."""
-    legend = "{{instance}}"
+    legend = LEGEND
     panels.append(row("Evaluation and divergence", y))
     y += 1
     panels += [
@@ -323,7 +374,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
     unit 1: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector;
     only its idle state is reported.
     """
-    legend = "{{instance}}"
+    legend = LEGEND
     cpu = '__name__=~"system_cpu_utilization(_ratio)?"'
     panels.append(row("Host", y))
     y += 1
@@ -476,50 +527,51 @@ def build() -> dict[str, Any]:
     stats = [
         (
             "Optimizer steps",
-            "Optimizer steps taken (openlora_training_steps_total).",
+            "Optimizer steps taken, per run (openlora_training_steps_total).",
             "short",
-            f"sum(openlora_training_steps_total{{{SEL}}}{RUN})",
+            f"sum by ({BY_RUN}) (openlora_training_steps_total{{{SEL}}}{RUN})",
         ),
         (
             "Tokens",
-            "Training tokens processed (openlora_training_tokens_total).",
+            "Training tokens processed, per run (openlora_training_tokens_total).",
             "short",
-            f"sum(openlora_training_tokens_total{{{SEL}}}{RUN})",
+            f"sum by ({BY_RUN}) (openlora_training_tokens_total{{{SEL}}}{RUN})",
         ),
         (
             "Loss",
-            "Mean training loss of the latest window, averaged over ranks (openlora_training_loss).",
+            "Mean training loss of the latest window per run, averaged over its ranks (openlora_training_loss).",
             "none",
-            f"avg(openlora_training_loss{{{SEL}}}{RUN})",
+            f"avg by ({BY_RUN}) (openlora_training_loss{{{SEL}}}{RUN})",
         ),
         (
             "Tokens/s",
-            "Tokens per second over the latest window, summed over ranks (openlora_training_throughput_tokens_per_second).",
+            "Tokens per second over the latest window per run, summed over its ranks "
+            "(openlora_training_throughput_tokens_per_second).",
             "short",
-            f"sum(openlora_training_throughput_tokens_per_second{{{SEL}}}{RUN})",
+            f"sum by ({BY_RUN}) (openlora_training_throughput_tokens_per_second{{{SEL}}}{RUN})",
         ),
         (
             "Non-finite losses",
-            "Steps whose loss was NaN or infinite (openlora_training_loss_nonfinite_total).",
+            "Steps whose loss was NaN or infinite, per run (openlora_training_loss_nonfinite_total).",
             "short",
-            f"sum(openlora_training_loss_nonfinite_total{{{SEL}}}{RUN})",
+            f"sum by ({BY_RUN}) (openlora_training_loss_nonfinite_total{{{SEL}}}{RUN})",
         ),
         (
             "Trainable fraction",
-            "LoRA trainable parameters / all parameters (openlora_adapter_trainable_ratio).",
+            "LoRA trainable parameters / all parameters, per run (openlora_adapter_trainable_ratio).",
             "percentunit",
-            f"max(openlora_adapter_trainable_ratio{{{SEL}}}{RUN})",
+            f"max by ({BY_RUN}) (openlora_adapter_trainable_ratio{{{SEL}}}{RUN})",
         ),
     ]
     for index, (title, description, unit, expr) in enumerate(stats):
         panels.append(
-            panel("stat", title, description, unit, [target(expr, title)], x=index * 4, y=y, w=4, h=4)
+            panel("stat", title, description, unit, [target(expr, RUN_LEGEND)], x=index * 4, y=y, w=4, h=4)
         )
     y += 4
 
     panels.append(row("Training", y))
     y += 1
-    legend = "{{instance}}"
+    legend = LEGEND
     panels += [
         panel(
             "timeseries",
@@ -672,7 +724,7 @@ def build() -> dict[str, Any]:
 
     panels.append(row("GPU", y))
     y += 1
-    gpu_legend = "{{instance}} {{hw_id}}"
+    gpu_legend = LEGEND + " {{hw_id}}"
     panels += [
         panel(
             "timeseries",
@@ -824,7 +876,8 @@ def build() -> dict[str, Any]:
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
-        variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
+        RUN_VARIABLE,
+        HPARAM_VARIABLE,
         variable(
             "instance",
             "Rank / instance",
@@ -1134,7 +1187,7 @@ def build_cluster() -> dict[str, Any]:
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
-        variable("run", "Run", 'label_values(target_info{job=~"$job"}, openlora_run_id)'),
+        RUN_VARIABLE,
     ]
     return dashboard(
         "openlora-cluster",

@@ -15,6 +15,8 @@ class MissingDependencyError(ImportError):
 OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "opentelemetry.exporter.otlp.proto.http": ("opentelemetry-exporter-otlp-proto-http", "otlp"),
     "opentelemetry.exporter.otlp.proto.grpc": ("opentelemetry-exporter-otlp-proto-grpc", "otlp"),
+    # The OTLP encoder behind OPENLORA_HISTORY_DIR (both OTLP exporters depend on it).
+    "opentelemetry.exporter.otlp.proto.common": ("opentelemetry-exporter-otlp-proto-common", "otlp"),
     "pynvml": ("nvidia-ml-py", "gpu"),
     "torch": ("torch", "torch"),
     "transformers": ("transformers", "hf"),

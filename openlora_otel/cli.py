@@ -234,6 +234,9 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     if args.exporter is not None:
         environ["OTEL_METRICS_EXPORTER"] = args.exporter
+    if environ.get("OPENLORA_HISTORY_DIR") and not environ.get("OPENLORA_HISTORY_INTERVAL"):
+        # The demo lasts about a minute: a line a second gives its report a curve, not a dozen points.
+        environ["OPENLORA_HISTORY_INTERVAL"] = "1000"
     try:
         config = TelemetryConfig.from_env(environ)
     except ConfigError as exc:
@@ -364,6 +367,8 @@ def _where(telemetry: object) -> str:
         places.append(f"OTLP {config.otlp.protocol} to {config.otlp.redacted_endpoint()}")
     if "console" in config.enabled_exporters:
         places.append("the console")
+    if telemetry.history_path is not None:
+        places.append(telemetry.history_path)
     return ", ".join(places) or "nowhere (exporter none or OTEL_SDK_DISABLED)"
 
 

@@ -28,7 +28,7 @@ from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
-from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
@@ -59,6 +59,7 @@ class Telemetry:
         run_id: str,
         owns_provider: bool,
         prometheus: Any = None,
+        readers: Sequence[MetricReader] = (),
     ) -> None:
         self._config = config
         self._meter_provider = meter_provider
@@ -66,6 +67,7 @@ class Telemetry:
         self._run_id = run_id
         self._owns_provider = owns_provider
         self._prometheus = prometheus
+        self._readers = tuple(readers)  # each collects under its own key: its own training window
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self._lock = threading.Lock()
         self._closed = False
@@ -104,6 +106,15 @@ class Telemetry:
         return self._run_id
 
     @property
+    def history_path(self) -> str | None:
+        """The run's history file (``OPENLORA_HISTORY_DIR``), or None when none is written."""
+        if not (self._config.history_dir and self._owns_provider and self._resource is not None):
+            return None
+        from openlora_otel.exporters.history import history_path
+
+        return str(history_path(self._config.history_dir, self._resource))
+
+    @property
     def run_name(self) -> str:
         """The run's name: ``run_name`` / ``OPENLORA_RUN_NAME``, a callback's, else the run id."""
         return self._run.name
@@ -125,7 +136,7 @@ class Telemetry:
         """
         self._run.update(name=name, hyperparameters=hyperparameters, explicit=True)
 
-    def _fill_run_info(
+    def fill_run_info(
         self, *, name: str | None = None, hyperparameters: Mapping[str, object] | None = None
     ) -> None:
         """What an integration found (a Trainer's run name, learning rate, LoRA rank): fills in,
@@ -154,7 +165,10 @@ class Telemetry:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
                 self._training = TrainingMetrics(
-                    self._meter, window_histogram=self._owns_provider, peak_flops=self._config.peak_flops
+                    self._meter,
+                    window_histogram=self._owns_provider,
+                    peak_flops=self._config.peak_flops,
+                    readers=self._readers,
                 )
                 if self._closed:
                     self._training.close()
@@ -515,7 +529,7 @@ def setup_telemetry(
             return telemetry
 
         try:
-            provider, prometheus = _build_provider(config, resource_attributes, metric_readers)
+            provider, prometheus, readers = _build_provider(config, resource_attributes, metric_readers)
         except BaseException:
             if nvml is not None:
                 nvml.shutdown()
@@ -534,6 +548,7 @@ def setup_telemetry(
             run_id=resolved_run_id,
             owns_provider=True,
             prometheus=prometheus,
+            readers=readers,
         )
         if nvml is not None:
             telemetry._attach_gpu(nvml)
@@ -565,6 +580,8 @@ def _announce(telemetry: Telemetry) -> None:
         )
     if "console" in config.enabled_exporters:
         where.append(f"printed every {config.export_interval_ms / 1000:g} s")
+    if telemetry.history_path is not None:
+        where.append(f"written to {telemetry.history_path} every {config.history_interval_ms / 1000:g} s")
     message = f"openlora-otel: run {telemetry.run_id}: metrics {' and '.join(where) or 'not exported (none)'}"
     if _logger.isEnabledFor(logging.INFO) and _logger.hasHandlers():
         _logger.info("%s", message)
@@ -612,8 +629,12 @@ def _build_provider(
     config: TelemetryConfig,
     resource_attributes: Mapping[str, str | int | float | bool] | None,
     extra_readers: Sequence[MetricReader],
-) -> tuple[SDKMeterProvider, Any]:
-    """Create the readers and the provider; on any failure, stop whatever was started."""
+) -> tuple[SDKMeterProvider, Any, list[MetricReader]]:
+    """Create the readers and the provider; on any failure, stop whatever was started.
+
+    Returns the provider, the pull endpoint (or None) and every reader, each made to
+    collect under its own key (:func:`~openlora_otel.training.collecting_for`).
+    """
     exporters = config.enabled_exporters
     # Fail on a missing package before binding a port or starting a thread.
     if "otlp" in exporters:
@@ -627,6 +648,13 @@ def _build_provider(
     resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
     if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
         raise AssertionError("run id missing from the resource")
+
+    history = None
+    if config.history_dir:
+        from openlora_otel.exporters.history import build_history_exporter, history_reader
+
+        # Checked before a port is bound or a thread started (ConfigError / MissingDependencyError).
+        history = build_history_exporter(config, resource)
 
     readers: list[MetricReader] = []
     prometheus = None
@@ -650,6 +678,9 @@ def _build_provider(
             from openlora_otel.exporters.console import build_console_reader
 
             readers.append(build_console_reader(config))
+        if history is not None:
+            # First in line at shutdown: the file's final line never waits behind a slow push export.
+            readers.insert(0, history_reader(history, config))
         # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
         # the SDK's would wait for its full export timeout on a dead endpoint.
         provider = SDKMeterProvider(
@@ -668,4 +699,28 @@ def _build_provider(
             prometheus.close()
         raise
     provider._openlora_otel = True  # type: ignore[attr-defined]
-    return provider, prometheus
+    every = [*readers, *extra_readers]
+    for reader in every:
+        _collect_as_itself(reader)
+    return provider, prometheus, every
+
+
+def _collect_as_itself(reader: MetricReader) -> None:
+    """Run ``reader``'s collections under its own key, so the training gauges it reads cover
+    the steps since its own previous collection, not since any reader's.
+
+    The provider hands each reader its collect function (``MetricReader._collect``, set by
+    ``_set_collect_callback``); every path into a collection (a periodic export, a
+    scrape, a flush, the final one) goes through it. Without it the reader shares the
+    one window of readers we did not build.
+    """
+    inner = getattr(reader, "_collect", None)
+    if not callable(inner):  # pragma: no cover - an SDK that collects differently
+        _logger.debug("%s has no collect callback to key; it shares the training window", type(reader).__name__)
+        return
+
+    def collect(*args: Any, **kwargs: Any) -> Any:
+        with collecting_for(reader):
+            return inner(*args, **kwargs)
+
+    reader._collect = collect  # type: ignore[method-assign]

@@ -33,8 +33,12 @@ exporter's or the scrape's thread:
   the same after ten steps or ten million; on any other meter the window is
   replayed, one ``record`` per step (exact, about 5 us per step).
 
-The window is shared by all readers: with two readers (say Prometheus and
-OTLP), each reports the window since whichever collected last.
+Each reader of the provider ``setup_telemetry`` builds has its own window: with
+two readers (say Prometheus and the history file), each reports the steps since
+its own previous collection, spikes included, whatever the other collected in
+between. A window is still taken, read back and judged by the guard once; what
+it held is then added to every reader's pending span. Readers the provider was
+not built with (someone else's provider) share one window.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -57,7 +62,7 @@ from openlora_otel import names
 from openlora_otel.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
 
-__all__ = ["TrainingMetrics", "step_duration_view"]
+__all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
 
@@ -141,6 +146,10 @@ class _Series:
         # when none of them was finite.
         self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
 
+    def folded(self) -> _Folded:
+        """The host-side values as one fold (what a reader's span adds up)."""
+        return _Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
+
     def copy(self) -> _Series:
         """A copy whose lists can be read while the step path appends to the original's."""
         twin = _Series()
@@ -191,6 +200,47 @@ class _Window:
     data_timed: float = 0.0
     data_wall: float = 0.0
 
+    def absorb(self, window: _Window) -> None:
+        """Add a taken, read-back window to this span (a reader's steps since its last collection)."""
+        self.steps += window.steps
+        self.tokens += window.tokens
+        self.samples += window.samples
+        self.loss.merge(window.loss.folded())
+        self.grad.merge(window.grad.folded())
+        self.lr.merge(window.lr.folded())
+        if window.last_step is not None:
+            self.last_step = window.last_step
+        self.data_steps += window.data_steps
+        self.data_total += window.data_total
+        self.data_timed += window.data_timed
+        self.data_wall += window.data_wall
+
+
+class _Reader:
+    """One reader's view: the span it has not reported yet and what its gauges show."""
+
+    __slots__ = ("snapshot", "span")
+
+    def __init__(self, started: float) -> None:
+        self.span = _Window(started=started)
+        self.snapshot = _Snapshot()
+
+
+# Which reader the current thread collects for (set around a reader's collection by
+# setup_telemetry; None: the shared window of readers it did not build).
+_collecting = threading.local()
+
+
+@contextmanager
+def collecting_for(key: Hashable) -> Iterator[None]:
+    """Mark the collection this thread runs as ``key``'s: its gauges report ``key``'s own window."""
+    previous = getattr(_collecting, "key", None)
+    _collecting.key = key
+    try:
+        yield
+    finally:
+        _collecting.key = previous
+
 
 @dataclass
 class _Snapshot:
@@ -236,6 +286,10 @@ class TrainingMetrics:
     ``Meter``. Safe to call from several threads; calls after :meth:`close`
     (which ``Telemetry.shutdown()`` calls) are accepted and ignored.
 
+    ``readers``: keys of the readers that collect under :func:`collecting_for`
+    (``setup_telemetry`` passes its own); each gets a window of its own from the
+    start. A key first seen at a collection starts from that collection.
+
     ``window_histogram``: set it only when the meter's provider was built with
     :func:`step_duration_view` (``setup_telemetry`` does both): each collection
     then hands the step-duration histogram one pre-bucketed window instead of
@@ -267,6 +321,7 @@ class TrainingMetrics:
         step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS,
         window_histogram: bool = False,
         peak_flops: float | None = None,
+        readers: Iterable[Hashable] = (),
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -278,7 +333,8 @@ class TrainingMetrics:
         self._merge_windows = bool(window_histogram) and _window_merging_works()
         self._window = _Window(started=time.monotonic())
         self._last_call: float | None = None
-        self._snapshot = _Snapshot()
+        started = time.monotonic()
+        self._readers: dict[Hashable, _Reader] = {key: _Reader(started) for key in (None, *readers)}
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
         self._epoch: float | None = None
         self._eval_loss: float | None = None
@@ -683,6 +739,12 @@ class TrainingMetrics:
         self._guard_stop.set()
 
     # -- collection ---------------------------------------------------------------
+    @property
+    def _snapshot(self) -> _Snapshot:
+        """What the gauges of the collection on this thread report."""
+        reader = self._readers.get(getattr(_collecting, "key", None))
+        return reader.snapshot if reader is not None else self._readers[None].snapshot
+
     @staticmethod
     def _one(value: float | int | None) -> list[Observation]:
         # Non-finite values are left out here: the SDK would drop them anyway, with a
@@ -720,7 +782,6 @@ class TrainingMetrics:
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
         self._commit(window)
-        elapsed = now - window.started
 
         pending = self._carry
         self._carry = []
@@ -754,7 +815,16 @@ class TrainingMetrics:
             window.grad.nonfinite
         ):
             self._warn_saturated()
-        previous = self._snapshot
+        # The window goes to every reader's span; the collecting reader reports its span.
+        key = getattr(_collecting, "key", None)
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = _Reader(window.started)
+        for each in self._readers.values():
+            each.span.absorb(window)
+        window, reader.span = reader.span, _Window(started=now)
+        elapsed = now - window.started
+        previous = reader.snapshot
         snapshot = _Snapshot(
             loss=_window_value(window.loss, previous.loss, "loss" in failed, mean=True),
             grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
@@ -780,7 +850,7 @@ class TrainingMetrics:
             snapshot.samples_per_s = window.samples / elapsed if elapsed > 0 else previous.samples_per_s
         else:
             snapshot.tokens_per_s, snapshot.samples_per_s = previous.tokens_per_s, previous.samples_per_s
-        self._snapshot = snapshot
+        reader.snapshot = snapshot
         if self._dropped_foreign:
             self._warn_once(
                 "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"

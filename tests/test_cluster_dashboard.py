@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -81,7 +82,8 @@ def write_rules(directory: Path) -> Path:
 
 # -- the training-like rank processes ----------------------------------------------------------
 
-# One rank: setup_telemetry() from the environment torchrun would set, a fake NVML of
+# One rank: setup_telemetry() from the environment torchrun would set (and OPENLORA_RUN_NAME),
+# its learning rate and LoRA r as hyperparameters, a fake NVML of
 # WORLD_SIZE GPUs (the rank reports its own, by LOCAL_RANK), the adapter, a divergence guard,
 # the model's FLOPs per token and its device's peak (argv[4], argv[5]), and steps of argv[1]
 # seconds, of which argv[2] waiting for the batch, until SIGTERM (the SIGTERM guard shuts
@@ -103,7 +105,7 @@ nvml.load_pynvml_backend = lambda: FakeNvml(cards)
 stats = {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 20, "allocated_bytes.all.peak": 15}
 uuid = cards[local_rank].uuid.removeprefix("GPU-")
 gpu.torch_allocator_stats = lambda: [(local_rank, uuid, stats)]
-telemetry = setup_telemetry("openlora-cluster-test")
+telemetry = setup_telemetry("openlora-cluster-test", hyperparameters={"learning_rate": 1e-4, "lora_r": 8})
 training = telemetry.training
 training.set_adapter(r=8, alpha=16, dropout=0.05, target_modules=["q_proj", "v_proj"],
                      trainable_params=4096, total_params=1_000_000)
@@ -172,11 +174,13 @@ class Ranks:
         data_seconds: list[float] | None = None,
         lifetime_s: float = 300.0,
         extra_env: dict[str, str] | None = None,
+        run_name: str | None = None,
     ) -> None:
         data_seconds = data_seconds or [0.0] * len(step_seconds)
         assert len(data_seconds) == len(step_seconds)
         assert all(0 <= data <= step for data, step in zip(data_seconds, step_seconds, strict=True))
         self.run_id = run_id
+        self.run_name = run_name or f"name of {run_id}"
         self.world_size = len(step_seconds)
         self.base_port = free_port_range(self.world_size)
         self.processes: list[subprocess.Popen] = []
@@ -189,6 +193,7 @@ class Ranks:
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(self.world_size),
                 OPENLORA_RUN_ID=run_id,
+                OPENLORA_RUN_NAME=self.run_name,
                 OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
                 # The port offset by LOCAL_RANK (the default), as under torchrun.
                 OTEL_EXPORTER_PROMETHEUS_PORT=str(self.base_port),
@@ -262,7 +267,22 @@ def panels(path: Path) -> list[dict]:
     return [p for p in dashboard(path)["panels"] if p["type"] != "row"]
 
 
-SUBSTITUTIONS = {"$__rate_interval": "15s", "$job": ".*", "$run": ".*", "$instance": ".*", "$gpu": ".*"}
+# What Grafana puts in for its own variables: $__rate_interval in panels; $__range (the time range,
+# in seconds) and $__interval (the datasource's scrape interval, timeInterval in the provisioned
+# datasource) in variable queries. Dashboard variables default to All (.*); hparam to its default.
+DATASOURCE_INTERVAL = yaml.safe_load(
+    (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+)["datasources"][0]["jsonData"]["timeInterval"]
+SUBSTITUTIONS = {
+    "$__rate_interval": "15s",
+    "$__range": "3600s",
+    "$__interval": DATASOURCE_INTERVAL,
+    "$job": ".*",
+    "$run": ".*",
+    "$hparam": "learning_rate",
+    "$instance": ".*",
+    "$gpu": ".*",
+}
 
 
 def substitute(expr: str, **values: str) -> str:
@@ -271,14 +291,124 @@ def substitute(expr: str, **values: str) -> str:
     return expr
 
 
+# -- Grafana's query variables, resolved as its Prometheus datasource does --------------------------
+# (grafana/packages/grafana-prometheus metric_find_query.ts and the variables' regex handling,
+# metricNamesToVariableValues): label_values(selector, label) asks /api/v1/label/<label>/values,
+# label_names(metric) /api/v1/labels for series whose name contains metric, query_result(expr) an
+# instant query whose series become `name{label="value",...} value timestamp_ms` lines. Then the
+# variable's regex: named groups text and value (with the g flag, from any of the matches), else
+# the first group, else the whole item; options with the same value keep the first.
+
+
+def grafana_regex(pattern: str) -> tuple[re.Pattern[str], bool]:
+    """A variable's regex, JavaScript `/source/flags` (else anchored), as Python's; and its g flag."""
+    match = re.fullmatch(r"/(.*)/([gimsuy]*)", pattern, re.S)
+    source, flags = (match.group(1), match.group(2)) if match else (f"^{pattern}$", "")
+    source = re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", source)  # named groups; (?<= and (?<! stay
+    return re.compile(source, re.I if "i" in flags else 0), "g" in flags
+
+
+def apply_variable_regex(pattern: str, items: list[str]) -> list[tuple[str, str]]:
+    """(text, value) of each item the regex keeps, as Grafana lists them."""
+    options: list[tuple[str, str]] = []
+    regex, every = grafana_regex(pattern) if pattern else (None, False)
+    for item in items:
+        text = value = item
+        if regex is not None:
+            matches = list(regex.finditer(item)) if every else [m for m in [regex.search(item)] if m]
+            if not matches:
+                continue
+            named = [m.groupdict() for m in matches]
+            value_group = next((g["value"] for g in named if g.get("value")), None)
+            text_group = next((g["text"] for g in named if g.get("text")), None)
+            if value_group or text_group:
+                value, text = value_group or text_group, text_group or value_group
+            elif matches[0].groups():
+                text = value = matches[0].group(1)
+        if value not in {v for _, v in options}:
+            options.append((text, value))
+    return options
+
+
+def http_variable_options(base_url: str) -> Callable[[dict, dict[str, str]], list[tuple[str, str]]]:
+    """The options (text, value) Grafana offers for a query variable, asking the store at base_url."""
+
+    def get(path: str, **params: str) -> Any:
+        with urllib.request.urlopen(
+            f"{base_url}{path}?" + urllib.parse.urlencode(params), timeout=10
+        ) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def options(variable: dict, values: dict[str, str]) -> list[tuple[str, str]]:
+        query = substitute(variable["query"]["query"], **values)
+        if match := re.fullmatch(r"label_values\((.+), (\w+)\)", query):
+            items = get(f"/api/v1/label/{match.group(2)}/values", **{"match[]": match.group(1)})
+        elif match := re.fullmatch(r"label_names\((.+)\)", query):
+            items = get("/api/v1/labels", **{"match[]": f'{{__name__=~".*{match.group(1)}.*"}}'})
+        elif match := re.fullmatch(r"query_result\((.+)\)", query):
+            result = get("/api/v1/query", query=match.group(1))["result"]
+            items = [
+                series["metric"].get("__name__", "")
+                + "{"
+                + ",".join(f'{k}="{v}"' for k, v in series["metric"].items() if k != "__name__")
+                + "}"
+                + f" {series['value'][1]} {int(series['value'][0] * 1000)}"
+                for series in result
+            ]
+        else:
+            raise AssertionError(f"variable {variable['name']}: a query Grafana does not know: {query}")
+        return apply_variable_regex(variable.get("regex", ""), items)
+
+    return options
+
+
+VariableOptions = Callable[[dict, dict[str, str]], list[tuple[str, str]]]
+
+
 def run_every_query(
-    path: Path, query: Callable[[str], list[dict]], label_values: Callable[[str, str], list[str]], run_id: str
+    path: Path,
+    query: Callable[[str], list[dict]],
+    variable_options: VariableOptions,
+    run_ids: str | list[str],
+    *,
+    run_names: dict[str, str] | None = None,
+    hparam: str | None = None,
 ) -> list[str]:
-    """Run every panel query and variable of a dashboard; the problems found (empty = all returned data)."""
+    """Resolve every variable of a dashboard and run every panel query with them; the problems found
+    (empty = every variable has values and every query returned data).
+
+    The run variable must offer each of ``run_ids`` (all selected, as Grafana writes several values:
+    ``(a|b)``), shown by its name in ``run_names`` where given; the hparam variable, where the
+    dashboard has one, must offer ``hparam`` and is set to it."""
+    run_ids = [run_ids] if isinstance(run_ids, str) else run_ids
+    values = {"run": run_ids[0] if len(run_ids) == 1 else "(" + "|".join(run_ids) + ")"}
     problems = []
+    for variable in dashboard(path)["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        try:
+            offered = variable_options(variable, values)
+        except Exception as error:  # an invalid query: say which
+            problems.append(f"variable {variable['name']}: {error}")
+            continue
+        if not offered:
+            problems.append(f"variable {variable['name']} has no values")
+        by_value = {value: text for text, value in offered}
+        if variable["name"] == "run":
+            for run_id in run_ids:
+                if run_id not in by_value:
+                    problems.append(f"variable run does not offer {run_id}: {offered}")
+                elif run_names and run_names.get(run_id, by_value[run_id]) != by_value[run_id]:
+                    problems.append(f"variable run shows {run_id} as {by_value[run_id]!r}: {offered}")
+        if variable["name"] == "hparam":
+            if hparam not in by_value:
+                problems.append(f"variable hparam does not offer {hparam}: {offered}")
+            values["hparam"] = hparam or ""
     for panel in panels(path):
         for target in panel["targets"]:
-            expr = substitute(target["expr"], run=run_id)
+            expr = substitute(target["expr"], **values)
             try:
                 result = query(expr)
             except Exception as error:  # an invalid query: say which
@@ -286,26 +416,7 @@ def run_every_query(
                 continue
             if not result:
                 problems.append(f"{panel['title']}: no data: {expr}")
-    for variable in dashboard(path)["templating"]["list"]:
-        if variable["type"] != "query":
-            continue
-        match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"])
-        assert match, variable["query"]
-        values = label_values(substitute(match.group(1), run=run_id), match.group(2))
-        if not values:
-            problems.append(f"variable {variable['name']} has no values")
-        if variable["name"] == "run" and run_id not in values:
-            problems.append(f"variable run does not offer {run_id}: {values}")
     return problems
-
-
-def http_label_values(base_url: str) -> Callable[[str, str], list[str]]:
-    def fetch(selector: str, label: str) -> list[str]:
-        url = f"{base_url}/api/v1/label/{label}/values?" + urllib.parse.urlencode({"match[]": selector})
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return json.load(response)["data"]
-
-    return fetch
 
 
 def wait_until(check: Callable[[], bool], timeout: float, interval: float = 0.5) -> bool:
@@ -440,7 +551,11 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
             time.sleep(3)  # a few more scrapes: throughput gauges and rates over more than one interval
 
             problems = run_every_query(
-                CLUSTER_DASHBOARD, prometheus.query, http_label_values(prometheus.url), RUN_ID
+                CLUSTER_DASHBOARD,
+                prometheus.query,
+                http_variable_options(prometheus.url),
+                RUN_ID,
+                run_names={RUN_ID: run.run_name},
             )
             assert not problems, "\n".join(problems)
 

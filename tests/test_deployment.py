@@ -23,6 +23,7 @@ from openlora_otel.config import TelemetryConfig
 from openlora_otel.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, free_port, reap
+from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
@@ -497,13 +498,48 @@ import sys
 from openlora_otel import setup_telemetry
 from openlora_otel.demo.train import DemoOptions, run_demo
 
-telemetry = setup_telemetry("openlora-demo")
-options = DemoOptions(steps=400, batch_size=2, seq_len=16, eval_every=5, nan_at_step=5, quiet=True)
+options = DemoOptions(
+    steps=400, batch_size=2, seq_len=16, eval_every=5, nan_at_step=5, lr=1e-3, quiet=True
+)
+telemetry = setup_telemetry(
+    "openlora-demo", run_name="diverged", hyperparameters=options.hyperparameters()
+)
 result = run_demo(options, telemetry, where="test")
 print(result.interrupted, result.steps, flush=True)
 sys.stdin.read()
 telemetry.shutdown()
 """
+
+
+def readme_promql(*sections: str) -> list[str]:
+    """The expressions of the ```promql blocks in the README sections titled ``sections``: the lines
+    up to a comment line or the block's end are one expression."""
+    exprs: list[str] = []
+    current: list[str] = []
+    title, fence = "", None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = line[3:] if fence is None else None
+            exprs += [" ".join(current)] if current else []
+            current = []
+        elif fence is None:
+            if line.startswith("#"):  # a heading (comment lines are inside blocks)
+                title = line.lstrip("#").strip()
+        elif fence == "promql" and title in sections:
+            if line.startswith("#"):
+                exprs += [" ".join(current)] if current else []
+                current = []
+            elif line.strip():
+                current.append(line.strip())
+    return exprs
+
+
+# The README sections whose PromQL compares runs by a hyperparameter.
+COMPARE_RUNS_SECTIONS = ("Run names and hyperparameters", "Runs by name on the dashboards")
+# Both runs by name and learning rate (the main run keeps the demo's default, 3e-3).
+RUN_NAMES = {"dash-run": "dash", "diverged-run": "diverged"}
+LR = "openlora_hparam_learning_rate"
+
 # The alerts whose condition holds on that run (their `for` aside), and where.
 ALERTS_ON_THE_DIVERGED_RUN = {
     "OpenloraDivergenceGuardTripped": {"openlora_guard_reason": {"nonfinite_loss"}},
@@ -556,7 +592,15 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
         )
     telemetry = prometheus = None
     try:
-        telemetry = setup_telemetry("openlora-demo", run_id="dash-run", config=config)
+        from openlora_otel.demo.train import DemoOptions
+
+        telemetry = setup_telemetry(
+            "openlora-demo",
+            run_id="dash-run",
+            run_name=RUN_NAMES["dash-run"],
+            hyperparameters=DemoOptions().hyperparameters(),
+            config=config,
+        )
         port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])
         rules_dir = tmp_path / "rules"
         rules_dir.mkdir()
@@ -596,41 +640,31 @@ def _check_every_query(
         assert tripped, "the diverging run's guard did not trip:\n" + diverging_log.read_text()[-3000:]
         time.sleep(8)  # enough samples for 15 s rate windows while training goes on
         assert not done.is_set(), "the run ended before the queries"
-        substitutions = {
-            "$__rate_interval": "15s",
-            "$job": ".*",
-            "$run": ".*",
-            "$instance": ".*",
-            "$gpu": ".*",
+        # Both runs selected in the run variable, offered by their names; the legends' hyperparameter
+        # is the learning rate. Every variable has values and every panel query returns data.
+        problems = run_every_query(
+            DASHBOARD,
+            prometheus.query,
+            http_variable_options(prometheus.url),
+            list(RUN_NAMES),
+            run_names=RUN_NAMES,
+            hparam="learning_rate",
+        )
+        assert not problems, "\n".join(problems)
+        # The legends' labels: each run's name and learning rate on the loss panel's series.
+        (loss_panel,) = [p for p in panels() if p["title"].startswith("Loss:")]
+        mean_loss = substitute(loss_panel["targets"][0]["expr"], run="(dash-run|diverged-run)")
+        labelled = {
+            tuple(s["metric"][label] for label in ("openlora_run_id", "openlora_run_name", LR))
+            for s in prometheus.query(mean_loss)
         }
-
-        def substitute(expr: str) -> str:
-            for key, value in substitutions.items():
-                expr = expr.replace(key, value)
-            return expr
-
-        empty = []
-        for panel in panels():
-            for target in panel["targets"]:
-                expr = substitute(target["expr"])
-                if not prometheus.query(expr):
-                    empty.append(f"{panel['title']}: {expr}")
-        assert not empty, "queries without data:\n" + "\n".join(empty)
-
-        for variable in dashboard()["templating"]["list"]:
-            if variable["type"] != "query":
-                continue
-            match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"])
-            assert match, variable["query"]
-            selector, label = substitute(match.group(1)), match.group(2)
-            url = f"{prometheus.url}/api/v1/label/{label}/values?" + urllib.parse.urlencode(
-                {"match[]": selector}
-            )
-            with urllib.request.urlopen(url, timeout=5) as response:
-                values = json.load(response)["data"]
-            assert values, f"variable {variable['name']} has no values"
-            if variable["name"] == "run":
-                assert "dash-run" in values
+        assert labelled == {("dash-run", "dash", "0.003"), ("diverged-run", "diverged", "0.001")}, labelled
+        # The README's PromQL to compare runs by a hyperparameter, on the same two runs.
+        compare = readme_promql(*COMPARE_RUNS_SECTIONS)
+        assert len(compare) >= 3, compare
+        for expr in compare:
+            found = prometheus.query(substitute(expr, run="(dash-run|diverged-run)"))
+            assert {s["metric"][LR] for s in found} == {"0.003", "0.001"}, (expr, found)
 
         for rule in rules():
             prometheus.query(rule["expr"])  # evaluates without error (healthy run: mostly empty)

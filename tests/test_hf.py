@@ -148,6 +148,26 @@ def test_trainer_metrics_match_what_the_trainer_logged(tmp_path, memory_reader: 
     assert value(data, "openlora.adapter.target_modules") == 2
     assert value(data, "openlora.adapter.parameters.trainable") == trainable
     assert value(data, "openlora.model.parameters") == total
+    # The run's settings, from TrainingArguments and the PEFT config, on openlora.run.info.
+    (info,) = points(data, "openlora.run.info")
+    assert dict(info.attributes) == {
+        "openlora.run.name": telemetry.run_id,  # run_name defaulted to output_dir: not a name anyone chose
+        "openlora.hparam.learning_rate": "0.01",
+        "openlora.hparam.batch_size": "4",
+        "openlora.hparam.gradient_accumulation_steps": "1",
+        "openlora.hparam.max_steps": "24",
+        "openlora.hparam.seed": "0",
+        "openlora.hparam.weight_decay": "0",
+        "openlora.hparam.lr_scheduler": "linear",
+        "openlora.hparam.optimizer": args.optim.value,
+        "openlora.hparam.max_grad_norm": "1",
+        "openlora.hparam.precision": "fp32",
+        "openlora.hparam.world_size": "1",
+        "openlora.hparam.lora_r": "4",
+        "openlora.hparam.lora_alpha": "8",
+        "openlora.hparam.lora_dropout": "0",
+        "openlora.hparam.lora_target_modules": "q_proj,v_proj",
+    }
     assert value(data, "openlora.adapter.trainable.ratio") == pytest.approx(trainable / total)
     # The other reporter saw the same logs; the loss fell over the run.
     assert len([log for log in keeper.logs if "loss" in log]) == len(history)
@@ -452,3 +472,15 @@ def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkey
     assert value(data, "openlora.training.model_flops.utilization") == pytest.approx(
         value(data, "openlora.training.throughput.tokens") * per_token / 1e12
     )
+
+
+def test_a_chosen_run_name_and_an_epoch_count_reach_the_run_info(tmp_path) -> None:
+    from openlora_otel.integrations.hf import _run_name, trainer_hyperparameters
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), run_name="lr-3e-4", num_train_epochs=2, bf16=False, report_to="none"
+    )
+    assert _run_name(args) == "lr-3e-4"
+    values = trainer_hyperparameters(args)
+    assert values["epochs"] == 2 and values["max_steps"] is None
+    assert _run_name(TrainingArguments(output_dir=str(tmp_path), report_to="none")) is None

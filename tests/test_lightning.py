@@ -23,8 +23,9 @@ from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E4
 
 
 class LoraModule(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 32) -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.model = with_lora(tiny_llama())
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
@@ -79,6 +80,20 @@ def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) ->
     assert value(data, "openlora.adapter.rank") == 4
     [duration] = points(data, "openlora.training.step.duration")
     assert duration.count == 20
+    (info,) = points(data, "openlora.run.info")
+    assert {k: v for k, v in info.attributes.items() if k != "openlora.hparam.precision"} == {
+        "openlora.run.name": telemetry.run_id,
+        "openlora.hparam.learning_rate": "0.01",
+        "openlora.hparam.optimizer": "AdamW",
+        "openlora.hparam.gradient_accumulation_steps": "1",
+        "openlora.hparam.max_steps": "20",
+        "openlora.hparam.world_size": "1",
+        "openlora.hparam.hidden": "32",  # the module's save_hyperparameters()
+        "openlora.hparam.lora_r": "4",
+        "openlora.hparam.lora_alpha": "8",
+        "openlora.hparam.lora_dropout": "0",
+        "openlora.hparam.lora_target_modules": "q_proj,v_proj",
+    }
     assert losses[-1] < losses[0]
     telemetry.shutdown()
 

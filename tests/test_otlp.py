@@ -112,8 +112,11 @@ def test_endpoint_down_at_start_then_up(protocol: str, caplog: pytest.LogCapture
     finally:
         server.close()  # type: ignore[attr-defined]
     # The outage was reported once, with a reason, and the recovery once; the SDK's
-    # per-attempt errors were folded into that one line.
-    ours = [r for r in caplog.records if r.name == "openlora_otel.exporters"]
+    # per-attempt errors were folded into that one line. Only this test's endpoint counts: an
+    # exporter another test left behind may still be logging into the same capture.
+    ours = [
+        r for r in caplog.records if r.name == "openlora_otel.exporters" and f":{port}" in r.getMessage()
+    ]
     failed = [r for r in ours if "failed" in r.getMessage()]
     recovered = [r for r in ours if "recovered" in r.getMessage()]
     assert len(failed) == 1 and len(recovered) == 1, [r.getMessage() for r in ours]

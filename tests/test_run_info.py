@@ -118,14 +118,14 @@ def test_the_application_wins_over_what_an_integration_fills_in() -> None:
     reader = InMemoryMetricReader()
     telemetry = _setup(reader, run_id="r", hyperparameters={"learning_rate": 1e-3})
     try:
-        telemetry._fill_run_info(name="hf-run", hyperparameters={"learning_rate": 5e-5, "lora_r": 16})
+        telemetry.fill_run_info(name="hf-run", hyperparameters={"learning_rate": 5e-5, "lora_r": 16})
         assert _info(reader) == {
             "openlora.run.name": "hf-run",  # no name was given: the integration's is taken
             "openlora.hparam.learning_rate": "0.001",
             "openlora.hparam.lora_r": "16",
         }
         telemetry.set_run_info(name="mine", hyperparameters={"lora_r": 4})
-        telemetry._fill_run_info(name="hf-again", hyperparameters={"lora_r": 32, "seed": 7})
+        telemetry.fill_run_info(name="hf-again", hyperparameters={"lora_r": 32, "seed": 7})
         assert _info(reader) == {
             "openlora.run.name": "mine",
             "openlora.hparam.learning_rate": "0.001",
@@ -154,7 +154,7 @@ def test_the_series_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
             f"openlora-otel: 6 hyperparameters beyond the first {MAX_HYPERPARAMETERS} were left out of openlora.run.info"
         ]
         # An integration's keys never push out the application's.
-        telemetry._fill_run_info(hyperparameters={"zz_from_callback": 1})
+        telemetry.fill_run_info(hyperparameters={"zz_from_callback": 1})
         assert "openlora.hparam.zz_from_callback" not in _info(reader)
         assert "openlora.hparam.long" in _info(reader)
     finally:

@@ -39,7 +39,7 @@ from tests.test_cluster_dashboard import (
     SLOW_S,
     TRAINING_DASHBOARD,
     Ranks,
-    http_label_values,
+    http_variable_options,
     run_every_query,
     wait_until,
     write_rules,
@@ -303,7 +303,14 @@ def check_store(store: Server, ranks: Ranks) -> None:
     assert by_rank["0"] > by_rank["1"] > 0, by_rank  # the fast rank took more steps
     # Every query of both dashboards.
     for path in (TRAINING_DASHBOARD, CLUSTER_DASHBOARD):
-        problems = run_every_query(path, store.query, http_label_values(store.url), RUN_ID)
+        problems = run_every_query(
+            path,
+            store.query,
+            http_variable_options(store.url),
+            RUN_ID,
+            run_names={RUN_ID: ranks.run_name},
+            hparam="learning_rate",
+        )
         assert not problems, f"{path.name} on {store.name}:\n" + "\n".join(problems)
     ratio = {
         s["metric"]["openlora_rank"]: float(s["value"][1])
@@ -404,8 +411,13 @@ def test_victoriametrics_receives_the_ranks_and_the_dashboards_work(stack: Stack
 def test_global_prometheus_federates_the_cluster_view(stack: Stack) -> None:
     wait_for_records(stack.central)
     wait_for_records(stack.federated)
+    # No openlora_run_info is federated: the run is offered by its id there.
     problems = run_every_query(
-        CLUSTER_DASHBOARD, stack.federated.query, http_label_values(stack.federated.url), RUN_ID
+        CLUSTER_DASHBOARD,
+        stack.federated.query,
+        http_variable_options(stack.federated.url),
+        RUN_ID,
+        run_names={RUN_ID: RUN_ID},
     )
     assert not problems, "\n".join(problems)
     # The central store's external label tells the clusters apart; the raw training series stay home.

@@ -582,3 +582,46 @@ def test_real_clocks_give_the_time_of_the_step(setup) -> None:
     stamped = value(reader.get_metrics_data(), LAST_STEP)
     # perf_counter() and time() advance together within microseconds over this span.
     assert before - 0.005 <= stamped <= after + 0.005
+
+
+def test_each_reader_reports_the_steps_since_its_own_collection(clock: FakeClock) -> None:
+    """Two readers (Prometheus and the history file, say) each see every step since their own last
+    collection: a spike one of them collected is not lost to the other, and each mean and rate
+    covers its own span. On a shared window the second reader would see only what came after."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    fast, slow = InMemoryMetricReader(), InMemoryMetricReader()
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[fast, slow])
+    try:
+        training = telemetry.training
+        training.record_step(loss=1.0, grad_norm=1.0, tokens=100)
+        training.record_step(loss=50.0, grad_norm=40.0, tokens=100)  # the spike
+        clock.sleep(1.0)
+        data = fast.get_metrics_data()
+        assert value(data, "openlora.training.loss.max") == 50.0
+        assert value(data, "openlora.training.throughput.tokens") == pytest.approx(200.0)
+        training.record_step(loss=3.0, grad_norm=2.0, tokens=100)
+        clock.sleep(1.0)
+        data = fast.get_metrics_data()
+        assert value(data, "openlora.training.loss.max") == 3.0
+        assert value(data, "openlora.training.window.steps") == 1
+        assert value(data, "openlora.training.throughput.tokens") == pytest.approx(100.0)
+
+        data = slow.get_metrics_data()  # its first collection: the whole run so far
+        assert value(data, "openlora.training.loss.max") == 50.0
+        assert value(data, "openlora.training.loss.min") == 1.0
+        assert value(data, "openlora.training.loss") == pytest.approx(18.0)
+        assert value(data, "openlora.training.gradient_norm.max") == 40.0
+        assert value(data, "openlora.training.window.steps") == 3
+        assert value(data, "openlora.training.throughput.tokens") == pytest.approx(150.0)
+        # Counters and the histogram were always per reader (cumulative in the SDK).
+        assert value(data, "openlora.training.steps") == 3
+        [histogram] = points(data, "openlora.training.step.duration")
+        assert histogram.count == 2  # the first step has no duration
+
+        clock.sleep(1.0)
+        data = slow.get_metrics_data()  # nothing new for it: repeats the mean, rate falls to 0
+        assert value(data, "openlora.training.loss") == pytest.approx(18.0)
+        assert value(data, "openlora.training.throughput.tokens") == 0.0
+    finally:
+        telemetry.shutdown()

@@ -9,7 +9,15 @@ from typing import Any
 from openlora_otel.telemetry import Telemetry, setup_telemetry
 from openlora_otel.training import TrainingMetrics
 
-__all__ = ["GUARD_SYNC_EVERY", "ModelFlops", "StepClock", "TelemetryOwner", "describe_lora", "safe"]
+__all__ = [
+    "GUARD_SYNC_EVERY",
+    "ModelFlops",
+    "StepClock",
+    "TelemetryOwner",
+    "describe_lora",
+    "model_hyperparameters",
+    "safe",
+]
 
 # Under data parallelism the ranks agree on a guard's trip every this many optimizer steps
 # (one all-reduce of one number, read back: a sync, so not every step).
@@ -26,11 +34,15 @@ class TelemetryOwner:
         self._owned = False
 
     @property
-    def training(self) -> TrainingMetrics:
+    def telemetry(self) -> Telemetry:
         if self._telemetry is None:
             self._telemetry = setup_telemetry()
             self._owned = True
-        return self._telemetry.training
+        return self._telemetry
+
+    @property
+    def training(self) -> TrainingMetrics:
+        return self.telemetry.training
 
     def flush(self) -> None:
         if self._telemetry is not None:
@@ -132,8 +144,8 @@ class ModelFlops:
         report_model_flops(training, self._model, seq_len=seq_len, dtype=self._dtype)
 
 
-def describe_lora(model: Any, training: TrainingMetrics) -> bool:
-    """If ``model`` (or its ``.model``) carries a PEFT LoRA config, record the adapter's shape. True if found."""
+def _lora(model: Any) -> tuple[Any, Any] | None:
+    """The module that carries a PEFT LoRA config (``model`` or its ``.model``) and the active config."""
     for candidate in (model, getattr(model, "model", None)):
         configs = getattr(candidate, "peft_config", None)
         if not isinstance(configs, dict) or not configs:
@@ -142,28 +154,66 @@ def describe_lora(model: Any, training: TrainingMetrics) -> bool:
         if not isinstance(name, str) or name not in configs:
             name = next(iter(configs))
         config = configs[name]
-        rank = getattr(config, "r", None)
-        if rank is None:  # not a LoRA config (prefix tuning, IA3, ...)
-            return False
-        targets = getattr(config, "target_modules", None) or ()
-        if isinstance(targets, str):
-            targets = (targets,)  # a regex: one pattern
-        trainable = total = 0
-        for parameter in candidate.parameters():
-            count = parameter.numel()
-            total += count
-            if parameter.requires_grad:
-                trainable += count
-        training.set_adapter(
-            r=int(rank),
-            alpha=float(getattr(config, "lora_alpha", rank)),
-            dropout=float(getattr(config, "lora_dropout", 0.0) or 0.0),
-            target_modules=list(targets),
-            trainable_params=trainable,
-            total_params=total,
+        if getattr(config, "r", None) is None:  # not a LoRA config (prefix tuning, IA3, ...)
+            return None
+        return candidate, config
+    return None
+
+
+def _targets(config: Any) -> list[str]:
+    targets = getattr(config, "target_modules", None) or ()
+    if isinstance(targets, str):
+        return [targets]  # a regex: one pattern
+    return sorted(str(t) for t in targets)
+
+
+def describe_lora(model: Any, training: TrainingMetrics) -> bool:
+    """If ``model`` (or its ``.model``) carries a PEFT LoRA config, record the adapter's shape. True if found."""
+    found = _lora(model)
+    if found is None:
+        return False
+    candidate, config = found
+    trainable = total = 0
+    for parameter in candidate.parameters():
+        count = parameter.numel()
+        total += count
+        if parameter.requires_grad:
+            trainable += count
+    training.set_adapter(
+        r=int(config.r),
+        alpha=float(getattr(config, "lora_alpha", config.r)),
+        dropout=float(getattr(config, "lora_dropout", 0.0) or 0.0),
+        target_modules=_targets(config),
+        trainable_params=trainable,
+        total_params=total,
+    )
+    return True
+
+
+def model_hyperparameters(model: Any) -> dict[str, object]:
+    """The LoRA shape and the base model's name, for ``openlora.run.info`` (what is known of them)."""
+    values: dict[str, object] = {}
+    found = _lora(model)
+    if found is not None:
+        _, config = found
+        values.update(
+            lora_r=config.r,
+            lora_alpha=getattr(config, "lora_alpha", None),
+            lora_dropout=getattr(config, "lora_dropout", None),
+            lora_target_modules=_targets(config) or None,
+            base_model=getattr(config, "base_model_name_or_path", None),
         )
-        return True
-    return False
+    if not values.get("base_model"):
+        for candidate in (
+            model,
+            getattr(model, "model", None),
+            getattr(getattr(model, "model", None), "model", None),
+        ):
+            name = getattr(getattr(candidate, "config", None), "_name_or_path", None)
+            if isinstance(name, str) and name:
+                values["base_model"] = name
+                break
+    return values
 
 
 def safe(hook: Any) -> Any:

@@ -60,6 +60,7 @@ from openlora_otel.integrations._common import (
     StepClock,
     TelemetryOwner,
     describe_lora,
+    model_hyperparameters,
     safe,
 )
 from openlora_otel.telemetry import Telemetry
@@ -162,6 +163,13 @@ class TelemetryCallback(TrainerCallback):
         training = self._owner.training
         if model is not None:
             describe_lora(model, training)
+        self._owner.telemetry.fill_run_info(
+            name=_run_name(args),
+            hyperparameters={
+                **trainer_hyperparameters(args),
+                **(model_hyperparameters(model) if model is not None else {}),
+            },
+        )
         if self._guard is not None:
             training.attach_guard(self._guard)
         if self._flops_wanted and model is not None:
@@ -169,7 +177,10 @@ class TelemetryCallback(TrainerCallback):
             dtype = torch.float16 if getattr(args, "fp16", False) else dtype
             self._flops = ModelFlops(model, dtype)
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
-        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False)
+        self._trainer_counts_tokens = getattr(args, "include_num_input_tokens_seen", "no") not in (
+            "no",
+            False,
+        )
         self._samples_per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
         # The Trainer multiplies a loss normalised over all processes' tokens back by the process count.
         world = int(getattr(args, "world_size", 1) or 1)
@@ -317,6 +328,46 @@ class TelemetryCallback(TrainerCallback):
         if self._tap is not None and self._tap.handle is not None:
             self._tap.handle.remove()
         self._tap = None
+
+
+def trainer_hyperparameters(args: Any) -> dict[str, object]:
+    """What ``TrainingArguments`` say about the run, under the keys ``openlora.run.info`` uses."""
+    strategy = getattr(args, "lr_scheduler_type", None)
+    max_steps = getattr(args, "max_steps", -1)
+    warmup_steps = getattr(args, "warmup_steps", 0)
+    if getattr(args, "bf16", False):
+        precision = "bf16"
+    elif getattr(args, "fp16", False):
+        precision = "fp16"
+    else:
+        precision = "fp32"
+    return {
+        "learning_rate": getattr(args, "learning_rate", None),
+        "batch_size": getattr(args, "per_device_train_batch_size", None),
+        "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
+        # max_steps > 0 overrides the epoch count in the Trainer: only one of them is the run's.
+        "max_steps": max_steps if isinstance(max_steps, int) and max_steps > 0 else None,
+        "epochs": None
+        if isinstance(max_steps, int) and max_steps > 0
+        else getattr(args, "num_train_epochs", None),
+        "seed": getattr(args, "seed", None),
+        "weight_decay": getattr(args, "weight_decay", None),
+        "warmup_steps": warmup_steps if warmup_steps else None,
+        "warmup_ratio": getattr(args, "warmup_ratio", None) or None,
+        "lr_scheduler": strategy,
+        "optimizer": getattr(args, "optim", None),
+        "max_grad_norm": getattr(args, "max_grad_norm", None),
+        "precision": precision,
+        "world_size": getattr(args, "world_size", None),
+    }
+
+
+def _run_name(args: Any) -> str | None:
+    """``TrainingArguments.run_name`` when someone chose it (older versions default it to output_dir)."""
+    name = getattr(args, "run_name", None)
+    if not isinstance(name, str) or not name.strip() or name == getattr(args, "output_dir", None):
+        return None
+    return name.strip()[:100]
 
 
 def _rate(value: Any) -> Any:

@@ -32,6 +32,7 @@ of a step).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ from openlora_otel.integrations._common import (
     StepClock,
     TelemetryOwner,
     describe_lora,
+    model_hyperparameters,
     safe,
 )
 from openlora_otel.telemetry import Telemetry
@@ -96,6 +98,12 @@ class TelemetryCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         training = self._owner.training
         describe_lora(pl_module, training)
+        self._owner.telemetry.fill_run_info(
+            hyperparameters={
+                **trainer_hyperparameters(trainer, pl_module),
+                **model_hyperparameters(pl_module),
+            }
+        )
         if self._guard is not None:
             training.attach_guard(self._guard)
         if self._flops_wanted:
@@ -215,6 +223,33 @@ class TelemetryCallback(pl.Callback):
         if isinstance(first, (list, tuple)) and first:
             first = first[0]
         return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0
+
+
+def trainer_hyperparameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, object]:
+    """The run's settings under the keys ``openlora.run.info`` uses, then the module's own
+    ``save_hyperparameters()`` values (plain values only; never overriding the first)."""
+    learning_rate = None
+    optimizers = getattr(trainer, "optimizers", None) or []
+    if optimizers and getattr(optimizers[0], "param_groups", None):
+        learning_rate = optimizers[0].param_groups[0].get("lr")
+    max_steps = getattr(trainer, "max_steps", -1)
+    values: dict[str, object] = {
+        "learning_rate": learning_rate if isinstance(learning_rate, (int, float)) else None,
+        "optimizer": type(optimizers[0]).__name__ if optimizers else None,
+        "gradient_accumulation_steps": getattr(trainer, "accumulate_grad_batches", None),
+        "max_steps": max_steps if isinstance(max_steps, int) and max_steps > 0 else None,
+        "epochs": getattr(trainer, "max_epochs", None)
+        if not (isinstance(max_steps, int) and max_steps > 0)
+        else None,
+        "precision": str(getattr(trainer, "precision", "")) or None,
+        "world_size": getattr(trainer, "world_size", None),
+        "seed": os.environ.get("PL_GLOBAL_SEED") or None,  # what seed_everything() set
+    }
+    hparams = getattr(pl_module, "hparams", None) or {}
+    for key, value in dict(hparams).items():
+        if isinstance(value, (bool, int, float, str, list, tuple)) and key not in values:
+            values[key] = value
+    return values
 
 
 def _compute_dtype(precision: str) -> Any:
