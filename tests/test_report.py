@@ -209,8 +209,8 @@ def test_gpu_panels_appear_when_the_run_had_gpus(tmp_path: Path, monkeypatch: py
     assert {"busy (%)", "GiB"} <= texts
 
 
-def test_ranks_lowest_drawn_and_a_torn_line_skipped(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_ranks_lowest_drawn_and_lines_that_are_not_otlp_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     for rank, lr in ((1, 1e-3), (0, 3e-3)):
         write_history(
@@ -223,12 +223,13 @@ def test_ranks_lowest_drawn_and_a_torn_line_skipped(
             resource_attributes={"openlora.rank": rank},
         )
     with (tmp_path / "ddp1.rank0.jsonl").open("a") as handle:
+        handle.write("not json at all\n")
         handle.write('{"resourceMetrics": [{"resource": {"attri')  # killed mid-write
     (run,) = read_history([str(tmp_path)])
     assert (run.rank, run.ranks) == (0, 2)
+    assert len(run.rows) == 13  # 12 collections and the final line
     assert curves(run.rows)["learning_rate"][-1][1] == pytest.approx(3e-3)  # rank 0's values
-    err = capsys.readouterr().err
-    assert "ddp1.rank0.jsonl: skipped 1 line(s) that are not OTLP JSON (the first is line 14)" in err
+    assert "ddp1.rank0.jsonl line 14 is not OTLP/JSON metrics" in caplog.text
 
 
 def test_run_selection_output_paths_and_usage_errors(
@@ -356,15 +357,10 @@ def test_html_page_in_headless_chromium(two_runs: Path, tmp_path: Path) -> None:
 
 
 # -- a real Prometheus scraping real demo runs ---------------------------------------------------
-def _demo(port: int, *args: str) -> subprocess.Popen[str]:
-    env = child_env(
-        OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-        OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
-        OMP_NUM_THREADS="1",  # two demos on a small machine: one core each
-    )
+def _demo(*args: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "openlora_otel", "demo", *args],
-        env=env,
+        env=child_env(OMP_NUM_THREADS="1", **env),  # two demos on a small machine: one core each
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -384,11 +380,74 @@ def _wait_for_line(process: subprocess.Popen[str], needle: str, timeout: float) 
     raise AssertionError(f"{needle!r} not seen in: {''.join(seen)[-2000:]}")
 
 
+def _needs_the_demo() -> None:
+    for module in ("torch", "transformers", "peft"):
+        pytest.importorskip(module)
+
+
+def test_report_from_the_history_files_of_two_real_demo_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's commands: two demo runs with another learning rate each, no server, then the report."""
+    _needs_the_demo()
+    history = tmp_path / "runs"
+    env = {
+        "OPENLORA_HISTORY_DIR": str(history),
+        "OPENLORA_HISTORY_INTERVAL": "200",
+        "OTEL_METRICS_EXPORTER": "none",
+    }
+    common = ("--steps", "60", "--eval-every", "20", "--quiet")
+    demos = {
+        name: _demo(*common, "--run-name", name, "--lr", lr, **env)
+        for name, lr in (("a", "3e-3"), ("b", "1e-3"))
+    }
+    printed = {}
+    try:
+        for name, demo in demos.items():
+            stdout, stderr = demo.communicate(timeout=600)
+            assert demo.returncode == 0, stderr[-3000:]
+            printed[name] = stdout
+    finally:
+        for demo in demos.values():
+            if demo.poll() is None:
+                demo.kill()
+            reap(demo, 10)
+    runs = {run.name: run for run in read_history([str(history)])}
+    assert set(runs) == {"a", "b"}
+    for name, stdout in printed.items():
+        run = runs[name]
+        assert f"run {run.run_id} ({name}): 60 steps" in stdout
+        # "eval loss 3.495 -> 2.718 (best ...)": the report's last eval point is that final evaluation.
+        final_eval = float(re.search(r"eval loss [\d.]+ -> ([\d.]+)", stdout).group(1))
+        c = curves(run.rows)
+        assert c["eval_loss"][-1] == (60, pytest.approx(final_eval, abs=5e-4))
+        # An evaluation shows at the step count of the first collection after it (a step or two late).
+        first, second = (x for x, _ in c["eval_loss"][1:3])
+        assert 20 <= first < 40 <= second < 60
+        assert c["loss"][-1][0] == 60 and len(c["loss"]) >= 10  # a line a fifth of a second
+        assert c["step_time"] and c["tokens_per_s"] and c["grad_norm"] and c["learning_rate"]
+        assert run.hyperparameters["base_model"] == "tiny-llama"
+    assert (runs["a"].hyperparameters["learning_rate"], runs["b"].hyperparameters["learning_rate"]) == (
+        "0.003",
+        "0.001",
+    )
+    assert sorted(legend_labels(list(runs.values()))) == ["a (lr=0.003)", "b (lr=0.001)"]
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_report(str(history), "--out", str(out)) == 0
+    assert "panels: Loss, Gradient norm, Learning rate, Throughput, Step time" in capsys.readouterr().out
+    page = (out / "openlora-report.html").read_text()
+    assert "<strong>learning_rate=0.003</strong>" in page and "<strong>learning_rate=0.001</strong>" in page
+    assert (out / "openlora-report.png").stat().st_size > 50_000
+
+
 @pytest.mark.e2e
 def test_report_from_prometheus_that_scraped_two_real_demo_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prometheus_binary()
+    _needs_the_demo()
     ports = free_port(), free_port()
     # Small steps, each at least 50 ms long (the data delay): a few seconds of training on any machine,
     # so Prometheus takes a dozen scrapes or more of each run.
@@ -404,9 +463,19 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
         "--linger",
         "300",
     )
+    history = tmp_path / "runs"
     demos = [
-        _demo(ports[0], *common, "--run-name", "a", "--lr", "3e-3"),
-        _demo(ports[1], *common, "--run-name", "b", "--lr", "1e-3"),
+        _demo(
+            *common,
+            "--run-name",
+            name,
+            "--lr",
+            lr,
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+            OPENLORA_HISTORY_DIR=str(history),  # the same runs in files too
+        )
+        for port, name, lr in ((ports[0], "a", "3e-3"), (ports[1], "b", "1e-3"))
     ]
     prometheus = None
     try:
@@ -438,6 +507,15 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
         # The last eval loss is the demo's own final evaluation.
         final_b = prometheus.query(f'openlora_training_eval_loss{{instance="127.0.0.1:{ports[1]}"}}')
         assert curves(runs[1].rows)["eval_loss"][-1][1] == pytest.approx(float(final_b[0]["value"][1]))
+        # The same runs read from their history files say the same.
+        from_files = {run.run_id: run for run in read_history([str(history)])}
+        assert set(from_files) == {run.run_id for run in runs}
+        for run in runs:
+            twin = from_files[run.run_id]
+            assert (twin.name, twin.hyperparameters) == (run.name, run.hyperparameters)
+            here, there = curves(run.rows), curves(twin.rows)
+            assert here["eval_loss"][-1] == pytest.approx(there["eval_loss"][-1])
+            assert here["loss"][-1][0] == there["loss"][-1][0] == 60
 
         out = tmp_path / "out"
         out.mkdir()
@@ -510,4 +588,6 @@ def test_the_command_line_writes_both_files_next_to_each_other(two_runs: Path, t
         text=True,
         timeout=60,
     ).stdout
-    assert "openlora-report.png and openlora-report.html in the current directory" in " ".join(help_text.split())
+    assert "openlora-report.png and openlora-report.html in the current directory" in " ".join(
+        help_text.split()
+    )

@@ -28,6 +28,7 @@ from openlora_otel.report.model import (
     Run,
     common_hyperparameters,
     curves,
+    differing_hyperparameters,
     legend_labels,
     thin,
 )
@@ -322,6 +323,8 @@ table { border-collapse: collapse; width: 100%; font-size: .92rem; }
 th, td { text-align: left; padding: .35rem .6rem; border-bottom: 1px solid #e2e2e2; vertical-align: top; }
 th { background: #f4f4f4; }
 td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
+td.name { white-space: nowrap; }
+td.wrap { overflow-wrap: anywhere; }
 code { font-family: "DejaVu Sans Mono", "Liberation Mono", monospace; font-size: .85rem; }
 .swatch { display: inline-block; width: .9rem; height: .9rem; border-radius: 2px; margin-right: .4rem; vertical-align: -0.1rem; }
 figure { margin: .5rem 0 0 0; }
@@ -345,11 +348,17 @@ def html_page(drawing: Drawing) -> str:
         ]
     e = html.escape
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    differing = differing_hyperparameters(runs) if len(runs) > 1 else []
     rows = []
     for run, color, summary in zip(runs, colors, summaries, strict=True):
-        hyperparameters = (
-            ", ".join(f"{k}={v}" for k, v in sorted(run.hyperparameters.items())) or "none recorded"
-        )
+        # What tells the runs apart first, in bold; then the rest.
+        pairs = [
+            f"<strong>{e(k)}={e(run.hyperparameters[k])}</strong>"
+            for k in differing
+            if k in run.hyperparameters
+        ]
+        pairs += [f"{e(k)}={e(v)}" for k, v in sorted(run.hyperparameters.items()) if k not in differing]
+        hyperparameters = ", ".join(pairs) or "none recorded"
         rank = (
             ""
             if run.rank is None and run.ranks == 1
@@ -357,14 +366,14 @@ def html_page(drawing: Drawing) -> str:
         )
         rows.append(
             "<tr>"
-            f'<td><span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong></td>'
+            f'<td class="name"><span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong></td>'
             f"<td><code>{e(run.run_id)}</code></td>"
-            f"<td><code>{e(hyperparameters)}</code></td>"
+            f'<td class="wrap"><code>{hyperparameters}</code></td>'
             f'<td class="num">{_int(summary.steps)}</td>'
             f'<td class="num">{_num(summary.final_loss)}</td>'
             f'<td class="num">{_num(summary.final_eval_loss)}</td>'
             f'<td class="num">{_duration(summary.seconds)}</td>'
-            f"<td><small>{e(rank + run.source)}</small></td>"
+            f'<td class="wrap"><small>{e(rank + run.source)}</small></td>'
             "</tr>"
         )
     sections = []
