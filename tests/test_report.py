@@ -298,6 +298,17 @@ def test_curves_keep_an_evaluation_that_ends_after_the_last_step() -> None:
     assert c["eval_loss"] == [(10.0, 2.5), (20.0, 1.9)]
 
 
+def test_throughput_is_tokens_over_the_time_between_points_when_a_step_outlasts_a_collection() -> None:
+    # Lines every 0.2 s, a step every 8 s of 1,024 tokens: the first line after a step has 1,024 tokens
+    # in its 0.2 s (a per-interval gauge says 5,120 tokens/s); the run made 128 tokens/s.
+    rows = []
+    for step in range(1, 4):
+        for tick in range(40):
+            rows.append(Row(step * 8.0 + tick * 0.2, {"steps": float(step), "tokens": 1024.0 * step}))
+    c = curves(rows)
+    assert c["tokens_per_s"] == [(2.0, pytest.approx(128.0)), (3.0, pytest.approx(128.0))]
+
+
 # -- headless Chromium ---------------------------------------------------------------------------
 def chromium() -> str:
     if not os.access(CHROMIUM, os.X_OK):

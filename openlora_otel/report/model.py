@@ -88,7 +88,9 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("grad_norm", "openlora.training.gradient_norm"),
     Quantity("grad_norm_max", "openlora.training.gradient_norm.max"),
     Quantity("learning_rate", "openlora.training.learning_rate"),
-    Quantity("tokens_per_s", "openlora.training.throughput.tokens"),
+    # The counter, not the tokens/s gauge: the gauge's interval is one collection, which a slow step
+    # outlasts (a 200 ms line after an 8 s step would read 40 times the real rate).
+    Quantity("tokens", "openlora.training.tokens"),
     Quantity("step_time_sum", "openlora.training.step.duration", field="sum"),
     Quantity("step_time_count", "openlora.training.step.duration", field="count"),
     # One process may report several GPUs (OPENLORA_GPU_DEVICES=all): the mean busy
@@ -121,21 +123,25 @@ class Run:
 
 # -- curves --------------------------------------------------------------------------------
 Curve = list[tuple[float, float]]
+# Raw values that are not curves themselves (the eval loss has its own rule).
+_DERIVED_FROM = frozenset({"eval_loss", "steps", "step_time_sum", "step_time_count", "tokens"})
 
 
 def curves(rows: Iterable[Row]) -> dict[str, Curve]:
-    """``(step, value)`` points per quantity key, plus ``step_time`` (mean seconds per step).
+    """``(step, value)`` points per quantity key, plus ``step_time`` and ``tokens_per_s``.
 
     Gauges cover the steps since the previous collection and are repeated while no
     step happens (a lingering process, a pause), so each gets the value of the
     first row that saw a new step count. The eval loss is the exception: an
     evaluation can end after the last step, so it takes the last row of a step
-    and is kept only where it changed (one point per evaluation). Step time is
-    the histogram's sum over its count between two such rows.
+    and is kept only where it changed (one point per evaluation). Between two
+    such rows, step time is the histogram's sum over its count (mean seconds per
+    step) and throughput the tokens counted over the time between them.
     """
     out: dict[str, Curve] = {}
     previous_step: float | None = None
     previous_hist: tuple[float, float] | None = None
+    previous_tokens: tuple[float, float] | None = None  # (time, tokens) of the previous kept row
     for row in sorted(rows, key=lambda r: r.time_s):
         step = row.values.get("steps")
         if step is None or not math.isfinite(step):
@@ -150,10 +156,10 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
         if step == previous_step:
             continue
         if previous_step is not None and step < previous_step:  # a restarted process: counters start over
-            previous_hist = None
+            previous_hist = previous_tokens = None
         previous_step = step
         for key, value in row.values.items():
-            if key in ("eval_loss", "steps", "step_time_sum", "step_time_count"):
+            if key in _DERIVED_FROM:
                 continue
             out.setdefault(key, []).append((step, value))
         total, count = row.values.get("step_time_sum"), row.values.get("step_time_count")
@@ -163,6 +169,17 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
                     (step, (total - previous_hist[0]) / (count - previous_hist[1]))
                 )
             previous_hist = (total, count)
+        tokens = row.values.get("tokens")
+        if tokens is not None:
+            if (
+                previous_tokens is not None
+                and row.time_s > previous_tokens[0]
+                and tokens >= previous_tokens[1]
+            ):
+                out.setdefault("tokens_per_s", []).append(
+                    (step, (tokens - previous_tokens[1]) / (row.time_s - previous_tokens[0]))
+                )
+            previous_tokens = (row.time_s, tokens)
     return out
 
 
@@ -245,7 +262,7 @@ PANELS: tuple[Panel, ...] = (
         "Throughput",
         "tokens / s",
         (Line("tokens_per_s", "tokens / s"),),
-        "Training tokens per second over each collection interval (this process).",
+        "Training tokens per second of this process, from the tokens counted between two points.",
     ),
     Panel(
         "step_time",
