@@ -250,6 +250,8 @@ def test_run_selection_output_paths_and_usage_errors(
     assert "missing: no such file or directory" in capsys.readouterr().err
     assert run_report(str(two_runs), "--out", str(tmp_path / "no" / "such" / "dir" / "x.png")) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert run_report(str(two_runs), "--out", f"{tmp_path / 'new' / 'dir'}/", "--format", "png") == 0
+    assert (tmp_path / "new" / "dir" / "openlora-report.png").exists()
     for argv, message in (
         ([str(two_runs), "--format", "pdf"], "argument --format: 'pdf' is not valid: expected png, html"),
         ([], "nothing to draw"),

@@ -57,8 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--out",
         metavar="FILE_OR_DIR",
-        help="where to write: a directory (gets openlora-report.png and .html), or a file name whose suffix is "
-        "replaced per format (report.png -> report.png and report.html); default: ./openlora-report.*",
+        help="where to write: a directory (gets openlora-report.png and .html; created when written with a "
+        "trailing /), or a file name whose suffix is replaced per format (report.png -> report.png and "
+        "report.html); default: ./openlora-report.*",
     )
     parser.add_argument(
         "--format",
@@ -108,6 +109,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         runs = _runs(args)
         targets = output_paths(args.out, formats)
+        if args.out and args.out.endswith(("/", "\\")):  # a directory by its spelling: made if missing
+            _make_directory(Path(args.out))
         for path in targets.values():
             if not path.parent.is_dir():
                 raise ReportError(f"--out: the directory {path.parent} does not exist")
@@ -126,6 +129,13 @@ def main(args: argparse.Namespace) -> int:
     for path in targets.values():
         print(f"wrote {path}")
     return 0
+
+
+def _make_directory(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"--out: cannot create the directory {path}: {exc.strerror or exc}") from None
 
 
 def _runs(args: argparse.Namespace) -> list[Run]:
