@@ -172,6 +172,8 @@ def _draw(ax: Any, panel: Panel, run_curves: Sequence[dict[str, Curve]], colors:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 100 else f"{y:,.3g}"))
     if panel.ylim:
         ax.set_ylim(*panel.ylim)
+    elif panel.key == "gpu_memory":  # from zero: how full, not how much it wobbled
+        ax.set_ylim(bottom=0)
     if len(styles) > 1:  # the run colours are in the run legend; this says which line is which
         ax.legend(
             handles=[
@@ -216,7 +218,8 @@ def _png_figure(drawing: Drawing) -> Any:
     slots = len(panels) + 1  # the last one holds the table of runs
     rows = math.ceil(slots / 2)
     common = common_hyperparameters(runs)
-    subtitle = "\n".join(textwrap.wrap("Same in every run: " + _pairs(common), 150)) if common else ""
+    lead = "Hyperparameters: " if len(runs) == 1 else "Same in every run: "
+    subtitle = "\n".join(textwrap.wrap(lead + _pairs(common), 150)) if common else ""
     header_in = 0.8 + 0.3 * math.ceil(len(runs) / 3) + 0.22 * subtitle.count("\n") + (0.3 if subtitle else 0)
     body_in = 3.6 * rows
     figure = Figure(figsize=(14, header_in + body_in), layout="constrained")
