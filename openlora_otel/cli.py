@@ -1,4 +1,4 @@
-"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env`` and ``metrics``."""
+"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``metrics``, ``report`` and ``stack``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from openlora_otel import report
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
@@ -197,6 +198,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Print the table of metrics openlora-otel exports, as Markdown.",
     )
     add_stack_parser(commands)
+    report.add_parser(commands)
     return parser
 
 
@@ -221,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(seeds_markdown())
         return 0
+    if args.command == "report":
+        return report.main(args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -1,0 +1,133 @@
+"""Read runs from history files: ``OPENLORA_HISTORY_DIR``'s OTLP JSON Lines.
+
+The lines are read by :func:`openlora_otel.history.read_history` (one snapshot
+per process per line; torn and foreign lines skipped there) and grouped here by
+the Resource's ``openlora.run.id``: ``<run id>.jsonl``, or one
+``<run id>.rank<N>.jsonl`` per rank under a launcher. A run's curves come from
+its lowest rank (rank 0 when it is there: the ranks of a data-parallel run step
+together, and rank 0 is the one a person reads).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openlora_otel import history
+from openlora_otel.names import RUN_METRICS
+from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
+from openlora_otel.resource import RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
+from openlora_otel.run import HPARAM_PREFIX
+
+__all__ = ["history_files", "read_history"]
+
+_RANK_ATTRIBUTE = "openlora.rank"
+_RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
+(_RUN_INFO,) = (spec.name for spec in RUN_METRICS)
+
+
+def history_files(paths: Sequence[str]) -> list[Path]:
+    """The files named by ``paths``: each a ``.jsonl`` file, or a directory whose ``*.jsonl`` are taken."""
+    files: list[Path] = []
+    for text in paths:
+        path = Path(text)
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise ReportError(f"no history files (*.jsonl) in {path}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ReportError(f"{path}: no such file or directory")
+    return files
+
+
+@dataclass
+class _Process:
+    """The snapshots of one (run id, rank) as read so far."""
+
+    run_id: str
+    rank: int | None
+    files: set[str] = field(default_factory=set)
+    rows: list[Row] = field(default_factory=list)
+    name: str | None = None
+    info: tuple[float, dict[str, Any]] | None = None  # (time, attributes) of the latest run.info point
+
+
+def read_history(paths: Sequence[str]) -> list[Run]:
+    """The runs in the history files ``paths`` name, oldest first."""
+    processes: dict[tuple[str, int | None], _Process] = {}
+    for path in history_files(paths):
+        try:
+            for snapshot in history.read_history(path):
+                _add(snapshot, path, processes)
+        except OSError as exc:
+            raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
+    by_run: dict[str, list[_Process]] = {}
+    for process in processes.values():
+        by_run.setdefault(process.run_id, []).append(process)
+    runs = []
+    for run_id, group in by_run.items():
+        group.sort(key=lambda p: (p.rank is None, p.rank or 0))
+        lowest = group[0]
+        if not lowest.rows:
+            continue
+        info = max((p.info for p in group if p.info), default=None, key=lambda i: i[0])
+        attributes = info[1] if info else {}
+        hyperparameters = {
+            k[len(HPARAM_PREFIX) :]: str(v) for k, v in attributes.items() if k.startswith(HPARAM_PREFIX)
+        }
+        name = attributes.get(RUN_NAME_ATTRIBUTE) or lowest.name or run_id
+        runs.append(
+            Run(
+                run_id=run_id,
+                name=str(name),
+                hyperparameters=hyperparameters,
+                source=", ".join(sorted(lowest.files)),
+                rows=sorted(lowest.rows, key=lambda r: r.time_s),
+                rank=lowest.rank,
+                ranks=len(group),
+            )
+        )
+    runs.sort(key=lambda run: run.rows[0].time_s)  # oldest first: the order they were run in
+    if not runs:
+        raise ReportError(
+            f"no training steps in {', '.join(paths)}: the history files hold no "
+            "openlora.training.steps points (a run that stopped before its first step?)"
+        )
+    return runs
+
+
+def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int | None], _Process]) -> None:
+    resource = snapshot.resource
+    run_id = str(resource.get(RUN_ID_ATTRIBUTE) or _RANK_IN_NAME.sub("", path.stem))
+    rank: Any = resource.get(_RANK_ATTRIBUTE)
+    if rank is None and (match := _RANK_IN_NAME.search(path.stem)):
+        rank = match.group(1)
+    rank = int(rank) if rank is not None else None
+    process = processes.get((run_id, rank))
+    if process is None:
+        process = processes[(run_id, rank)] = _Process(run_id, rank)
+    process.files.add(str(path))
+    if resource.get(RUN_NAME_ATTRIBUTE):
+        process.name = str(resource[RUN_NAME_ATTRIBUTE])
+    for point in snapshot.metrics.get(_RUN_INFO, ()):
+        if process.info is None or point.time_s >= process.info[0]:
+            process.info = (point.time_s, dict(point.attributes))
+    values: dict[str, float] = {}
+    for quantity in QUANTITIES:
+        found = []
+        for point in snapshot.metrics.get(quantity.otel_name, ()):
+            if any(str(point.attributes.get(k)) != v for k, v in quantity.where):
+                continue
+            value = point.value if quantity.field == "value" else getattr(point, quantity.field)
+            if value is not None:
+                found.append(float(value))
+        if found:
+            values[quantity.key] = sum(found) / len(found) if quantity.combine == "mean" else max(found)
+    if values and snapshot.time_s:
+        process.rows.append(Row(snapshot.time_s, values))

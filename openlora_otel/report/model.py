@@ -1,0 +1,368 @@
+"""What a report is drawn from: runs as time-ordered samples, turned into curves against the step.
+
+Both sources (history files, a Prometheus server) produce the same thing: a
+:class:`Run` with its identity and a list of :class:`Row` samples, one per
+collection (a history line) or per evaluation time (a Prometheus range query).
+:func:`curves` turns rows into ``(step, value)`` points, the same way for both,
+so a run read from its file and the same run read from Prometheus draw alike.
+
+The quantities are named once here (:data:`QUANTITIES`), with their
+OpenTelemetry names for the files and their Prometheus names (from
+:mod:`openlora_otel.names`) for the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from openlora_otel.names import GPU_METRICS, TRAINING_METRICS, MetricSpec
+
+__all__ = [
+    "PANELS",
+    "QUANTITIES",
+    "Curve",
+    "Line",
+    "Panel",
+    "Quantity",
+    "ReportError",
+    "Row",
+    "Run",
+    "common_hyperparameters",
+    "curves",
+    "differing_hyperparameters",
+    "legend_labels",
+    "thin",
+]
+
+
+class ReportError(Exception):
+    """Something the user can fix: a missing file, an unknown run, an unreachable server (exit status 2)."""
+
+
+_SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*TRAINING_METRICS, *GPU_METRICS)}
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """One raw value a row can hold: where it comes from in a history file and in Prometheus.
+
+    ``field`` is ``value`` (gauge or sum point), ``sum`` or ``count`` (histogram point).
+    ``combine`` folds several points of one collection (one per GPU) into one value.
+    """
+
+    key: str
+    otel_name: str
+    field: str = "value"
+    combine: str = "max"  # "max" or "mean"
+    # Points must carry these attributes (OTel keys) with these values.
+    where: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def spec(self) -> MetricSpec:
+        return _SPECS[self.otel_name]
+
+    def promql(self, selector: str) -> str:
+        """The PromQL for this quantity of one process (``selector`` holds its job and instance)."""
+        spec = self.spec
+        names = {spec.prometheus, spec.prometheus_collector}
+        if spec.kind == "histogram":
+            names = {f"{name}_{self.field}" for name in names}
+        matchers = [selector] if selector else []
+        matchers += [f'{key.replace(".", "_")}="{value}"' for key, value in self.where]
+        if len(names) == 1:
+            inner = f"{names.pop()}{{{', '.join(matchers)}}}"
+        else:  # the semantic conventions' unit-1 gauges: hw_gpu_utilization, or _ratio via the Collector
+            pattern = "|".join(sorted(names))
+            inner = f'{{__name__=~"{pattern}", {", ".join(matchers)}}}'
+        return f"{'avg' if self.combine == 'mean' else 'max'}({inner})"
+
+
+QUANTITIES: tuple[Quantity, ...] = (
+    Quantity("steps", "openlora.training.steps"),
+    Quantity("last_step_time", "openlora.training.last_step.timestamp"),
+    Quantity("loss", "openlora.training.loss"),
+    Quantity("loss_max", "openlora.training.loss.max"),
+    Quantity("eval_loss", "openlora.training.eval.loss"),
+    Quantity("grad_norm", "openlora.training.gradient_norm"),
+    Quantity("grad_norm_max", "openlora.training.gradient_norm.max"),
+    Quantity("learning_rate", "openlora.training.learning_rate"),
+    # The counter, not the tokens/s gauge: the gauge's interval is one collection, which a slow step
+    # outlasts (a 200 ms line after an 8 s step would read 40 times the real rate).
+    Quantity("tokens", "openlora.training.tokens"),
+    Quantity("step_time_sum", "openlora.training.step.duration", field="sum"),
+    Quantity("step_time_count", "openlora.training.step.duration", field="count"),
+    # One process may report several GPUs (OPENLORA_GPU_DEVICES=all): the mean busy
+    # fraction, and the fullest GPU's memory (the one that runs out first).
+    Quantity("gpu_utilization", "hw.gpu.utilization", combine="mean", where=(("hw.gpu.task", "general"),)),
+    Quantity("gpu_memory", "hw.gpu.memory.usage"),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """The values of one process at one time: one collection."""
+
+    time_s: float
+    values: dict[str, float]
+
+
+@dataclass
+class Run:
+    """One training run as read from a source: identity, hyperparameters and samples of its lowest rank."""
+
+    run_id: str
+    name: str
+    hyperparameters: dict[str, str]
+    source: str
+    rows: list[Row] = field(default_factory=list)
+    rank: int | None = None
+    ranks: int = 1
+
+
+# -- curves --------------------------------------------------------------------------------
+Curve = list[tuple[float, float]]
+# Raw values that are not curves themselves (the eval loss has its own rule).
+_DERIVED_FROM = frozenset({"eval_loss", "steps", "step_time_sum", "step_time_count", "tokens"})
+
+
+def curves(rows: Iterable[Row]) -> dict[str, Curve]:
+    """``(step, value)`` points per quantity key, plus ``step_time`` and ``tokens_per_s``.
+
+    Gauges cover the steps since the previous collection and are repeated while no
+    step happens (a lingering process, a pause), so each gets the value of the
+    first row that saw a new step count. The eval loss is the exception: an
+    evaluation can end after the last step, so it takes the last row of a step
+    and is kept only where it changed (one point per evaluation). Between two
+    such rows, step time is the histogram's sum over its count (mean seconds per
+    step) and throughput the tokens counted over the time between them.
+    """
+    out: dict[str, Curve] = {}
+    previous_step: float | None = None
+    previous_hist: tuple[float, float] | None = None
+    previous_tokens: tuple[float, float] | None = None  # (time, tokens) of the previous kept row
+    for row in sorted(rows, key=lambda r: r.time_s):
+        step = row.values.get("steps")
+        if step is None or not math.isfinite(step):
+            continue
+        eval_loss = row.values.get("eval_loss")
+        if eval_loss is not None:
+            points = out.setdefault("eval_loss", [])
+            if points and points[-1][0] == step:
+                points[-1] = (step, eval_loss)
+            elif not points or points[-1][1] != eval_loss:
+                points.append((step, eval_loss))
+        if step == previous_step:
+            continue
+        if previous_step is not None and step < previous_step:  # a restarted process: counters start over
+            previous_hist = previous_tokens = None
+        previous_step = step
+        for key, value in row.values.items():
+            if key in _DERIVED_FROM:
+                continue
+            out.setdefault(key, []).append((step, value))
+        total, count = row.values.get("step_time_sum"), row.values.get("step_time_count")
+        if total is not None and count is not None:
+            if previous_hist is not None and count > previous_hist[1]:
+                out.setdefault("step_time", []).append(
+                    (step, (total - previous_hist[0]) / (count - previous_hist[1]))
+                )
+            previous_hist = (total, count)
+        tokens = row.values.get("tokens")
+        if tokens is not None:
+            if (
+                previous_tokens is not None
+                and row.time_s > previous_tokens[0]
+                and tokens >= previous_tokens[1]
+            ):
+                out.setdefault("tokens_per_s", []).append(
+                    (step, (tokens - previous_tokens[1]) / (row.time_s - previous_tokens[0]))
+                )
+            previous_tokens = (row.time_s, tokens)
+    return out
+
+
+def thin(points: Curve, limit: int, how: str) -> Curve:
+    """At most ``limit`` points: consecutive points folded by ``how`` (``mean`` or ``max``), so a
+    spike in a max line survives and a long run does not make a page of megabytes."""
+    if len(points) <= limit:
+        return points
+    out: Curve = []
+    size = len(points) / limit
+    for i in range(limit):
+        chunk = points[int(i * size) : int((i + 1) * size)]
+        if not chunk:
+            continue
+        ys = [y for _, y in chunk]
+        y = max(ys) if how == "max" else sum(ys) / len(ys)
+        out.append((chunk[-1][0], y))
+    return out
+
+
+# -- panels --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Line:
+    """One curve of a panel, drawn in each run's colour with this style."""
+
+    key: str
+    label: str
+    style: str = "-"
+    width: float = 1.8
+    marker: str | None = None
+    alpha: float = 1.0
+    fold: str = "mean"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One plot: a title, the y axis with its unit, and its lines. ``scale`` multiplies the values."""
+
+    key: str
+    title: str
+    ylabel: str
+    lines: tuple[Line, ...]
+    description: str
+    scale: float = 1.0
+    ylim: tuple[float, float] | None = None
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel(
+        "loss",
+        "Loss",
+        "loss",
+        (
+            Line("loss", "train (mean per interval)"),
+            Line("loss_max", "train (max per interval)", ":", 1.2, alpha=0.7, fold="max"),
+            Line("eval_loss", "eval", "--", 1.6, marker="o"),
+        ),
+        "Training loss (mean, and max, over the steps of each collection interval) and the loss of each "
+        "evaluation, against the optimizer step.",
+    ),
+    Panel(
+        "grad_norm",
+        "Gradient norm",
+        "gradient norm (L2)",
+        (
+            Line("grad_norm", "mean per interval"),
+            Line("grad_norm_max", "max per interval", ":", 1.2, alpha=0.7, fold="max"),
+        ),
+        "Gradient norm before clipping: mean and max over the steps of each collection interval.",
+    ),
+    Panel(
+        "learning_rate",
+        "Learning rate",
+        "learning rate",
+        (Line("learning_rate", "learning rate"),),
+        "Learning rate of the latest step.",
+    ),
+    Panel(
+        "throughput",
+        "Throughput",
+        "tokens / s",
+        (Line("tokens_per_s", "tokens / s"),),
+        "Training tokens per second of this process, from the tokens counted between two points.",
+    ),
+    Panel(
+        "step_time",
+        "Step time",
+        "seconds per step",
+        (Line("step_time", "mean per interval"),),
+        "Mean time of one optimizer step over each collection interval, from the step-duration histogram.",
+    ),
+    Panel(
+        "gpu_utilization",
+        "GPU utilization",
+        "busy (%)",
+        (Line("gpu_utilization", "busy"),),
+        "Fraction of time the GPU was busy, mean over the GPUs the process reports.",
+        scale=100.0,
+        ylim=(0.0, 105.0),
+    ),
+    Panel(
+        "gpu_memory",
+        "GPU memory in use",
+        "GiB",
+        (Line("gpu_memory", "in use"),),
+        "GPU memory in use (all processes), the fullest of the GPUs the process reports.",
+        scale=1 / 2**30,
+    ),
+)
+
+
+# -- legends -------------------------------------------------------------------------------
+# Short forms for legends; the run table shows the full keys.
+_SHORT = {
+    "learning_rate": "lr",
+    "lora_r": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "lora_target_modules": "targets",
+    "batch_size": "bs",
+    "gradient_accumulation_steps": "accum",
+    "weight_decay": "wd",
+    "warmup_steps": "warmup",
+    "lr_scheduler": "sched",
+    "base_model": "model",
+}
+# The order a reader looks for them in.
+_ORDER = (
+    "learning_rate",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "epochs",
+    "max_steps",
+    "weight_decay",
+    "warmup_steps",
+    "lr_scheduler",
+    "optimizer",
+    "lora_target_modules",
+    "base_model",
+    "precision",
+    "world_size",
+    "seed",
+)
+_LEGEND_KEYS = 4  # more than this makes a legend wider than its plot; the table has them all
+_ALONE = ("learning_rate", "lora_r")  # one run: nothing differs, these still say what it was
+
+
+def _ordered(keys: Iterable[str]) -> list[str]:
+    keys = set(keys)
+    return [k for k in _ORDER if k in keys] + sorted(keys - set(_ORDER))
+
+
+def differing_hyperparameters(runs: Sequence[Run]) -> list[str]:
+    """The hyperparameter keys whose values are not the same for every run (a missing key counts)."""
+    keys = {k for run in runs for k in run.hyperparameters}
+    return _ordered(k for k in keys if len({run.hyperparameters.get(k) for run in runs}) > 1)
+
+
+def common_hyperparameters(runs: Sequence[Run]) -> dict[str, str]:
+    """The hyperparameters every run has with the same value."""
+    if not runs:
+        return {}
+    first = runs[0].hyperparameters
+    same = {k for k, v in first.items() if all(run.hyperparameters.get(k) == v for run in runs)}
+    return {k: first[k] for k in _ordered(same)}
+
+
+def legend_labels(runs: Sequence[Run]) -> list[str]:
+    """``<name> (lr=..., r=...)`` per run, with the hyperparameters that tell the runs apart.
+
+    Runs that share a name get their id's start after it, so no two labels are equal.
+    """
+    if len(runs) == 1:
+        keys = [k for k in _ALONE if k in runs[0].hyperparameters]
+    else:
+        keys = differing_hyperparameters(runs)[:_LEGEND_KEYS]
+    names = [run.name for run in runs]
+    labels = []
+    for run in runs:
+        name = run.name if names.count(run.name) == 1 else f"{run.name} [{run.run_id[:8]}]"
+        shown = [f"{_SHORT.get(k, k)}={run.hyperparameters[k]}" for k in keys if k in run.hyperparameters]
+        labels.append(f"{name} ({', '.join(shown)})" if shown else name)
+    return labels

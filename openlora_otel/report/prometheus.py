@@ -1,0 +1,217 @@
+"""Read runs from a Prometheus server over its HTTP API.
+
+A run is found by its id (``openlora_run_id`` on ``target_info``) or its name
+(``openlora_run_name`` on ``openlora_run_info``, joined to ``target_info`` on
+``job``/``instance``; also on ``target_info`` when the name was set at setup).
+Its processes are the ``target_info`` series with that run id; the curves come
+from the lowest ``openlora_rank``. The time span is where that process's
+``openlora_training_last_step_timestamp_seconds`` says its steps were, and one
+``query_range`` per quantity over it, with a step chosen for about
+:data:`POINTS` points, gives rows the same shape a history file gives.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from openlora_otel.names import RUN_METRICS
+from openlora_otel.redaction import redact, redact_url, url_secrets
+from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
+from openlora_otel.run import HPARAM_PREFIX
+
+__all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
+
+POINTS = 500
+# How far back to look for a run: longer than Prometheus's default retention (15 d).
+LOOKBACK = "30d"
+TIMEOUT_S = 30.0
+_RUN_INFO = RUN_METRICS[0].prometheus
+_HPARAM_LABEL = HPARAM_PREFIX.replace(".", "_")
+_LAST_STEP = next(q for q in QUANTITIES if q.key == "last_step_time")
+
+
+def _quote(value: str) -> str:
+    """A PromQL string literal (json's escaping is PromQL's for the characters that matter)."""
+    return json.dumps(value)
+
+
+class PrometheusSource:
+    """One Prometheus server; :meth:`run` reads one run from it."""
+
+    def __init__(self, url: str, *, timeout_s: float = TIMEOUT_S) -> None:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ReportError(f"--prometheus {redact_url(url)!r} is not an http(s) URL (http://HOST:PORT)")
+        self.shown = redact_url(url)
+        self._secrets = url_secrets(url)
+        self._headers = {"Accept": "application/json"}
+        if parts.username is not None:  # urllib ignores user:password@ in a URL; Prometheus behind basic auth
+            credentials = (
+                f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+            )
+            self._headers["Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
+        netloc = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+        if parts.port:
+            netloc += f":{parts.port}"
+        self._base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        self._timeout = timeout_s
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def _get(self, path: str, params: list[tuple[str, str]]) -> Any:
+        url = f"{self._base}{path}?{urllib.parse.urlencode(params)}"
+        request = urllib.request.Request(url, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                body = json.load(response)
+        except urllib.error.HTTPError as exc:
+            detail = ""
+            with contextlib.suppress(ValueError, AttributeError, OSError):  # not every proxy answers JSON
+                detail = json.load(exc).get("error", "")
+            raise ReportError(
+                self._clean(
+                    f"Prometheus at {self.shown} answered {exc.code} {exc.reason}"
+                    + (f": {detail}" if detail else "")
+                )
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ReportError(
+                self._clean(
+                    f"cannot reach Prometheus at {self.shown}: {reason} (is it running? check --prometheus)"
+                )
+            ) from None
+        except ValueError:
+            raise ReportError(f"{self.shown} did not answer with JSON: is it a Prometheus server?") from None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            error = body.get("error") if isinstance(body, dict) else body
+            raise ReportError(self._clean(f"Prometheus at {self.shown} refused {path}: {error}"))
+        return body["data"]
+
+    def _clean(self, text: str) -> str:
+        return redact(text, self._secrets)
+
+    def _series(self, match: str) -> list[dict[str, str]]:
+        """Label sets of the series matching ``match`` over the whole stored time."""
+        return self._get("/api/v1/series", [("match[]", match)])
+
+    def _query(self, expr: str) -> list[dict[str, Any]]:
+        return self._get("/api/v1/query", [("query", expr)])["result"]
+
+    def _range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        params = [("query", expr), ("start", f"{start:.3f}"), ("end", f"{end:.3f}"), ("step", f"{step:.3f}")]
+        return self._get("/api/v1/query_range", params)["result"]
+
+    # -- runs --------------------------------------------------------------------------------
+    def run_ids(self, wanted: str) -> list[str]:
+        """The run ids ``wanted`` names: itself when it is a run id, else the runs called so."""
+        if self._series(f"target_info{{openlora_run_id={_quote(wanted)}}}"):
+            return [wanted]
+        ids: list[str] = []
+        for labels in self._series(f"target_info{{openlora_run_name={_quote(wanted)}}}"):
+            ids.append(labels["openlora_run_id"])
+        for labels in self._series(f"{_RUN_INFO}{{openlora_run_name={_quote(wanted)}}}"):
+            selector = _selector(labels)
+            for target in self._series(f"target_info{{{selector}}}"):
+                if "openlora_run_id" in target:
+                    ids.append(target["openlora_run_id"])
+        if not ids:
+            raise ReportError(
+                f"no run {wanted!r} on Prometheus at {self.shown}: no target_info series has "
+                f"openlora_run_id={_quote(wanted)} and no {_RUN_INFO} series has openlora_run_name={_quote(wanted)} "
+                "(a run id is the openlora_run_id label, a name the openlora_run_name label)"
+            )
+        return list(dict.fromkeys(ids))
+
+    def run(self, run_id: str) -> Run:
+        """Read run ``run_id``: its lowest rank's curves, its name and hyperparameters."""
+        targets = [t for t in self._series(f"target_info{{openlora_run_id={_quote(run_id)}}}") if "job" in t]
+        if not targets:
+            raise ReportError(f"no run {run_id!r} on Prometheus at {self.shown}")
+        targets.sort(key=lambda t: (_rank(t) is None, _rank(t) or 0, t.get("instance", "")))
+        target = targets[0]
+        ranks = len({(t.get("job"), t.get("instance")) for t in targets})
+        selector = _selector(target)
+        start, end = self._span(run_id, selector)
+        step = max((end - start) / POINTS, 0.001)
+        # Prometheus evaluates at start + k * step <= end: start on the grid that ends at `end`, so the
+        # last evaluation is at `end` and sees the last scrape (the final evaluation of a run just ended).
+        start = end - math.ceil((end - start) / step) * step
+        times: dict[float, dict[str, float]] = {}
+        for quantity in QUANTITIES:
+            for series in self._range(quantity.promql(selector), start, end, step):
+                for stamp, text in series["values"]:
+                    times.setdefault(float(stamp), {})[quantity.key] = float(text)
+        rows = [Row(stamp, values) for stamp, values in sorted(times.items())]
+        name, hyperparameters = self._info(selector, start, end, step)
+        return Run(
+            run_id=run_id,
+            name=name or target.get("openlora_run_name") or run_id,
+            hyperparameters=hyperparameters,
+            source=f"Prometheus at {self.shown} ({selector.replace(chr(34), '')})",
+            rows=rows,
+            rank=_rank(target),
+            ranks=ranks,
+        )
+
+    def _span(self, run_id: str, selector: str) -> tuple[float, float]:
+        """From a little before the first step the server saw to a little after the last one."""
+        name = _LAST_STEP.spec.prometheus
+        first = self._query(f"min_over_time({name}{{{selector}}}[{LOOKBACK}])")
+        last = self._query(f"max_over_time({name}{{{selector}}}[{LOOKBACK}])")
+        if not first or not last:
+            raise ReportError(
+                f"run {run_id!r} on Prometheus at {self.shown} has no optimizer steps in the last "
+                f"{LOOKBACK} ({name}{{{selector}}} has no samples)"
+            )
+        begin = min(float(s["value"][1]) for s in first)
+        finish = max(float(s["value"][1]) for s in last)
+        # The final values are scraped after the last step (and with no step yet, the loss is absent):
+        # a margin on both sides, then the range query repeats nothing that curves() keeps twice.
+        margin = max(60.0, (finish - begin) * 0.05)
+        return begin - margin, min(finish + margin, time.time())
+
+    def _info(
+        self, selector: str, start: float, end: float, step: float
+    ) -> tuple[str | None, dict[str, str]]:
+        """The name and hyperparameters of the latest ``openlora_run_info`` label set in the span."""
+        latest: tuple[float, dict[str, str]] | None = None
+        for series in self._range(f"{_RUN_INFO}{{{selector}}}", start, end, step):
+            stamp = float(series["values"][-1][0])
+            if latest is None or stamp > latest[0]:
+                latest = (stamp, series["metric"])
+        if latest is None:
+            return None, {}
+        labels = latest[1]
+        hyperparameters = {
+            k[len(_HPARAM_LABEL) :]: v for k, v in labels.items() if k.startswith(_HPARAM_LABEL)
+        }
+        return labels.get("openlora_run_name"), hyperparameters
+
+
+def read_prometheus(url: str, wanted: Sequence[str]) -> list[Run]:
+    """The runs ``wanted`` (ids or names) names, read from the Prometheus at ``url``, in that order."""
+    source = PrometheusSource(url)
+    ids: list[str] = []
+    for item in wanted:
+        ids += [run_id for run_id in source.run_ids(item) if run_id not in ids]
+    return [source.run(run_id) for run_id in ids]
+
+
+def _rank(labels: dict[str, str]) -> int | None:
+    try:
+        return int(labels["openlora_rank"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ", ".join(f"{key}={_quote(labels[key])}" for key in ("job", "instance") if key in labels)
