@@ -22,6 +22,7 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "transformers": ("transformers", "hf"),
     "peft": ("peft", "hf"),
     "lightning": ("lightning", "lightning"),
+    "matplotlib": ("matplotlib", "report"),
 }
 
 
