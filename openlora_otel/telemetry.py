@@ -523,6 +523,12 @@ def setup_telemetry(
                     "host metrics are not added to a MeterProvider openlora-otel does not own "
                     "(opentelemetry-instrument starts its own SystemMetricsInstrumentor on it)"
                 )
+            if config.history_dir:
+                _logger.warning(
+                    "OPENLORA_HISTORY_DIR is set but no history file is written: the SDK cannot add a reader "
+                    "to a MeterProvider that is already built (%s)",
+                    type(existing).__name__,
+                )
             telemetry.set_run_info(hyperparameters=hyperparameters)
             _global_owner = telemetry
             _install_sigterm(telemetry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -112,6 +113,22 @@ def test_existing_global_provider_is_reused_not_doubled(memory_reader: InMemoryM
     assert points(data, "openlora.reused")[0].value == 3
     assert points(data, "still.alive")[0].value == 1
     foreign.shutdown()
+
+
+def test_a_history_dir_on_a_reused_provider_is_said_not_silently_dropped(
+    memory_reader: InMemoryMetricReader, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    foreign = MeterProvider(metric_readers=[memory_reader])
+    metrics.set_meter_provider(foreign)
+    caplog.set_level(logging.WARNING)
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), history_dir=str(tmp_path)))
+    try:
+        assert telemetry.history_path is None
+        assert any("no history file is written" in r.getMessage() for r in caplog.records)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        telemetry.shutdown()
+        foreign.shutdown()
 
 
 def test_sdk_disabled_gives_working_noop(monkeypatch: pytest.MonkeyPatch) -> None:
