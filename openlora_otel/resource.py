@@ -62,5 +62,6 @@ def build_resource(
     attributes["service.name"] = config.service_name
     attributes[RUN_ID_ATTRIBUTE] = run_id
     if config.run_name:
-        attributes[RUN_NAME_ATTRIBUTE] = config.run_name
+        # Stripped as openlora.run.info's name is (OPENLORA_RUN_NAME is; run_name= and a built config may not be).
+        attributes[RUN_NAME_ATTRIBUTE] = config.run_name.strip()
     return Resource(attributes)

@@ -484,3 +484,28 @@ def test_a_chosen_run_name_and_an_epoch_count_reach_the_run_info(tmp_path) -> No
     values = trainer_hyperparameters(args)
     assert values["epochs"] == 2 and values["max_steps"] is None
     assert _run_name(TrainingArguments(output_dir=str(tmp_path), report_to="none")) is None
+
+
+def test_a_run_name_with_a_tab_or_newline_is_kept_and_the_callback_still_sets_up(tmp_path, memory_reader) -> None:
+    # A name typed with a tab or pasted with a newline is still the user's name: it must neither be
+    # refused (a ConfigError inside on_train_begin) nor cost the rest of the set-up after it.
+    telemetry = setup_telemetry(
+        config=TelemetryConfig(exporters=("none",), host_metrics=False, quiet=True),
+        metric_readers=[memory_reader],
+        run_id="r-tab",
+    )
+    try:
+        callback = TelemetryCallback(telemetry=telemetry)
+        args = TrainingArguments(
+            output_dir=str(tmp_path), run_name="sweep\tlr 3e-4\n", per_device_train_batch_size=4, report_to="none"
+        )
+
+        class State:
+            num_input_tokens_seen = 0
+            logging_steps = 1
+
+        callback.on_train_begin(args, State(), None, model=None)
+        assert telemetry.run_name == "sweep lr 3e-4"
+        assert callback._samples_per_step == 4  # set after the run info: the hook went on
+    finally:
+        telemetry.shutdown()

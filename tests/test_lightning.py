@@ -321,3 +321,23 @@ def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path) -> None:
     assert set(stopped) == {0, 1}, result.stdout
     assert stopped[0] == stopped[1], stopped  # together, at an agreement step
     assert stopped[0] % GUARD_SYNC_EVERY == 0 and 13 <= stopped[0] < 800, stopped
+
+
+def test_the_modules_own_seed_and_epochs_fill_what_the_trainer_does_not_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without seed_everything() the trainer knows no seed; the module's save_hyperparameters() does.
+    # A key the trainer left empty must not hide the module's value for it.
+    from types import SimpleNamespace
+
+    from openlora_otel.integrations.lightning import trainer_hyperparameters
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    trainer = SimpleNamespace(
+        optimizers=[], accumulate_grad_batches=1, max_steps=-1, max_epochs=None, precision="32-true", world_size=1
+    )
+    module = SimpleNamespace(hparams={"seed": 1234, "epochs": 3, "hidden": 32})
+    values = trainer_hyperparameters(trainer, module)  # type: ignore[arg-type]
+    assert values["seed"] == 1234
+    assert values["epochs"] == 3
+    assert values["hidden"] == 32

@@ -311,6 +311,22 @@ def test_throughput_is_tokens_over_the_time_between_points_when_a_step_outlasts_
     assert c["tokens_per_s"] == [(2.0, pytest.approx(128.0)), (3.0, pytest.approx(128.0))]
 
 
+def test_throughput_is_steady_when_the_lines_and_the_steps_do_not_line_up() -> None:
+    # A step every 0.15 s of 100 tokens (667 tokens/s, steady), a line every 0.2 s (the README's
+    # OPENLORA_HISTORY_INTERVAL=200): lines see one or two new steps in turn. Over the lines' own
+    # times that reads 500 and 1,000 tokens/s in turn; over the steps' times it is the real rate.
+    rows = []
+    for tick in range(1, 60):
+        now = tick * 0.2
+        steps = math.floor(now / 0.15 + 1e-9)
+        rows.append(
+            Row(now, {"steps": float(steps), "tokens": 100.0 * steps, "last_step_time": 1e9 + steps * 0.15})
+        )
+    rates = [rate for _, rate in curves(rows)["tokens_per_s"]]
+    assert len(rates) > 40
+    assert min(rates) == pytest.approx(100 / 0.15) and max(rates) == pytest.approx(100 / 0.15)
+
+
 # -- headless Chromium ---------------------------------------------------------------------------
 def chromium() -> str:
     if not os.access(CHROMIUM, os.X_OK):

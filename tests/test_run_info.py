@@ -227,3 +227,15 @@ def test_a_disabled_sdk_still_answers_the_name() -> None:
     assert telemetry.run_name == "off"
     assert telemetry.hyperparameters == {"lr": "1"}
     telemetry.shutdown()
+
+
+def test_the_resource_and_the_run_info_carry_the_same_name_when_it_has_spaces_around_it() -> None:
+    # target_info's openlora_run_name and openlora_run_info's must be equal: the report and the rules
+    # find a run by either one.
+    reader = InMemoryMetricReader()
+    telemetry = _setup(reader, run_id="r-sp", run_name="  lr 3e-4 ")
+    try:
+        assert _info(reader)["openlora.run.name"] == "lr 3e-4"
+        assert telemetry.resource.attributes["openlora.run.name"] == "lr 3e-4"
+    finally:
+        telemetry.shutdown()

@@ -227,7 +227,7 @@ class TelemetryCallback(pl.Callback):
 
 def trainer_hyperparameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, object]:
     """The run's settings under the keys ``openlora.run.info`` uses, then the module's own
-    ``save_hyperparameters()`` values (plain values only; never overriding the first)."""
+    ``save_hyperparameters()`` values (plain values only; never overriding a value the trainer gave)."""
     learning_rate = None
     optimizers = getattr(trainer, "optimizers", None) or []
     if optimizers and getattr(optimizers[0], "param_groups", None):
@@ -247,7 +247,8 @@ def trainer_hyperparameters(trainer: pl.Trainer, pl_module: pl.LightningModule) 
     }
     hparams = getattr(pl_module, "hparams", None) or {}
     for key, value in dict(hparams).items():
-        if isinstance(value, (bool, int, float, str, list, tuple)) and key not in values:
+        # A key the trainer left empty (no seed_everything(), no max_epochs) takes the module's value.
+        if isinstance(value, (bool, int, float, str, list, tuple)) and values.get(key) is None:
             values[key] = value
     return values
 

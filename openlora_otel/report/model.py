@@ -136,7 +136,8 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
     evaluation can end after the last step, so it takes the last row of a step
     and is kept only where it changed (one point per evaluation). Between two
     such rows, step time is the histogram's sum over its count (mean seconds per
-    step) and throughput the tokens counted over the time between them.
+    step) and throughput the tokens counted over the time between their latest steps
+    (``last_step_time``; the rows' times when it is missing).
     """
     out: dict[str, Curve] = {}
     previous_step: float | None = None
@@ -171,15 +172,16 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
             previous_hist = (total, count)
         tokens = row.values.get("tokens")
         if tokens is not None:
-            if (
-                previous_tokens is not None
-                and row.time_s > previous_tokens[0]
-                and tokens >= previous_tokens[1]
-            ):
+            # The tokens counted up to the row's latest step, over the time between those steps: the
+            # rows' own times would count one step in one interval and two in the next when lines and
+            # steps do not line up (a 200 ms line, 150 ms steps: 500 then 1,000 tokens/s, for 667).
+            at = row.values.get("last_step_time")
+            at = at if at is not None and math.isfinite(at) else row.time_s
+            if previous_tokens is not None and at > previous_tokens[0] and tokens >= previous_tokens[1]:
                 out.setdefault("tokens_per_s", []).append(
-                    (step, (tokens - previous_tokens[1]) / (row.time_s - previous_tokens[0]))
+                    (step, (tokens - previous_tokens[1]) / (at - previous_tokens[0]))
                 )
-            previous_tokens = (row.time_s, tokens)
+            previous_tokens = (at, tokens)
     return out
 
 
@@ -262,7 +264,8 @@ PANELS: tuple[Panel, ...] = (
         "Throughput",
         "tokens / s",
         (Line("tokens_per_s", "tokens / s"),),
-        "Training tokens per second of this process, from the tokens counted between two points.",
+        "Training tokens per second of this process: the tokens counted between two points over the time "
+        "between their latest steps.",
     ),
     Panel(
         "step_time",
