@@ -13,6 +13,7 @@ OpenTelemetry names for the files and their Prometheus names (from
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +64,12 @@ class Quantity:
     def spec(self) -> MetricSpec:
         return _SPECS[self.otel_name]
 
-    def promql(self, selector: str) -> str:
-        """The PromQL for this quantity of one process (``selector`` holds its job and instance)."""
+    def promql(self, selector: str, run_id: str | None = None) -> str:
+        """The PromQL for this quantity of one process (``selector`` holds its job and instance).
+
+        With ``run_id``, only while that process's ``target_info`` named that run: two runs
+        that used the same port one after the other stay apart.
+        """
         spec = self.spec
         names = {spec.prometheus, spec.prometheus_collector}
         if spec.kind == "histogram":
@@ -76,7 +81,15 @@ class Quantity:
         else:  # the semantic conventions' unit-1 gauges: hw_gpu_utilization, or _ratio via the Collector
             pattern = "|".join(sorted(names))
             inner = f'{{__name__=~"{pattern}", {", ".join(matchers)}}}'
+        if run_id is not None:
+            inner = f"{inner} * on (job, instance) group_left () {run_target(run_id, selector)}"
         return f"{'avg' if self.combine == 'mean' else 'max'}({inner})"
+
+
+def run_target(run_id: str, selector: str = "") -> str:
+    """The ``target_info`` series of run ``run_id`` (of the process ``selector`` names, if given)."""
+    matchers = [f"openlora_run_id={json.dumps(run_id)}"] + ([selector] if selector else [])
+    return f"target_info{{{', '.join(matchers)}}}"
 
 
 QUANTITIES: tuple[Quantity, ...] = (

@@ -5,9 +5,10 @@ A run is found by its id (``openlora_run_id`` on ``target_info``) or its name
 ``job``/``instance``; also on ``target_info`` when the name was set at setup).
 Its processes are the ``target_info`` series with that run id; the curves come
 from the lowest ``openlora_rank``. The time span is where that process's
-``openlora_training_last_step_timestamp_seconds`` says its steps were, and one
-``query_range`` per quantity over it, with a step chosen for about
-:data:`POINTS` points, gives rows the same shape a history file gives.
+``target_info`` named the run, and one ``query_range`` per quantity over it, each
+joined with that ``target_info`` (a port reused by a later run adds nothing), with
+a step chosen for about :data:`POINTS` points, gives rows the same shape a
+history file gives.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
-from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
+from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, run_target
 from openlora_otel.run import HPARAM_PREFIX
 
 __all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
@@ -36,7 +37,6 @@ LOOKBACK = "30d"
 TIMEOUT_S = 30.0
 _RUN_INFO = RUN_METRICS[0].prometheus
 _HPARAM_LABEL = HPARAM_PREFIX.replace(".", "_")
-_LAST_STEP = next(q for q in QUANTITIES if q.key == "last_step_time")
 
 
 def _quote(value: str) -> str:
@@ -111,18 +111,28 @@ class PrometheusSource:
         return self._get("/api/v1/query_range", params)["result"]
 
     # -- runs --------------------------------------------------------------------------------
+    def _samples(self, selector: str) -> list[dict[str, Any]]:
+        """Every stored sample of the series ``selector`` matches in the last :data:`LOOKBACK`."""
+        return self._query(f"{selector}[{LOOKBACK}]")
+
     def run_ids(self, wanted: str) -> list[str]:
-        """The run ids ``wanted`` names: itself when it is a run id, else the runs called so."""
-        if self._series(f"target_info{{openlora_run_id={_quote(wanted)}}}"):
+        """The run ids ``wanted`` names: itself when it is a run id, else the runs called so.
+
+        A name on ``openlora_run_info`` belongs to the run whose ``target_info`` came in the
+        same scrapes (the same sample timestamps): a port reused by a later run under
+        another name does not make that run answer to this name.
+        """
+        if self._series(run_target(wanted)):
             return [wanted]
         ids: list[str] = []
         for labels in self._series(f"target_info{{openlora_run_name={_quote(wanted)}}}"):
             ids.append(labels["openlora_run_id"])
-        for labels in self._series(f"{_RUN_INFO}{{openlora_run_name={_quote(wanted)}}}"):
-            selector = _selector(labels)
-            for target in self._series(f"target_info{{{selector}}}"):
-                if "openlora_run_id" in target:
-                    ids.append(target["openlora_run_id"])
+        for named in self._samples(f"{_RUN_INFO}{{openlora_run_name={_quote(wanted)}}}"):
+            stamps = {stamp for stamp, _ in named["values"]}
+            for target in self._samples(f"target_info{{{_selector(named['metric'])}}}"):
+                run_id = target["metric"].get("openlora_run_id")
+                if run_id and stamps.intersection(stamp for stamp, _ in target["values"]):
+                    ids.append(run_id)
         if not ids:
             raise ReportError(
                 f"no run {wanted!r} on Prometheus at {self.shown}: no target_info series has "
@@ -133,7 +143,7 @@ class PrometheusSource:
 
     def run(self, run_id: str) -> Run:
         """Read run ``run_id``: its lowest rank's curves, its name and hyperparameters."""
-        targets = [t for t in self._series(f"target_info{{openlora_run_id={_quote(run_id)}}}") if "job" in t]
+        targets = [t for t in self._series(run_target(run_id)) if "job" in t]
         if not targets:
             raise ReportError(f"no run {run_id!r} on Prometheus at {self.shown}")
         targets.sort(key=lambda t: (_rank(t) is None, _rank(t) or 0, t.get("instance", "")))
@@ -147,11 +157,16 @@ class PrometheusSource:
         start = end - math.ceil((end - start) / step) * step
         times: dict[float, dict[str, float]] = {}
         for quantity in QUANTITIES:
-            for series in self._range(quantity.promql(selector), start, end, step):
+            for series in self._range(quantity.promql(selector, run_id), start, end, step):
                 for stamp, text in series["values"]:
                     times.setdefault(float(stamp), {})[quantity.key] = float(text)
         rows = [Row(stamp, values) for stamp, values in sorted(times.items())]
-        name, hyperparameters = self._info(selector, start, end, step)
+        if not any("steps" in row.values for row in rows):
+            raise ReportError(
+                f"run {run_id!r} on Prometheus at {self.shown} has no optimizer steps "
+                f"({QUANTITIES[0].spec.prometheus}{{{selector}}} has no samples while the run was there)"
+            )
+        name, hyperparameters = self._info(run_id, selector, start, end, step)
         return Run(
             run_id=run_id,
             name=name or target.get("openlora_run_name") or run_id,
@@ -163,28 +178,34 @@ class PrometheusSource:
         )
 
     def _span(self, run_id: str, selector: str) -> tuple[float, float]:
-        """From a little before the first step the server saw to a little after the last one."""
-        name = _LAST_STEP.spec.prometheus
-        first = self._query(f"min_over_time({name}{{{selector}}}[{LOOKBACK}])")
-        last = self._query(f"max_over_time({name}{{{selector}}}[{LOOKBACK}])")
-        if not first or not last:
+        """While the process was this run: its ``target_info`` samples, with a margin on both sides.
+
+        The margin is for the range query's grid; the queries themselves are scoped to the
+        run (:func:`~openlora_otel.report.model.run_target`), so it adds no other run's values.
+        """
+        stamps = [
+            float(stamp)
+            for series in self._samples(run_target(run_id, selector))
+            for stamp, _ in series["values"]
+        ]
+        if not stamps:
             raise ReportError(
-                f"run {run_id!r} on Prometheus at {self.shown} has no optimizer steps in the last "
-                f"{LOOKBACK} ({name}{{{selector}}} has no samples)"
+                f"run {run_id!r} on Prometheus at {self.shown} has no samples in the last {LOOKBACK} "
+                f"({run_target(run_id, selector)})"
             )
-        begin = min(float(s["value"][1]) for s in first)
-        finish = max(float(s["value"][1]) for s in last)
-        # The final values are scraped after the last step (and with no step yet, the loss is absent):
-        # a margin on both sides, then the range query repeats nothing that curves() keeps twice.
-        margin = max(60.0, (finish - begin) * 0.05)
+        begin, finish = min(stamps), max(stamps)
+        margin = max(5.0, (finish - begin) * 0.01)
         return begin - margin, min(finish + margin, time.time())
 
     def _info(
-        self, selector: str, start: float, end: float, step: float
+        self, run_id: str, selector: str, start: float, end: float, step: float
     ) -> tuple[str | None, dict[str, str]]:
-        """The name and hyperparameters of the latest ``openlora_run_info`` label set in the span."""
+        """The name and hyperparameters of the run's latest ``openlora_run_info`` label set."""
         latest: tuple[float, dict[str, str]] | None = None
-        for series in self._range(f"{_RUN_INFO}{{{selector}}}", start, end, step):
+        scoped = (
+            f"{_RUN_INFO}{{{selector}}} * on (job, instance) group_left () {run_target(run_id, selector)}"
+        )
+        for series in self._range(scoped, start, end, step):
             stamp = float(series["values"][-1][0])
             if latest is None or stamp > latest[0]:
                 latest = (stamp, series["metric"])
