@@ -19,10 +19,11 @@ from opentelemetry.sdk.version import __version__ as _sdk_version
 from openlora_otel._version import __version__
 from openlora_otel.config import TelemetryConfig
 
-__all__ = ["RUN_ID_ATTRIBUTE", "RUN_NAME_ATTRIBUTE", "build_resource", "new_run_id"]
+__all__ = ["RANK_ATTRIBUTE", "RUN_ID_ATTRIBUTE", "RUN_NAME_ATTRIBUTE", "build_resource", "new_run_id"]
 
 RUN_ID_ATTRIBUTE = "openlora.run.id"
 RUN_NAME_ATTRIBUTE = "openlora.run.name"
+RANK_ATTRIBUTE = "openlora.rank"  # from RANK (config._RANK_VARIABLES)
 
 
 def new_run_id() -> str:

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from openlora_otel.config import RUN_NAME_ACCEPTED, ConfigError, run_name_problem
+from openlora_otel.config import MAX_RUN_NAME_LENGTH, RUN_NAME_ACCEPTED, ConfigError, run_name_problem
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.resource import RUN_NAME_ATTRIBUTE
 
@@ -38,6 +38,7 @@ __all__ = [
     "RunInfo",
     "hyperparameter_key",
     "hyperparameter_value",
+    "hyperparameters_from",
     "normalize_hyperparameters",
 ]
 
@@ -136,6 +137,11 @@ def normalize_hyperparameters(
     return out
 
 
+def hyperparameters_from(attributes: Mapping[str, object], prefix: str = HPARAM_PREFIX) -> dict[str, str]:
+    """The hyperparameters in a run info's attributes (``prefix`` ``openlora_hparam_`` for Prometheus labels)."""
+    return {k[len(prefix) :]: str(v) for k, v in attributes.items() if k.startswith(prefix)}
+
+
 def _check_name(name: object, what: str) -> str:
     problem = run_name_problem(name)
     if problem:
@@ -143,27 +149,28 @@ def _check_name(name: object, what: str) -> str:
     return str(name).strip()
 
 
+def _one_line(name: object) -> str | None:
+    """What an integration found as a name, made one line of at most the allowed length; None if unusable."""
+    if not isinstance(name, str):
+        return None
+    text = " ".join(name.split())[:MAX_RUN_NAME_LENGTH].strip()
+    return text if text and run_name_problem(text) is None else None
+
+
 class RunInfo:
     """The ``openlora.run.info`` series of one :class:`~openlora_otel.telemetry.Telemetry`.
 
-    Values given when it is built (``setup_telemetry(run_name=..., hyperparameters=...)``)
-    are the user's and win; :meth:`update` with ``explicit=False`` (what the
-    callbacks call) only fills what the user left out.
+    The name given when it is built (``setup_telemetry(run_name=...)``) and values
+    given to :meth:`update` are the user's and win; :meth:`update` with
+    ``explicit=False`` (what the callbacks call) only fills what the user left out.
     """
 
-    def __init__(
-        self,
-        meter: Meter,
-        *,
-        run_id: str,
-        name: str | None = None,
-        hyperparameters: Mapping[str, object] | None = None,
-    ) -> None:
+    def __init__(self, meter: Meter, *, run_id: str, name: str | None = None) -> None:
         self._run_id = run_id
         self._lock = threading.Lock()
         self._name = _check_name(name, "run_name") if name is not None else None
         self._name_explicit = name is not None
-        self._explicit = normalize_hyperparameters(hyperparameters)
+        self._explicit: dict[str, str] = {}
         self._filled: dict[str, str] = {}
         self._attributes = self._build()
         (spec,) = RUN_METRICS
@@ -179,12 +186,7 @@ class RunInfo:
     @property
     def hyperparameters(self) -> dict[str, str]:
         """The hyperparameters as they are exported (normalized keys, text values)."""
-        with self._lock:
-            return {
-                k[len(HPARAM_PREFIX) :]: str(v)
-                for k, v in self._attributes.items()
-                if k.startswith(HPARAM_PREFIX)
-            }
+        return hyperparameters_from(self._attributes)
 
     def update(
         self,
@@ -196,10 +198,17 @@ class RunInfo:
         """Set the name and add hyperparameters; the next collection exports them.
 
         ``explicit=True`` (the default, for application code) overrides earlier
-        values; ``explicit=False`` (for integrations) never overrides a value the
-        application gave.
+        values, and a name that is not one line of at most 100 printable characters
+        raises ``ConfigError``; ``explicit=False`` (for integrations) never overrides a
+        value the application gave, and makes what a framework hands it (a tab, a
+        pasted newline) one line rather than refuse it.
         """
-        checked = _check_name(name, "name") if name is not None else None
+        if name is None:
+            checked = None
+        elif explicit:
+            checked = _check_name(name, "name")
+        else:
+            checked = _one_line(name)
         values = normalize_hyperparameters(hyperparameters)
         with self._lock:
             if checked is not None and (explicit or not self._name_explicit):

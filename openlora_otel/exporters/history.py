@@ -66,6 +66,7 @@ from openlora_otel._deps import require
 from openlora_otel.config import DIRECTORY_ACCEPTED, ConfigError, TelemetryConfig
 from openlora_otel.exporters.guard import GuardedExporter
 from openlora_otel.exporters.otlp import temporality_for
+from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["HistoryExporter", "build_history_exporter", "encode_line", "history_path", "history_reader"]
 
@@ -73,8 +74,6 @@ _logger = logging.getLogger(__name__)
 
 _VARIABLE = "OPENLORA_HISTORY_DIR"
 _ENCODER = "opentelemetry.exporter.otlp.proto.common"
-_RANK_ATTRIBUTE = "openlora.rank"
-_RUN_ID_ATTRIBUTE = "openlora.run.id"
 # Where a trace or span id sits in an exemplar (bytes: base64 in protobuf's mapping, hex in OTLP/JSON).
 _ID_FIELDS = ("traceId", "spanId")
 _POINT_KINDS = ("gauge", "sum", "histogram", "exponentialHistogram", "summary")
@@ -90,9 +89,9 @@ def history_path(directory: str | os.PathLike[str], resource: Resource) -> Path:
     Characters other than letters, digits, ``.``, ``_`` and ``-`` in the run id
     become ``_``, so no run id can name a file elsewhere.
     """
-    run_id = str(resource.attributes.get(_RUN_ID_ATTRIBUTE) or "run")
+    run_id = str(resource.attributes.get(RUN_ID_ATTRIBUTE) or "run")
     name = re.sub(r"[^A-Za-z0-9._-]", "_", run_id).lstrip(".") or "run"
-    rank = resource.attributes.get(_RANK_ATTRIBUTE)
+    rank = resource.attributes.get(RANK_ATTRIBUTE)
     if rank is not None:
         name += f".rank{rank}"
     return Path(directory) / f"{name}.jsonl"

@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from openlora_otel.config import MAX_RUN_NAME_LENGTH, run_name_problem
 from openlora_otel.guard import DivergenceGuard
 from openlora_otel.integrations._common import (
     GUARD_SYNC_EVERY,
@@ -366,12 +365,7 @@ def trainer_hyperparameters(args: Any) -> dict[str, object]:
 def _run_name(args: Any) -> str | None:
     """``TrainingArguments.run_name`` when someone chose it (older versions default it to output_dir)."""
     name = getattr(args, "run_name", None)
-    if not isinstance(name, str) or name == getattr(args, "output_dir", None):
-        return None
-    # One line of text, as the run info requires: a tab or a pasted newline would make it refuse the
-    # name with a ConfigError, and this hook would stop before the rest of its set-up.
-    name = " ".join(name.split())[:MAX_RUN_NAME_LENGTH].strip()
-    return name if name and run_name_problem(name) is None else None
+    return None if name == getattr(args, "output_dir", None) else name
 
 
 def _rate(value: Any) -> Any:

@@ -19,12 +19,11 @@ from typing import Any
 from openlora_otel import history
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
-from openlora_otel.resource import RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
-from openlora_otel.run import HPARAM_PREFIX
+from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
+from openlora_otel.run import hyperparameters_from
 
 __all__ = ["history_files", "read_history"]
 
-_RANK_ATTRIBUTE = "openlora.rank"
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
 (_RUN_INFO,) = (spec.name for spec in RUN_METRICS)
 
@@ -78,9 +77,7 @@ def read_history(paths: Sequence[str]) -> list[Run]:
             continue
         info = max((p.info for p in group if p.info), default=None, key=lambda i: i[0])
         attributes = info[1] if info else {}
-        hyperparameters = {
-            k[len(HPARAM_PREFIX) :]: str(v) for k, v in attributes.items() if k.startswith(HPARAM_PREFIX)
-        }
+        hyperparameters = hyperparameters_from(attributes)
         name = attributes.get(RUN_NAME_ATTRIBUTE) or lowest.name or run_id
         runs.append(
             Run(
@@ -105,7 +102,7 @@ def read_history(paths: Sequence[str]) -> list[Run]:
 def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int | None], _Process]) -> None:
     resource = snapshot.resource
     run_id = str(resource.get(RUN_ID_ATTRIBUTE) or _RANK_IN_NAME.sub("", path.stem))
-    rank: Any = resource.get(_RANK_ATTRIBUTE)
+    rank: Any = resource.get(RANK_ATTRIBUTE)
     if rank is None and (match := _RANK_IN_NAME.search(path.stem)):
         rank = match.group(1)
     rank = int(rank) if rank is not None else None

@@ -27,7 +27,7 @@ from typing import Any
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
 from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, run_target
-from openlora_otel.run import HPARAM_PREFIX
+from openlora_otel.run import HPARAM_PREFIX, hyperparameters_from
 
 __all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
 
@@ -212,9 +212,7 @@ class PrometheusSource:
         if latest is None:
             return None, {}
         labels = latest[1]
-        hyperparameters = {
-            k[len(_HPARAM_LABEL) :]: v for k, v in labels.items() if k.startswith(_HPARAM_LABEL)
-        }
+        hyperparameters = hyperparameters_from(labels, _HPARAM_LABEL)
         return labels.get("openlora_run_name"), hyperparameters
 
 
