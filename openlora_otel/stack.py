@@ -86,6 +86,13 @@ class StackPlan:
     evaluation_interval: str = DEFAULT_EVALUATION_INTERVAL
 
     @property
+    def scraped(self) -> str:
+        """What the Prometheus scrapes, in words."""
+        if self.file_sd_dir:
+            return f"the ranks registered in {self.file_sd_dir}"
+        return ", ".join(self.targets)
+
+    @property
     def prometheus_config_path(self) -> Path:
         return self.directory / "prometheus.yml"
 
@@ -133,7 +140,6 @@ def prometheus_config(plan: StackPlan) -> str:
             "    file_sd_configs:\n"
             f"      - files: [{_quoted(glob)}]\n"
         )
-        scraped = f"the ranks registered in {plan.file_sd_dir}"
     else:
         discovery = (
             "    # One target per rank: port + LOCAL_RANK (OPENLORA_PROMETHEUS_PORT_OFFSET). A target\n"
@@ -141,10 +147,9 @@ def prometheus_config(plan: StackPlan) -> str:
             "    static_configs:\n"
             f"      - targets: [{', '.join(_quoted(t) for t in plan.targets)}]\n"
         )
-        scraped = ", ".join(plan.targets)
     return (
         f"# Written by `openlora-otel stack` (openlora-otel {__version__}); running it again rewrites it.\n"
-        f"# A native Prometheus for the pull path: scrapes {scraped},\n"
+        f"# A native Prometheus for the pull path: scrapes {plan.scraped},\n"
         "# evaluates openlora-otel's rules and sends alerts to the local Alertmanager.\n"
         "global:\n"
         f"  scrape_interval: {plan.scrape_interval}\n"
@@ -630,7 +635,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     except OSError as exc:
         print(f"openlora-otel stack: cannot write into {directory} ({exc.strerror or exc})", file=err)
         return 2
-    scraped = f"the ranks registered in {plan.file_sd_dir}" if plan.file_sd_dir else ", ".join(plan.targets)
     prometheus = find_binary(PROMETHEUS_BINARIES) or "prometheus"
     alertmanager = find_binary(ALERTMANAGER_BINARIES) or "prometheus-alertmanager"
     alerts = (
@@ -640,7 +644,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     )
     print(
         "wrote " + ", ".join(str(p) for p in paths) + "\n"
-        f"Prometheus scrapes {scraped}; alerts {alerts}\n"
+        f"Prometheus scrapes {plan.scraped}; alerts {alerts}\n"
         + ("starting:" if args.start else "start them (or run this command again with --start):")
         + "\n  "
         + shlex.join([Path(prometheus).name, *plan.prometheus_argv(prometheus)[1:]])
