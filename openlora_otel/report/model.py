@@ -86,9 +86,14 @@ class Quantity:
         return f"{'avg' if self.combine == 'mean' else 'max'}({inner})"
 
 
+def promql_string(value: str) -> str:
+    """A PromQL string literal (json's escaping is PromQL's for the characters that matter)."""
+    return json.dumps(value)
+
+
 def run_target(run_id: str, selector: str = "") -> str:
     """The ``target_info`` series of run ``run_id`` (of the process ``selector`` names, if given)."""
-    matchers = [f"openlora_run_id={json.dumps(run_id)}"] + ([selector] if selector else [])
+    matchers = [f"openlora_run_id={promql_string(run_id)}"] + ([selector] if selector else [])
     return f"target_info{{{', '.join(matchers)}}}"
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
-from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, run_target
+from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, promql_string, run_target
 from openlora_otel.run import HPARAM_PREFIX, hyperparameters_from
 
 __all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
@@ -37,11 +37,6 @@ LOOKBACK = "30d"
 TIMEOUT_S = 30.0
 _RUN_INFO = RUN_METRICS[0].prometheus
 _HPARAM_LABEL = HPARAM_PREFIX.replace(".", "_")
-
-
-def _quote(value: str) -> str:
-    """A PromQL string literal (json's escaping is PromQL's for the characters that matter)."""
-    return json.dumps(value)
 
 
 class PrometheusSource:
@@ -125,9 +120,9 @@ class PrometheusSource:
         if self._series(run_target(wanted)):
             return [wanted]
         ids: list[str] = []
-        for labels in self._series(f"target_info{{openlora_run_name={_quote(wanted)}}}"):
+        for labels in self._series(f"target_info{{openlora_run_name={promql_string(wanted)}}}"):
             ids.append(labels["openlora_run_id"])
-        for named in self._samples(f"{_RUN_INFO}{{openlora_run_name={_quote(wanted)}}}"):
+        for named in self._samples(f"{_RUN_INFO}{{openlora_run_name={promql_string(wanted)}}}"):
             stamps = {stamp for stamp, _ in named["values"]}
             for target in self._samples(f"target_info{{{_selector(named['metric'])}}}"):
                 run_id = target["metric"].get("openlora_run_id")
@@ -136,7 +131,7 @@ class PrometheusSource:
         if not ids:
             raise ReportError(
                 f"no run {wanted!r} on Prometheus at {self.shown}: no target_info series has "
-                f"openlora_run_id={_quote(wanted)} and no {_RUN_INFO} series has openlora_run_name={_quote(wanted)} "
+                f"openlora_run_id={promql_string(wanted)} and no {_RUN_INFO} series has openlora_run_name={promql_string(wanted)} "
                 "(a run id is the openlora_run_id label, a name the openlora_run_name label)"
             )
         return list(dict.fromkeys(ids))
@@ -233,4 +228,4 @@ def _rank(labels: dict[str, str]) -> int | None:
 
 
 def _selector(labels: dict[str, str]) -> str:
-    return ", ".join(f"{key}={_quote(labels[key])}" for key in ("job", "instance") if key in labels)
+    return ", ".join(f"{key}={promql_string(labels[key])}" for key in ("job", "instance") if key in labels)
