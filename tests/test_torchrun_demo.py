@@ -175,7 +175,10 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> N
         ratios = by_rank(prometheus, RATIO)
         means = by_rank(prometheus, "rank:openlora_training_step_duration_seconds:mean2m")
         assert ratios["1"] > THRESHOLD > ratios["0"], ratios
-        assert means["1"] - means["0"] > 0.3, means  # the 400 ms sleep, seen by rank 1 only
+        # Rank 1's own step holds the 400 ms sleep; rank 0's does not. Not the full 400 ms apart:
+        # the young run's mean still holds the first steps, where DDP's bucket rebuild puts the
+        # wait for rank 1 into rank 0's own time (CI once saw 0.2995).
+        assert means["1"] - means["0"] > 0.2, means
 
         # target_info: the ranks, the world size, one run id.
         infos = [r["metric"] for r in prometheus.query('target_info{job="openlora"}')]
