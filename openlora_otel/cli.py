@@ -150,6 +150,13 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--hf-trainer", action="store_true", help="run through the Hugging Face Trainer and our callback"
     )
+    demo.add_argument(
+        "--save",
+        metavar="DIR",
+        help="after training, save the adapter as DIR/adapters/NAME (NAME: --run-name, else seed-SEED) and, "
+        "on the first run into DIR, the base model as DIR/base; later runs train on that base. "
+        "`openlora-otel serve DIR` serves them (under torchrun rank 0 saves)",
+    )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress output; the summary only")
     demo.add_argument(
         "--straggle-rank",
@@ -258,7 +265,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
-    problem = _distributed_problem(args, ranks.world_size)
+    problem = _distributed_problem(args, ranks.world_size) or _save_problem(args)
     if problem:
         args.demo_parser.error(problem)
     if ranks.distributed and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
@@ -299,6 +306,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         straggle_ms=args.straggle_ms or 0.0,
         nan_at_step=args.nan_at_step,
         data_delay_ms=args.data_delay_ms or 0.0,
+        save_dir=args.save,
+        adapter_name=args.run_name if args.save else None,
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
@@ -360,6 +369,33 @@ def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | Non
     return None
 
 
+def _save_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--save DIR`` (and the adapter name it implies), if anything; checked before training."""
+    if args.save is None:
+        return None
+    from pathlib import Path
+
+    from openlora_otel.demo.corpus import ALPHABET
+    from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.inference.layout import BASE, LayoutError, adapter_name_problem, read_base
+
+    root = Path(args.save)
+    if root.exists() and not root.is_dir():
+        return f"--save: {args.save} exists and is not a directory"
+    if args.run_name is not None:
+        problem = adapter_name_problem(args.run_name, BASE_MODEL)
+        if problem:
+            return f"--save names the adapter after --run-name: {problem}"
+    if (root / BASE).exists():
+        try:
+            base = read_base(root)
+        except LayoutError as exc:
+            return f"--save: {exc}"
+        if base.alphabet != ALPHABET or base.base_model != BASE_MODEL:
+            return f"--save: {root / BASE} holds another base model ({base.base_model}), not this demo's"
+    return None
+
+
 def _where(telemetry: object) -> str:
     from openlora_otel.telemetry import Telemetry
 
@@ -404,6 +440,8 @@ def _summary(
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
         f"metrics went to {where}",
     ]
+    if result.saved:
+        lines.append(f"adapter saved to {result.saved}")
     if world_size > 1:
         lines.append(
             f"rank 0 of {world_size} shown; every rank trained on its own data and served its own series"
