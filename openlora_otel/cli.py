@@ -1,4 +1,4 @@
-"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``metrics``, ``report`` and ``stack``."""
+"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``metrics``, ``report``, ``serve`` and ``stack``."""
 
 from __future__ import annotations
 
@@ -184,6 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="each batch takes MS milliseconds longer to arrive: an input-bound run, seen in "
         "openlora_training_data_wait_fraction",
     )
+    _add_serve_parser(commands)
     doctor = commands.add_parser(
         "doctor",
         help="check the configuration, the ports and endpoints it names, and the optional packages",
@@ -220,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_doctor(timeout_s=args.timeout)
     if args.command == "demo":
         return _demo(parser, args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "env":
         print(variables_markdown())
         return 0
@@ -342,6 +345,162 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             world_size=ranks.world_size,
         )
     return result.exit_code
+
+
+def _add_serve_parser(commands: Any) -> None:
+    from openlora_otel.inference.layout import ADAPTER_NAME_RULE
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model saved by `demo --save` and its LoRA adapters over HTTP (needs the serve extra)",
+        description="Serve the base model and adapters saved by `openlora-otel demo --save DIR` over HTTP "
+        "(FastAPI + uvicorn, CPU, greedy decoding, streaming): POST /v1/completions with "
+        '{"model": ADAPTER or the base model\'s name, "prompt": ..., "max_tokens": N, "stream": BOOL}, '
+        "GET /v1/models, GET /health. At most --max-concurrency requests generate at once, --max-queue "
+        "more wait, the rest get 503. Every request is measured (gen_ai.server.* and openlora.inference.*, "
+        "per adapter) and served with the HTTP server metrics at the telemetry's endpoint (Prometheus "
+        "on OTEL_EXPORTER_PROMETHEUS_PORT, 9464 by default). SIGINT / SIGTERM: stop accepting, let "
+        "in-flight requests finish within --shutdown-timeout (then cancel them), deliver the final "
+        "metrics. Exit status: 0 stopped, 2 usage or configuration error.",
+    )
+    serve.set_defaults(serve_parser=serve)
+    serve.add_argument("directory", metavar="DIR", help="a directory written by `openlora-otel demo --save DIR`")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve the PEFT adapter directory PATH as NAME (repeatable; NAME: "
+        f"{ADAPTER_NAME_RULE}); DIR/adapters/* are served under their directory names",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    serve.add_argument(
+        "--port", type=_non_negative_int, default=8000, help="HTTP port (default %(default)s; 0: any free port)"
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="requests generating at once, each on its own thread (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=_non_negative_int,
+        default=64,
+        metavar="N",
+        help="requests waiting for a slot; more get 503 overloaded (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-new-tokens-limit",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="the largest max_tokens a request may ask for, at most 512 (default %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="after SIGINT / SIGTERM, how long in-flight requests may take before they are cancelled "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--exporter",
+        metavar="LIST",
+        help="overrides OTEL_METRICS_EXPORTER: prometheus, otlp, console, none, or a comma list",
+    )
+
+
+def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
+    """The saved base and the adapters to serve, or what is wrong with DIR / --adapter."""
+    from openlora_otel.inference.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
+    from openlora_otel.inference.server import MAX_TOKENS_LIMIT
+
+    if not 0 <= args.port <= 65535:
+        return f"--port: {args.port} is not a TCP port (0 to 65535)"
+    if args.max_new_tokens_limit > MAX_TOKENS_LIMIT:
+        return f"--max-new-tokens-limit: at most {MAX_TOKENS_LIMIT}, got {args.max_new_tokens_limit}"
+    try:
+        base, adapters = read_saved(args.directory)
+    except LayoutError as exc:
+        return f"DIR: {exc}"
+    names = {adapter.name for adapter in adapters}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            return f"--adapter: expected NAME=PATH, got {spec!r}"
+        problem = adapter_name_problem(name, base.base_model)
+        if problem:
+            return f"--adapter {spec}: {problem}"
+        if name in names:
+            return f"--adapter {spec}: an adapter named {name!r} is already served (from {args.directory} or an earlier --adapter)"
+        try:
+            adapters.append(read_adapter(name, path))
+        except LayoutError as exc:
+            return f"--adapter {spec}: {exc}"
+        names.add(name)
+    return base, adapters
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from openlora_otel._deps import MissingDependencyError, require
+    from openlora_otel.config import DEFAULT_SERVICE_NAME, ConfigError, TelemetryConfig
+
+    try:
+        for module in ("fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi", "torch", "transformers", "peft"):
+            require(module, "openlora-otel serve", extra="serve")
+    except MissingDependencyError as exc:
+        print(f"openlora-otel serve: {exc}", file=sys.stderr)
+        return 2
+    found = _serve_problem(args)
+    if isinstance(found, str):
+        args.serve_parser.error(found)
+    base, adapters = found
+    environ = dict(os.environ)
+    if args.exporter is not None:
+        environ["OTEL_METRICS_EXPORTER"] = args.exporter
+    try:
+        config = TelemetryConfig.from_env(environ)
+    except ConfigError as exc:
+        print(f"openlora-otel serve: {exc}", file=sys.stderr)
+        return 2
+    from openlora_otel.inference.server import ServeOptions, listen, serve
+    from openlora_otel.telemetry import setup_telemetry
+
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    try:
+        sock = listen(options.host, options.port)
+    except OSError as exc:
+        print(
+            f"openlora-otel serve: cannot listen on {options.host}:{options.port} ({exc.strerror or exc})",
+            file=sys.stderr,
+        )
+        return 2
+    # service.name is openlora-serve unless the environment names the service.
+    named = config.service_name != DEFAULT_SERVICE_NAME or bool(environ.get("OTEL_SERVICE_NAME"))
+    try:
+        try:
+            telemetry = setup_telemetry(None if named else "openlora-serve", config=config.replace(quiet=True))
+        except (ConfigError, MissingDependencyError) as exc:
+            print(f"openlora-otel serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return serve(base, adapters, telemetry, options, sock)
+        finally:
+            telemetry.shutdown()
+    finally:
+        sock.close()
 
 
 def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | None:

@@ -25,13 +25,13 @@ trained on another base. Nothing here imports torch: the demo passes its models 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,11 @@ __all__ = [
     "SavedAdapter",
     "SavedBase",
     "adapter_name_problem",
+    "quiet_progress",
     "read_adapter",
     "read_base",
     "read_saved",
     "save_adapter",
-    "quiet_progress",
     "save_base",
 ]
 
@@ -122,7 +122,9 @@ def read_base(root: str | os.PathLike[str]) -> SavedBase:
         )
     manifest = _read_json(base / MANIFEST)
     if manifest.get("format") != FORMAT:
-        raise LayoutError(f"{base / MANIFEST}: format {manifest.get('format')!r}, this version reads {FORMAT}")
+        raise LayoutError(
+            f"{base / MANIFEST}: format {manifest.get('format')!r}, this version reads {FORMAT}"
+        )
     tokenizer = _read_json(base / TOKENIZER)
     if tokenizer.get("type") != "char" or not isinstance(tokenizer.get("alphabet"), str):
         raise LayoutError(f"{base / TOKENIZER}: expected {{'type': 'char', 'alphabet': <string>}}")
@@ -147,7 +149,9 @@ def read_adapter(name: str, path: str | os.PathLike[str]) -> SavedAdapter:
     if not path.is_dir():
         raise LayoutError(f"adapter {name!r}: {path} is not a directory")
     if not (path / ADAPTER_CONFIG).is_file():
-        raise LayoutError(f"adapter {name!r}: {path} holds no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
+        raise LayoutError(
+            f"adapter {name!r}: {path} holds no {ADAPTER_CONFIG} (not a PEFT adapter directory)"
+        )
     fingerprint = None
     if (path / MANIFEST).is_file():
         fingerprint = _read_json(path / MANIFEST).get("base_fingerprint")
@@ -222,7 +226,9 @@ def save_base(
     def write(tmp: Path) -> None:
         with quiet_progress():
             model.save_pretrained(tmp)
-        (tmp / TOKENIZER).write_text(json.dumps({"type": "char", "alphabet": alphabet}) + "\n", encoding="utf-8")
+        (tmp / TOKENIZER).write_text(
+            json.dumps({"type": "char", "alphabet": alphabet}) + "\n", encoding="utf-8"
+        )
         manifest = {
             "format": FORMAT,
             "base_model": base_model,
@@ -251,4 +257,3 @@ def save_adapter(
     target = Path(root) / ADAPTERS / name
     _replace_dir(target, write, keep_existing=False)
     return target
-
