@@ -7,9 +7,10 @@ so any number of worker threads may use the same one at once. The demo's base is
 32 adapters cost about 100 MB. (A large base would want PEFT's multi-adapter batching instead.)
 
 Generation is greedy over the last ``context_length`` tokens (the demo trains on 64-character
-windows), one forward pass per token, and stops at ``max_tokens`` ("length") or at a newline,
-the demo corpus's end of a sentence ("stop"; the newline counts as an output token, and is not
-part of the text). torch, transformers and peft are imported when a model is built.
+windows), one forward pass per token. The character model has no end-of-text token: it runs to
+``max_tokens`` ("length"), or, as OpenAI's ``stop``, until its text ends with one of the
+request's stop strings ("stop"; the stop string is generated, counted, and left out of the text).
+torch, transformers and peft are imported when a model is built.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ from openlora_otel.demo.corpus import CharTokenizer
 from openlora_otel.inference.layout import SavedAdapter, SavedBase, quiet_progress
 
 __all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "ServedModels"]
-
-# The character that ends a sentence line in the demo corpus: generation stops after it.
-STOP = "\n"
 
 
 class PromptError(ValueError):
@@ -69,7 +67,6 @@ class ServedModels:
         self.torch, transformers, self._peft = _require()
         self.base = base
         self.tokenizer = CharTokenizer(base.alphabet)
-        self._stop_id = self.tokenizer.encode(STOP)[0] if STOP in base.alphabet else None
         with quiet_progress():
             module = transformers.LlamaForCausalLM.from_pretrained(str(base.path), local_files_only=True)
         module.eval()
@@ -118,14 +115,16 @@ class ServedModels:
         prompt_ids: list[int],
         max_tokens: int,
         *,
+        stop: tuple[str, ...] = (),
         on_token: Callable[[str], object] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Completion:
         """Greedy decoding of up to ``max_tokens`` tokens after ``prompt_ids`` with ``adapter`` (None: the base).
 
-        ``on_token`` gets each new piece of text as soon as it is decoded (the first call is the
-        first token); the stop token calls it with "". ``cancelled`` is checked before each
-        token: when it says so, :class:`Cancelled` is raised.
+        ``on_token`` is called once per generated token, as soon as it is decoded (the first
+        call is the first token), with the text that became final: "" while the text ends with
+        the start of a stop string, which may yet complete. ``cancelled`` is checked before
+        each token: when it says so, :class:`Cancelled` is raised.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -137,8 +136,10 @@ class ServedModels:
             with self._lock:
                 module = self._adapters[adapter]
         torch = self.torch
+        stops = tuple(text for text in stop if text)
         window = list(prompt_ids[-self.base.context_length :])
-        pieces: list[str] = []
+        text = ""
+        sent = 0  # characters of text already given to on_token
         finish = "length"
         generated = 0
         with torch.inference_mode():
@@ -148,21 +149,39 @@ class ServedModels:
                 logits = module(input_ids=torch.tensor([window])).logits
                 token = int(logits[0, -1].argmax())
                 generated += 1
-                if token == self._stop_id:
+                text += self.tokenizer.decode([token])
+                # The longest stop string that ends here starts earliest: the text ends before it.
+                hit = max((s for s in stops if text.endswith(s)), key=len, default=None)
+                if hit is not None:
                     finish = "stop"
-                    if on_token is not None:
-                        on_token("")
-                    break
-                piece = self.tokenizer.decode([token])
-                pieces.append(piece)
+                    text = text[: len(text) - len(hit)]
+                    final = len(text)
+                elif generated == max_tokens:
+                    final = len(text)  # the last token: nothing can complete a stop string now
+                else:
+                    final = len(text) - _held_back(text, stops)
                 if on_token is not None:
-                    on_token(piece)
+                    on_token(text[sent:final])
+                sent = max(sent, final)
+                if hit is not None:
+                    break
                 window.append(token)
                 if len(window) > self.base.context_length:
                     del window[0]
         return Completion(
-            text="".join(pieces),
+            text=text,
             finish_reason=finish,
             prompt_tokens=len(prompt_ids),
             completion_tokens=generated,
         )
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

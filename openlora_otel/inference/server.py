@@ -3,8 +3,9 @@
 FastAPI on uvicorn, on loopback by default. The protocol (the ``load`` command speaks it):
 
 - ``POST /v1/completions`` with JSON ``{"model": <adapter name, or the base model's name>,
-  "prompt": str (1..4000 characters), "max_tokens": int (1..limit, default 16), "stream": bool}``;
-  greedy decoding. Answer: ``{"id", "object": "text_completion", "created", "model", "choices":
+  "prompt": str (1..4000 characters), "max_tokens": int (1..limit, default 16), "stream": bool,
+  "stop": str or up to 4 str (optional, as OpenAI's)}``; greedy decoding, to ``max_tokens``
+  unless a stop string ends the text (the demo model has no end-of-text token). Answer: ``{"id", "object": "text_completion", "created", "model", "choices":
   [{"index": 0, "text", "finish_reason": "length"|"stop"}], "usage": {"prompt_tokens",
   "completion_tokens", "total_tokens"}}``. With ``"stream": true``: ``text/event-stream``, one
   ``data: <chunk>`` event per token (the chunk is the answer's shape with the new text), the
@@ -64,6 +65,9 @@ OPERATION = "text_completion"
 MAX_PROMPT_CHARS = 4000
 MAX_TOKENS_LIMIT = 512  # the protocol's ceiling for max_tokens; --max-new-tokens-limit may lower it
 DEFAULT_MAX_TOKENS = 16
+# OpenAI's limits for "stop"; ours are characters (one token each).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 32
 # Seconds a 503 asks the client to wait: about one short completion on the demo model.
 RETRY_AFTER_S = 1
 
@@ -165,6 +169,7 @@ class _Parsed:
     prompt_ids: list[int]
     max_tokens: int
     stream: bool
+    stop: tuple[str, ...]
 
 
 def _error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -235,6 +240,23 @@ class CompletionService:
                 f"'max_tokens' must be an integer from 1 to {limit}, got {max_tokens!r}",
                 adapter,
             )
+        stop = payload.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if (
+            not isinstance(stop, list)
+            or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(text, str) and 1 <= len(text) <= MAX_STOP_CHARS for text in stop)
+        ):
+            raise _BadRequest(
+                400,
+                "invalid_request",
+                f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
+                f"{MAX_STOP_CHARS} characters",
+                adapter,
+            )
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
             raise _BadRequest(
@@ -245,7 +267,12 @@ class CompletionService:
         except PromptError as exc:
             raise _BadRequest(400, "invalid_request", f"'prompt': {exc}", adapter) from None
         return _Parsed(
-            model=model, adapter=adapter, prompt_ids=prompt_ids, max_tokens=max_tokens, stream=stream
+            model=model,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            stream=stream,
+            stop=tuple(stop),
         )
 
     # -- generation -----------------------------------------------------------------
@@ -276,6 +303,7 @@ class CompletionService:
                     parsed.adapter,
                     parsed.prompt_ids,
                     parsed.max_tokens,
+                    stop=parsed.stop,
                     on_token=on_token,
                     cancelled=cancel.is_set,
                 )
