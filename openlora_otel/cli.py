@@ -468,10 +468,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"openlora-otel serve: {exc}", file=sys.stderr)
         return 2
-    from openlora_otel.inference.server import ServeOptions, listen, serve
+    from openlora_otel.inference import server as _server
     from openlora_otel.telemetry import setup_telemetry
 
-    options = ServeOptions(
+    options = _server.ServeOptions(
         host=args.host,
         port=args.port,
         max_concurrency=args.max_concurrency,
@@ -480,13 +480,16 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     try:
-        sock = listen(options.host, options.port)
+        sock = _server.listen(options.host, options.port)
     except OSError as exc:
         print(
             f"openlora-otel serve: cannot listen on {options.host}:{options.port} ({exc.strerror or exc})",
             file=sys.stderr,
         )
         return 2
+    # The HTTP instrumentation reads this variable itself; unless the user chose, the stable HTTP
+    # conventions (seconds, the route, no client-sent Host header in the labels). See the README.
+    os.environ.setdefault(_server.HTTP_SEMCONV_VARIABLE, _server.HTTP_SEMCONV_DEFAULT)
     # service.name is openlora-serve unless the environment names the service.
     named = config.service_name != DEFAULT_SERVICE_NAME or bool(environ.get("OTEL_SERVICE_NAME"))
     try:
@@ -496,7 +499,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"openlora-otel serve: {exc}", file=sys.stderr)
             return 2
         try:
-            return serve(base, adapters, telemetry, options, sock)
+            return _server.serve(base, adapters, telemetry, options, sock)
         finally:
             telemetry.shutdown()
     finally:

@@ -141,8 +141,11 @@ class ServeProcess:
     def stream(self, body: dict[str, Any], timeout: float = 60.0) -> EventStream:
         return EventStream(self.port, body, timeout)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+    def metrics(self, *, scraper: bool = False) -> str:
+        """The Prometheus exposition; ``scraper``: ask as Prometheus does, which the final-scrape wait counts."""
+        headers = {"Accept": "text/plain;version=0.0.4"} if scraper else {}
+        request = urllib.request.Request(self.metrics_url, headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
             return response.read().decode()
 
     def stop(self, timeout: float = 60.0) -> int:

@@ -390,6 +390,7 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
     before = server.metrics()
     for model in ("a1", "a1", "a2", "tiny-llama"):
         assert server.complete({"model": model, "prompt": PROMPT, "max_tokens": 3})[0] == 200
+    assert server.complete({"model": "nope", "prompt": PROMPT})[0] == 404
     stream = server.stream({"model": "a2", "prompt": PROMPT, "max_tokens": 4})
     try:
         assert stream.rest()[-1] == "[DONE]"
@@ -414,11 +415,12 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
         assert total(after, "openlora_inference_adapter_load_duration_seconds_count", openlora_adapter_name=name) == 1
     assert has(after, "gen_ai_server_request_duration_seconds_bucket", gen_ai_request_model="tiny-llama",
                gen_ai_provider_name="openlora", gen_ai_operation_name="text_completion")  # fmt: skip
-    # The generic HTTP series come from opentelemetry-instrumentation-fastapi (the old HTTP conventions by default).
-    http = {"http_target": "/v1/completions", "http_method": "POST"}
-    assert total(after, "http_server_duration_milliseconds_count", http_status_code="200", **http) >= 5
-    assert has(after, "http_server_duration_milliseconds_count", http_status_code="404", **http)
-    assert has(after, "http_server_active_requests")
+    # The generic HTTP series come from opentelemetry-instrumentation-fastapi, under the stable HTTP conventions.
+    http = {"http_route": "/v1/completions", "http_request_method": "POST"}
+    assert total(after, "http_server_request_duration_seconds_count", http_response_status_code="200", **http) >= 5
+    assert has(after, "http_server_request_duration_seconds_count", http_response_status_code="404", **http)
+    assert has(after, "http_server_active_requests", http_request_method="POST")
+    assert not has(after, "http_server_duration_milliseconds_count")  # the old conventions' name
     assert has(after, "target_info", service_name="openlora-serve")
 
 
@@ -431,17 +433,22 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
     info = json.loads((stranger / "openlora.json").read_text())
     (stranger / "openlora.json").write_text(json.dumps({**info, "base_fingerprint": "0000000000000000"}))
     serve = ServeProcess(
-        saved, "--adapter", f"again={saved / 'adapters' / 'a1'}", "--adapter", f"broken={stranger}", workdir=tmp_path
+        saved,
+        *("--adapter", f"again={saved / 'adapters' / 'a1'}", "--adapter", f"broken={stranger}"),
+        workdir=tmp_path,
+        env={"OTEL_SEMCONV_STABILITY_OPT_IN": "http/dup"},  # the user's choice wins: both conventions
     )
     try:
         serve.wait_ready()
         assert "adapter 'broken'" in serve.log() and "did not load (AdapterMismatchError" in serve.log()
         ids = [m["id"] for m in serve.request("GET", "/v1/models")[2]["data"]]
         assert ids == ["tiny-llama", "a1", "a2", "again"]
-        text = serve.metrics()
+        text = serve.metrics(scraper=True)  # scraped: shutdown() will wait for one more scrape
         assert total(text, "openlora_inference_adapter_load_duration_seconds_count", openlora_adapter_name="broken",
                      error_type="AdapterMismatchError") == 1  # fmt: skip
         assert total(text, "openlora_inference_adapter_loaded", openlora_adapter_name="broken") == 0
+        assert has(text, "http_server_request_duration_seconds_count", http_route="/health")
+        assert has(text, "http_server_duration_milliseconds_count", http_target="/health")
         stream = serve.stream({"model": "again", "prompt": PROMPT, "max_tokens": 60})
         assert stream.next()["choices"][0]["finish_reason"] is None
         serve.process.send_signal(signal.SIGTERM)
@@ -451,7 +458,7 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
 
         def scrape_until_exit() -> bool:
             with contextlib.suppress(OSError):
-                scrapes.append(serve.metrics())
+                scrapes.append(serve.metrics(scraper=True))
             return serve.process.poll() is not None
 
         events = stream.rest()
@@ -462,7 +469,7 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
         status = serve.stop()
     assert status == 0, serve.log()[-3000:]
     assert "stopped by SIGTERM" in serve.log()
-    # The last scrape, taken while it shut down, holds the request that finished after the signal.
+    # The last scrape, the one shutdown() waited for, holds the request that finished after the signal.
     ok = {"openlora_adapter_name": "again", "error_type": ""}
     assert total(scrapes[-1], "gen_ai_server_request_duration_seconds_count", **ok) == 1
 

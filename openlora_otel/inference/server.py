@@ -70,6 +70,12 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 32
 # Seconds a 503 asks the client to wait: about one short completion on the demo model.
 RETRY_AFTER_S = 1
+# opentelemetry-instrumentation-fastapi 0.66b2 reports the old HTTP conventions unless this
+# variable opts in: http.server.duration in ms with the client's Host header as a label (any
+# client can mint new series), not http.server.request.duration in s by route. The serve
+# command sets it to "http" when unset; "http/dup" reports both.
+HTTP_SEMCONV_VARIABLE = "OTEL_SEMCONV_STABILITY_OPT_IN"
+HTTP_SEMCONV_DEFAULT = "http"
 
 
 @dataclass(frozen=True)
