@@ -21,7 +21,7 @@ import yaml
 
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.host import HOST_METRICS
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, free_port, reap
 from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
 
@@ -469,9 +469,10 @@ def test_dashboard_structure() -> None:
     assert provisioning["datasources"][0]["uid"] == variables["datasource"]["current"]["value"]
 
 
-KNOWN = {spec.prometheus for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS)} | {
-    spec.prometheus_collector for spec in (*GPU_METRICS, *HOST_METRICS)
-}
+KNOWN = {
+    spec.prometheus
+    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
+} | {spec.prometheus_collector for spec in (*GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)}
 
 
 def _series_names(expr: str) -> set[str]:
