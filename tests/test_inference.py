@@ -367,3 +367,16 @@ def test_an_aborted_collection_loses_no_request() -> None:
     rig.metrics.request("a1").end()
     data = rig.collect()
     assert point(data, DURATION, base_attrs("a1")).count == 6
+
+
+def test_an_unloaded_adapter_without_traffic_gets_no_new_series() -> None:
+    rig = Rig(True)
+    rig.metrics.adapter_loaded("old")
+    rig.metrics.adapter_unloaded("old")
+    rig.metrics.adapter_loaded("new")
+    data = rig.collect()
+    assert point(data, LOADED, {"openlora.adapter.name": "old"}).value == 0
+    assert point(data, DURATION, base_attrs("new")).count == 0
+    assert point(data, DURATION, base_attrs("old")) is None
+    assert point(data, RUNNING, base_attrs("old")) is None
+    assert point(data, WAITING, base_attrs("old")) is None
