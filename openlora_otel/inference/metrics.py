@@ -420,19 +420,22 @@ class InferenceMetrics:
         observations = [
             Observation(counts[index], self._attrs((*key, None))) for key, counts in self._active.items()
         ]
-        # A loaded adapter's default series reads 0 before its first request.
-        for adapter in self._loaded:
+        # A loaded adapter's default series reads 0 before its first request (not after it was unloaded).
+        for adapter in self._loaded_now():
             key = (self._default_operation, self._default_model, adapter)
             if key not in seen:
                 observations.append(Observation(0, self._attrs((*key, None))))
         return observations
+
+    def _loaded_now(self) -> list[str]:
+        return [adapter for adapter, loaded in self._loaded.items() if loaded]
 
     def _commit_locked(self, empty_for_loaded: bool = False) -> None:
         """Hand every pending window to the histograms (the caller holds the lock)."""
         pending, self._pending = self._pending, {}
         if empty_for_loaded:
             # Loaded adapters get their request-count series at 0, so the first request is a rise.
-            for adapter in self._loaded:
+            for adapter in self._loaded_now():
                 pending.setdefault((self._default_operation, self._default_model, adapter, None), _Series())
         for series_key, series in pending.items():
             attributes = self._attrs(series_key)
