@@ -474,6 +474,35 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
     assert total(scrapes[-1], "gen_ai_server_request_duration_seconds_count", **ok) == 1
 
 
+def test_past_the_shutdown_timeout_a_stream_ends_with_a_cancelled_event(saved: Path, tmp_path) -> None:
+    serve = ServeProcess(saved, "--shutdown-timeout", "0.2", workdir=tmp_path)
+    try:
+        serve.wait_ready()
+        serve.metrics(scraper=True)
+        stream = serve.stream({"model": "a1", "prompt": PROMPT, "max_tokens": 512})
+        assert stream.next()["model"] == "a1"
+        serve.process.send_signal(signal.SIGTERM)
+        scrapes: list[str] = []
+
+        def scrape_until_exit() -> bool:
+            with contextlib.suppress(OSError):
+                scrapes.append(serve.metrics(scraper=True))
+            return serve.process.poll() is not None
+
+        events = stream.rest()
+        stream.close()
+        wait_until(scrape_until_exit, 60, "serve exits", interval=0.2)
+    finally:
+        status = serve.stop()
+    assert status == 0, serve.log()[-3000:]
+    # Cut off at the next token after the grace time, with a last event that says why.
+    assert events[-1] == {"error": {"type": "cancelled", "message": "the server is stopping"}}
+    assert len(events) < 512
+    assert "Traceback" not in serve.log()
+    assert total(scrapes[-1], "gen_ai_server_request_duration_seconds_count", openlora_adapter_name="a1",
+                 error_type="cancelled") == 1  # fmt: skip
+
+
 def _accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1):

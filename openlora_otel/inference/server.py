@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -75,6 +76,8 @@ RETRY_AFTER_S = 1
 # client can mint new series), not http.server.request.duration in s by route. The serve
 # command sets it to "http" when unset; "http/dup" reports both.
 HTTP_SEMCONV_VARIABLE = "OTEL_SEMCONV_STABILITY_OPT_IN"
+# After the shutdown grace, how long uvicorn still waits for connections before it cancels them.
+SHUTDOWN_BACKSTOP_S = 5
 HTTP_SEMCONV_DEFAULT = "http"
 
 
@@ -196,6 +199,7 @@ class CompletionService:
             max_workers=options.max_concurrency, thread_name_prefix="openlora-serve-generate"
         )
         self._cancels: set[threading.Event] = set()
+        self._stopping = False
         self._cancels_lock = threading.Lock()
 
     # -- request parsing ------------------------------------------------------------
@@ -326,6 +330,8 @@ class CompletionService:
 
         with self._cancels_lock:
             self._cancels.add(cancel)
+            if self._stopping:
+                cancel.set()  # a queued request that got its slot after the grace time: it ends at once
         record.start()
         ticket.job = self._executor.submit(job)
         ticket.job.add_done_callback(done)
@@ -422,6 +428,13 @@ class CompletionService:
                 yield chunk(piece)
             try:
                 completion = await asyncio.wrap_future(job)
+            except Cancelled:
+                # The server is stopping and the grace time is over: say so, and end the stream cleanly.
+                record.fail("cancelled")
+                error = {"error": {"type": "cancelled", "message": "the server is stopping"}}
+                yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                finished = True
+                return
             except Exception as exc:
                 _logger.error("generation failed", exc_info=exc)
                 record.fail(type(exc).__name__)
@@ -442,11 +455,19 @@ class CompletionService:
             record.end()
             ticket.release_when_done()
 
-    def close(self) -> None:
-        """Cancel every generation still running and wait for the worker threads (each stops within a token)."""
+    def cancel_all(self) -> None:
+        """Stop every generation at its next token, and any that would start later (the server is stopping).
+
+        Safe from any thread. Their requests end with ``cancelled``: a 503, or an error event in the stream.
+        """
         with self._cancels_lock:
+            self._stopping = True
             for cancel in self._cancels:
                 cancel.set()
+
+    def close(self) -> None:
+        """Cancel every generation still running and wait for the worker threads (each stops within a token)."""
+        self.cancel_all()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -536,7 +557,7 @@ class _Server:
     the in-flight generations are joined and the telemetry's final values are delivered.)
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, on_stop: Callable[[], object]) -> None:
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -557,7 +578,9 @@ class _Server:
                         signal.signal(sig, handler)
 
             def handle_exit(self, sig: int, frame: Any) -> None:
-                self.stopped_by = self.stopped_by or signal.Signals(sig).name
+                if self.stopped_by is None:
+                    self.stopped_by = signal.Signals(sig).name
+                    on_stop()
                 super().handle_exit(sig, frame)
 
         self.server = Server(config)
@@ -597,10 +620,19 @@ def serve(
         log_level="warning",
         access_log=False,
         lifespan="off",
-        # The grace for in-flight requests after SIGTERM; what is left then is cancelled.
-        timeout_graceful_shutdown=max(1, round(options.shutdown_timeout_s)),
+        # A backstop only: our own timer cancels the generations at shutdown_timeout_s (below), and
+        # their responses then end cleanly; uvicorn cancels what is still open (a client that does
+        # not read) a few seconds later.
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s) + SHUTDOWN_BACKSTOP_S,
     )
-    server = _Server(config)
+
+    def on_stop() -> None:
+        # After SIGINT/SIGTERM in-flight requests have shutdown_timeout_s to finish.
+        timer = threading.Timer(options.shutdown_timeout_s, service.cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    server = _Server(config, on_stop)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     served = ", ".join(models.adapters) or "none"
