@@ -2,8 +2,8 @@
 
 Two tiny adapters are trained once with ``openlora-otel demo --save``. Each pair
 then starts ``openlora-otel serve`` twice on the same directory: once with
-telemetry on (Prometheus pull endpoint scraped every second by this script, as
-Prometheus would; host metrics on; the FastAPI instrumentation's HTTP metrics;
+telemetry on (Prometheus pull endpoint scraped by this script every 5 s, the
+interval of collector/prometheus.yml, or ``--scrape-interval``; host metrics on; the FastAPI instrumentation's HTTP metrics;
 every request through ``telemetry.inference``), once with the SDK disabled.
 A closed loop of client threads (one more than the server's generation slots,
 so its queue is never empty) sends completions back to back for a fixed time,
@@ -12,7 +12,7 @@ Completed requests per second are counted after a warm-up; pairs alternate
 which side goes first, and the median of the per-pair ratios is the figure
 (target >= 0.98).
 
-    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2]
+    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5]
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 180.0) -> 
 
 
 def one_request(connection: http.client.HTTPConnection, model: str, max_tokens: int, stream: bool) -> bool:
-    body = json.dumps({"model": model, "prompt": "the cat sat on the mat. ", "max_tokens": max_tokens, "stream": stream})
+    body = json.dumps(
+        {"model": model, "prompt": "the cat sat on the mat. ", "max_tokens": max_tokens, "stream": stream}
+    )
     connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     response.read()
@@ -107,8 +109,8 @@ def closed_loop(port: int, clients: int, seconds: float, warmup: float, max_toke
     return sum(counts) / seconds
 
 
-def scrape_every_second(url: str, stop: threading.Event) -> None:
-    while not stop.wait(1.0):
+def scrape_every(interval: float, url: str, stop: threading.Event) -> None:
+    while not stop.wait(interval):
         with contextlib.suppress(OSError):
             urllib.request.urlopen(url, timeout=5).read()
 
@@ -132,7 +134,9 @@ def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> f
         wait_ready(port, process)
         if telemetry_on:
             threading.Thread(
-                target=scrape_every_second, args=(f"http://127.0.0.1:{metrics_port}/metrics", stop), daemon=True
+                target=scrape_every,
+                args=(args.scrape_interval, f"http://127.0.0.1:{metrics_port}/metrics", stop),
+                daemon=True,
             ).start()
         return closed_loop(port, args.slots + 1, args.seconds, args.warmup, args.max_tokens)
     finally:
@@ -152,6 +156,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of requests not counted first")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--slots", type=int, default=2, help="serve --max-concurrency")
+    parser.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between two scrapes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "saved"
