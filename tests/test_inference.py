@@ -380,3 +380,25 @@ def test_an_unloaded_adapter_without_traffic_gets_no_new_series() -> None:
     assert point(data, DURATION, base_attrs("old")) is None
     assert point(data, RUNNING, base_attrs("old")) is None
     assert point(data, WAITING, base_attrs("old")) is None
+
+
+def test_adapters_loaded_past_the_cap_share_other_until_the_last_is_unloaded() -> None:
+    rig = Rig(True, max_adapters=1)
+    metrics = rig.metrics
+    for name in ("a1", "a2", "a3"):
+        metrics.adapter_loaded(name)
+    other = {"openlora.adapter.name": "other"}
+
+    def loaded() -> float:
+        found = [p for p in points(rig.collect(), LOADED) if dict(p.attributes) == other]
+        return found[-1].value
+
+    assert loaded() == 1
+    metrics.adapter_unloaded("a2")
+    assert loaded() == 1  # a3 is still loaded, recorded as "other"
+    assert set(metrics.loaded_adapters) == {"a1", "other"}
+    metrics.adapter_unloaded("a2")  # twice: still a3
+    assert loaded() == 1
+    metrics.adapter_unloaded("a3")
+    assert loaded() == 0
+    assert metrics.loaded_adapters == ("a1",)

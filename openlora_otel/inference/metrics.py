@@ -221,6 +221,7 @@ class InferenceMetrics:
         self._pending: dict[tuple[str, str, str, str | None], _Series] = {}
         self._active: dict[tuple[str, str, str], list[int]] = {}  # key -> [running, waiting]
         self._loaded: dict[str, int] = {}  # adapter value -> 1 loaded / 0 unloaded
+        self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
         self._warned: set[str] = set()
         self.set_model(model, operation=operation)
 
@@ -274,8 +275,7 @@ class InferenceMetrics:
             self._record_load(value, time.perf_counter() - started, _exception_type(type(exc)))
             raise
         self._record_load(value, time.perf_counter() - started, None)
-        with self._lock:
-            self._loaded[value] = 1
+        self._mark_loaded(name, value, True)
 
     def adapter_loaded(self, name: str, load_time_s: float | None = None) -> None:
         """Mark adapter ``name`` loaded (and record its load time when given)."""
@@ -286,14 +286,25 @@ class InferenceMetrics:
                 self._warn_once("load_time", f"load_time_s must be a finite number >= 0, got {load_time_s!r}")
             else:
                 self._record_load(value, seconds, None)
-        with self._lock:
-            self._loaded[value] = 1
+        self._mark_loaded(name, value, True)
 
     def adapter_unloaded(self, name: str) -> None:
         """Mark adapter ``name`` unloaded: its gauge reads 0 from the next collection."""
         value = self._adapter_slot(name, reserve=True)
+        self._mark_loaded(name, value, False)
+
+    def _mark_loaded(self, name: str, value: str, loaded: bool) -> None:
         with self._lock:
-            if value in self._loaded:
+            if value == ADAPTER_OTHER:
+                # Several adapters past the cap share "other": it stays loaded until the last one goes.
+                if loaded:
+                    self._loaded_past_cap.add(str(name))
+                else:
+                    self._loaded_past_cap.discard(str(name))
+                loaded = bool(self._loaded_past_cap)
+            if loaded:
+                self._loaded[value] = 1
+            elif value in self._loaded:
                 self._loaded[value] = 0
 
     @property
