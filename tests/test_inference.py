@@ -382,6 +382,29 @@ def test_an_unloaded_adapter_without_traffic_gets_no_new_series() -> None:
     assert point(data, WAITING, base_attrs("old")) is None
 
 
+def test_told_of_views_that_are_not_there_the_first_window_is_replayed_not_lost(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """window_histogram=True on a provider without inference_views(): the first window counts as one
+    0 s value (the SDK took it as a number), but its own requests are replayed, not dropped."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])  # no views
+    metrics = InferenceMetrics(provider.get_meter("test"), model="tiny-llama", window_histogram=True)
+    for _ in range(3):
+        with metrics.request("a1") as req:
+            clock.sleep(0.5)
+            req.first_token()
+            req.tokens(input=2, output=1)
+    with caplog.at_level(logging.WARNING):
+        data = reader.get_metrics_data()
+    duration = point(data, DURATION, base_attrs("a1"))
+    assert duration.count == 3 + 1 and duration.sum == pytest.approx(1.5)
+    assert point(data, TTFT, base_attrs("a1")).count == 3
+    assert any("inference_views()" in r.getMessage() for r in caplog.records)
+    metrics.request("a1").end()
+    assert point(reader.get_metrics_data(), DURATION, base_attrs("a1")).count == 3 + 1 + 1
+
+
 def test_adapters_loaded_past_the_cap_share_other_until_the_last_is_unloaded() -> None:
     rig = Rig(True, max_adapters=1)
     metrics = rig.metrics

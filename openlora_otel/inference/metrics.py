@@ -467,14 +467,14 @@ class InferenceMetrics:
             histogram.record(window, attributes)
             if window.merged:
                 return
-            # Told the views are there and they are not: that window counted as one 0. Replay from now on.
+            # Told the views are there and they are not: that window counted as one 0. Replay its
+            # values, and every later window's.
             self._merge = False
             self._warn_once(
                 "merge",
                 "the inference histograms are not using inference_views() on this meter's provider; "
                 "values are recorded one by one from now on",
             )
-            return
         replay(histogram.record, counts.counts, counts.sums, attributes)
 
     def _attrs(self, series_key: tuple[str, str, str, str | None]) -> dict[str, str]:
