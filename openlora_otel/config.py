@@ -268,7 +268,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_INFERENCE_MAX_ADAPTERS",
         "32",
-        f"Distinct adapter names the serving metrics (`telemetry.inference`) record per process, {INFERENCE_MAX_ADAPTERS_RANGE[0]} to {INFERENCE_MAX_ADAPTERS_RANGE[1]}; loaded adapters take their slots first and later names are recorded as `other`. Each adapter adds about 90 series.",
+        f"Distinct adapter names the serving metrics (`telemetry.inference`) record per process, {INFERENCE_MAX_ADAPTERS_RANGE[0]} to {INFERENCE_MAX_ADAPTERS_RANGE[1]}; names take slots in the order they are first seen, loaded or requested (load adapters before serving, and record names you do not serve as `other`, so the slots go to loaded adapters); later names are recorded as `other`. Each adapter adds about 90 series.",
     ),
     Variable(
         "OPENLORA_SHUTDOWN_TIMEOUT",

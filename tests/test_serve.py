@@ -416,10 +416,10 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
     assert has(after, "gen_ai_server_request_duration_seconds_bucket", gen_ai_request_model="tiny-llama",
                gen_ai_provider_name="openlora", gen_ai_operation_name="text_completion")  # fmt: skip
     # The generic HTTP series come from opentelemetry-instrumentation-fastapi, under the stable HTTP conventions.
-    http = {"http_route": "/v1/completions", "http_request_method": "POST"}
+    http = {"http_route": "/v1/completions", "http_request_method": "POST", "url_scheme": "http"}
     assert total(after, "http_server_request_duration_seconds_count", http_response_status_code="200", **http) >= 5
     assert has(after, "http_server_request_duration_seconds_count", http_response_status_code="404", **http)
-    assert has(after, "http_server_active_requests", http_request_method="POST")
+    assert has(after, "http_server_active_requests", http_request_method="POST", url_scheme="http")
     assert not has(after, "http_server_duration_milliseconds_count")  # the old conventions' name
     assert has(after, "target_info", service_name="openlora-serve")
 

@@ -22,7 +22,7 @@ which ``setup_telemetry`` installs). On a meter without those views the values
 go to the SDK one by one, at the request's end.
 
 Cardinality is bounded per process: at most ``max_adapters`` adapter names
-(``OPENLORA_INFERENCE_MAX_ADAPTERS``; loaded adapters take their slots first),
+(``OPENLORA_INFERENCE_MAX_ADAPTERS``; names take slots in the order they are first seen),
 later names are recorded as ``"other"``; requests without an adapter as
 ``"base"``; at most 8 model names and 16 ``error.type`` values, then ``_OTHER``
 (the conventions' fallback value).
