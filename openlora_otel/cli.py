@@ -13,7 +13,7 @@ from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
 from openlora_otel.inference import load as load_command
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
+from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from openlora_otel.stack import add_parser as add_stack_parser
 from openlora_otel.stack import run as run_stack
 
@@ -35,7 +35,7 @@ def metrics_markdown() -> str:
         "| OpenTelemetry name | Prometheus series (pulled; through the Collector where it differs) | Type | Unit | Meaning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
+    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *INFERENCE_METRICS):
         series = spec.prometheus
         if spec.kind == "histogram":
             series = f"{series}_bucket`, `_sum`, `_count"
@@ -49,7 +49,7 @@ def metrics_markdown() -> str:
 def seeds_markdown() -> str:
     """The map from the seeds' metric names to ours."""
     rows = ["| Seeds' name | Ours (Prometheus series) |", "| --- | --- |"]
-    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS):
+    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *INFERENCE_METRICS):
         if spec.seed_name:
             rows.append(f"| `{spec.seed_name}` | `{spec.prometheus}` |")
     return "\n".join(rows)

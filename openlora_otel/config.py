@@ -67,6 +67,7 @@ FINAL_SCRAPE_TIMEOUT_RANGE_MS = (0.0, 600_000.0)
 HISTORY_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
 DEFAULT_HISTORY_MAX_BYTES = 64 * 1024 * 1024
 MIN_HISTORY_MAX_BYTES = 1024 * 1024
+INFERENCE_MAX_ADAPTERS_RANGE = (1, 1000)
 MAX_RUN_NAME_LENGTH = 100
 # Ranks are exported as integers: keep them far inside int64.
 MAX_RANK = 2**31 - 1
@@ -265,6 +266,11 @@ VARIABLES: tuple[Variable, ...] = (
         f"Size bound of one history file, from {MIN_HISTORY_MAX_BYTES} bytes (1 MiB): when a line would pass it, every other line is dropped and from then on every other collection is written (then every 4th, ...), so the whole run stays at a lower resolution.",
     ),
     Variable(
+        "OPENLORA_INFERENCE_MAX_ADAPTERS",
+        "32",
+        f"Distinct adapter names the serving metrics (`telemetry.inference`) record per process, {INFERENCE_MAX_ADAPTERS_RANGE[0]} to {INFERENCE_MAX_ADAPTERS_RANGE[1]}; loaded adapters take their slots first and later names are recorded as `other`. Each adapter adds about 90 series.",
+    ),
+    Variable(
         "OPENLORA_SHUTDOWN_TIMEOUT",
         "2000",
         "Milliseconds `shutdown()` may take, final export included, "
@@ -458,6 +464,7 @@ class TelemetryConfig:
     history_dir: str | None = None
     history_interval_ms: float = 5000.0
     history_max_bytes: int = DEFAULT_HISTORY_MAX_BYTES
+    inference_max_adapters: int = 32
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -511,6 +518,13 @@ class TelemetryConfig:
             isinstance(self.history_max_bytes, int) and self.history_max_bytes >= MIN_HISTORY_MAX_BYTES
         ):
             raise ConfigError("history_max_bytes", self.history_max_bytes, HISTORY_MAX_BYTES_ACCEPTED)
+        low, high = INFERENCE_MAX_ADAPTERS_RANGE
+        if isinstance(self.inference_max_adapters, bool) or not (
+            isinstance(self.inference_max_adapters, int) and low <= self.inference_max_adapters <= high
+        ):
+            raise ConfigError(
+                "inference_max_adapters", self.inference_max_adapters, f"an integer from {low} to {high}"
+            )
         if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
@@ -621,6 +635,7 @@ class TelemetryConfig:
             history_dir=_directory(env, "OPENLORA_HISTORY_DIR"),
             history_interval_ms=5000.0 if history_interval is None else history_interval,
             history_max_bytes=_history_max_bytes(env),
+            inference_max_adapters=_inference_max_adapters(env),
         )
 
 
@@ -714,6 +729,12 @@ HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTO
 def _history_max_bytes(env: _Env) -> int:
     value = env.integer("OPENLORA_HISTORY_MAX_BYTES", minimum=MIN_HISTORY_MAX_BYTES)
     return DEFAULT_HISTORY_MAX_BYTES if value is None else value
+
+
+def _inference_max_adapters(env: _Env) -> int:
+    low, high = INFERENCE_MAX_ADAPTERS_RANGE
+    value = env.integer("OPENLORA_INFERENCE_MAX_ADAPTERS", minimum=low, maximum=high)
+    return 32 if value is None else value
 
 
 def _choices(values: tuple[str, ...]) -> str:

@@ -24,9 +24,14 @@ __all__ = [
     "ATTR_GUARD_REASON",
     "GPU_METRICS",
     "GUARD_REASONS",
+    "INFERENCE_METRICS",
+    "REQUEST_DURATION_BUCKETS",
     "RUN_METRICS",
     "STEP_DURATION_BUCKETS",
+    "TOKEN_BUCKETS",
+    "TPOT_BUCKETS",
     "TRAINING_METRICS",
+    "TTFT_BUCKETS",
     "MetricSpec",
     "prometheus_name",
 ]
@@ -241,6 +246,82 @@ RUN_METRICS: tuple[MetricSpec, ...] = (
         "1 while the process runs; attributes `openlora.run.name` (the run id when no name is given) and "
         "`openlora.hparam.<key>` per hyperparameter (at most 32, values at most 100 characters). "
         "One series per process: join it on `(job, instance)` for names in legends and alerts.",
+    ),
+)
+
+# Serving (openlora_otel.inference). The gen_ai.server.* names, units, attributes and bucket
+# advisories are the OpenTelemetry GenAI semantic conventions (Development). Those define token
+# usage for clients only (gen_ai.client.token.usage); a server's own count lives under
+# openlora.inference.* with the same attribute and buckets. The adapter is an attribute of its
+# own (no convention has one), capped per process (OPENLORA_INFERENCE_MAX_ADAPTERS).
+ATTR_OPERATION = "gen_ai.operation.name"
+ATTR_PROVIDER = "gen_ai.provider.name"
+ATTR_REQUEST_MODEL = "gen_ai.request.model"
+ATTR_TOKEN_TYPE = "gen_ai.token.type"
+ATTR_ERROR_TYPE = "error.type"
+ATTR_ADAPTER = "openlora.adapter.name"
+
+REQUEST_DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.01 * 2**k, 2) for k in range(14))  # 0.01 .. 81.92
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+TPOT_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(4**k) for k in range(14))  # 1 .. 67108864
+
+INFERENCE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gen_ai.server.request.duration",
+        "histogram",
+        "s",
+        "Time from a request's arrival to its last output token (queue wait included); `error.type` on "
+        "failed requests. Its count is the request count.",
+    ),
+    MetricSpec(
+        "gen_ai.server.time_to_first_token",
+        "histogram",
+        "s",
+        "Time from a request's arrival to its first output token (queue wait included); successful requests.",
+    ),
+    MetricSpec(
+        "gen_ai.server.time_per_output_token",
+        "histogram",
+        "s",
+        "Time per output token after the first: (duration - time to first token) / (output tokens - 1); "
+        "successful requests with at least two output tokens.",
+    ),
+    MetricSpec(
+        "openlora.inference.token.usage",
+        "histogram",
+        "{token}",
+        "Tokens per successful request, `gen_ai.token.type` `input` (prompt) or `output` (generated); "
+        "its sum over time is tokens/s.",
+    ),
+    MetricSpec(
+        "openlora.inference.requests.running",
+        "updowncounter",
+        "{request}",
+        "Requests being generated now (left the queue, not finished).",
+    ),
+    MetricSpec(
+        "openlora.inference.requests.waiting",
+        "updowncounter",
+        "{request}",
+        "Requests waiting in the server's queue for a generation slot.",
+    ),
+    MetricSpec(
+        "openlora.inference.adapter.loaded",
+        "gauge",
+        "",
+        f"1 per adapter (`{ATTR_ADAPTER}`) while it is loaded, 0 after it was unloaded; a loaded adapter "
+        "shows whether or not it has requests.",
+    ),
+    MetricSpec(
+        "openlora.inference.adapter.load.duration",
+        "histogram",
+        "s",
+        "Time to load an adapter; `error.type` on failed loads (their count is the failure count).",
     ),
 )
 

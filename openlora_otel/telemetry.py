@@ -26,6 +26,7 @@ from opentelemetry.sdk.resources import Resource
 from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
+from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
 from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
@@ -72,6 +73,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._closed = False
         self._training: TrainingMetrics | None = None
+        self._inference: Any = None
         self._gpu: Any = None
         self._nvml: Any = None
         self._host: Any = None
@@ -173,6 +175,19 @@ class Telemetry:
                 if self._closed:
                     self._training.close()
             return self._training
+
+    @property
+    def inference(self) -> InferenceMetrics:
+        """The process's :class:`~openlora_otel.inference.InferenceMetrics` for a server (created on first use)."""
+        with self._lock:
+            if self._inference is None:
+                # Our own provider has inference_views(): a request's end only bisects into windows.
+                self._inference = InferenceMetrics(
+                    self._meter,
+                    max_adapters=self._config.inference_max_adapters,
+                    window_histogram=self._owns_provider,
+                )
+            return self._inference
 
     @property
     def gpu(self) -> Any:
@@ -693,7 +708,7 @@ def _build_provider(
             metric_readers=[*readers, *extra_readers],
             resource=resource,
             shutdown_on_exit=False,
-            views=[step_duration_view(), *observed_total_views()],
+            views=[step_duration_view(), *inference_views(), *observed_total_views()],
         )
     except BaseException:
         for reader in readers:

@@ -53,7 +53,6 @@ import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -61,6 +60,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
+from openlora_otel.windows import BucketWindow, replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
@@ -330,7 +330,7 @@ class TrainingMetrics:
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
-        self._merge_windows = bool(window_histogram) and _window_merging_works()
+        self._merge_windows = bool(window_histogram) and window_merging_works()
         self._window = _Window(started=time.monotonic())
         self._last_call: float | None = None
         started = time.monotonic()
@@ -873,7 +873,7 @@ class TrainingMetrics:
         if not any(window.bucket_counts):
             return
         if self._merge_windows:
-            batch = _DurationWindow(
+            batch = BucketWindow(
                 tuple(self._bounds), window.bucket_counts, math.fsum(window.bucket_sums),
                 window.shortest, window.longest,
             )  # fmt: skip
@@ -891,12 +891,7 @@ class TrainingMetrics:
             return
         # Per bucket, its count at the bucket's mean: counts and sum are exact, one
         # SDK call per step (min and max become the extreme buckets' means).
-        record = self._duration.record
-        for count, total in zip(window.bucket_counts, window.bucket_sums, strict=True):
-            if count:
-                mean = total / count
-                for _ in range(count):
-                    record(mean)
+        replay(self._duration.record, window.bucket_counts, window.bucket_sums)
 
     def _fail_read(self, label: str, failed: set[str]) -> None:
         failed.add(label)
@@ -958,123 +953,6 @@ def _positive(value: Any, what: str) -> float:
     return number
 
 
-# -- the step-duration histogram: one measurement per window -----------------------
-class _DurationWindow(float):
-    """A window of step durations, bucketed, passed to ``Histogram.record`` as one value.
-
-    As a float it is 0.0, which passes the SDK's finite and non-negative checks;
-    :class:`_WindowHistogram` reads the buckets instead, and sets ``merged``.
-    """
-
-    bounds: tuple[float, ...]
-    counts: list[int]
-    total: float
-    shortest: float
-    longest: float
-    merged: bool
-
-    def __new__(
-        cls, bounds: tuple[float, ...], counts: list[int], total: float, shortest: float, longest: float
-    ) -> _DurationWindow:
-        self = super().__new__(cls, 0.0)
-        self.bounds, self.counts, self.total = bounds, counts, total
-        self.shortest, self.longest, self.merged = shortest, longest, False
-        return self
-
-
-@cache
-def _histogram_classes() -> tuple[type, type] | None:
-    """The SDK classes the merging aggregation builds on, or None when this SDK version lacks them."""
-    try:
-        from opentelemetry.sdk.metrics._internal.aggregation import (
-            AggregationTemporality,
-            _ExplicitBucketHistogramAggregation,
-        )
-        from opentelemetry.sdk.metrics.view import Aggregation
-    except ImportError:  # pragma: no cover - a future SDK layout
-        return None
-
-    class _WindowHistogram(_ExplicitBucketHistogramAggregation):  # type: ignore[misc, valid-type]
-        """The SDK's explicit-bucket histogram, which also takes a whole `_DurationWindow` at once."""
-
-        def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
-            batch = measurement.value
-            if type(batch) is not _DurationWindow or batch.bounds != self._boundaries:
-                super().aggregate(measurement, should_sample_exemplar)
-                return
-            with self._lock:
-                if self._value is None:
-                    self._value = self._get_empty_bucket_counts()
-                counts = self._value
-                for index, count in enumerate(batch.counts):
-                    counts[index] += count
-                self._sum += batch.total
-                if self._record_min_max:
-                    self._min = min(self._min, batch.shortest)
-                    self._max = max(self._max, batch.longest)
-            # No exemplar: a window is not one measurement with a trace context.
-            batch.merged = True
-
-    class _WindowAggregation(Aggregation):  # type: ignore[misc, valid-type]
-        """Explicit buckets (``names.STEP_DURATION_BUCKETS``) that merge `_DurationWindow` values."""
-
-        def _create_aggregation(
-            self, instrument: Any, attributes: Any, reservoir_factory: Any, start_time_unix_nano: int
-        ) -> Any:
-            from opentelemetry.metrics import Synchronous
-
-            return _WindowHistogram(
-                attributes,
-                AggregationTemporality.DELTA
-                if isinstance(instrument, Synchronous)
-                else AggregationTemporality.CUMULATIVE,
-                start_time_unix_nano,
-                reservoir_factory(_WindowHistogram),
-                STEP_DURATION_BUCKETS,
-            )
-
-    return _WindowHistogram, _WindowAggregation
-
-
-@cache
-def _window_merging_works() -> bool:
-    """Check once that this SDK's histogram aggregation still has the shape `_WindowHistogram` relies on."""
-    classes = _histogram_classes()
-    if classes is None:
-        return False
-    window_histogram, _ = classes
-    try:
-        from opentelemetry.context import Context
-        from opentelemetry.sdk.metrics import AlignedHistogramBucketExemplarReservoir
-        from opentelemetry.sdk.metrics._internal.aggregation import AggregationTemporality
-        from opentelemetry.sdk.metrics._internal.measurement import Measurement
-
-        def measure(value: float) -> Any:
-            return Measurement(value, 0, None, Context())  # type: ignore[arg-type]
-
-        probe = window_histogram(
-            {}, AggregationTemporality.DELTA, 0, AlignedHistogramBucketExemplarReservoir, STEP_DURATION_BUCKETS
-        )
-        counts = [0] * (len(STEP_DURATION_BUCKETS) + 1)
-        counts[0], counts[-1] = 2, 1
-        batch = _DurationWindow(STEP_DURATION_BUCKETS, counts, 100.0, 0.0005, 99.0)
-        probe.aggregate(measure(batch))
-        probe.aggregate(measure(0.003))
-        point = probe.collect(AggregationTemporality.CUMULATIVE, 1)
-        expected = list(counts)
-        expected[bisect.bisect_left(STEP_DURATION_BUCKETS, 0.003)] += 1
-        return (
-            batch.merged
-            and list(point.bucket_counts) == expected
-            and point.count == 4
-            and point.sum == 100.0 + 0.003
-            and (point.min, point.max) == (0.0005, 99.0)
-        )
-    except Exception:  # an SDK whose internals moved: replaying stays exact, only slower
-        _logger.debug("merging step-duration windows is not possible with this SDK", exc_info=True)
-        return False
-
-
 def step_duration_view() -> Any:
     """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
 
@@ -1083,16 +961,7 @@ def step_duration_view() -> Any:
     keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
     internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
     """
-    from opentelemetry.sdk.metrics import Histogram
-    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
-
-    classes = _histogram_classes()
-    aggregation = (
-        classes[1]()
-        if classes is not None and _window_merging_works()
-        else ExplicitBucketHistogramAggregation(STEP_DURATION_BUCKETS)
-    )
-    return View(instrument_type=Histogram, instrument_name=_DURATION, aggregation=aggregation)
+    return window_view(_DURATION, STEP_DURATION_BUCKETS)
 
 
 # -- helpers -------------------------------------------------------------------------

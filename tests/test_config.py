@@ -194,6 +194,8 @@ INVALID = [
     ("OPENLORA_HISTORY_INTERVAL", "50", "milliseconds from 100 to 86400000"),
     ("OPENLORA_HISTORY_MAX_BYTES", "1000", "an integer >= 1048576"),
     ("OPENLORA_HISTORY_MAX_BYTES", "64MiB", "an integer >= 1048576"),
+    ("OPENLORA_INFERENCE_MAX_ADAPTERS", "0", "an integer from 1 to 1000"),
+    ("OPENLORA_INFERENCE_MAX_ADAPTERS", "many", "an integer from 1 to 1000"),
     ("RANK", "first", "integer from 0 to 2147483647"),
     ("LOCAL_RANK", "-1", "integer from 0 to 2147483647"),
     ("WORLD_SIZE", "8.0", "integer from 0 to 2147483647"),

@@ -1,0 +1,23 @@
+"""Serving LoRA adapters: per-request metrics (:class:`InferenceMetrics`), and with the ``serve`` extra an HTTP server and a load generator.
+
+``import openlora_otel.inference`` imports only the metrics: the server stack
+(FastAPI, uvicorn, torch) is imported by the ``serve`` command itself.
+"""
+
+from openlora_otel.inference.metrics import (
+    ADAPTER_BASE,
+    ADAPTER_OTHER,
+    DEFAULT_MAX_ADAPTERS,
+    InferenceMetrics,
+    InferenceRequest,
+    inference_views,
+)
+
+__all__ = [
+    "ADAPTER_BASE",
+    "ADAPTER_OTHER",
+    "DEFAULT_MAX_ADAPTERS",
+    "InferenceMetrics",
+    "InferenceRequest",
+    "inference_views",
+]

@@ -1,0 +1,547 @@
+"""Per-request serving metrics under the OpenTelemetry GenAI conventions, with the adapter as its own attribute.
+
+One :class:`InferenceMetrics` per process (``telemetry.inference``). A server
+wraps each request::
+
+    with inference.request(adapter="support-v2", queued=True) as req:
+        await slot.acquire()        # counted as waiting
+        req.start()                 # now running
+        ...                         # req.first_token() when the first token is out
+        req.tokens(input=12, output=40)
+
+and the request's duration, time to first token, time per output token and
+token counts land in ``gen_ai.server.*`` histograms (``names.INFERENCE_METRICS``),
+with ``error.type`` on failures. Loaded adapters are announced with
+:meth:`InferenceMetrics.loading_adapter` and show in
+``openlora.inference.adapter.loaded`` whether or not they have traffic.
+
+Cost. A request's end takes one lock and bisects its values into per-series
+bucket lists (:class:`~openlora_otel.windows.BucketCounts`); the SDK sees each
+series' window once per collection (:func:`~openlora_otel.windows.window_view`,
+which ``setup_telemetry`` installs). On a meter without those views the values
+go to the SDK one by one, at the request's end.
+
+Cardinality is bounded per process: at most ``max_adapters`` adapter names
+(``OPENLORA_INFERENCE_MAX_ADAPTERS``; loaded adapters take their slots first),
+later names are recorded as ``"other"``; requests without an adapter as
+``"base"``; at most 8 model names and 16 ``error.type`` values, then ``_OTHER``
+(the conventions' fallback value).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from openlora_otel import names
+from openlora_otel.names import (
+    ATTR_ADAPTER,
+    ATTR_ERROR_TYPE,
+    ATTR_OPERATION,
+    ATTR_PROVIDER,
+    ATTR_REQUEST_MODEL,
+    ATTR_TOKEN_TYPE,
+    REQUEST_DURATION_BUCKETS,
+    TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+)
+from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
+
+__all__ = [
+    "ADAPTER_BASE",
+    "ADAPTER_OTHER",
+    "DEFAULT_MAX_ADAPTERS",
+    "OTHER",
+    "InferenceMetrics",
+    "InferenceRequest",
+    "inference_views",
+]
+
+_logger = logging.getLogger(__name__)
+
+ADAPTER_BASE = "base"  # requests served by the base model, without an adapter
+ADAPTER_OTHER = "other"  # adapter names past the cap
+OTHER = "_OTHER"  # model names and error types past their caps (the conventions' fallback value)
+DEFAULT_MAX_ADAPTERS = 32
+MAX_MODELS = 8
+MAX_ERROR_TYPES = 16
+_MAX_LABEL_CHARS = 100
+PROVIDER = "openlora"
+DEFAULT_OPERATION = "text_completion"
+
+_SPECS = {spec.name: spec for spec in names.INFERENCE_METRICS}
+_DURATION = "gen_ai.server.request.duration"
+_TTFT = "gen_ai.server.time_to_first_token"
+_TPOT = "gen_ai.server.time_per_output_token"
+_TOKENS = "openlora.inference.token.usage"
+_LOAD = "openlora.inference.adapter.load.duration"
+_BOUNDS = {
+    _DURATION: REQUEST_DURATION_BUCKETS,
+    _TTFT: TTFT_BUCKETS,
+    _TPOT: TPOT_BUCKETS,
+    _TOKENS: TOKEN_BUCKETS,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def inference_views() -> list[Any]:
+    """The views that let the request histograms take a whole window per collection (``setup_telemetry`` adds them)."""
+    return [window_view(name, bounds) for name, bounds in _BOUNDS.items()]
+
+
+class _Series:
+    """The windows of one attribute set since the last collection (under the owner's lock)."""
+
+    __slots__ = ("duration", "input", "output", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.duration = BucketCounts(REQUEST_DURATION_BUCKETS)
+        self.ttft = BucketCounts(TTFT_BUCKETS)
+        self.tpot = BucketCounts(TPOT_BUCKETS)
+        self.input = BucketCounts(TOKEN_BUCKETS)
+        self.output = BucketCounts(TOKEN_BUCKETS)
+
+
+class InferenceRequest:
+    """One request being served: made by :meth:`InferenceMetrics.request`; timing starts there.
+
+    Use it as a context manager, or call :meth:`end` yourself (idempotent), for
+    example in a streaming generator's ``finally``. Every method is cheap and
+    never raises for a value it cannot use (it logs once and ignores it).
+    """
+
+    __slots__ = ("_error", "_first", "_input", "_key", "_metrics", "_output", "_started", "_t0", "ended")
+
+    def __init__(self, metrics: InferenceMetrics, key: tuple[str, str, str], queued: bool) -> None:
+        self._metrics = metrics
+        self._key = key
+        self._t0 = time.perf_counter()
+        self._started = not queued
+        self._first: float | None = None
+        self._input: int | None = None
+        self._output: int | None = None
+        self._error: str | None = None
+        self.ended = False
+
+    @property
+    def adapter(self) -> str:
+        """The adapter value recorded for this request (``"base"``, the name, or ``"other"`` past the cap)."""
+        return self._key[2]
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def start(self) -> None:
+        """The request left the queue and is being generated (``queued=True`` requests only; else a no-op)."""
+        if not self._started and not self.ended:
+            self._started = True
+            self._metrics._move_to_running(self._key)
+
+    def first_token(self) -> None:
+        """The first output token is ready (the first call counts). Implies :meth:`start`."""
+        if self._first is None and not self.ended:
+            self._first = time.perf_counter()
+            self.start()
+
+    def tokens(self, input: int | None = None, output: int | None = None) -> None:
+        """Token counts of the request: prompt (``input``) and generated (``output``); the last call wins."""
+        if input is not None:
+            self._input = self._metrics._count(input, "input")
+        if output is not None:
+            self._output = self._metrics._count(output, "output")
+
+    def fail(self, error_type: str | None) -> None:
+        """Mark the request failed with ``error_type`` (``None`` clears it: the request succeeded after all)."""
+        self._error = None if error_type is None else self._metrics._error_value(error_type)
+
+    def end(self, error: str | None = None) -> None:
+        """Finish the request now (later calls do nothing); ``error`` as for :meth:`fail`."""
+        if self.ended:
+            return
+        self.ended = True
+        if error is not None:
+            self.fail(error)
+        self._metrics._finish(self, time.perf_counter())
+
+    def __enter__(self) -> InferenceRequest:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is not None and self._error is None:
+            self.fail(_exception_type(kind))
+        self.end()
+
+
+class InferenceMetrics:
+    """Serving metrics on ``meter`` (``names.INFERENCE_METRICS``); one per process, thread-safe.
+
+    ``window_histogram``: set it only when the meter's provider has
+    :func:`inference_views` (``setup_telemetry`` does both); then a request's end
+    costs a lock and a few bisects, and each series reaches the SDK once per
+    collection. ``model`` is the default ``gen_ai.request.model`` (the base model's
+    name); ``max_adapters`` caps distinct adapter names.
+    """
+
+    def __init__(
+        self,
+        meter: Meter,
+        *,
+        model: str = "",
+        operation: str = DEFAULT_OPERATION,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        window_histogram: bool = False,
+    ) -> None:
+        if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
+            raise ValueError(f"max_adapters must be an integer >= 1, got {max_adapters!r}")
+        self._lock = threading.Lock()
+        self._max_adapters = max_adapters
+        self._merge = bool(window_histogram) and window_merging_works()
+        self._adapters: dict[str, str] = {}  # name -> recorded value (itself, or "other" past the cap)
+        self._models: dict[str, str] = {}
+        self._errors: dict[str, str] = {}
+        self._operations: dict[str, str] = {}
+        self._default_model = ""
+        self._default_operation = DEFAULT_OPERATION
+        self._attributes: dict[tuple[str, str, str, str | None], dict[str, str]] = {}
+        self._pending: dict[tuple[str, str, str, str | None], _Series] = {}
+        self._active: dict[tuple[str, str, str], list[int]] = {}  # key -> [running, waiting]
+        self._loaded: dict[str, int] = {}  # adapter value -> 1 loaded / 0 unloaded
+        self._warned: set[str] = set()
+        self.set_model(model, operation=operation)
+
+        def histogram(name: str) -> Any:
+            spec = _SPECS[name]
+            bounds = _BOUNDS.get(name, REQUEST_DURATION_BUCKETS)
+            return meter.create_histogram(
+                spec.name,
+                unit=spec.unit,
+                description=spec.description,
+                explicit_bucket_boundaries_advisory=list(bounds),
+            )
+
+        self._duration = histogram(_DURATION)
+        self._ttft = histogram(_TTFT)
+        self._tpot = histogram(_TPOT)
+        self._tokens = histogram(_TOKENS)
+        self._load = histogram(_LOAD)
+        # The first callback of a collection hands the pending windows to the histograms above:
+        # the SDK runs observable callbacks before it reads the synchronous instruments.
+        for name, callback in (
+            ("openlora.inference.requests.running", self._observe_running),
+            ("openlora.inference.requests.waiting", self._observe_waiting),
+        ):
+            spec = _SPECS[name]
+            meter.create_observable_up_down_counter(
+                spec.name, callbacks=[callback], unit=spec.unit, description=spec.description
+            )
+        spec = _SPECS["openlora.inference.adapter.loaded"]
+        meter.create_observable_gauge(
+            spec.name, callbacks=[self._observe_loaded], unit=spec.unit, description=spec.description
+        )
+
+    # -- configuration --------------------------------------------------------------
+    def set_model(self, model: str, *, operation: str | None = None) -> None:
+        """Set the default ``gen_ai.request.model`` (and ``gen_ai.operation.name``) of later requests."""
+        with self._lock:
+            self._default_model = self._capped(self._models, str(model or ""), MAX_MODELS, "model")
+            if operation is not None:
+                self._default_operation = self._capped(self._operations, str(operation), 4, "operation")
+
+    # -- adapters ---------------------------------------------------------------------
+    @contextmanager
+    def loading_adapter(self, name: str) -> Iterator[None]:
+        """Time an adapter load: on success the adapter is loaded; an exception records ``error.type`` and propagates."""
+        value = self._adapter_slot(name, reserve=True)
+        started = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            self._record_load(value, time.perf_counter() - started, _exception_type(type(exc)))
+            raise
+        self._record_load(value, time.perf_counter() - started, None)
+        with self._lock:
+            self._loaded[value] = 1
+
+    def adapter_loaded(self, name: str, load_time_s: float | None = None) -> None:
+        """Mark adapter ``name`` loaded (and record its load time when given)."""
+        value = self._adapter_slot(name, reserve=True)
+        if load_time_s is not None:
+            seconds = _seconds_or_none(load_time_s)
+            if seconds is None:
+                self._warn_once("load_time", f"load_time_s must be a finite number >= 0, got {load_time_s!r}")
+            else:
+                self._record_load(value, seconds, None)
+        with self._lock:
+            self._loaded[value] = 1
+
+    def adapter_unloaded(self, name: str) -> None:
+        """Mark adapter ``name`` unloaded: its gauge reads 0 from the next collection."""
+        value = self._adapter_slot(name, reserve=True)
+        with self._lock:
+            if value in self._loaded:
+                self._loaded[value] = 0
+
+    @property
+    def loaded_adapters(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(name for name, loaded in self._loaded.items() if loaded)
+
+    # -- requests ---------------------------------------------------------------------
+    def request(
+        self,
+        adapter: str | None = None,
+        *,
+        model: str | None = None,
+        operation: str | None = None,
+        queued: bool = False,
+    ) -> InferenceRequest:
+        """Start timing one request. ``queued=True``: it waits until :meth:`InferenceRequest.start`.
+
+        ``adapter``: the adapter serving it; ``None`` (or ``"base"``) for the base model.
+        A server should pass :data:`ADAPTER_OTHER` for a name it does not serve (a
+        request it rejects), so made-up names never take one of the capped slots.
+        """
+        if adapter is None or adapter == ADAPTER_BASE:
+            value = ADAPTER_BASE
+        elif adapter == ADAPTER_OTHER:
+            value = ADAPTER_OTHER
+        else:
+            value = self._adapter_slot(adapter)
+        with self._lock:
+            model_value = (
+                self._default_model
+                if model is None
+                else self._capped(self._models, str(model), MAX_MODELS, "model")
+            )
+            operation_value = (
+                self._default_operation
+                if operation is None
+                else self._capped(self._operations, str(operation), 4, "operation")
+            )
+            key = (operation_value, model_value, value)
+            active = self._active.get(key)
+            if active is None:
+                active = self._active[key] = [0, 0]
+            active[1 if queued else 0] += 1
+        return InferenceRequest(self, key, queued)
+
+    def instrument(
+        self, fn: F | None = None, *, adapter: str | None = None, operation: str | None = None
+    ) -> Any:
+        """Decorator: each call of ``fn`` (a function or coroutine function) is one request.
+
+        It records the duration and, for an exception, its ``error.type``; for
+        the first token and token counts use :meth:`request` inside instead.
+        """
+
+        def decorate(function: F) -> F:
+            if inspect.iscoroutinefunction(function):
+
+                @functools.wraps(function)
+                async def run_async(*args: Any, **kwargs: Any) -> Any:
+                    with self.request(adapter, operation=operation):
+                        return await function(*args, **kwargs)
+
+                return run_async  # type: ignore[return-value]
+
+            @functools.wraps(function)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with self.request(adapter, operation=operation):
+                    return function(*args, **kwargs)
+
+            return run  # type: ignore[return-value]
+
+        return decorate(fn) if fn is not None else decorate
+
+    # -- the request path (called by InferenceRequest) ----------------------------------
+    def _move_to_running(self, key: tuple[str, str, str]) -> None:
+        with self._lock:
+            active = self._active[key]
+            active[1] -= 1
+            active[0] += 1
+
+    def _finish(self, request: InferenceRequest, now: float) -> None:
+        key = request._key
+        error = request._error
+        duration = now - request._t0
+        series_key = (*key, error)
+        with self._lock:
+            self._active[key][0 if request._started else 1] -= 1
+            series = self._pending.get(series_key)
+            if series is None:
+                series = self._pending[series_key] = _Series()
+            series.duration.add(duration)
+            if error is None:
+                first = request._first
+                if first is not None:
+                    series.ttft.add(first - request._t0)
+                    output = request._output
+                    if output is not None and output >= 2:
+                        series.tpot.add(max(0.0, now - first) / (output - 1))
+                if request._input is not None:
+                    series.input.add(request._input)
+                if request._output is not None:
+                    series.output.add(request._output)
+            if not self._merge:
+                # No window views on this meter: hand the values to the SDK now (slower, same result).
+                self._commit_locked()
+
+    # -- collection -------------------------------------------------------------------
+    def _observe_running(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            self._commit_locked(empty_for_loaded=self._merge)
+            return self._active_observations(0)
+
+    def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            return self._active_observations(1)
+
+    def _observe_loaded(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            return [Observation(loaded, {ATTR_ADAPTER: name}) for name, loaded in self._loaded.items()]
+
+    def _active_observations(self, index: int) -> list[Observation]:
+        seen = set(self._active)
+        observations = [Observation(counts[index], self._attrs((*key, None))) for key, counts in self._active.items()]
+        # A loaded adapter's default series reads 0 before its first request.
+        for adapter in self._loaded:
+            key = (self._default_operation, self._default_model, adapter)
+            if key not in seen:
+                observations.append(Observation(0, self._attrs((*key, None))))
+        return observations
+
+    def _commit_locked(self, empty_for_loaded: bool = False) -> None:
+        """Hand every pending window to the histograms (the caller holds the lock)."""
+        pending, self._pending = self._pending, {}
+        if empty_for_loaded:
+            # Loaded adapters get their request-count series at 0, so the first request is a rise.
+            for adapter in self._loaded:
+                pending.setdefault((self._default_operation, self._default_model, adapter, None), _Series())
+        for series_key, series in pending.items():
+            attributes = self._attrs(series_key)
+            self._put(self._duration, series.duration, attributes, always=True)
+            if series_key[3] is None:
+                self._put(self._ttft, series.ttft, attributes)
+                self._put(self._tpot, series.tpot, attributes)
+                self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
+                self._put(self._tokens, series.output, self._token_attrs(series_key, "output"))
+
+    def _put(self, histogram: Any, counts: BucketCounts, attributes: dict[str, str], always: bool = False) -> None:
+        if not counts.count and not (always and self._merge):
+            return
+        if self._merge:
+            window = counts.window()
+            histogram.record(window, attributes)
+            if window.merged:
+                return
+            # Told the views are there and they are not: that window counted as one 0. Replay from now on.
+            self._merge = False
+            self._warn_once(
+                "merge",
+                "the inference histograms are not using inference_views() on this meter's provider; "
+                "values are recorded one by one from now on",
+            )
+            return
+        replay(histogram.record, counts.counts, counts.sums, attributes)
+
+    def _attrs(self, series_key: tuple[str, str, str, str | None]) -> dict[str, str]:
+        attributes = self._attributes.get(series_key)
+        if attributes is None:
+            operation, model, adapter, error = series_key
+            attributes = {ATTR_OPERATION: operation, ATTR_PROVIDER: PROVIDER, ATTR_ADAPTER: adapter}
+            if model:
+                attributes[ATTR_REQUEST_MODEL] = model
+            if error is not None:
+                attributes[ATTR_ERROR_TYPE] = error
+            self._attributes[series_key] = attributes
+        return attributes
+
+    def _token_attrs(self, series_key: tuple[str, str, str, str | None], kind: str) -> dict[str, str]:
+        return {**self._attrs(series_key), ATTR_TOKEN_TYPE: kind}
+
+    def _record_load(self, adapter: str, seconds: float, error: str | None) -> None:
+        attributes = {ATTR_ADAPTER: adapter}
+        if error is not None:
+            with self._lock:
+                attributes[ATTR_ERROR_TYPE] = self._capped(self._errors, error, MAX_ERROR_TYPES, "error.type")
+        try:
+            self._load.record(seconds, attributes)
+        except Exception:  # telemetry never breaks serving
+            self._warn_once("load", "recording an adapter load time failed", exc_info=True)
+
+    # -- bounded values ---------------------------------------------------------------
+    def _adapter_slot(self, name: str, *, reserve: bool = False) -> str:
+        name = str(name)
+        value = self._adapters.get(name)  # the common case, without the lock
+        if value is not None:
+            return value
+        if reserve and name in (ADAPTER_BASE, ADAPTER_OTHER):
+            raise ValueError(f"adapter name {name!r} is reserved: {ADAPTER_BASE!r} and {ADAPTER_OTHER!r} are not names")
+        with self._lock:
+            return self._capped(self._adapters, name, self._max_adapters, "adapter", overflow=ADAPTER_OTHER)
+
+    def _error_value(self, error_type: str) -> str:
+        value = self._errors.get(error_type)
+        if value is not None:
+            return value
+        with self._lock:
+            return self._capped(self._errors, str(error_type), MAX_ERROR_TYPES, "error.type")
+
+    def _capped(self, seen: dict[str, str], name: str, cap: int, what: str, overflow: str = OTHER) -> str:
+        """``name`` itself while fewer than ``cap`` distinct names were seen, then ``overflow`` (caller holds the lock).
+
+        Names past the cap are not remembered: a stream of distinct names costs no memory.
+        """
+        value = seen.get(name)
+        if value is not None:
+            return value
+        if len(seen) >= cap:
+            self._warn_once(
+                f"cap-{what}",
+                f"more than {cap} distinct {what} values in this process: {name[:_MAX_LABEL_CHARS]!r} and "
+                f"later new ones are recorded as {overflow!r}",
+            )
+            return overflow
+        value = seen[name] = name[:_MAX_LABEL_CHARS]
+        return value
+
+    def _count(self, value: Any, what: str) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self._warn_once(f"tokens-{what}", f"{what} token count must be an integer >= 0, got {value!r}: ignored")
+            return None
+        return value
+
+    def _warn_once(self, key: str, message: str, exc_info: bool = False) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        _logger.warning("inference metrics: %s", message, exc_info=exc_info)
+
+
+def _exception_type(kind: type[BaseException]) -> str:
+    """``error.type`` for an exception: its class name; a cancelled request or closed stream is ``cancelled``."""
+    if kind is GeneratorExit or kind.__name__ == "CancelledError":
+        return "cancelled"
+    return kind.__qualname__
+
+
+def _seconds_or_none(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
