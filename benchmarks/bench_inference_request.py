@@ -1,0 +1,208 @@
+"""Per-request CPU cost of the serving metrics, side by side in one run.
+
+- prometheus_client, one observe: the issue's yardstick, a bare ``Histogram.observe``.
+- prometheus_client, the same set: what a hand-rolled exporter needs for what
+  ``InferenceMetrics`` records per request: per-adapter labels, queue and running
+  gauges moved three times, and five observes (duration, time to first token,
+  time per output token, input and output tokens).
+- naive OpenTelemetry: the same set as SDK synchronous instrument calls.
+- openlora-otel: one request through ``InferenceMetrics`` (``request(queued=True)``,
+  ``start()``, ``first_token()``, ``tokens()``, end), on a provider built as
+  ``setup_telemetry`` builds it (``inference_views()``: windows merged per
+  collection), and on a plain provider (any foreign meter: values recorded one by one).
+
+Each variant runs in the same process, interleaved in rounds, measured with
+``time.process_time``; the median per-request cost over the rounds is reported,
+plus ratios. A reader collects every 10,000 requests in the OpenTelemetry
+variants, as a scrape would (timed apart, off the request path). Then RSS growth
+over one million requests.
+
+    python benchmarks/bench_inference_request.py [--requests 100000] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import statistics
+import time
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from openlora_otel.inference import InferenceMetrics, inference_views
+from openlora_otel.names import REQUEST_DURATION_BUCKETS, TOKEN_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from openlora_otel.views import observed_total_views
+
+ADAPTERS = ("support-v2", "sql-v1", "base")
+
+
+def prometheus_one_observe():
+    registry = CollectorRegistry()
+    duration = Histogram("request_seconds", "d", buckets=REQUEST_DURATION_BUCKETS, registry=registry)
+
+    def request(i: int) -> None:
+        duration.observe(0.2)
+
+    return request, lambda: None
+
+
+def prometheus_full_set():
+    registry = CollectorRegistry()
+    labels = ["adapter"]
+    duration = Histogram("d", "d", labels, buckets=REQUEST_DURATION_BUCKETS, registry=registry)
+    ttft = Histogram("t", "t", labels, buckets=TTFT_BUCKETS, registry=registry)
+    tpot = Histogram("p", "p", labels, buckets=TPOT_BUCKETS, registry=registry)
+    tokens = Histogram("k", "k", ["adapter", "type"], buckets=TOKEN_BUCKETS, registry=registry)
+    running = Gauge("r", "r", labels, registry=registry)
+    waiting = Gauge("w", "w", labels, registry=registry)
+
+    def request(i: int) -> None:
+        adapter = ADAPTERS[i % 3]
+        waiting.labels(adapter).inc()
+        waiting.labels(adapter).dec()
+        running.labels(adapter).inc()
+        running.labels(adapter).dec()
+        duration.labels(adapter).observe(0.2)
+        ttft.labels(adapter).observe(0.05)
+        tpot.labels(adapter).observe(0.01)
+        tokens.labels(adapter, "input").observe(12)
+        tokens.labels(adapter, "output").observe(16)
+
+    return request, lambda: None
+
+
+def naive_otel():
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("bench")
+    duration = meter.create_histogram("d", explicit_bucket_boundaries_advisory=list(REQUEST_DURATION_BUCKETS))
+    ttft = meter.create_histogram("t", explicit_bucket_boundaries_advisory=list(TTFT_BUCKETS))
+    tpot = meter.create_histogram("p", explicit_bucket_boundaries_advisory=list(TPOT_BUCKETS))
+    tokens = meter.create_histogram("k", explicit_bucket_boundaries_advisory=list(TOKEN_BUCKETS))
+    running = meter.create_up_down_counter("r")
+    waiting = meter.create_up_down_counter("w")
+    attrs = [
+        {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.provider.name": "openlora",
+            "gen_ai.request.model": "tiny-llama",
+            "openlora.adapter.name": a,
+        }
+        for a in ADAPTERS
+    ]
+    token_attrs = [({**a, "gen_ai.token.type": "input"}, {**a, "gen_ai.token.type": "output"}) for a in attrs]
+
+    def request(i: int) -> None:
+        a = attrs[i % 3]
+        waiting.add(1, a)
+        waiting.add(-1, a)
+        running.add(1, a)
+        duration.record(0.2, a)
+        ttft.record(0.05, a)
+        tpot.record(0.01, a)
+        tokens.record(12, token_attrs[i % 3][0])
+        tokens.record(16, token_attrs[i % 3][1])
+        running.add(-1, a)
+
+    return request, reader.collect
+
+
+def openlora(merged: bool = True):
+    reader = InMemoryMetricReader()
+    views = [*inference_views(), *observed_total_views()] if merged else []
+    provider = MeterProvider(metric_readers=[reader], views=views)
+    metrics = InferenceMetrics(provider.get_meter("bench"), model="tiny-llama", window_histogram=merged)
+    for adapter in ADAPTERS[:2]:
+        metrics.adapter_loaded(adapter)
+    names = (*ADAPTERS[:2], None)
+
+    def request(i: int) -> None:
+        req = metrics.request(names[i % 3], queued=True)
+        req.start()
+        req.first_token()
+        req.tokens(input=12, output=16)
+        req.end()
+
+    return request, reader.collect
+
+
+def time_variant(request, collect, count: int, collect_every: int) -> tuple[float, float]:
+    total = collecting = 0.0
+    done = 0
+    while done < count:
+        chunk = min(collect_every, count - done)
+        gc.disable()
+        started = time.process_time()
+        for i in range(chunk):
+            request(i)
+        total += time.process_time() - started
+        gc.enable()
+        started = time.process_time()
+        collect()
+        collecting += time.process_time() - started
+        done += chunk
+    return total / count, collecting / count
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * resource.getpagesize() / (1024 * 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100_000, help="requests per variant per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--memory-requests", type=int, default=1_000_000)
+    args = parser.parse_args()
+
+    variants = {
+        "prometheus_client, one observe": prometheus_one_observe(),
+        "prometheus_client, the same set": prometheus_full_set(),
+        "naive OpenTelemetry, the same set": naive_otel(),
+        "openlora-otel InferenceMetrics": openlora(),
+        "openlora-otel, any meter (1 by 1)": openlora(merged=False),
+    }
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    collecting: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (request, collect) in variants.items():
+            per_request, per_collect = time_variant(request, collect, args.requests, collect_every=10_000)
+            results[name].append(per_request)
+            collecting[name].append(per_collect)
+    medians = {name: statistics.median(v) * 1e6 for name, v in results.items()}
+    collect_medians = {name: statistics.median(v) * 1e6 for name, v in collecting.items()}
+    print(f"CPU time per request, median of {args.rounds} rounds x {args.requests} requests")
+    print(f"  {'':<36}{'request':>10}{'collection':>12}  (collection: per request, off the request path)")
+    for name, micros in medians.items():
+        print(f"  {name:<36}{micros:8.3f} us{collect_medians[name]:9.3f} us")
+    ours = medians["openlora-otel InferenceMetrics"]
+    print(f"ratio openlora-otel / prometheus_client one observe: {ours / medians['prometheus_client, one observe']:.2f}")
+    print(
+        f"ratio openlora-otel / prometheus_client same set: {ours / medians['prometheus_client, the same set']:.2f}"
+        "  (target <= 1.0)"
+    )
+    print(f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry, the same set']:.2f}")
+
+    request, collect = openlora()
+    for i in range(10_000):
+        request(i)
+    collect()
+    gc.collect()
+    before = rss_mb()
+    for i in range(args.memory_requests):
+        request(i)
+        if i % 100_000 == 99_999:
+            collect()
+    gc.collect()
+    after = rss_mb()
+    print(
+        f"RSS over {args.memory_requests} requests: {before:.1f} MB -> {after:.1f} MB, "
+        f"growth {after - before:.2f} MB (target < 5 MB)"
+    )
+
+
+if __name__ == "__main__":
+    main()
