@@ -407,7 +407,7 @@ def test_cli_json_output(serve: FakeServe, tmp_path: Path) -> None:
         "seed": 1,
         "max_tokens": 3,
         "stream": True,
-        "prompt_chars": len("The quick brown fox"),
+        "prompt_chars": len("the quick brown fox"),
         "timeout_s": 5.0,
     }
     assert document["reached"] is True and document["interrupted"] is False
@@ -445,7 +445,7 @@ def test_cli_unreachable_exits_1_and_says_so_in_the_json(tmp_path: Path) -> None
         ["load", "--url", url, "--requests", "2", "--adapters", "a1", "--json", str(path)]
     )
     assert code == 1
-    assert f"openlora-otel load: {url}: cannot connect to 127.0.0.1" in err
+    assert f"openlora-otel load: cannot connect to 127.0.0.1:{url.rsplit(':', 1)[1]} (" in err
     assert out == ""
     assert "cannot connect" in json.loads(path.read_text())["error"]
 
@@ -482,4 +482,4 @@ def test_cli_without_adapters_uses_the_servers_list_and_a_server_without_it_is_a
     assert "mix tiny-llama=1,a1=1,a2=1" in err
     code, _, err = run_cli(["load", "--url", serve.url + "/nothing-here", "--requests", "1"])
     assert code == 2
-    assert "GET /v1/models answered 404; pass --adapters" in err
+    assert f"GET {serve.url}/nothing-here/v1/models answered 404; pass --adapters" in err

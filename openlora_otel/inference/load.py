@@ -51,7 +51,8 @@ __all__ = [
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-DEFAULT_PROMPT = "The quick brown fox"
+# Lower case and plain punctuation: the demo model (`openlora-otel serve`) knows no other characters.
+DEFAULT_PROMPT = "the quick brown fox"
 # The plan is built up front (one small object per request): this bounds its memory.
 MAX_REQUESTS = 1_000_000
 # An error body is read for its error.type only; a server that sends megabytes there is not our concern.
@@ -262,7 +263,9 @@ class _Target:
         try:
             socket.create_connection((self.host, self.port), timeout=timeout).close()
         except OSError as exc:
-            raise Unreachable(f"cannot connect to {self.host}:{self.port}: {_describe(exc)}") from None
+            raise Unreachable(
+                f"cannot connect to {self.host}:{self.port} ({_describe(exc)}); is the server running?"
+            ) from None
 
 
 def _describe(exc: BaseException) -> str:
@@ -421,6 +424,7 @@ def _send(target: _Target, options: LoadOptions, body: bytes, outcome: Outcome) 
 def list_models(url: str, timeout: float) -> tuple[tuple[str, float], ...]:
     """Every model id GET /v1/models lists, weight 1 each (the default mix)."""
     target = _Target.parse(url)
+    models_url = url.rstrip("/") + "/v1/models"
     deadline = _Deadline(timeout)
     connection = target.connection(timeout)
     try:
@@ -431,11 +435,11 @@ def list_models(url: str, timeout: float) -> tuple[tuple[str, float], ...]:
         response = connection.getresponse()
         body = _read(response, sock, deadline, 1 << 24)
     except (OSError, http.client.HTTPException) as exc:
-        raise Unreachable(f"GET /v1/models failed: {_describe(exc)}") from None
+        raise Unreachable(f"GET {models_url} failed: {_describe(exc)}") from None
     finally:
         connection.close()
     if response.status != 200:
-        raise LoadUsageError(f"GET /v1/models answered {response.status}; pass --adapters")
+        raise LoadUsageError(f"GET {models_url} answered {response.status}; pass --adapters")
     try:
         names = [entry["id"] for entry in json.loads(body)["data"]]
     except (ValueError, KeyError, TypeError):
@@ -599,7 +603,9 @@ def _ms(stats: dict[str, Any]) -> str:
 
 def _failures(summary: dict[str, Any]) -> str:
     parts = [
-        f"HTTP {status}: {count}" for status, count in summary["by_status"].items() if not status.startswith("2")
+        f"HTTP {status}: {count}"
+        for status, count in summary["by_status"].items()
+        if not status.startswith("2")
     ]
     parts += [f"{error}: {count}" for error, count in summary["by_error"].items()]
     return ", ".join(parts) or "-"
@@ -790,7 +796,7 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
         try:
             result = run_load(options, log=err)
         except (Unreachable, LoadUsageError) as exc:
-            print(f"openlora-otel load: {options.url}: {exc}", file=err)
+            print(f"openlora-otel load: {exc}", file=err)
             if json_file is not None:  # a reader of the file learns why there are no results
                 json.dump({"options": options.as_json(), "error": str(exc)}, json_file, indent=2)
                 json_file.write("\n")
