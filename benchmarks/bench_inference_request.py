@@ -179,12 +179,16 @@ def main() -> None:
     for name, micros in medians.items():
         print(f"  {name:<36}{micros:8.3f} us{collect_medians[name]:9.3f} us")
     ours = medians["openlora-otel InferenceMetrics"]
-    print(f"ratio openlora-otel / prometheus_client one observe: {ours / medians['prometheus_client, one observe']:.2f}")
+    print(
+        f"ratio openlora-otel / prometheus_client one observe: {ours / medians['prometheus_client, one observe']:.2f}"
+    )
     print(
         f"ratio openlora-otel / prometheus_client same set: {ours / medians['prometheus_client, the same set']:.2f}"
         "  (target <= 1.0)"
     )
-    print(f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry, the same set']:.2f}")
+    print(
+        f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry, the same set']:.2f}"
+    )
 
     request, collect = openlora()
     for i in range(10_000):

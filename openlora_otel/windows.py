@@ -166,7 +166,9 @@ def window_merging_works() -> bool:
         def measure(value: float) -> Any:
             return Measurement(value, 0, None, Context())  # type: ignore[arg-type]
 
-        probe = window_histogram({}, AggregationTemporality.DELTA, 0, AlignedHistogramBucketExemplarReservoir, bounds)
+        probe = window_histogram(
+            {}, AggregationTemporality.DELTA, 0, AlignedHistogramBucketExemplarReservoir, bounds
+        )
         counts = [2, 0, 0, 1]
         batch = BucketWindow(bounds, counts, 100.0, 0.0005, 99.0)
         probe.aggregate(measure(batch))

@@ -282,6 +282,8 @@ SUBSTITUTIONS = {
     "$hparam": "learning_rate",
     "$instance": ".*",
     "$gpu": ".*",
+    "$service": ".*",
+    "$adapter": ".*",
 }
 
 

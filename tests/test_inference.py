@@ -227,7 +227,9 @@ def test_adapter_names_are_capped_and_loaded_ones_keep_their_slots(caplog: pytes
     with caplog.at_level(logging.WARNING):
         for i in range(1000):  # made-up names from clients past the cap
             rig.metrics.request(f"tenant-{i}").end()
-    rig.metrics.request(ADAPTER_OTHER).end(error="unknown_adapter")  # what a server passes for a name it lacks
+    rig.metrics.request(ADAPTER_OTHER).end(
+        error="unknown_adapter"
+    )  # what a server passes for a name it lacks
     data = rig.collect()
     adapters = {p.attributes["openlora.adapter.name"] for p in points(data, DURATION)}
     assert adapters == {"a1", "a2", "tenant-0", "other"}
@@ -283,7 +285,9 @@ def test_the_decorator_times_sync_and_async_calls(rig: Rig) -> None:
     assert point(data, DURATION, {**base_attrs("a1"), "gen_ai.operation.name": "chat"}).count == 1
 
 
-def test_setup_telemetry_serves_the_contract_series_with_merged_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     telemetry = setup_telemetry(
         config=TelemetryConfig(exporters=("prometheus",), prometheus_host="127.0.0.1", prometheus_port=0),
         service_name="openlora-serve",
@@ -363,3 +367,16 @@ def test_an_aborted_collection_loses_no_request() -> None:
     rig.metrics.request("a1").end()
     data = rig.collect()
     assert point(data, DURATION, base_attrs("a1")).count == 6
+
+
+def test_an_unloaded_adapter_without_traffic_gets_no_new_series() -> None:
+    rig = Rig(True)
+    rig.metrics.adapter_loaded("old")
+    rig.metrics.adapter_unloaded("old")
+    rig.metrics.adapter_loaded("new")
+    data = rig.collect()
+    assert point(data, LOADED, {"openlora.adapter.name": "old"}).value == 0
+    assert point(data, DURATION, base_attrs("new")).count == 0
+    assert point(data, DURATION, base_attrs("old")) is None
+    assert point(data, RUNNING, base_attrs("old")) is None
+    assert point(data, WAITING, base_attrs("old")) is None

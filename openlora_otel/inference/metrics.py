@@ -417,20 +417,25 @@ class InferenceMetrics:
 
     def _active_observations(self, index: int) -> list[Observation]:
         seen = set(self._active)
-        observations = [Observation(counts[index], self._attrs((*key, None))) for key, counts in self._active.items()]
-        # A loaded adapter's default series reads 0 before its first request.
-        for adapter in self._loaded:
+        observations = [
+            Observation(counts[index], self._attrs((*key, None))) for key, counts in self._active.items()
+        ]
+        # A loaded adapter's default series reads 0 before its first request (not after it was unloaded).
+        for adapter in self._loaded_now():
             key = (self._default_operation, self._default_model, adapter)
             if key not in seen:
                 observations.append(Observation(0, self._attrs((*key, None))))
         return observations
+
+    def _loaded_now(self) -> list[str]:
+        return [adapter for adapter, loaded in self._loaded.items() if loaded]
 
     def _commit_locked(self, empty_for_loaded: bool = False) -> None:
         """Hand every pending window to the histograms (the caller holds the lock)."""
         pending, self._pending = self._pending, {}
         if empty_for_loaded:
             # Loaded adapters get their request-count series at 0, so the first request is a rise.
-            for adapter in self._loaded:
+            for adapter in self._loaded_now():
                 pending.setdefault((self._default_operation, self._default_model, adapter, None), _Series())
         for series_key, series in pending.items():
             attributes = self._attrs(series_key)
@@ -441,7 +446,9 @@ class InferenceMetrics:
                 self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
                 self._put(self._tokens, series.output, self._token_attrs(series_key, "output"))
 
-    def _put(self, histogram: Any, counts: BucketCounts, attributes: dict[str, str], always: bool = False) -> None:
+    def _put(
+        self, histogram: Any, counts: BucketCounts, attributes: dict[str, str], always: bool = False
+    ) -> None:
         if not counts.count and not (always and self._merge):
             return
         if self._merge:
@@ -491,7 +498,9 @@ class InferenceMetrics:
         if value is not None:
             return value
         if reserve and name in (ADAPTER_BASE, ADAPTER_OTHER):
-            raise ValueError(f"adapter name {name!r} is reserved: {ADAPTER_BASE!r} and {ADAPTER_OTHER!r} are not names")
+            raise ValueError(
+                f"adapter name {name!r} is reserved: {ADAPTER_BASE!r} and {ADAPTER_OTHER!r} are not names"
+            )
         with self._lock:
             return self._capped(self._adapters, name, self._max_adapters, "adapter", overflow=ADAPTER_OTHER)
 
@@ -522,7 +531,9 @@ class InferenceMetrics:
 
     def _count(self, value: Any, what: str) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            self._warn_once(f"tokens-{what}", f"{what} token count must be an integer >= 0, got {value!r}: ignored")
+            self._warn_once(
+                f"tokens-{what}", f"{what} token count must be an integer >= 0, got {value!r}: ignored"
+            )
             return None
         return value
 
