@@ -23,6 +23,10 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "peft": ("peft", "hf"),
     "lightning": ("lightning", "lightning"),
     "matplotlib": ("matplotlib", "report"),
+    # `openlora-otel serve` (with torch, transformers and peft).
+    "fastapi": ("fastapi", "serve"),
+    "uvicorn": ("uvicorn", "serve"),
+    "opentelemetry.instrumentation.fastapi": ("opentelemetry-instrumentation-fastapi", "serve"),
 }
 
 

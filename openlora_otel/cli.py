@@ -1,4 +1,4 @@
-"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``load``, ``metrics``, ``report`` and ``stack``."""
+"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``load``, ``metrics``, ``report``, ``serve`` and ``stack``."""
 
 from __future__ import annotations
 
@@ -151,6 +151,13 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--hf-trainer", action="store_true", help="run through the Hugging Face Trainer and our callback"
     )
+    demo.add_argument(
+        "--save",
+        metavar="DIR",
+        help="after training, save the adapter as DIR/adapters/NAME (NAME: --run-name, else seed-SEED) and, "
+        "on the first run into DIR, the base model as DIR/base; later runs train on that base. "
+        "`openlora-otel serve DIR` serves them (under torchrun rank 0 saves)",
+    )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress output; the summary only")
     demo.add_argument(
         "--straggle-rank",
@@ -178,6 +185,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="each batch takes MS milliseconds longer to arrive: an input-bound run, seen in "
         "openlora_training_data_wait_fraction",
     )
+    _add_serve_parser(commands)
     doctor = commands.add_parser(
         "doctor",
         help="check the configuration, the ports and endpoints it names, and the optional packages",
@@ -215,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_doctor(timeout_s=args.timeout)
     if args.command == "demo":
         return _demo(parser, args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "env":
         print(variables_markdown())
         return 0
@@ -262,7 +272,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
-    problem = _distributed_problem(args, ranks.world_size)
+    problem = _distributed_problem(args, ranks.world_size) or _save_problem(args)
     if problem:
         args.demo_parser.error(problem)
     if ranks.distributed and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
@@ -303,6 +313,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         straggle_ms=args.straggle_ms or 0.0,
         nan_at_step=args.nan_at_step,
         data_delay_ms=args.data_delay_ms or 0.0,
+        save_dir=args.save,
+        adapter_name=args.run_name if args.save else None,
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
@@ -339,6 +351,165 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _add_serve_parser(commands: Any) -> None:
+    from openlora_otel.inference.layout import ADAPTER_NAME_RULE
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model saved by `demo --save` and its LoRA adapters over HTTP (needs the serve extra)",
+        description="Serve the base model and adapters saved by `openlora-otel demo --save DIR` over HTTP "
+        "(FastAPI + uvicorn, CPU, greedy decoding, streaming): POST /v1/completions with "
+        '{"model": ADAPTER or the base model\'s name, "prompt": ..., "max_tokens": N, "stream": BOOL}, '
+        "GET /v1/models, GET /health. At most --max-concurrency requests generate at once, --max-queue "
+        "more wait, the rest get 503. Every request is measured (gen_ai.server.* and openlora.inference.*, "
+        "per adapter) and served with the HTTP server metrics at the telemetry's endpoint (Prometheus "
+        "on OTEL_EXPORTER_PROMETHEUS_PORT, 9464 by default). SIGINT / SIGTERM: stop accepting, let "
+        "in-flight requests finish within --shutdown-timeout (then cancel them), deliver the final "
+        "metrics. Exit status: 0 stopped, 2 usage or configuration error.",
+    )
+    serve.set_defaults(serve_parser=serve)
+    serve.add_argument("directory", metavar="DIR", help="a directory written by `openlora-otel demo --save DIR`")
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve the PEFT adapter directory PATH as NAME (repeatable; NAME: "
+        f"{ADAPTER_NAME_RULE}); DIR/adapters/* are served under their directory names",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    serve.add_argument(
+        "--port", type=_non_negative_int, default=8000, help="HTTP port (default %(default)s; 0: any free port)"
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help="requests generating at once, each on its own thread (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=_non_negative_int,
+        default=64,
+        metavar="N",
+        help="requests waiting for a slot; more get 503 overloaded (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-new-tokens-limit",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="the largest max_tokens a request may ask for, at most 512 (default %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="after SIGINT / SIGTERM, how long in-flight requests may take before they are cancelled "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--exporter",
+        metavar="LIST",
+        help="overrides OTEL_METRICS_EXPORTER: prometheus, otlp, console, none, or a comma list",
+    )
+
+
+def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
+    """The saved base and the adapters to serve, or what is wrong with DIR / --adapter."""
+    from openlora_otel.inference.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
+    from openlora_otel.inference.server import MAX_TOKENS_LIMIT
+
+    if not 0 <= args.port <= 65535:
+        return f"--port: {args.port} is not a TCP port (0 to 65535)"
+    if args.max_new_tokens_limit > MAX_TOKENS_LIMIT:
+        return f"--max-new-tokens-limit: at most {MAX_TOKENS_LIMIT}, got {args.max_new_tokens_limit}"
+    try:
+        base, adapters = read_saved(args.directory)
+    except LayoutError as exc:
+        return f"DIR: {exc}"
+    names = {adapter.name for adapter in adapters}
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            return f"--adapter: expected NAME=PATH, got {spec!r}"
+        problem = adapter_name_problem(name, base.base_model)
+        if problem:
+            return f"--adapter {spec}: {problem}"
+        if name in names:
+            return f"--adapter {spec}: an adapter named {name!r} is already served (from {args.directory} or an earlier --adapter)"
+        try:
+            adapters.append(read_adapter(name, path))
+        except LayoutError as exc:
+            return f"--adapter {spec}: {exc}"
+        names.add(name)
+    return base, adapters
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from openlora_otel._deps import MissingDependencyError, require
+    from openlora_otel.config import DEFAULT_SERVICE_NAME, ConfigError, TelemetryConfig
+
+    try:
+        for module in ("fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi", "torch", "transformers", "peft"):
+            require(module, "openlora-otel serve", extra="serve")
+    except MissingDependencyError as exc:
+        print(f"openlora-otel serve: {exc}", file=sys.stderr)
+        return 2
+    found = _serve_problem(args)
+    if isinstance(found, str):
+        args.serve_parser.error(found)
+    base, adapters = found
+    environ = dict(os.environ)
+    if args.exporter is not None:
+        environ["OTEL_METRICS_EXPORTER"] = args.exporter
+    try:
+        config = TelemetryConfig.from_env(environ)
+    except ConfigError as exc:
+        print(f"openlora-otel serve: {exc}", file=sys.stderr)
+        return 2
+    from openlora_otel.inference import server as _server
+    from openlora_otel.telemetry import setup_telemetry
+
+    options = _server.ServeOptions(
+        host=args.host,
+        port=args.port,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    try:
+        sock = _server.listen(options.host, options.port)
+    except OSError as exc:
+        print(
+            f"openlora-otel serve: cannot listen on {options.host}:{options.port} ({exc.strerror or exc})",
+            file=sys.stderr,
+        )
+        return 2
+    # The HTTP instrumentation reads this variable itself; unless the user chose, the stable HTTP
+    # conventions (seconds, the route, no client-sent Host header in the labels). See the README.
+    os.environ.setdefault(_server.HTTP_SEMCONV_VARIABLE, _server.HTTP_SEMCONV_DEFAULT)
+    # service.name is openlora-serve unless the environment names the service.
+    named = config.service_name != DEFAULT_SERVICE_NAME or bool(environ.get("OTEL_SERVICE_NAME"))
+    try:
+        try:
+            telemetry = setup_telemetry(None if named else "openlora-serve", config=config.replace(quiet=True))
+        except (ConfigError, MissingDependencyError) as exc:
+            print(f"openlora-otel serve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return _server.serve(base, adapters, telemetry, options, sock)
+        finally:
+            telemetry.shutdown()
+    finally:
+        sock.close()
+
+
 def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | None:
     """What is wrong with the straggler / trainer options for this launch, if anything."""
     if (args.straggle_rank is None) != (args.straggle_ms is None):
@@ -361,6 +532,33 @@ def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | Non
             "--hf-trainer runs one process; under torchrun the demo trains with its own DDP loop "
             "(drop --hf-trainer)"
         )
+    return None
+
+
+def _save_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--save DIR`` (and the adapter name it implies), if anything; checked before training."""
+    if args.save is None:
+        return None
+    from pathlib import Path
+
+    from openlora_otel.demo.corpus import ALPHABET
+    from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.inference.layout import BASE, LayoutError, adapter_name_problem, read_base
+
+    root = Path(args.save)
+    if root.exists() and not root.is_dir():
+        return f"--save: {args.save} exists and is not a directory"
+    if args.run_name is not None:
+        problem = adapter_name_problem(args.run_name, BASE_MODEL)
+        if problem:
+            return f"--save names the adapter after --run-name: {problem}"
+    if (root / BASE).exists():
+        try:
+            base = read_base(root)
+        except LayoutError as exc:
+            return f"--save: {exc}"
+        if base.alphabet != ALPHABET or base.base_model != BASE_MODEL:
+            return f"--save: {root / BASE} holds another base model ({base.base_model}), not this demo's"
     return None
 
 
@@ -408,6 +606,8 @@ def _summary(
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
         f"metrics went to {where}",
     ]
+    if result.saved:
+        lines.append(f"adapter saved to {result.saved}")
     if world_size > 1:
         lines.append(
             f"rank 0 of {world_size} shown; every rank trained on its own data and served its own series"

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
@@ -61,6 +62,15 @@ class DemoOptions:
     nan_at_step: int | None = None
     # Each batch takes this much longer to arrive (an input-bound run).
     data_delay_ms: float = 0.0
+    # Save the base model (first run into the directory) and the trained adapter for `serve`
+    # (layout: openlora_otel/inference/layout.py); rank 0 saves, after a run that was not stopped early.
+    save_dir: str | None = None
+    adapter_name: str | None = None  # default: seed-<seed>
+
+    @property
+    def saved_adapter_name(self) -> str:
+        """The name the adapter is saved (and served) under."""
+        return self.adapter_name or f"seed-{self.seed}"
 
     def hyperparameters(self, world_size: int = 1) -> dict[str, object]:
         """What this run is, for ``openlora.run.info``: the keys the callbacks use too."""
@@ -90,6 +100,7 @@ class DemoResult:
     tokens_per_s: float
     interrupted: str | None  # "SIGINT" / "SIGTERM" / "requested" (stop_event) / "diverged" when stopped early
     stop_detail: str | None = None  # what the divergence guard saw, when it stopped the run
+    saved: str | None = None  # the adapter's directory, when --save saved it
 
     @property
     def exit_code(self) -> int:
@@ -194,21 +205,36 @@ def _require() -> tuple[Any, Any, Any]:
     return torch, transformers, peft
 
 
-def build_model(options: DemoOptions, vocab_size: int) -> Any:
-    """A 4-layer Llama from a config (about 0.73 M parameters with the adapter), LoRA on every linear layer."""
+def build_model(
+    options: DemoOptions,
+    vocab_size: int,
+    *,
+    base_path: str | None = None,
+    on_base: Callable[[Any], object] | None = None,
+) -> Any:
+    """A 4-layer Llama from a config (about 0.73 M parameters with the adapter), LoRA on every linear layer.
+
+    With ``base_path`` the base weights are read from a saved base (``demo --save``) instead
+    of drawn from the seed; otherwise ``on_base`` gets the fresh base before LoRA is added.
+    """
     torch, transformers, peft = _require()
     torch.manual_seed(options.seed)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=options.seq_len,
-        tie_word_embeddings=False,
-    )
-    base = transformers.LlamaForCausalLM(config)
+    if base_path is not None:
+        base = transformers.LlamaForCausalLM.from_pretrained(base_path, local_files_only=True)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=options.seq_len,
+            tie_word_embeddings=False,
+        )
+        base = transformers.LlamaForCausalLM(config)
+        if on_base is not None:
+            on_base(base)
     with warnings.catch_warnings():
         # transformers' own deprecation notice, raised inside PEFT: noise in the demo's output.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -303,8 +329,10 @@ def _run(
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(options.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    data = _Data(options, rank=group.rank if group else 0)
-    model = build_model(options, data.vocab_size)
+    rank = group.rank if group else 0
+    data = _Data(options, rank=rank)
+    saving = _Saving(options, rank)
+    model = build_model(options, data.vocab_size, base_path=saving.base_path, on_base=saving.on_base)
     training = telemetry.training
     describe_lora(model, training)
     # FLOPs per token for achieved FLOP/s (and MFU where a peak is known: not on a CPU
@@ -341,6 +369,8 @@ def _run(
         result.final_eval_loss = final
         result.best_eval_loss = min(result.best_eval_loss, final)
     result.interrupted = stop.signal
+    if result.steps and not stop.signal:  # an adapter from a run stopped early is not saved
+        result.saved = saving.save_adapter(model, result, telemetry.run_id)
     if stop.signal == "diverged":
         result.stop_detail = guard.trip.detail if guard.trip is not None else "another rank's guard tripped"
     if options.linger > 0 and not stop.signal:
@@ -351,6 +381,55 @@ def _run(
             stop.event.wait(options.linger)
         result.interrupted = stop.signal
     return result
+
+
+class _Saving:
+    """``--save DIR``: the base the adapter is trained on, saved first when DIR has none yet."""
+
+    def __init__(self, options: DemoOptions, rank: int) -> None:
+        from openlora_otel.inference.layout import BASE, SavedBase, read_base
+
+        self.options = options
+        self.rank = rank
+        self.base: SavedBase | None = None
+        # A base already in DIR is read and trained on; else the seed's base is drawn and saved.
+        self.existing = (Path(options.save_dir) / BASE).exists() if options.save_dir else False
+        if self.existing:
+            self.base = read_base(options.save_dir)
+
+    @property
+    def base_path(self) -> str | None:
+        return str(self.base.path) if self.existing and self.base else None
+
+    def on_base(self, base: Any) -> None:
+        """The fresh base, before LoRA: rank 0 saves it (every rank draws the same from the seed)."""
+        if self.options.save_dir and self.rank == 0:
+            from openlora_otel.demo.corpus import ALPHABET
+            from openlora_otel.inference.layout import save_base
+
+            self.base = save_base(
+                self.options.save_dir,
+                base,
+                alphabet=ALPHABET,
+                base_model=BASE_MODEL,
+                context_length=self.options.seq_len,
+            )
+
+    def save_adapter(self, model: Any, result: DemoResult, run_id: str) -> str | None:
+        if not self.options.save_dir or self.rank != 0 or self.base is None:
+            return None
+        from openlora_otel.inference.layout import save_adapter
+
+        options = self.options
+        info = {
+            "seed": options.seed,
+            "steps": result.steps,
+            "lora_r": options.lora_r,
+            "lora_alpha": options.lora_alpha,
+            "final_eval_loss": result.final_eval_loss,
+            "run_id": run_id,
+        }
+        return str(save_adapter(options.save_dir, options.saved_adapter_name, model, base=self.base, info=info))
 
 
 def _train_loop(

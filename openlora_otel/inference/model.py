@@ -1,0 +1,187 @@
+"""The saved demo model served: its base and LoRA adapters on CPU, greedy generation token by token.
+
+Each adapter is merged (PEFT ``merge_and_unload``) into its own copy of the base at load time,
+so a request's adapter is just which module it runs: no ``set_adapter`` switch shared between
+concurrent requests, no LoRA matmuls per token, and a module is only read while it generates,
+so any number of worker threads may use the same one at once. The demo's base is about 3 MB;
+32 adapters cost about 100 MB. (A large base would want PEFT's multi-adapter batching instead.)
+
+Generation is greedy over the last ``context_length`` tokens (the demo trains on 64-character
+windows), one forward pass per token. The character model has no end-of-text token: it runs to
+``max_tokens`` ("length"), or, as OpenAI's ``stop``, until its text ends with one of the
+request's stop strings ("stop"; the stop string is generated, counted, and left out of the text).
+torch, transformers and peft are imported when a model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from openlora_otel.demo.corpus import CharTokenizer
+from openlora_otel.inference.layout import SavedAdapter, SavedBase, quiet_progress
+
+__all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "ServedModels"]
+
+
+class PromptError(ValueError):
+    """The prompt cannot be encoded by the model's tokenizer (the message says which character)."""
+
+
+class AdapterMismatchError(ValueError):
+    """The adapter was trained on another base than the one served."""
+
+
+class Cancelled(Exception):
+    """Generation stopped because its request was cancelled (client gone, server stopping)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str  # "length" or "stop"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _require() -> tuple[Any, Any, Any]:
+    from openlora_otel._deps import require
+
+    for module in ("torch", "transformers", "peft"):
+        require(module, "openlora-otel serve", extra="serve")
+    import peft
+    import torch
+    import transformers
+
+    return torch, transformers, peft
+
+
+class ServedModels:
+    """The base model and the adapters loaded so far; ``generate`` is safe from many threads at once."""
+
+    def __init__(self, base: SavedBase) -> None:
+        self.torch, transformers, self._peft = _require()
+        self.base = base
+        self.tokenizer = CharTokenizer(base.alphabet)
+        with quiet_progress():
+            module = transformers.LlamaForCausalLM.from_pretrained(str(base.path), local_files_only=True)
+        module.eval()
+        self._base_module = module
+        self._adapters: dict[str, Any] = {}
+        self._lock = threading.Lock()  # guards the dict, not generation
+
+    @property
+    def base_model(self) -> str:
+        return self.base.base_model
+
+    @property
+    def adapters(self) -> list[str]:
+        with self._lock:
+            return list(self._adapters)
+
+    def has_adapter(self, name: str) -> bool:
+        with self._lock:
+            return name in self._adapters
+
+    def load_adapter(self, adapter: SavedAdapter) -> None:
+        """Merge ``adapter`` into a copy of the base; raises on a bad directory or another base's adapter."""
+        if adapter.base_fingerprint is not None and adapter.base_fingerprint != self.base.fingerprint:
+            raise AdapterMismatchError(
+                f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.base_fingerprint}, "
+                f"not on the served base {self.base.fingerprint}"
+            )
+        module = copy.deepcopy(self._base_module)
+        with warnings.catch_warnings(), quiet_progress():
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = self._peft.PeftModel.from_pretrained(module, str(adapter.path), is_trainable=False)
+            merged = peft_model.merge_and_unload()
+        merged.eval()
+        with self._lock:
+            self._adapters[adapter.name] = merged
+
+    def encode(self, prompt: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(prompt)
+        except ValueError as exc:
+            raise PromptError(f"{exc}; the model knows {self.base.alphabet!r}") from None
+
+    def generate(
+        self,
+        adapter: str | None,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        stop: tuple[str, ...] = (),
+        on_token: Callable[[str], object] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Completion:
+        """Greedy decoding of up to ``max_tokens`` tokens after ``prompt_ids`` with ``adapter`` (None: the base).
+
+        ``on_token`` is called once per generated token, as soon as it is decoded (the first
+        call is the first token), with the text that became final: "" while the text ends with
+        the start of a stop string, which may yet complete. ``cancelled`` is checked before
+        each token: when it says so, :class:`Cancelled` is raised.
+        """
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        if adapter is None:
+            module = self._base_module
+        else:
+            with self._lock:
+                module = self._adapters[adapter]
+        torch = self.torch
+        stops = tuple(text for text in stop if text)
+        window = list(prompt_ids[-self.base.context_length :])
+        text = ""
+        sent = 0  # characters of text already given to on_token
+        finish = "length"
+        generated = 0
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                if cancelled is not None and cancelled():
+                    raise Cancelled()
+                logits = module(input_ids=torch.tensor([window])).logits
+                token = int(logits[0, -1].argmax())
+                generated += 1
+                text += self.tokenizer.decode([token])
+                # The longest stop string that ends here starts earliest: the text ends before it.
+                hit = max((s for s in stops if text.endswith(s)), key=len, default=None)
+                if hit is not None:
+                    finish = "stop"
+                    text = text[: len(text) - len(hit)]
+                    final = len(text)
+                elif generated == max_tokens:
+                    final = len(text)  # the last token: nothing can complete a stop string now
+                else:
+                    final = len(text) - _held_back(text, stops)
+                if on_token is not None:
+                    on_token(text[sent:final])
+                sent = max(sent, final)
+                if hit is not None:
+                    break
+                window.append(token)
+                if len(window) > self.base.context_length:
+                    del window[0]
+        return Completion(
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=generated,
+        )
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

@@ -1,0 +1,199 @@
+"""``openlora-otel serve`` for tests: a saved demo directory and a real serve process on loopback ports.
+
+Shared by tests/test_serve.py and the serve + load end-to-end tests. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import child_env, free_port, reap
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def save_demo(directory: Path, name: str, *, seed: int = 0, steps: int = 4, timeout: float = 300) -> str:
+    """Train a tiny adapter with ``openlora-otel demo --save directory --run-name name``; its output."""
+    argv = [
+        sys.executable,
+        "-m",
+        "openlora_otel",
+        "demo",
+        *("--steps", str(steps), "--batch-size", "2", "--eval-every", "0", "--exporter", "none", "-q"),
+        *("--save", str(directory), "--run-name", name, "--seed", str(seed)),
+    ]
+    done = subprocess.run(argv, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+class EventStream:
+    """One streaming completion read event by event over its own connection (close() disconnects)."""
+
+    def __init__(self, port: int, body: dict[str, Any], timeout: float = 60.0) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.connection.request(
+            "POST", "/v1/completions", body=json.dumps({**body, "stream": True}), headers={"Content-Type": "application/json"}
+        )
+        self.response = self.connection.getresponse()
+        self.status = self.response.status
+
+    def next(self) -> Any:
+        """The next event's data: a dict, or the string "[DONE]"; None when the stream ended."""
+        data = None
+        for _ in range(10000):  # lines of one event: bounded
+            line = self.response.readline()
+            if not line:
+                return data
+            text = line.decode().rstrip("\n")
+            if text.startswith("data: "):
+                payload = text[len("data: ") :]
+                data = payload if payload == "[DONE]" else json.loads(payload)
+            elif text == "" and data is not None:
+                return data
+        raise AssertionError("an event longer than 10000 lines")
+
+    def rest(self) -> list[Any]:
+        """Every remaining event up to and including "[DONE]" (or the end of the stream)."""
+        events = []
+        for _ in range(100000):
+            event = self.next()
+            if event is None:
+                return events
+            events.append(event)
+            if event == "[DONE]":
+                return events
+        raise AssertionError("more than 100000 events")
+
+    def close(self) -> None:
+        self.response.close()
+        self.connection.close()
+
+
+class ServeProcess:
+    """``python -m openlora_otel serve DIR ...`` on free loopback ports (HTTP and Prometheus)."""
+
+    def __init__(self, directory: Path, *args: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.log_path = workdir / f"serve-{self.port}.log"
+        argv = [sys.executable, "-m", "openlora_otel", "serve", str(directory), "--port", str(self.port), *args]
+        environment = child_env(
+            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+            OTEL_EXPORTER_PROMETHEUS_PORT=str(self.metrics_port),
+            **(env or {}),
+        )
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(argv, env=environment, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 240.0) -> ServeProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"serve exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"serve not ready within {timeout} s:\n{self.log()[-3000:]}")
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0) -> tuple[int, Any, Any]:
+        """Status, headers (case-insensitive) and decoded JSON body (raw text when it is not JSON)."""
+        data = None
+        if body is not None:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, headers, raw = response.status, response.headers, response.read()
+        except urllib.error.HTTPError as error:
+            status, headers, raw = error.code, error.headers, error.read()
+        try:
+            return status, headers, json.loads(raw)
+        except ValueError:
+            return status, headers, raw.decode()
+
+    def complete(self, body: Any, timeout: float = 120.0) -> tuple[int, Any, Any]:
+        return self.request("POST", "/v1/completions", body, timeout)
+
+    def stream(self, body: dict[str, Any], timeout: float = 60.0) -> EventStream:
+        return EventStream(self.port, body, timeout)
+
+    def metrics(self, *, scraper: bool = False) -> str:
+        """The Prometheus exposition; ``scraper``: ask as Prometheus does, which the final-scrape wait counts."""
+        headers = {"Accept": "text/plain;version=0.0.4"} if scraper else {}
+        request = urllib.request.Request(self.metrics_url, headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.read().decode()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit status (killed past ``timeout``)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        reap(self.process, timeout)
+        return self.process.returncode
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, dict(sample.labels), sample.value
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there are none)."""
+    return sum(
+        value
+        for sample, sample_labels, value in samples(text)
+        if sample == name and all(sample_labels.get(k, "") == v for k, v in labels.items())
+    )
+
+
+def has(text: str, name: str, **labels: str) -> bool:
+    return any(
+        sample == name and all(sample_labels.get(k, "") == v for k, v in labels.items())
+        for sample, sample_labels, _ in samples(text)
+    )
+
+
+def requests_by(text: str) -> dict[tuple[str, str], float]:
+    """Request counts by (adapter, error_type) from ``gen_ai_server_request_duration_seconds_count``."""
+    counts: dict[tuple[str, str], float] = {}
+    for sample, labels, value in samples(text):
+        if sample == "gen_ai_server_request_duration_seconds_count":
+            key = (labels.get("openlora_adapter_name", ""), labels.get("error_type", ""))
+            counts[key] = counts.get(key, 0) + value
+    return counts
+
+
+def wait_until(condition: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``condition()`` until it returns something truthy (bounded); that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what}")
