@@ -1,0 +1,182 @@
+"""Requests per second served by `openlora-otel serve`, telemetry on vs OTEL_SDK_DISABLED=true.
+
+Two tiny adapters are trained once with ``openlora-otel demo --save``. Each pair
+then starts ``openlora-otel serve`` twice on the same directory: once with
+telemetry on (Prometheus pull endpoint scraped by this script every 5 s, the
+interval of collector/prometheus.yml, or ``--scrape-interval``; host metrics on; the FastAPI instrumentation's HTTP metrics;
+every request through ``telemetry.inference``), once with the SDK disabled.
+A closed loop of client threads (one more than the server's generation slots,
+so its queue is never empty) sends completions back to back for a fixed time,
+cycling adapter a1, adapter a2 and the base model, every other one streamed.
+Completed requests per second are counted after a warm-up; pairs alternate
+which side goes first, and the median of the per-pair ratios is the figure
+(target >= 0.98).
+
+    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("a1", "a2", "tiny-llama")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
+    return {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENLORA_QUIET": "true", **extra}
+
+
+def save(directory: Path) -> None:
+    for seed, name in enumerate(("a1", "a2")):
+        subprocess.run(
+            [
+                sys.executable, "-m", "openlora_otel", "demo", "--steps", "4", "--batch-size", "2",
+                "--eval-every", "0", "--exporter", "none", "-q", "--save", str(directory),
+                "--run-name", name, "--seed", str(seed),
+            ],
+            env=env(), cwd=ROOT, check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+
+
+def wait_ready(port: int, process: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("serve not ready in time")
+
+
+def one_request(connection: http.client.HTTPConnection, model: str, max_tokens: int, stream: bool) -> bool:
+    body = json.dumps(
+        {"model": model, "prompt": "the cat sat on the mat. ", "max_tokens": max_tokens, "stream": stream}
+    )
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    response.read()
+    return response.status == 200
+
+
+def closed_loop(port: int, clients: int, seconds: float, warmup: float, max_tokens: int) -> float:
+    """Completed requests per second over ``seconds``, after ``warmup`` seconds not counted."""
+    start = time.monotonic()
+    counting_from = start + warmup
+    stop_at = counting_from + seconds
+    counts = [0] * clients
+
+    def client(index: int) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        i = index
+        while time.monotonic() < stop_at:
+            ok = one_request(connection, MODELS[i % 3], max_tokens, stream=bool(i % 2))
+            if ok and counting_from <= time.monotonic() <= stop_at:
+                counts[index] += 1
+            i += 1
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + warmup + 120)
+    return sum(counts) / seconds
+
+
+def scrape_every(interval: float, url: str, stop: threading.Event) -> None:
+    while not stop.wait(interval):
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url, timeout=5).read()
+
+
+def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> float:
+    port, metrics_port = free_port(), free_port()
+    extra = (
+        {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": str(metrics_port)}
+        if telemetry_on
+        else {"OTEL_SDK_DISABLED": "true"}
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "openlora_otel", "serve", str(directory), "--port", str(port),
+            "--max-concurrency", str(args.slots), "--max-queue", "64",
+        ],
+        env=env(**extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    stop = threading.Event()
+    try:
+        wait_ready(port, process)
+        if telemetry_on:
+            threading.Thread(
+                target=scrape_every,
+                args=(args.scrape_interval, f"http://127.0.0.1:{metrics_port}/metrics", stop),
+                daemon=True,
+            ).start()
+        return closed_loop(port, args.slots + 1, args.seconds, args.warmup, args.max_tokens)
+    finally:
+        stop.set()
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=20.0, help="counted seconds per side")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of requests not counted first")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=2, help="serve --max-concurrency")
+    parser.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between two scrapes")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "saved"
+        save(directory)
+        ratios = []
+        for pair in range(args.pairs):
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            rates = {side: run_side(directory, side, args) for side in order}
+            ratio = rates[True] / rates[False]
+            ratios.append(ratio)
+            print(
+                f"pair {pair + 1}: telemetry on {rates[True]:.2f} req/s, off {rates[False]:.2f} req/s, "
+                f"ratio {ratio:.3f}",
+                flush=True,
+            )
+    print(
+        f"median ratio on/off over {args.pairs} pairs: {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f} to {max(ratios):.3f}; target >= 0.98)"
+    )
+
+
+if __name__ == "__main__":
+    main()
