@@ -1,4 +1,4 @@
-"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``metrics``, ``report``, ``serve`` and ``stack``."""
+"""The ``openlora-otel`` command line: ``demo``, ``doctor``, ``env``, ``load``, ``metrics``, ``report``, ``serve`` and ``stack``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from openlora_otel import report
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
+from openlora_otel.inference import load as load_command
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from openlora_otel.stack import add_parser as add_stack_parser
 from openlora_otel.stack import run as run_stack
@@ -207,6 +208,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_stack_parser(commands)
     report.add_parser(commands)
+    load_command.add_parser(commands)
     return parser
 
 
@@ -235,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return report.main(args)
+    if args.command == "load":
+        return load_command.main(args)
     parser.print_help(sys.stderr)
     return 2
 

@@ -1,0 +1,379 @@
+"""``openlora-otel serve`` + ``openlora-otel load``: the server's metrics against what the clients saw.
+
+A demo adapter is trained and saved once (``demo --save``, a few steps); ``serve`` runs it as a
+subprocess (the saved adapter as ``a1`` and once more as ``a2``, the base model, and an adapter
+whose weights are broken, so its load fails), and ``load`` sends a seeded mix of the three served
+models and one the server does not know. Then, through a real Prometheus scraping the server's
+endpoint, and through OTLP to a test receiver at the protocol level:
+
+- per adapter, the request counts equal what the load sent and got answered (the base model's
+  requests under ``base``, the unknown adapter's 404s under ``other`` with ``unknown_adapter``);
+- the server's p50 / p95 (``histogram_quantile`` over the buckets) agree with the client's within
+  the histogram's resolution: the client's value lies in the bucket holding the server's quantile,
+  or in a bucket next to it. Why no closer: histogram_quantile finds the bucket where rank q x N
+  falls and interpolates linearly inside it, so the server's true quantile is somewhere in that
+  bucket and only the bucket is known. Each request's client latency is its server duration plus
+  the HTTP around it (connect, parsing, the last bytes on the wire), which moves every order
+  statistic up by at most that overhead and can carry it over the bucket's upper edge. And the
+  client interpolates between ranks (N - 1) q while Prometheus takes rank q N: they can name
+  neighbouring samples on either side of an edge. The request-duration buckets double, so that
+  allows a factor of at most 4 either way; the time-to-first-token ones step by 1.25x to 2.5x
+  above 5 ms (the values here are mostly 5 to 100 ms). That still catches a wrong unit, a wrong clock
+  start or a wrong population. The sums are exact,
+  so the means are held tighter: the server's mean is at most the client's, and below it by no
+  more than the HTTP overhead (100 ms allowed; 3 to 5 ms measured on 2 cores).
+- every query of the inference dashboard returns data on what the server reported. A burst past
+  the server's queue adds the ``overloaded`` 503s the server-error panels need, after the
+  quantiles are taken (it would make the latencies bimodal, where neighbouring ranks differ by
+  more than a bucket).
+
+Small on purpose (a tiny model, 46 requests to one server and 16 to another, a few seconds each): the
+suite runs on 2 cores (about 50 s for this file, most of it the demo's save and two server starts).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from openlora_otel.cli import main as cli_main
+from openlora_otel.names import REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
+from tests.prometheus_server import Prometheus
+from tests.serving import ServeProcess, save_demo
+
+pytestmark = pytest.mark.e2e
+# What the serve process needs (the serve extra), as in tests/test_serve.py.
+for module in ("torch", "transformers", "peft", "fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi"):
+    pytest.importorskip(module)
+
+ROOT = Path(__file__).resolve().parent.parent
+INFERENCE_DASHBOARD = ROOT / "grafana" / "dashboards" / "openlora-inference.json"
+RUN_ID = "serve-e2e"
+MAX_QUEUE = 4  # the server's queue (4 generate at once, its default): the burst goes past it
+# The load: a seeded mix of two adapters, the base model and a name the server does not serve.
+MIX = "a1=2,a2=1,{base}=1,nope=1"
+REQUESTS = 30
+BURST = 16
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory ``demo --save`` wrote: the tiny base model and one adapter, ``a1``."""
+    directory = tmp_path_factory.mktemp("saved")
+    save_demo(directory, "a1", steps=3)
+    return directory
+
+
+@dataclass
+class Serving:
+    url: str
+    metrics_port: int
+    log: Path
+    base_model: str
+
+
+@contextmanager
+def serving(saved: Path, workdir: Path, *args: str, **env: str) -> Iterator[Serving]:
+    """``openlora-otel serve`` (``a1``, ``a1`` again as ``a2``, and ``args``) on free loopback ports with
+    ``env``; stopped with SIGTERM (bounded)."""
+    process = ServeProcess(
+        saved,
+        "--adapter",
+        f"a2={saved / 'adapters' / 'a1'}",
+        *args,
+        workdir=workdir,
+        env={"OMP_NUM_THREADS": "1", "OPENLORA_RUN_ID": RUN_ID, **env},
+    )
+    try:
+        process.wait_ready(timeout=120)
+        status, _, body = process.request("GET", "/v1/models")
+        assert status == 200, body
+        models = body["data"]
+        (base,) = [m["id"] for m in models if not m["adapter"]]
+        assert sorted(m["id"] for m in models if m["adapter"]) == ["a1", "a2"], models
+        yield Serving(process.url, process.metrics_port, process.log_path, base)
+    finally:
+        process.stop(timeout=30)
+
+
+def load(serve: Serving, path: Path, *argv: str) -> dict:
+    """Run ``openlora-otel load --url <serve> ARGV --json PATH`` in this process; its JSON results."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli_main(["load", "--url", serve.url, "--timeout", "60", "--json", str(path), *argv])
+    assert code == 0, err.getvalue() + out.getvalue()
+    results = json.loads(path.read_text())
+    overall = results["overall"]
+    # Every slot sent (the cap is far off) and every request answered.
+    assert overall["sent"] == overall["answered"] == overall["scheduled"], (
+        out.getvalue(),
+        serve.log.read_text()[-3000:],
+    )
+    return results
+
+
+def load_mix(serve: Serving, path: Path, requests: int = REQUESTS) -> dict:
+    """The mix at 10 requests/s: every request to a served model succeeds, the unknown one's all fail."""
+    results = load(
+        serve, path, "--rate", "10", "--requests", str(requests), "--adapters", MIX.format(base=serve.base_model),
+        "--seed", "5", "--max-tokens", "8",
+    )  # fmt: skip
+    nope = results["models"]["nope"]
+    assert nope["sent"] > 0
+    assert results["overall"]["ok"] == requests - nope["sent"], serve.log.read_text()[-3000:]
+    return results
+
+
+def expected_counts(base_model: str, *runs: dict) -> dict[tuple[str, str], int]:
+    """(adapter label, error type) -> requests, as the server must count what the loads saw."""
+    label = {"a1": "a1", "a2": "a2", base_model: "base", "nope": "other"}
+    expected: dict[tuple[str, str], int] = {}
+    for results in runs:
+        for model, summary in results["models"].items():
+            for key, count in [(("", summary["ok"])), *summary["by_error"].items()]:
+                if count:
+                    expected[(label[model], key)] = expected.get((label[model], key), 0) + count
+    return expected
+
+
+def bucket_index(value: float, bounds: tuple[float, ...] | list[float]) -> int:
+    """The bucket holding ``value``: i for bounds[i-1] < value <= bounds[i] (``le``), len(bounds) for +Inf."""
+    return bisect.bisect_left(list(bounds), value)
+
+
+def assert_same_or_next_bucket(what: str, client: float, server: float, bounds: tuple[float, ...]) -> None:
+    client_bucket, server_bucket = bucket_index(client, bounds), bucket_index(server, bounds)
+    edges = [0.0, *bounds, float("inf")]
+    assert abs(client_bucket - server_bucket) <= 1, (
+        f"{what}: client {client:.4f} s in bucket ({edges[client_bucket]}, {edges[client_bucket + 1]}], "
+        f"server {server:.4f} s in ({edges[server_bucket]}, {edges[server_bucket + 1]}]"
+    )
+
+
+def test_bucket_index_follows_le() -> None:
+    bounds = (0.01, 0.02, 0.04)
+    assert [bucket_index(v, bounds) for v in (0.0, 0.01, 0.011, 0.02, 0.04, 0.05)] == [0, 0, 1, 1, 2, 3]
+    assert_same_or_next_bucket("x", 0.015, 0.03, bounds)
+    with pytest.raises(AssertionError, match=r"client 0.0050 s in bucket \(0.0, 0.01\], server 0.0300"):
+        assert_same_or_next_bucket("x", 0.005, 0.03, bounds)
+
+
+# -- through a real Prometheus -------------------------------------------------------------------------
+
+
+@dataclass
+class Scraped:
+    serve: Serving
+    prometheus: Prometheus
+    results: dict  # the mix
+    burst: dict  # past the queue, after the mix
+    mix_scraped_at: float  # a Prometheus evaluation time: the mix scraped, the burst not yet sent
+    evaluate_at: float  # both scraped, within the dashboards' 15 s rate windows
+
+    def query_at(self, at: float):
+        def query(expr: str) -> list[dict]:
+            body = self.prometheus.get("/api/v1/query", query=expr, time=f"{at:.3f}")
+            assert body["status"] == "success", body
+            return body["data"]["result"]
+
+        return query
+
+
+@pytest.fixture(scope="module")
+def scraped(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
+    """serve + a Prometheus scraping its metrics endpoint every second; the mix, then a burst."""
+    workdir = tmp_path_factory.mktemp("prometheus-e2e")
+    broken = workdir / "broken"
+    shutil.copytree(saved / "adapters" / "a1", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with serving(
+        saved,
+        workdir,
+        "--adapter",
+        f"broken={broken}",
+        "--max-queue",
+        str(MAX_QUEUE),
+        OTEL_METRICS_EXPORTER="prometheus",
+    ) as serve:
+        prometheus = Prometheus(workdir, [f"127.0.0.1:{serve.metrics_port}"])
+        try:
+            assert prometheus.wait_for(f'target_info{{openlora_run_id="{RUN_ID}"}}', timeout=30)
+            results = load_mix(serve, workdir / "mix.json")
+            count = "sum(gen_ai_server_request_duration_seconds_count)"
+            assert prometheus.wait_for(f"{count} >= {REQUESTS}", timeout=30), prometheus.query(count)
+            mix_scraped_at = time.time()
+            # All at once to one adapter, long answers: 4 generate, MAX_QUEUE wait, the rest get 503.
+            burst = load(
+                serve, workdir / "burst.json", "--rate", "1000", "--requests", str(BURST), "--adapters", "a1",
+                "--max-tokens", "48",
+            )  # fmt: skip
+            assert burst["overall"]["by_error"].get("overloaded", 0) > 0, burst["overall"]
+            assert prometheus.wait_for(f"{count} >= {REQUESTS + BURST}", timeout=30), prometheus.query(count)
+            time.sleep(2.5)  # two more scrapes: a rate over a series the burst created has two samples
+            yield Scraped(serve, prometheus, results, burst, mix_scraped_at, time.time())
+        finally:
+            prometheus.stop()
+
+
+def test_request_counts_per_adapter_equal_what_the_load_sent(scraped: Scraped) -> None:
+    query = scraped.prometheus.query  # nothing is sent any more: now is the end
+    found = {
+        (s["metric"]["openlora_adapter_name"], s["metric"].get("error_type", "")): int(float(s["value"][1]))
+        for s in query(
+            "sum by (openlora_adapter_name, error_type) (gen_ai_server_request_duration_seconds_count)"
+        )
+    }
+    # Every adapter the server has loaded is listed from the start at 0 requests; those are not traffic.
+    assert {key: count for key, count in found.items() if count} == expected_counts(
+        scraped.serve.base_model, scraped.results, scraped.burst
+    )
+    assert sum(found.values()) == REQUESTS + BURST
+    # The mix alone, as the server counted it before the burst.
+    found = {
+        (s["metric"]["openlora_adapter_name"], s["metric"].get("error_type", "")): int(float(s["value"][1]))
+        for s in scraped.query_at(scraped.mix_scraped_at)(
+            "sum by (openlora_adapter_name, error_type) (gen_ai_server_request_duration_seconds_count) > 0"
+        )
+    }
+    assert found == expected_counts(scraped.serve.base_model, scraped.results)
+    # Output tokens: the server's token usage is the sum of the usage the clients got.
+    (tokens,) = query('sum(openlora_inference_token_usage_sum{gen_ai_token_type="output"})')
+    clients = scraped.results["overall"]["output_tokens"] + scraped.burst["overall"]["output_tokens"]
+    assert int(float(tokens["value"][1])) == clients
+    # The adapters loaded, and the broken one's failed load.
+    loaded = {s["metric"]["openlora_adapter_name"] for s in query("openlora_inference_adapter_loaded == 1")}
+    assert loaded == {"a1", "a2"}
+    (failed,) = query('openlora_inference_adapter_load_duration_seconds_count{error_type!=""}')
+    assert failed["metric"]["openlora_adapter_name"] == "broken"
+
+
+def test_an_unknown_adapter_is_a_404_counted_as_unknown_adapter(scraped: Scraped) -> None:
+    nope = scraped.results["models"]["nope"]
+    assert nope["by_status"] == {"404": nope["sent"]}
+    assert nope["by_error"] == {"unknown_adapter": nope["sent"]}
+    (series,) = scraped.prometheus.query(
+        'gen_ai_server_request_duration_seconds_count{error_type="unknown_adapter"}'
+    )
+    assert series["metric"]["openlora_adapter_name"] == "other"
+    assert int(float(series["value"][1])) == nope["sent"]
+
+
+def test_server_quantiles_agree_with_the_clients_within_a_bucket(scraped: Scraped) -> None:
+    query = scraped.query_at(scraped.mix_scraped_at)
+    overall = scraped.results["overall"]
+    # Every successful request streamed text: the client saw a first token where the server counted one.
+    assert overall["ttft_s"]["count"] == overall["latency_s"]["count"] == overall["ok"]
+    for q in (0.5, 0.95):
+        name = f"p{int(q * 100)}"
+        (server,) = query(
+            f'histogram_quantile({q}, sum by (le) (gen_ai_server_request_duration_seconds_bucket{{error_type=""}}))'
+        )
+        assert_same_or_next_bucket(
+            f"request duration {name}",
+            overall["latency_s"][name],
+            float(server["value"][1]),
+            REQUEST_DURATION_BUCKETS,
+        )
+        (server,) = query(
+            f"histogram_quantile({q}, sum by (le) (gen_ai_server_time_to_first_token_seconds_bucket))"
+        )
+        assert_same_or_next_bucket(
+            f"time to first token {name}", overall["ttft_s"][name], float(server["value"][1]), TTFT_BUCKETS
+        )
+    # The sums are exact: the server's mean is the client's less the HTTP around each request.
+    (mean,) = query(
+        'sum(gen_ai_server_request_duration_seconds_sum{error_type=""})'
+        ' / sum(gen_ai_server_request_duration_seconds_count{error_type=""})'
+    )
+    server_mean, client_mean = float(mean["value"][1]), overall["latency_s"]["mean"]
+    assert server_mean <= client_mean + 1e-6
+    assert client_mean - server_mean < 0.1, (client_mean, server_mean)
+
+
+def test_every_inference_dashboard_query_returns_data(scraped: Scraped) -> None:
+    from tests.test_cluster_dashboard import http_variable_options, run_every_query
+
+    # At a time within 15 s of the traffic: the panels' rates are over [$__rate_interval] = 15 s.
+    problems = run_every_query(
+        INFERENCE_DASHBOARD,
+        scraped.query_at(scraped.evaluate_at),
+        http_variable_options(scraped.prometheus.url),
+        RUN_ID,
+    )
+    assert not problems, "\n".join(problems)
+
+
+# -- through OTLP, at the protocol level ----------------------------------------------------------------
+
+
+def test_the_same_counts_through_otlp(saved: Path, tmp_path: Path) -> None:
+    from tests.otlp_receiver import HttpReceiver
+
+    receiver = HttpReceiver()
+
+    def latest(name: str) -> dict[tuple[str, str], int]:
+        """The counts of histogram ``name`` in the newest export that has it (cumulative), by adapter and
+        error type, zeros left out; every point whole (its buckets add up to its count)."""
+        for item in reversed(receiver.received):
+            points = [
+                point
+                for rm in item.request.resource_metrics
+                for sm in rm.scope_metrics
+                for metric in sm.metrics
+                if metric.name == name
+                for point in metric.histogram.data_points
+            ]
+            if points:
+                found = {}
+                for point in points:
+                    attributes = {kv.key: kv.value.string_value for kv in point.attributes}
+                    found[(attributes["openlora.adapter.name"], attributes.get("error.type", ""))] = (
+                        point.count
+                    )
+                    assert sum(point.bucket_counts) == point.count
+                return {key: count for key, count in found.items() if count}
+        return {}
+
+    try:
+        with serving(
+            saved,
+            tmp_path,
+            OTEL_METRICS_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint,
+            OTEL_METRIC_EXPORT_INTERVAL="500",
+        ) as serve:
+            results = load_mix(serve, tmp_path / "mix.json", requests=16)
+            expected = expected_counts(serve.base_model, results)
+            arrived = receiver.wait_for(
+                lambda r: latest("gen_ai.server.request.duration") == expected, timeout=30
+            )
+            assert arrived, (latest("gen_ai.server.request.duration"), expected)
+        # Time to first token: one per successful request , none for failures.
+        assert latest("gen_ai.server.time_to_first_token") == {k: n for k, n in expected.items() if not k[1]}
+        durations = [
+            metric
+            for item in receiver.received
+            for rm in item.request.resource_metrics
+            for sm in rm.scope_metrics
+            for metric in sm.metrics
+            if metric.name == "gen_ai.server.request.duration"
+        ]
+        assert {metric.unit for metric in durations} == {"s"}
+        assert {
+            tuple(point.explicit_bounds) for metric in durations for point in metric.histogram.data_points
+        } == {tuple(REQUEST_DURATION_BUCKETS)}
+        resource = receiver.resource_attributes()
+        assert resource["openlora.run.id"] == RUN_ID
+        assert resource["service.name"] == "openlora-serve"
+    finally:
+        receiver.close()
