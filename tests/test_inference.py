@@ -425,3 +425,8 @@ def test_adapters_loaded_past_the_cap_share_other_until_the_last_is_unloaded() -
     metrics.adapter_unloaded("a3")
     assert loaded() == 0
     assert metrics.loaded_adapters == ("a1",)
+
+
+def test_an_empty_adapter_name_is_the_base_model(rig: Rig) -> None:
+    rig.metrics.request("").end()
+    assert point(rig.collect(), DURATION, base_attrs("base")).count == 1

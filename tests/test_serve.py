@@ -559,3 +559,51 @@ def test_importing_the_package_imports_no_server_stack() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_replaced_directory_is_never_deleted_while_it_is_the_one_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old adapter is moved aside before the new one moves in: at no moment is half of one in place."""
+    from openlora_otel.inference import layout
+
+    target = tmp_path / "adapters" / "a1"
+
+    def writer(text: str):
+        def write(directory: Path) -> None:
+            (directory / "weights").write_text(text)
+
+        return write
+
+    assert layout._replace_dir(target, writer("old"), keep_existing=False)
+    deleted_while_in_place = []
+    real_rmtree = shutil.rmtree
+
+    def watching_rmtree(path, *args, **kwargs):
+        if Path(path) == target:
+            deleted_while_in_place.append(path)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(layout.shutil, "rmtree", watching_rmtree)
+    assert layout._replace_dir(target, writer("new"), keep_existing=False)
+    assert deleted_while_in_place == []
+    assert (target / "weights").read_text() == "new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["a1"]  # nothing left aside
+    # keep_existing: the one in place wins and the written one is dropped.
+    assert not layout._replace_dir(target, writer("other"), keep_existing=True)
+    assert (target / "weights").read_text() == "new"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["a1"]
+
+
+@pytest.mark.parametrize(
+    ("exporters", "expected"),
+    [(("none",), "not exported (OTEL_METRICS_EXPORTER=none)"), (("console",), "pushed (console)")],
+)
+def test_the_ready_line_says_where_metrics_go(exporters: tuple[str, ...], expected: str) -> None:
+    from openlora_otel.inference.server import _metrics_where
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=exporters, export_interval_ms=600000))
+    try:
+        assert _metrics_where(telemetry) == expected
+    finally:
+        telemetry.shutdown()

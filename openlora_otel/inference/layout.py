@@ -199,23 +199,28 @@ def quiet_progress() -> Iterator[None]:
 def _replace_dir(target: Path, write: Any, *, keep_existing: bool) -> bool:
     """Write a directory through ``write(tmp)`` next to ``target`` and move it into place.
 
-    A reader (``serve``, another rank) sees the old directory or the whole new one, never half.
+    A reader (``serve``, another rank) sees the old directory, the whole new one, or for the
+    instant between two renames none, never half of one: the old one is renamed aside (to a
+    dot name, which readers skip) before the new one is renamed in, and only then deleted.
     With ``keep_existing`` an existing ``target`` wins (another process saved it first): False then.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    old: Path | None = None
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the saved model from a server running as another user
         write(tmp)
         if target.exists():
             if keep_existing:
                 return False
-            shutil.rmtree(target)
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+            os.replace(target, old)  # an empty directory is replaced by the old one
         os.replace(tmp, target)
         return True
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def save_base(

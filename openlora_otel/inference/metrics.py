@@ -327,7 +327,7 @@ class InferenceMetrics:
         A server should pass :data:`ADAPTER_OTHER` for a name it does not serve (a
         request it rejects), so made-up names never take one of the capped slots.
         """
-        if adapter is None or adapter == ADAPTER_BASE:
+        if not adapter or adapter == ADAPTER_BASE:  # None or "": the base model
             value = ADAPTER_BASE
         elif adapter == ADAPTER_OTHER:
             value = ADAPTER_OTHER
