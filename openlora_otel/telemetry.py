@@ -351,6 +351,8 @@ class Telemetry:
             self._host.stop()
         if self._nvml is not None:
             try:
+                if self._gpu is not None:
+                    self._gpu.collector.close()  # the XID event set and GPM samples, before nvmlShutdown
                 self._nvml.shutdown()
             except Exception:
                 _logger.debug("nvmlShutdown failed", exc_info=True)

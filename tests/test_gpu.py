@@ -11,13 +11,22 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, gpu, nvml, setup_telemetry
-from openlora_otel.gpu import THROTTLE_REASONS, GpuCollector, GpuMetrics
+from openlora_otel.gpu import GpuCollector, GpuMetrics
 from openlora_otel.names import GPU_METRICS
 from openlora_otel.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from tests.conftest import points, served_series
 from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
 
-PER_DEVICE_QUERIES = len(GpuCollector._QUERIES)
+# Per GPU and snapshot: the plain queries, one field-values call, and two GPM calls (Hopper).
+PER_DEVICE_CALLS = len(GpuCollector._QUERIES) + 1 + 2
+# Series present only after a second snapshot (GPM), with CUDA in this process, or after an XID.
+LATER = {
+    "openlora.gpu.sm.activity",
+    "openlora.gpu.sm.occupancy",
+    "openlora.gpu.tensor.activity",
+    "openlora.gpu.dram.activity",
+    "openlora.gpu.xid.errors",
+}
 
 
 class SteppedTime:
@@ -65,7 +74,10 @@ def series(data, name: str) -> list[tuple[dict, float]]:
 
 def test_every_metric_name_unit_attribute_and_exact_value(collect) -> None:
     [card] = h100s(1, processes={42: 3 * 2**30, 7: 2**30})
-    reader, _ = build(FakeNvml([card]))
+    fake = FakeNvml([card], driver="580.82.07")  # a driver that numbers the hw_* throttle fields so
+    reader, _ = build(fake)
+    collect(reader)  # GPM needs two samples
+    fake.inject_xid(card, 79)
     data = collect(reader)
     exported = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     for spec in GPU_METRICS:
@@ -78,7 +90,7 @@ def test_every_metric_name_unit_attribute_and_exact_value(collect) -> None:
         "hw.name": "NVIDIA H100 80GB HBM3",
         "hw.vendor": "NVIDIA",
         "hw.model": "NVIDIA H100 80GB HBM3",
-        "hw.driver_version": "550.54.15",
+        "hw.driver_version": "580.82.07",
         "openlora.gpu.index": 0,
     }
     assert series(data, "hw.gpu.memory.usage") == [(identity, 10 * 2**30)]
@@ -95,13 +107,50 @@ def test_every_metric_name_unit_attribute_and_exact_value(collect) -> None:
     assert series(data, "hw.temperature") == [(gpu_type, 61.0)]
     assert sorted(series(data, "hw.errors"), key=lambda s: s[0]["error.type"]) == [
         ({**gpu_type, "error.type": "corrected"}, 3),
+        ({**gpu_type, "error.type": "pcie_correctable"}, 5),
+        ({**gpu_type, "error.type": "pcie_fatal"}, 0),
+        ({**gpu_type, "error.type": "pcie_non_fatal"}, 0),
+        ({**gpu_type, "error.type": "pcie_replay"}, 2),
         ({**gpu_type, "error.type": "uncorrected"}, 0),
     ]
     assert series(data, "openlora.gpu.clock.sm") == [(identity, 1.98e9)]
     throttle = {
-        attrs["openlora.gpu.throttle.reason"]: value for attrs, value in series(data, "openlora.gpu.throttle")
+        attrs["openlora.gpu.throttle.reason"]: value
+        for attrs, value in series(data, "openlora.gpu.throttle.time")
     }
-    assert throttle == {reason: int(reason == "sw_power_cap") for reason in THROTTLE_REASONS}
+    assert throttle == {
+        "sw_power_cap": 1.5,
+        "thermal": 0.25,
+        "sync_boost": 0.0,
+        "hw_thermal_slowdown": 1e-6,
+        "hw_power_brake_slowdown": 0.0,
+    }
+    by_direction = lambda name: {a["network.io.direction"]: v for a, v in series(data, name)}  # noqa: E731
+    assert by_direction("hw.gpu.io") == {"transmit": 7_000_000_000, "receive": 9_000_000_000}
+    assert by_direction("openlora.gpu.nvlink.io") == {
+        "transmit": 18_000_000 * 1024,
+        "receive": 36_000_000 * 1024,
+    }
+    assert series(data, "openlora.gpu.xid.errors") == [({**identity, "openlora.gpu.xid.code": "79"}, 1)]
+    assert sorted(
+        series(data, "openlora.gpu.remap.rows"), key=lambda s: s[0]["openlora.gpu.remap.cause"]
+    ) == [
+        ({**identity, "openlora.gpu.remap.cause": "correctable"}, 1),
+        ({**identity, "openlora.gpu.remap.cause": "uncorrectable"}, 0),
+    ]
+    assert series(data, "openlora.gpu.remap.pending") == [(identity, 0)]
+    assert series(data, "openlora.gpu.remap.failed") == [(identity, 0)]
+    assert series(data, "openlora.gpu.pcie.link.width") == [(identity, 16)]
+    assert series(data, "openlora.gpu.pcie.link.width.max") == [(identity, 16)]
+    assert series(data, "openlora.gpu.pcie.link.generation") == [(identity, 5)]
+    assert series(data, "openlora.gpu.pcie.link.generation.max") == [(identity, 5)]
+    status = {a["hw.state"]: v for a, v in series(data, "hw.status")}
+    assert status == {"ok": 0, "degraded": 0, "failed": 1}  # the XID 79
+    assert {a["hw.type"] for a, _ in series(data, "hw.status")} == {"gpu"}
+    assert series(data, "openlora.gpu.sm.activity") == [(identity, 0.875)]
+    assert series(data, "openlora.gpu.sm.occupancy") == [(identity, 0.4)]
+    assert series(data, "openlora.gpu.tensor.activity") == [(identity, 0.625)]
+    assert series(data, "openlora.gpu.dram.activity") == [(identity, 0.55)]
     assert series(data, "openlora.process.gpu.memory.usage") == [(identity, 3 * 2**30)]
     [(_, age)] = series(data, "openlora.gpu.snapshot.age")
     assert 0 <= age < 1.0
@@ -124,7 +173,6 @@ def test_real_backend_converts_nvml_units_exactly() -> None:
     assert backend.ecc_errors(handle, corrected=True) == 7
     assert backend.ecc_errors(handle, corrected=False) == 1
     assert backend.sm_clock_hz(handle) == 1.98e9
-    assert backend.clock_event_reasons(handle) == 0x44
     assert backend.process_memory(handle) == {42: 2_000_000_000}
     assert backend.mig_handles(handle) == []
 
@@ -147,9 +195,9 @@ def test_eight_gpus_one_snapshot_per_collection_whatever_the_instrument_count(co
     started = time.perf_counter()
     collect(reader)
     took = time.perf_counter() - started
-    # 17 instruments, yet one read per query per device: the calls do not multiply.
-    assert fake.total_calls == 8 * PER_DEVICE_QUERIES
-    assert len(GPU_METRICS) > PER_DEVICE_QUERIES
+    # 32 instruments, yet a fixed handful of calls per device (plus one XID drain): they do not multiply.
+    assert fake.total_calls == 8 * PER_DEVICE_CALLS + 1
+    assert len(GPU_METRICS) > 3 * PER_DEVICE_CALLS
     assert took < 1.0  # ~100 calls at 50 µs; generous against a noisy machine
 
 
@@ -171,15 +219,20 @@ def test_mig_instances_report_memory_without_utilization(collect) -> None:
 
 
 def test_unsupported_capability_is_skipped_and_not_asked_again(collect) -> None:
+    # Neither the batched fields nor the calls they fall back to answer ECC and power.
     [card] = h100s(1, unsupported={"ecc_errors", "power_w"})
+    card.unsupported_fields |= {nvml.FI.ECC_SBE_VOL_TOTAL, nvml.FI.ECC_DBE_VOL_TOTAL, nvml.FI.POWER_AVERAGE}
     fake = FakeNvml([card])
     reader, _ = build(fake)
     data = collect(reader)
-    assert series(data, "hw.errors") == [] and series(data, "hw.power") == []
+    assert {a["error.type"] for a, _ in series(data, "hw.errors")}.isdisjoint({"corrected", "uncorrected"})
+    assert series(data, "hw.power") == []
     assert series(data, "hw.temperature")  # the rest is there
     before = fake.calls["ecc_errors"], fake.calls["power_w"]
+    asked = len(fake.fields_asked[-1])
     collect(reader)
     assert (fake.calls["ecc_errors"], fake.calls["power_w"]) == before
+    assert len(fake.fields_asked[-1]) == asked - 3  # nor are the fields asked again
 
 
 def test_gpu_failing_mid_run_drops_its_series_warns_once_and_comes_back(
@@ -362,13 +415,20 @@ def test_gpu_off_does_not_touch_nvml(fake_backend: FakeNvml) -> None:
     telemetry.shutdown()
 
 
-def test_pull_endpoint_serves_the_documented_gpu_names(fake_backend: FakeNvml) -> None:
+def test_pull_endpoint_serves_the_documented_gpu_names(
+    fake_backend: FakeNvml, stepped_time: SteppedTime
+) -> None:
     config = TelemetryConfig(
         prometheus_host="127.0.0.1", prometheus_port=0, gpu_metrics="on", gpu_devices="all"
     )
     telemetry = setup_telemetry(config=config)
+    served_series(telemetry.prometheus_url)  # GPM activity needs a second snapshot
+    fake_backend.inject_xid(fake_backend.gpus[0], 48)
+    stepped_time.offset += 1.0
     served = served_series(telemetry.prometheus_url)
     telemetry.shutdown()
+    assert fake_backend.event_sets == [] and fake_backend.freed_event_sets == 1  # freed before nvmlShutdown
+    assert all(sample.freed for sample in fake_backend.samples)
     for spec in GPU_METRICS:
         if spec.name.startswith("openlora.torch.") or spec.name == "openlora.process.gpu.memory.usage":
             continue  # need CUDA in this process / this PID on the GPU

@@ -1,0 +1,486 @@
+"""GPU depth without a GPU: batched field values and their fallbacks, XID events, remapped rows, PCIe
+link state, hw.status and GPM activity, each present where the fake GPU has it and absent where not."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from openlora_otel import gpu, nvml
+from openlora_otel.gpu import FIELDS, GpuCollector
+from openlora_otel.names import XID_CODES
+from openlora_otel.nvml import FI, GPM, PERF_POLICY, RECOVERY, SCOPE_ALL_LINKS, GpuError, PynvmlBackend
+from tests import fake_nvml
+from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
+from tests.test_gpu import SteppedTime, build, collect, series, stepped_time  # noqa: F401 (fixtures)
+
+OLD_CALLS_PER_GPU = 12  # before batching: one NVML call per value (see git history of gpu.py)
+
+
+def by(data, name: str, key: str) -> dict:
+    return {attrs[key]: value for attrs, value in series(data, name)}
+
+
+def status(data) -> dict[str, str]:
+    """hw.id -> the hw.state whose series is 1."""
+    states: dict[str, str] = {}
+    for attrs, value in series(data, "hw.status"):
+        if value == 1:
+            assert attrs["hw.id"] not in states, "two states at 1 for one GPU"
+            states[attrs["hw.id"]] = attrs["hw.state"]
+    return states
+
+
+# -- calls per snapshot ------------------------------------------------------------------------
+
+
+def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: F811
+    fake = FakeNvml(h100s(8), driver="580.82.07")
+    reader, _ = build(fake)
+    collect(reader)  # discovery, link maximum, GPM sample allocation, event registration
+    fake.calls.clear()
+    collect(reader)
+    per_gpu = {name: count / 8 for name, count in fake.calls.items() if name != "wait_xid"}
+    assert fake.calls["wait_xid"] == 1  # one drain of the one event set, not one per GPU
+    assert sum(per_gpu.values()) == 10 < OLD_CALLS_PER_GPU  # 8 + 2 GPM calls on Hopper
+    assert fake.calls["field_values"] == 8
+    # ... for far more values than the 12 it used to read.
+    asked = len(fake.fields_asked[-1])
+    assert asked == len(FIELDS) and asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
+
+    # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
+    older = FakeNvml([older_gpu(unsupported_fields=set())], driver="535.104.05")
+    reader, _ = build(older)
+    collect(reader)
+    older.calls.clear()
+    collect(reader)
+    assert older.total_calls - older.calls["wait_xid"] == 8
+    # The worst case, every fallback taken (no average-power or throttle fields): as many calls as
+    # before, for three throttle durations and the replay counter the old snapshot did not have.
+    oldest = FakeNvml([older_gpu()], driver="535.104.05")
+    reader, _ = build(oldest)
+    collect(reader)
+    oldest.calls.clear()
+    collect(reader)
+    assert oldest.total_calls - oldest.calls["wait_xid"] == OLD_CALLS_PER_GPU
+
+
+def test_an_unsupported_field_falls_back_to_its_own_call_and_is_not_asked_again(collect) -> None:  # noqa: F811
+    card = older_gpu()
+    fake = FakeNvml([card], driver="535.104.05")
+    reader, _ = build(fake)
+    data = collect(reader)
+    attrs = lambda name: [a for a, _ in series(data, name)]  # noqa: E731
+    assert (
+        series(data, "hw.power")[0][1] == card.power_w
+    )  # POWER_AVERAGE unsupported: nvmlDeviceGetPowerUsage
+    assert by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason") == {
+        "sw_power_cap": 1.5,  # nvmlDeviceGetViolationStatus
+        "thermal": 0.25,
+        "sync_boost": 0.0,
+    }
+    assert attrs("hw.gpu.io") == [] and attrs("openlora.gpu.nvlink.io") == []  # no field, no fallback
+    assert attrs("openlora.gpu.remap.rows") == [] and attrs("openlora.gpu.remap.pending") == []
+    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0, "pcie_replay": 2}
+    assert fake.calls["remapped_rows"] == 1 and fake.calls["violation_s"] == 3
+    fake.calls.clear()
+    asked_before = set(fake.fields_asked[-1])
+    collect(reader)
+    asked_now = set(fake.fields_asked[-1])
+    assert asked_now < asked_before
+    assert not {fid for fid, _ in asked_now} & card.unsupported_fields
+    assert fake.calls["remapped_rows"] == 0  # NotSupported remembered
+    assert fake.calls["violation_s"] == 3 and fake.calls["power_w"] == 1  # the fallbacks that answer
+
+
+def test_field_values_call_itself_unsupported_reads_each_value_alone(collect) -> None:  # noqa: F811
+    [card] = h100s(1, unsupported={"field_values"})
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    data = collect(reader)
+    assert series(data, "hw.power")[0][1] == 312.5
+    assert series(data, "hw.energy")[0][1] == 123456.789
+    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0, "pcie_replay": 2}
+    assert set(by(data, "openlora.gpu.remap.rows", "openlora.gpu.remap.cause")) == {
+        "correctable",
+        "uncorrectable",
+    }
+    assert fake.calls["remapped_rows"] == 1  # one call answers all four remap values
+    collect(reader)
+    assert fake.calls["field_values"] == 1  # asked once, remembered
+
+
+def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_so(collect) -> None:  # noqa: F811
+    fake = FakeNvml(h100s(1), driver="550.54.15")
+    reader, _ = build(fake)
+    data = collect(reader)
+    asked = {fid for fid, _ in fake.fields_asked[-1]}
+    assert not asked & {
+        FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
+        FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
+    }
+    assert set(by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")) == {
+        "sw_power_cap",
+        "thermal",
+        "sync_boost",
+    }
+
+
+def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:  # noqa: F811
+    cards = h100s(2)
+    cards[1].nvlink_links = 0
+    fake = FakeNvml(cards)
+    reader, _ = build(fake)
+    data = collect(reader)
+    assert (FI.NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS) in fake.fields_asked[-1]
+    ids = {a["hw.id"] for a, _ in series(data, "openlora.gpu.nvlink.io")}
+    assert ids == {cards[0].uuid}
+    assert by(data, "openlora.gpu.nvlink.io", "network.io.direction") == {
+        "transmit": 18_000_000 * 1024,  # all 18 links, not link 0's share
+        "receive": 36_000_000 * 1024,
+    }
+
+
+def test_a_field_failing_in_passing_is_skipped_this_time_only(collect, monkeypatch) -> None:  # noqa: F811
+    [card] = h100s(1)
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    original = card.field_value
+    monkeypatch.setattr(
+        card,
+        "field_value",
+        lambda fid, scope: (27, None) if fid == FI.PCIE_COUNT_TX_BYTES else original(fid, scope),
+    )  # NVML_ERROR_NOT_READY
+    data = collect(reader)
+    assert by(data, "hw.gpu.io", "network.io.direction") == {"receive": 9_000_000_000}
+    assert series(data, "hw.gpu.memory.usage")  # the device is fine
+    monkeypatch.setattr(card, "field_value", original)
+    data = collect(reader)
+    assert by(data, "hw.gpu.io", "network.io.direction") == {
+        "transmit": 7_000_000_000,
+        "receive": 9_000_000_000,
+    }
+
+
+# -- XID events ------------------------------------------------------------------------------
+
+
+def test_xid_codes_are_counted_per_gpu_with_a_bounded_set_of_values(collect) -> None:  # noqa: F811
+    cards = h100s(2)
+    fake = FakeNvml(cards)
+    reader, _ = build(fake)
+    data = collect(reader)
+    assert series(data, "openlora.gpu.xid.errors") == []  # none yet: no series
+    assert fake.registered == {c.uuid for c in cards}
+    for code in (79, 48, 48, 31, 999, 12345):
+        fake.inject_xid(cards[1], code)
+    fake.inject_xid(cards[0], 13)
+    data = collect(reader)
+    counts = {(a["hw.id"], a["openlora.gpu.xid.code"]): v for a, v in series(data, "openlora.gpu.xid.errors")}
+    assert counts == {
+        (cards[1].uuid, "79"): 1,
+        (cards[1].uuid, "48"): 2,
+        (cards[1].uuid, "31"): 1,
+        (cards[1].uuid, "other"): 2,
+        (cards[0].uuid, "13"): 1,
+    }
+    data = collect(reader)  # cumulative: nothing new, same counts
+    assert len(series(data, "openlora.gpu.xid.errors")) == 5
+    assert len(XID_CODES) + 1 <= 25  # the attribute's values are bounded
+
+
+def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:  # noqa: F811
+    [card] = h100s(1)
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    for _ in range(300):
+        fake.inject_xid(card, 94)
+    first = by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code")
+    assert first == {"94": gpu._XID_PER_SNAPSHOT}
+    assert by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code") == {"94": 300}
+
+
+def test_xid_events_unsupported_means_no_series_and_no_retries(collect) -> None:  # noqa: F811
+    fake = FakeNvml(h100s(2))
+    fake.events_supported = False
+    reader, _ = build(fake)
+    collect(reader)
+    data = collect(reader)
+    assert series(data, "openlora.gpu.xid.errors") == []
+    assert fake.calls["event_set_create"] == 1 and fake.calls["wait_xid"] == 0
+    assert set(status(data).values()) == {"ok"}
+
+
+def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:  # noqa: F811
+    parent = FakeGpu(uuid="GPU-aaaa", name="NVIDIA H100 80GB HBM3")
+    parent.mig = [
+        FakeGpu(uuid="MIG-1111", unsupported={"utilization"}, gpm=None),
+        FakeGpu(uuid="MIG-2222", unsupported={"utilization"}, gpm=None),
+    ]
+    fake = FakeNvml([parent])
+    reader, _ = build(fake, devices="process")
+    collect(reader)
+    assert fake.registered == {"GPU-aaaa"}  # registered on the whole GPU, not the instances
+    fake.inject_xid(parent, 48)
+    data = collect(reader)
+    assert [
+        (a["hw.id"], a["openlora.gpu.xid.code"], v) for a, v in series(data, "openlora.gpu.xid.errors")
+    ] == [("GPU-aaaa", "48", 1)]
+    assert status(data) == {"MIG-1111": "degraded", "MIG-2222": "degraded"}
+    # No GPM, link or field calls for instances: those are whole-GPU values.
+    assert (
+        fake.calls["gpm_sample_get"] == 0 and fake.calls["pcie_link"] == 0 and fake.calls["field_values"] == 0
+    )
+
+
+# -- hw.status ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({}, "ok"),
+        ({"remap": (1, 0, 1, 0)}, "degraded"),  # a remap waits for a reset
+        ({"remap": (1, 4, 0, 1)}, "failed"),  # no spare rows left
+        ({"recovery_action": RECOVERY.GPU_RESET}, "degraded"),
+        ({"recovery_action": RECOVERY.DRAIN_AND_RESET}, "degraded"),
+        ({"recovery_action": RECOVERY.NODE_REBOOT}, "failed"),
+        ({"xid": 31}, "ok"),  # a program's illegal address: not the GPU's fault
+        ({"xid": 63}, "ok"),  # a remap was recorded: the pending flag says what to do
+        ({"xid": 48}, "degraded"),
+        ({"xid": 95}, "degraded"),
+        ({"xid": 79}, "failed"),
+    ],
+)
+def test_hw_status_from_remaps_recovery_action_and_xids(collect, change, expected) -> None:  # noqa: F811
+    cards = h100s(2)
+    fake = FakeNvml(cards)
+    xid = change.pop("xid", None)
+    for key, value in change.items():
+        setattr(cards[1], key, value)
+    reader, _ = build(fake)
+    collect(reader)
+    if xid is not None:
+        fake.inject_xid(cards[1], xid)
+    assert status(collect(reader)) == {cards[0].uuid: "ok", cards[1].uuid: expected}
+
+
+def test_a_lost_gpu_is_failed_and_the_others_keep_reporting(collect) -> None:  # noqa: F811
+    cards = h100s(3)
+    fake = FakeNvml(cards)
+    reader, _ = build(fake)
+    collect(reader)
+    cards[1].failing = True  # answers nothing, not even its handle on re-enumeration
+    original_handle = fake.handle
+
+    def handle(index: int):
+        if cards[index].failing:
+            raise GpuError("GPU is lost")
+        return original_handle(index)
+
+    fake.handle = handle
+    for _ in range(3):
+        data = collect(reader)
+        assert status(data) == {cards[0].uuid: "ok", cards[1].uuid: "failed", cards[2].uuid: "ok"}
+        assert {a["hw.id"] for a, _ in series(data, "hw.gpu.memory.usage")} == {cards[0].uuid, cards[2].uuid}
+    cards[1].failing = False
+    data = collect(reader)
+    assert status(data) == {c.uuid: "ok" for c in cards}
+    assert len(series(data, "hw.gpu.memory.usage")) == 3
+
+
+# -- PCIe link ---------------------------------------------------------------------------------
+
+
+def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
+    collect,  # noqa: F811
+    stepped_time: SteppedTime,  # noqa: F811
+) -> None:
+    [card] = h100s(1, link=(16, 5), link_max=(16, 5))
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    card.link = (8, 4)  # the link retrains narrower and slower
+    data = collect(reader)
+    assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 16  # not re-read yet
+    stepped_time.offset += gpu._LINK_EVERY_S
+    data = collect(reader)
+    assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 8
+    assert series(data, "openlora.gpu.pcie.link.generation")[0][1] == 4
+    assert series(data, "openlora.gpu.pcie.link.width.max")[0][1] == 16
+    assert series(data, "openlora.gpu.pcie.link.generation.max")[0][1] == 5
+    assert fake.calls["pcie_link_max"] == 1 and fake.calls["pcie_link"] == 2
+
+
+# -- GPM ---------------------------------------------------------------------------------------
+
+GPM_SERIES = ("openlora.gpu.sm.activity", "openlora.gpu.sm.occupancy", "openlora.gpu.tensor.activity")
+
+
+def test_gpm_needs_two_snapshots_and_always_passes_the_older_sample_first(collect) -> None:  # noqa: F811
+    [card] = h100s(1)
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    data = collect(reader)
+    assert all(series(data, name) == [] for name in GPM_SERIES)  # absent, not zero
+    for occupancy in (40.0, 12.5, 90.0):  # the fake refuses samples out of order or from another GPU
+        card.gpm = {**card.gpm, GPM.SM_OCCUPANCY: occupancy}
+        data = collect(reader)
+        assert series(data, "openlora.gpu.sm.occupancy")[0][1] == occupancy / 100
+    assert fake.calls["gpm_sample_alloc"] == 2  # two buffers, reused
+
+
+def test_gpm_absent_before_hopper_and_not_asked_again(collect) -> None:  # noqa: F811
+    fake = FakeNvml([older_gpu()])
+    reader, _ = build(fake)
+    for _ in range(3):
+        data = collect(reader)
+        assert all(series(data, name) == [] for name in GPM_SERIES)
+    assert fake.calls["gpm_supported"] == 1 and fake.calls["gpm_sample_get"] == 0
+
+
+def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:  # noqa: F811
+    [card] = h100s(1)
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    assert series(collect(reader), "openlora.gpu.sm.activity")
+    original = fake.gpm_sample_get
+    monkeypatch.setattr(fake, "gpm_sample_get", lambda h, s: (_ for _ in ()).throw(GpuError("Unknown Error")))
+    data = collect(reader)
+    assert status(data) == {card.uuid: "failed"}
+    monkeypatch.setattr(fake, "gpm_sample_get", original)
+    data = collect(reader)
+    assert series(data, "openlora.gpu.sm.activity") == []  # would span the failure: skipped
+    assert series(collect(reader), "openlora.gpu.sm.activity")
+
+
+# -- threads, shutdown -------------------------------------------------------------------------
+
+
+def test_every_nvml_call_of_a_collection_runs_on_the_helper_thread(collect) -> None:  # noqa: F811
+    fake = FakeNvml(h100s(2))
+    reader, _ = build(fake)
+    collect(reader)
+    fake.inject_xid(fake.gpus[0], 79)
+    collect(reader)
+    assert set(fake.threads) == {"openlora-otel-nvml"}
+    assert threading.current_thread().name not in fake.threads
+
+
+def test_close_frees_the_event_set_and_samples_once_the_snapshot_in_flight_ends(collect) -> None:  # noqa: F811
+    fake = FakeNvml(h100s(1))
+    reader, metrics = build(fake, timeout_s=0.05)
+    collect(reader)
+    fake.latency_s = 0.02  # the next snapshot (about 0.2 s) is still running when close() comes
+    collect(reader)
+    metrics.collector.close()
+    assert fake.freed_event_sets == 0  # not under the running snapshot's feet
+    deadline = threading.Event()
+    for _ in range(250):
+        if fake.freed_event_sets:
+            break
+        deadline.wait(0.02)
+    assert fake.freed_event_sets == 1 and all(s.freed for s in fake.samples)
+    calls = fake.total_calls
+    collect(reader)
+    assert fake.total_calls == calls  # closed: no new snapshot
+
+
+# -- the real backend over a pynvml stand-in ----------------------------------------------------
+
+
+def test_real_backend_field_values_pass_the_scope_and_convert_by_value_type() -> None:
+    module = fake_pynvml_module(field_status={FI.REMAPPED_COR: 3})
+    backend = PynvmlBackend(module)
+    fields = [
+        (FI.POWER_AVERAGE, 0),
+        (FI.TOTAL_ENERGY_CONSUMPTION, 0),
+        (FI.NVLINK_THROUGHPUT_DATA_TX, SCOPE_ALL_LINKS),
+        (FI.REMAPPED_COR, 0),
+        (FI.GET_GPU_RECOVERY_ACTION, 0),  # unknown to this "driver"
+    ]
+    assert backend.field_values("handle0", fields) == [
+        (0, 312_456),
+        (0, 987_654_321),
+        (0, 5_000_000),  # the aggregate: the scope travelled as a tuple
+        (3, None),
+        (2, None),
+    ]
+    assert module.asked_fields == [fields]
+
+
+def test_real_backend_health_calls() -> None:
+    backend = PynvmlBackend(fake_pynvml_module(xids=[79, 13]))
+    assert backend.pcie_replay_counter("handle0") == 4
+    assert backend.remapped_rows("handle0") == (3, 1, 1, 0)
+    assert backend.violation_s("handle0", PERF_POLICY.POWER) == 1.25  # ns to s
+    assert backend.violation_s("handle0", PERF_POLICY.SYNC_BOOST) == 3.75
+    assert backend.pcie_link("handle0") == (8, 4)
+    assert backend.pcie_link_max("handle0") == (16, 5)
+    event_set = backend.event_set_create()
+    backend.register_xid_events("handle0", event_set)
+    uuid = "GPU-abcdef01-0000-0000-0000-000000000000"
+    assert [backend.wait_xid(event_set) for _ in range(3)] == [(uuid, 79), (uuid, 13), None]
+    backend.event_set_free(event_set)
+
+
+def test_real_backend_gpm_metrics() -> None:
+    module = fake_pynvml_module()
+    backend = PynvmlBackend(module)
+    assert backend.gpm_supported("handle0")
+    first, second = backend.gpm_sample_alloc(), backend.gpm_sample_alloc()
+    backend.gpm_sample_get("handle0", first)
+    backend.gpm_sample_get("handle0", second)
+    metrics = backend.gpm_metrics(first, second, [GPM.SM_UTIL, GPM.DRAM_BW_UTIL, 999])
+    assert metrics == {GPM.SM_UTIL: 87.5, GPM.DRAM_BW_UTIL: 55.0}  # 999 answered NotSupported: left out
+    [(sample1, sample2, count)] = module.metrics_requests
+    assert (sample1, sample2, count) == (first.value, second.value, 3)
+    backend.gpm_sample_free(first)
+    unsupported = PynvmlBackend(fake_pynvml_module(not_supported={"nvmlGpmQueryDeviceSupport"}))
+    with pytest.raises(nvml.GpuNotSupported):
+        unsupported.gpm_supported("handle0")
+
+
+# -- against the real nvidia-ml-py, where installed (no driver needed) -------------------------
+
+
+def _class_ints(cls: type) -> dict[str, int]:
+    return {k: v for k, v in vars(cls).items() if isinstance(v, int) and not k.startswith("_")}
+
+
+def test_ids_and_structs_match_the_installed_pynvml() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    for name, value in _class_ints(FI).items():
+        assert getattr(pynvml, f"NVML_FI_DEV_{name}") == value, name
+    for name, value in _class_ints(GPM).items():
+        assert getattr(pynvml, f"NVML_GPM_METRIC_{name}") == value, name
+    for name, value in _class_ints(PERF_POLICY).items():
+        assert getattr(pynvml, f"NVML_PERF_POLICY_{name}") == value, name
+    for name, value in _class_ints(RECOVERY).items():
+        assert getattr(pynvml, f"NVML_GPU_RECOVERY_ACTION_{name}") == value, name
+    assert pynvml.NVML_ERROR_NOT_SUPPORTED == nvml.NVML_ERROR_NOT_SUPPORTED
+    assert pynvml.NVML_ERROR_INVALID_ARGUMENT == nvml.NVML_ERROR_INVALID_ARGUMENT
+    assert pynvml.NVML_ERROR_GPU_IS_LOST == nvml.NVML_ERROR_GPU_IS_LOST
+    assert len(fake_nvml.c_nvmlGpmMetricsGet_t().metrics) == pynvml.NVML_GPM_METRIC_MAX
+    for ours, theirs in (
+        (fake_nvml.c_nvmlFieldValue_t, pynvml.c_nvmlFieldValue_t),
+        (fake_nvml.c_nvmlValue_t, pynvml.c_nvmlValue_t),
+        (fake_nvml.c_nvmlGpmMetric_t, pynvml.c_nvmlGpmMetric_t),
+        (fake_nvml.c_nvmlGpmMetricsGet_t, pynvml.c_nvmlGpmMetricsGet_t),
+        (fake_nvml.c_nvmlViolationTime_t, pynvml.c_nvmlViolationTime_t),
+    ):
+        assert [f[0] for f in ours._fields_] == [f[0] for f in theirs._fields_], theirs.__name__
+        assert ctypes.sizeof(ours) == ctypes.sizeof(theirs), theirs.__name__
+    assert [f[0] for f in pynvml.c_nvmlEventData_t._fields_][:3] == ["device", "eventType", "eventData"]
+    # Every pynvml name the backend uses exists in the real module, and in the stand-in.
+    used = set(re.findall(r"self\._nv\.(\w+)", Path(nvml.__file__).read_text()))
+    stand_in = fake_pynvml_module()
+    for name in sorted(used):
+        assert hasattr(pynvml, name), name
+        assert hasattr(stand_in, name), name
