@@ -10,7 +10,8 @@ so its queue is never empty) sends completions back to back for a fixed time,
 cycling adapter a1, adapter a2 and the base model, every other one streamed.
 Completed requests per second are counted after a warm-up; pairs alternate
 which side goes first, and the median of the per-pair ratios is the figure
-(target >= 0.98).
+(target >= 0.98). The server's CPU time per completed request (from /proc) is
+printed too: on a shared machine it moves less with other load than req/s.
 
     python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5]
 """
@@ -84,12 +85,28 @@ def one_request(connection: http.client.HTTPConnection, model: str, max_tokens: 
     return response.status == 200
 
 
-def closed_loop(port: int, clients: int, seconds: float, warmup: float, max_tokens: int) -> float:
-    """Completed requests per second over ``seconds``, after ``warmup`` seconds not counted."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def closed_loop(
+    port: int, clients: int, seconds: float, warmup: float, max_tokens: int, pid: int
+) -> tuple[float, float]:
+    """Completed requests per second over ``seconds`` (after ``warmup`` seconds not counted), and
+    the server's CPU milliseconds per completed request over the same span."""
     start = time.monotonic()
     counting_from = start + warmup
     stop_at = counting_from + seconds
     counts = [0] * clients
+    cpu_marks: list[float] = []
+
+    def mark_cpu() -> None:
+        time.sleep(max(0.0, counting_from - time.monotonic()))
+        cpu_marks.append(cpu_seconds(pid))
+        time.sleep(max(0.0, stop_at - time.monotonic()))
+        cpu_marks.append(cpu_seconds(pid))
 
     def client(index: int) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -102,11 +119,13 @@ def closed_loop(port: int, clients: int, seconds: float, warmup: float, max_toke
         connection.close()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads.append(threading.Thread(target=mark_cpu))
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(seconds + warmup + 120)
-    return sum(counts) / seconds
+    done = sum(counts)
+    return done / seconds, 1000 * (cpu_marks[1] - cpu_marks[0]) / max(done, 1)
 
 
 def scrape_every(interval: float, url: str, stop: threading.Event) -> None:
@@ -115,7 +134,7 @@ def scrape_every(interval: float, url: str, stop: threading.Event) -> None:
             urllib.request.urlopen(url, timeout=5).read()
 
 
-def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> float:
+def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> tuple[float, float]:
     port, metrics_port = free_port(), free_port()
     extra = (
         {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": str(metrics_port)}
@@ -138,7 +157,7 @@ def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> f
                 args=(args.scrape_interval, f"http://127.0.0.1:{metrics_port}/metrics", stop),
                 daemon=True,
             ).start()
-        return closed_loop(port, args.slots + 1, args.seconds, args.warmup, args.max_tokens)
+        return closed_loop(port, args.slots + 1, args.seconds, args.warmup, args.max_tokens, process.pid)
     finally:
         stop.set()
         process.send_signal(signal.SIGTERM)
@@ -161,20 +180,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "saved"
         save(directory)
-        ratios = []
+        ratios, cpu_ratios = [], []
         for pair in range(args.pairs):
             order = (True, False) if pair % 2 == 0 else (False, True)
-            rates = {side: run_side(directory, side, args) for side in order}
-            ratio = rates[True] / rates[False]
-            ratios.append(ratio)
+            results = {side: run_side(directory, side, args) for side in order}
+            (on_rate, on_cpu), (off_rate, off_cpu) = results[True], results[False]
+            ratios.append(on_rate / off_rate)
+            cpu_ratios.append(on_cpu / off_cpu)
             print(
-                f"pair {pair + 1}: telemetry on {rates[True]:.2f} req/s, off {rates[False]:.2f} req/s, "
-                f"ratio {ratio:.3f}",
+                f"pair {pair + 1}: telemetry on {on_rate:.2f} req/s ({on_cpu:.1f} ms server CPU per request), "
+                f"off {off_rate:.2f} req/s ({off_cpu:.1f} ms), ratio {ratios[-1]:.3f}",
                 flush=True,
             )
     print(
         f"median ratio on/off over {args.pairs} pairs: {statistics.median(ratios):.3f} "
         f"(range {min(ratios):.3f} to {max(ratios):.3f}; target >= 0.98)"
+    )
+    print(
+        f"median server CPU per request, on/off: {statistics.median(cpu_ratios):.3f} "
+        f"(range {min(cpu_ratios):.3f} to {max(cpu_ratios):.3f}): less sensitive to other load on the machine"
     )
 
 
