@@ -11,6 +11,11 @@
   ``setup_telemetry`` builds it (``inference_views()``: windows merged per
   collection), and on a plain provider (any foreign meter: values recorded one by one).
 
+Then the HTTP server metrics ``openlora-otel serve`` adds through
+opentelemetry-instrumentation-fastapi (with the serve command's settings): the
+extra CPU per streamed request of 8 chunks, through a FastAPI app called
+in-process (no sockets), instrumented vs not (needs the ``serve`` extra).
+
 Each variant runs in the same process, interleaved in rounds, measured with
 ``time.process_time``; the median per-request cost over the rounds is reported,
 plus ratios. A reader collects every 10,000 requests in the OpenTelemetry
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import resource
 import statistics
 import time
+from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -128,6 +135,72 @@ def openlora(merged: bool = True):
     return request, reader.collect
 
 
+def asgi_extra_per_request(requests: int, rounds: int) -> tuple[float, float] | None:
+    """Median CPU seconds per streamed request of a bare FastAPI app, and with serve's instrumentation."""
+    try:
+        import asyncio
+
+        from fastapi import FastAPI
+        from fastapi.responses import StreamingResponse
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+        from opentelemetry.trace import NoOpTracerProvider
+    except ImportError:
+        return None
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")  # what serve sets
+
+    def make(instrumented: bool) -> Any:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions() -> StreamingResponse:
+            async def events() -> Any:
+                for _ in range(8):
+                    yield b"data: {}\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        if instrumented:
+            FastAPIInstrumentor.instrument_app(
+                app,
+                meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
+                tracer_provider=NoOpTracerProvider(),
+                exclude_spans=["receive", "send"],
+            )
+        return app
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
+        "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+    }  # fmt: skip
+
+    async def call(app: Any) -> None:
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return messages.pop() if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            return None
+
+        await app(dict(scope), receive, send)
+
+    async def timed(app: Any) -> float:
+        for _ in range(200):
+            await call(app)
+        started = time.process_time()
+        for _ in range(requests):
+            await call(app)
+        return (time.process_time() - started) / requests
+
+    plain, instrumented = [], []
+    for _ in range(rounds):
+        plain.append(asyncio.run(timed(make(False))))
+        instrumented.append(asyncio.run(timed(make(True))))
+    return statistics.median(plain), statistics.median(instrumented)
+
+
 def time_variant(request, collect, count: int, collect_every: int) -> tuple[float, float]:
     total = collecting = 0.0
     done = 0
@@ -189,6 +262,15 @@ def main() -> None:
     print(
         f"ratio openlora-otel / naive OpenTelemetry: {ours / medians['naive OpenTelemetry, the same set']:.2f}"
     )
+
+    asgi = asgi_extra_per_request(max(1000, args.requests // 20), args.rounds)
+    if asgi is not None:
+        plain, instrumented = (seconds * 1e6 for seconds in asgi)
+        print(
+            f"HTTP server metrics (opentelemetry-instrumentation-fastapi, serve's settings), one streamed "
+            f"request of 8 chunks: bare FastAPI {plain:.0f} us, instrumented {instrumented:.0f} us, "
+            f"extra {instrumented - plain:.0f} us"
+        )
 
     request, collect = openlora()
     for i in range(10_000):
