@@ -4,7 +4,7 @@
 plain calls, each returning host values in SI units where NVML uses others
 (bytes, watts, joules, hertz). :class:`PynvmlBackend` implements it over
 ``pynvml`` (the ``nvidia-ml-py`` package, extra ``gpu``), translating NVML's
-errors into :class:`GpuNotSupported` (this device lacks the capability: stop
+errors into :class:`GpuNotSupported` (this device or driver lacks the capability: stop
 asking) and :class:`GpuError` (something went wrong: try again later).
 
 Many values come through one ``nvmlDeviceGetFieldValues`` call per device
@@ -171,7 +171,9 @@ class PynvmlBackend:
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except self._nv.NVMLError_NotSupported as exc:
+        except (self._nv.NVMLError_NotSupported, self._nv.NVMLError_FunctionNotFound) as exc:
+            # FunctionNotFound: this driver's libnvidia-ml predates the call (GPM before R520, say);
+            # as permanent as NotSupported, and no sign that the GPU itself is in trouble.
             raise GpuNotSupported(str(exc)) from None
         except self._nv.NVMLError as exc:
             raise GpuError(str(exc)) from None

@@ -449,13 +449,16 @@ def fake_pynvml_module(
     lost: bool = False,
     field_status: dict[int, int] | None = None,
     xids: list[int] | None = None,
+    missing: set[str] | None = None,
 ) -> types.ModuleType:
     """A pynvml stand-in returning NVML's raw units for one GPU.
 
-    ``field_status``: nvmlReturn per field id (default success); ``xids``: XID codes queued on the event set.
+    ``field_status``: nvmlReturn per field id (default success); ``xids``: XID codes queued on the event set;
+    ``missing``: entry points this "driver" lacks (an older libnvidia-ml: pynvml raises FunctionNotFound).
     """
     module = types.ModuleType("pynvml")
     not_supported = not_supported or set()
+    missing = missing or set()
     field_status = field_status or {}
     xid_queue = list(xids or [])
 
@@ -468,9 +471,13 @@ def fake_pynvml_module(
     class NVMLError_Timeout(NVMLError):
         pass
 
+    class NVMLError_FunctionNotFound(NVMLError):
+        pass
+
     module.NVMLError = NVMLError
     module.NVMLError_NotSupported = NVMLError_NotSupported
     module.NVMLError_Timeout = NVMLError_Timeout
+    module.NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     module.NVML_TEMPERATURE_GPU = 0
     module.NVML_CLOCK_SM = 1
     module.NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -533,6 +540,8 @@ def fake_pynvml_module(
 
     def api(name, value):
         def call(*args):
+            if name in missing:  # what pynvml's _nvmlGetFunctionPointer raises for an absent symbol
+                raise NVMLError_FunctionNotFound("Function Not Found")
             if lost:
                 raise NVMLError("GPU is lost")
             if name in not_supported:

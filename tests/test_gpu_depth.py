@@ -447,6 +447,25 @@ def test_real_backend_gpm_metrics() -> None:
         unsupported.gpm_supported("handle0")
 
 
+def test_an_older_driver_lacking_an_nvml_entry_point_is_not_a_lost_gpu(collect) -> None:  # noqa: F811
+    # A driver older than GPM (R520) or the row remapper (R450) has no such symbol in libnvidia-ml;
+    # a current nvidia-ml-py then raises FunctionNotFound: the capability is absent, the GPU is fine.
+    module = fake_pynvml_module(
+        missing={"nvmlGpmQueryDeviceSupport", "nvmlDeviceGetRemappedRows"},
+        field_status={FI.REMAPPED_COR: 2, FI.REMAPPED_UNC: 2, FI.REMAPPED_PENDING: 2, FI.REMAPPED_FAILURE: 2},
+    )
+    backend = PynvmlBackend(module)
+    with pytest.raises(nvml.GpuNotSupported):
+        backend.gpm_supported("handle0")
+    reader, _ = build(backend)
+    for _ in range(2):
+        data = collect(reader)
+        assert status(data) == {"GPU-abcdef01-0000-0000-0000-000000000000": "ok"}
+        assert series(data, "hw.gpu.memory.usage")
+        assert series(data, "openlora.gpu.remap.rows") == []
+        assert series(data, "openlora.gpu.sm.activity") == []
+
+
 # -- against the real nvidia-ml-py, where installed (no driver needed) -------------------------
 
 
