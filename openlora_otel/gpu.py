@@ -233,14 +233,12 @@ def status_of(reading: Reading, xids: dict[str, int]) -> str:
         reading.lost
         or codes & set(XID_FAILED)
         or values.get("remap_failed")
-        or recovery == RECOVERY.NODE_REBOOT
+        or recovery in (RECOVERY.NODE_REBOOT, RECOVERY.SYSTEM_REBOOT)
     ):
         return "failed"
-    if (
-        codes & set(XID_BAD_GPU)
-        or values.get("remap_pending")
-        or recovery in (RECOVERY.GPU_RESET, RECOVERY.DRAIN_P2P, RECOVERY.DRAIN_AND_RESET)
-    ):
+    # Any other action the driver asks for (a GPU or bus reset, a drain, ones newer drivers add) means
+    # the GPU needs attention: never ok.
+    if codes & set(XID_BAD_GPU) or values.get("remap_pending") or recovery not in (None, RECOVERY.NONE):
         return "degraded"
     return "ok"
 

@@ -101,6 +101,9 @@ class RECOVERY:
     NODE_REBOOT = 2
     DRAIN_P2P = 3
     DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5  # R57x headers called 5 GPU_RESET_BUS: an action either way
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
 
 
 class GpuError(Exception):

@@ -250,6 +250,11 @@ def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:  # noq
         ({"recovery_action": RECOVERY.GPU_RESET}, "degraded"),
         ({"recovery_action": RECOVERY.DRAIN_AND_RESET}, "degraded"),
         ({"recovery_action": RECOVERY.NODE_REBOOT}, "failed"),
+        # Newer drivers' actions (nvidia-ml-py 13.615): still "do something", never ok.
+        ({"recovery_action": 5}, "degraded"),  # RECOVER_IMEX_DOMAIN (GPU_RESET_BUS in R57x headers)
+        ({"recovery_action": 6}, "degraded"),  # BUS_RESET
+        ({"recovery_action": 7}, "failed"),  # SYSTEM_REBOOT
+        ({"recovery_action": 42}, "degraded"),  # an action this code does not know yet
         ({"xid": 31}, "ok"),  # a program's illegal address: not the GPU's fault
         ({"xid": 63}, "ok"),  # a remap was recorded: the pending flag says what to do
         ({"xid": 48}, "degraded"),
