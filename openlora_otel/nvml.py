@@ -28,6 +28,8 @@ __all__ = [
     "NVML_ERROR_NOT_SUPPORTED",
     "NVML_SUCCESS",
     "PERF_POLICY",
+    "R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN",
+    "R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN",
     "SCOPE_ALL_LINKS",
     "GpuError",
     "GpuNotSupported",
@@ -67,11 +69,16 @@ class FI:
     PCIE_COUNT_TX_BYTES = 197
     PCIE_COUNT_RX_BYTES = 198
     GET_GPU_RECOVERY_ACTION = 230  # NVML_GPU_RECOVERY_ACTION_*
-    # These two were renumbered between NVML 12.5xx headers (252, 253) and 13.x (270, 271); asked
-    # only of drivers from the 13.x era (see gpu.py), so an older driver never reads another value.
+    # These two moved from 252, 253 (R580 drivers: nvidia-smi 580.65.06 reads them there, and its
+    # 270, 271 are power-smoothing settings) to 270, 271 (nvidia-ml-py 13.615's header). gpu.py asks
+    # each driver at its own ids and older drivers not at all, so no other value is read as a time.
     CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN = 270  # ns
     CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN = 271  # ns
 
+
+# The same two on R580 drivers (outside FI: no pynvml release names them so any longer).
+R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN = 252
+R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN = 253
 
 SCOPE_ALL_LINKS = 0xFFFFFFFF  # UINT_MAX: nvml.h's scopeId for "summed over all NVLinks"
 

@@ -50,7 +50,8 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: 
     assert fake.calls["field_values"] == 8
     # ... for far more values than the 12 it used to read.
     asked = len(fake.fields_asked[-1])
-    assert asked == len(FIELDS) and asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
+    assert asked == len(FIELDS) - 2  # the two hw_* throttle times: R580's ids or later drivers', not both
+    assert asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
 
     # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
     older = FakeNvml([older_gpu(unsupported_fields=set())], driver="535.104.05")
@@ -128,6 +129,26 @@ def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_s
         "thermal",
         "sync_boost",
     }
+
+
+@pytest.mark.parametrize(
+    ("driver", "ids"),
+    [
+        ("580.65.06", {252, 253}),  # R580 numbers them as nvidia-smi 580.65.06 asks (270/271: power smoothing)
+        ("590.44.01", {FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN}),
+    ],
+)
+def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, driver, ids) -> None:  # noqa: F811
+    [card] = h100s(1)
+    card.throttle_ns.update(hw_thermal=7_000_000_000, hw_power_brake=3_000)
+    fake = FakeNvml([card], driver=driver)
+    reader, _ = build(fake)
+    data = collect(reader)
+    asked = {fid for fid, _ in fake.fields_asked[-1]}
+    assert asked & {252, 253, 270, 271} == ids
+    times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
+    assert times["hw_thermal_slowdown"] == 7.0
+    assert times["hw_power_brake_slowdown"] == 3e-6
 
 
 def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:  # noqa: F811
