@@ -17,6 +17,7 @@ looked up in whatever pynvml happens to be installed.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -177,6 +178,7 @@ class PynvmlBackend:
 
     def __init__(self, pynvml: Any) -> None:
         self._nv = pynvml
+        self._xid_uuids: dict[Any, str] = {}  # registered device handle -> UUID, to name an event's GPU
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -300,6 +302,8 @@ class PynvmlBackend:
         self._call(
             self._nv.nvmlDeviceRegisterEvents, handle, self._nv.nvmlEventTypeXidCriticalError, event_set
         )
+        # Learnt now, while the GPU answers: the GPU an XID 79 names may no longer answer for its UUID.
+        self._xid_uuids[_handle_key(handle)] = self.uuid(handle)
 
     def wait_xid(self, event_set: Any) -> tuple[str, int] | None:
         try:
@@ -308,7 +312,8 @@ class PynvmlBackend:
             return None
         except self._nv.NVMLError as exc:
             raise GpuError(str(exc)) from None
-        return self.uuid(data.device), int(data.eventData)
+        uuid = self._xid_uuids.get(_handle_key(data.device))
+        return uuid if uuid is not None else self.uuid(data.device), int(data.eventData)
 
     def event_set_free(self, event_set: Any) -> None:
         self._call(self._nv.nvmlEventSetFree, event_set)
@@ -353,6 +358,13 @@ def _field_value(field: Any) -> Any:
     if member is None:
         return None
     return getattr(field.value, member)
+
+
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dict key: pynvml's handles are ctypes pointers, a new object per return."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
 
 
 def _text(value: Any) -> str:

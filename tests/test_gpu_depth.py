@@ -456,6 +456,23 @@ def test_real_backend_health_calls() -> None:
     backend.event_set_free(event_set)
 
 
+def test_real_backend_names_an_xid_gpu_without_asking_the_gpu_again() -> None:
+    # An XID 79 GPU is off the bus: asking it for its UUID may fail, and the event must still count.
+    module = fake_pynvml_module(xids=[79])
+    backend = PynvmlBackend(module)
+    event_set = backend.event_set_create()
+    backend.register_xid_events("handle0", event_set)
+
+    def lost(handle):
+        raise module.NVMLError("GPU is lost")
+
+    module.nvmlDeviceGetUUID = lost
+    assert backend.wait_xid(event_set) == ("GPU-abcdef01-0000-0000-0000-000000000000", 79)
+    # pynvml's handles are ctypes pointers: a new pointer object to the same device is the same GPU.
+    device = ctypes.c_int(0)
+    assert nvml._handle_key(ctypes.pointer(device)) == nvml._handle_key(ctypes.pointer(device))
+
+
 def test_real_backend_gpm_metrics() -> None:
     module = fake_pynvml_module()
     backend = PynvmlBackend(module)
