@@ -81,6 +81,8 @@ from openlora_otel.nvml import (
     NVML_ERROR_NOT_SUPPORTED,
     NVML_SUCCESS,
     PERF_POLICY,
+    R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
+    R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
     RECOVERY,
     SCOPE_ALL_LINKS,
     GpuError,
@@ -110,7 +112,8 @@ class Field:
     fallback: str | None = None  # backend method answering the same value
     fallback_args: tuple[Any, ...] = ()
     pick: int | None = None  # index into the fallback's tuple result
-    min_driver: int = 0  # driver major version the field id means this value from
+    min_driver: int = 0  # driver major versions the field id means this value in, from ...
+    max_driver: int | None = None  # ... to (inclusive)
 
 
 FIELDS: tuple[Field, ...] = (
@@ -148,14 +151,29 @@ FIELDS: tuple[Field, ...] = (
         fallback="violation_s",
         fallback_args=(PERF_POLICY.SYNC_BOOST,),
     ),
+    # Renumbered after R580 (see nvml.FI); drivers before R580 are not asked.
     Field(
-        "throttle.hw_thermal_slowdown", FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, per=1e9, min_driver=580
+        "throttle.hw_thermal_slowdown",
+        R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
+        per=1e9,
+        min_driver=580,
+        max_driver=580,
+    ),
+    Field(
+        "throttle.hw_power_brake_slowdown",
+        R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
+        per=1e9,
+        min_driver=580,
+        max_driver=580,
+    ),
+    Field(
+        "throttle.hw_thermal_slowdown", FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, per=1e9, min_driver=581
     ),
     Field(
         "throttle.hw_power_brake_slowdown",
         FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
         per=1e9,
-        min_driver=580,
+        min_driver=581,
     ),
     Field("remap_correctable", FI.REMAPPED_COR, fallback="remapped_rows", pick=0),
     Field("remap_uncorrectable", FI.REMAPPED_UNC, fallback="remapped_rows", pick=1),
@@ -233,14 +251,12 @@ def status_of(reading: Reading, xids: dict[str, int]) -> str:
         reading.lost
         or codes & set(XID_FAILED)
         or values.get("remap_failed")
-        or recovery == RECOVERY.NODE_REBOOT
+        or recovery in (RECOVERY.NODE_REBOOT, RECOVERY.SYSTEM_REBOOT)
     ):
         return "failed"
-    if (
-        codes & set(XID_BAD_GPU)
-        or values.get("remap_pending")
-        or recovery in (RECOVERY.GPU_RESET, RECOVERY.DRAIN_P2P, RECOVERY.DRAIN_AND_RESET)
-    ):
+    # Any other action the driver asks for (a GPU or bus reset, a drain, ones newer drivers add) means
+    # the GPU needs attention: never ok.
+    if codes & set(XID_BAD_GPU) or values.get("remap_pending") or recovery not in (None, RECOVERY.NONE):
         return "degraded"
     return "ok"
 
@@ -526,7 +542,11 @@ class GpuCollector:
 
     def _read_fields(self, device: Device, values: dict[str, Any]) -> None:
         driver = _driver_major(self._driver_version)
-        wanted = [f for f in FIELDS if driver >= f.min_driver and self._supported(device, "fi:" + f.key)]
+        wanted = [
+            f
+            for f in FIELDS
+            if f.min_driver <= driver <= (f.max_driver or driver) and self._supported(device, "fi:" + f.key)
+        ]
         if wanted and self._supported(device, "field_values"):
             try:
                 results = self._backend.field_values(device.handle, [(f.field_id, f.scope) for f in wanted])

@@ -479,7 +479,7 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
         f"1 for the GPU's current `{ATTR_HW_STATE}` and 0 for the other two (`ok`, `degraded`, `failed`; "
         "`hw.type=gpu`): failed when NVML lost the GPU, an XID 79 was seen, a row remap failed or the driver asks "
         "for a node reboot; degraded after an XID that means a bad GPU, while a remap is pending, or when the "
-        "driver asks for a GPU reset or drain.",
+        "driver asks for any other recovery (a GPU or bus reset, a drain).",
     ),
     MetricSpec(
         "openlora.gpu.sm.activity",

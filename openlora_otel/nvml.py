@@ -4,7 +4,7 @@
 plain calls, each returning host values in SI units where NVML uses others
 (bytes, watts, joules, hertz). :class:`PynvmlBackend` implements it over
 ``pynvml`` (the ``nvidia-ml-py`` package, extra ``gpu``), translating NVML's
-errors into :class:`GpuNotSupported` (this device lacks the capability: stop
+errors into :class:`GpuNotSupported` (this device or driver lacks the capability: stop
 asking) and :class:`GpuError` (something went wrong: try again later).
 
 Many values come through one ``nvmlDeviceGetFieldValues`` call per device
@@ -17,6 +17,7 @@ looked up in whatever pynvml happens to be installed.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -28,6 +29,8 @@ __all__ = [
     "NVML_ERROR_NOT_SUPPORTED",
     "NVML_SUCCESS",
     "PERF_POLICY",
+    "R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN",
+    "R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN",
     "SCOPE_ALL_LINKS",
     "GpuError",
     "GpuNotSupported",
@@ -67,11 +70,16 @@ class FI:
     PCIE_COUNT_TX_BYTES = 197
     PCIE_COUNT_RX_BYTES = 198
     GET_GPU_RECOVERY_ACTION = 230  # NVML_GPU_RECOVERY_ACTION_*
-    # These two were renumbered between NVML 12.5xx headers (252, 253) and 13.x (270, 271); asked
-    # only of drivers from the 13.x era (see gpu.py), so an older driver never reads another value.
+    # These two moved from 252, 253 (R580 drivers: nvidia-smi 580.65.06 reads them there, and its
+    # 270, 271 are power-smoothing settings) to 270, 271 (nvidia-ml-py 13.615's header). gpu.py asks
+    # each driver at its own ids and older drivers not at all, so no other value is read as a time.
     CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN = 270  # ns
     CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN = 271  # ns
 
+
+# The same two on R580 drivers (outside FI: no pynvml release names them so any longer).
+R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN = 252
+R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN = 253
 
 SCOPE_ALL_LINKS = 0xFFFFFFFF  # UINT_MAX: nvml.h's scopeId for "summed over all NVLinks"
 
@@ -101,6 +109,9 @@ class RECOVERY:
     NODE_REBOOT = 2
     DRAIN_P2P = 3
     DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5  # R57x headers called 5 GPU_RESET_BUS: an action either way
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
 
 
 class GpuError(Exception):
@@ -167,11 +178,14 @@ class PynvmlBackend:
 
     def __init__(self, pynvml: Any) -> None:
         self._nv = pynvml
+        self._xid_uuids: dict[Any, str] = {}  # registered device handle -> UUID, to name an event's GPU
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except self._nv.NVMLError_NotSupported as exc:
+        except (self._nv.NVMLError_NotSupported, self._nv.NVMLError_FunctionNotFound) as exc:
+            # FunctionNotFound: this driver's libnvidia-ml predates the call (GPM before R520, say);
+            # as permanent as NotSupported, and no sign that the GPU itself is in trouble.
             raise GpuNotSupported(str(exc)) from None
         except self._nv.NVMLError as exc:
             raise GpuError(str(exc)) from None
@@ -288,6 +302,8 @@ class PynvmlBackend:
         self._call(
             self._nv.nvmlDeviceRegisterEvents, handle, self._nv.nvmlEventTypeXidCriticalError, event_set
         )
+        # Learnt now, while the GPU answers: the GPU an XID 79 names may no longer answer for its UUID.
+        self._xid_uuids[_handle_key(handle)] = self.uuid(handle)
 
     def wait_xid(self, event_set: Any) -> tuple[str, int] | None:
         try:
@@ -296,7 +312,8 @@ class PynvmlBackend:
             return None
         except self._nv.NVMLError as exc:
             raise GpuError(str(exc)) from None
-        return self.uuid(data.device), int(data.eventData)
+        uuid = self._xid_uuids.get(_handle_key(data.device))
+        return uuid if uuid is not None else self.uuid(data.device), int(data.eventData)
 
     def event_set_free(self, event_set: Any) -> None:
         self._call(self._nv.nvmlEventSetFree, event_set)
@@ -341,6 +358,13 @@ def _field_value(field: Any) -> Any:
     if member is None:
         return None
     return getattr(field.value, member)
+
+
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dict key: pynvml's handles are ctypes pointers, a new object per return."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
 
 
 def _text(value: Any) -> str:

@@ -259,7 +259,22 @@ class FakeNvml:
     def field_values(self, handle: FakeGpu, fields) -> list[tuple[int, object]]:
         self._call("field_values", handle)
         self.fields_asked.append(list(fields))
-        return [handle.field_value(field_id, scope) for field_id, scope in fields]
+        return [self._numbered(handle, field_id, scope) for field_id, scope in fields]
+
+    def _numbered(self, handle: FakeGpu, field_id: int, scope: int) -> tuple[int, object]:
+        """One field as this driver numbers it: R580 answers the hw_* throttle times at 252/253 and
+        power-smoothing settings at 270/271 (nvidia-smi 580.65.06 asks 251-253); later drivers the
+        other way round (nvidia-ml-py 13.615's numbering). Both on a GPU with power smoothing."""
+        major = int(self.driver.split(".")[0])
+        r580 = {252: FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, 253: FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN}
+        smoothing = {252: 0, 253: 1, 270: 30, 271: 4_000_000}  # settings: a level, a flag, a %, mW/s
+        if handle.failing:
+            return NVML_ERROR_GPU_IS_LOST, None
+        if major == 580 and field_id in r580:
+            return handle.field_value(r580[field_id], scope)
+        if field_id in smoothing and (major == 580) == (field_id >= 270):
+            return NVML_SUCCESS, smoothing[field_id]
+        return handle.field_value(field_id, scope)
 
     def pcie_replay_counter(self, handle: FakeGpu) -> int:
         self._call("pcie_replay_counter", handle)
@@ -449,13 +464,16 @@ def fake_pynvml_module(
     lost: bool = False,
     field_status: dict[int, int] | None = None,
     xids: list[int] | None = None,
+    missing: set[str] | None = None,
 ) -> types.ModuleType:
     """A pynvml stand-in returning NVML's raw units for one GPU.
 
-    ``field_status``: nvmlReturn per field id (default success); ``xids``: XID codes queued on the event set.
+    ``field_status``: nvmlReturn per field id (default success); ``xids``: XID codes queued on the event set;
+    ``missing``: entry points this "driver" lacks (an older libnvidia-ml: pynvml raises FunctionNotFound).
     """
     module = types.ModuleType("pynvml")
     not_supported = not_supported or set()
+    missing = missing or set()
     field_status = field_status or {}
     xid_queue = list(xids or [])
 
@@ -468,9 +486,13 @@ def fake_pynvml_module(
     class NVMLError_Timeout(NVMLError):
         pass
 
+    class NVMLError_FunctionNotFound(NVMLError):
+        pass
+
     module.NVMLError = NVMLError
     module.NVMLError_NotSupported = NVMLError_NotSupported
     module.NVMLError_Timeout = NVMLError_Timeout
+    module.NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     module.NVML_TEMPERATURE_GPU = 0
     module.NVML_CLOCK_SM = 1
     module.NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -533,6 +555,8 @@ def fake_pynvml_module(
 
     def api(name, value):
         def call(*args):
+            if name in missing:  # what pynvml's _nvmlGetFunctionPointer raises for an absent symbol
+                raise NVMLError_FunctionNotFound("Function Not Found")
             if lost:
                 raise NVMLError("GPU is lost")
             if name in not_supported:

@@ -50,7 +50,8 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: 
     assert fake.calls["field_values"] == 8
     # ... for far more values than the 12 it used to read.
     asked = len(fake.fields_asked[-1])
-    assert asked == len(FIELDS) and asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
+    assert asked == len(FIELDS) - 2  # the two hw_* throttle times: R580's ids or later drivers', not both
+    assert asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
 
     # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
     older = FakeNvml([older_gpu(unsupported_fields=set())], driver="535.104.05")
@@ -128,6 +129,26 @@ def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_s
         "thermal",
         "sync_boost",
     }
+
+
+@pytest.mark.parametrize(
+    ("driver", "ids"),
+    [
+        ("580.65.06", {252, 253}),  # R580 numbers them as nvidia-smi 580.65.06 asks (270/271: power smoothing)
+        ("590.44.01", {FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN}),
+    ],
+)
+def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, driver, ids) -> None:  # noqa: F811
+    [card] = h100s(1)
+    card.throttle_ns.update(hw_thermal=7_000_000_000, hw_power_brake=3_000)
+    fake = FakeNvml([card], driver=driver)
+    reader, _ = build(fake)
+    data = collect(reader)
+    asked = {fid for fid, _ in fake.fields_asked[-1]}
+    assert asked & {252, 253, 270, 271} == ids
+    times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
+    assert times["hw_thermal_slowdown"] == 7.0
+    assert times["hw_power_brake_slowdown"] == 3e-6
 
 
 def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:  # noqa: F811
@@ -250,6 +271,11 @@ def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:  # noq
         ({"recovery_action": RECOVERY.GPU_RESET}, "degraded"),
         ({"recovery_action": RECOVERY.DRAIN_AND_RESET}, "degraded"),
         ({"recovery_action": RECOVERY.NODE_REBOOT}, "failed"),
+        # Newer drivers' actions (nvidia-ml-py 13.615): still "do something", never ok.
+        ({"recovery_action": 5}, "degraded"),  # RECOVER_IMEX_DOMAIN (GPU_RESET_BUS in R57x headers)
+        ({"recovery_action": 6}, "degraded"),  # BUS_RESET
+        ({"recovery_action": 7}, "failed"),  # SYSTEM_REBOOT
+        ({"recovery_action": 42}, "degraded"),  # an action this code does not know yet
         ({"xid": 31}, "ok"),  # a program's illegal address: not the GPU's fault
         ({"xid": 63}, "ok"),  # a remap was recorded: the pending flag says what to do
         ({"xid": 48}, "degraded"),
@@ -430,6 +456,23 @@ def test_real_backend_health_calls() -> None:
     backend.event_set_free(event_set)
 
 
+def test_real_backend_names_an_xid_gpu_without_asking_the_gpu_again() -> None:
+    # An XID 79 GPU is off the bus: asking it for its UUID may fail, and the event must still count.
+    module = fake_pynvml_module(xids=[79])
+    backend = PynvmlBackend(module)
+    event_set = backend.event_set_create()
+    backend.register_xid_events("handle0", event_set)
+
+    def lost(handle):
+        raise module.NVMLError("GPU is lost")
+
+    module.nvmlDeviceGetUUID = lost
+    assert backend.wait_xid(event_set) == ("GPU-abcdef01-0000-0000-0000-000000000000", 79)
+    # pynvml's handles are ctypes pointers: a new pointer object to the same device is the same GPU.
+    device = ctypes.c_int(0)
+    assert nvml._handle_key(ctypes.pointer(device)) == nvml._handle_key(ctypes.pointer(device))
+
+
 def test_real_backend_gpm_metrics() -> None:
     module = fake_pynvml_module()
     backend = PynvmlBackend(module)
@@ -445,6 +488,25 @@ def test_real_backend_gpm_metrics() -> None:
     unsupported = PynvmlBackend(fake_pynvml_module(not_supported={"nvmlGpmQueryDeviceSupport"}))
     with pytest.raises(nvml.GpuNotSupported):
         unsupported.gpm_supported("handle0")
+
+
+def test_an_older_driver_lacking_an_nvml_entry_point_is_not_a_lost_gpu(collect) -> None:  # noqa: F811
+    # A driver older than GPM (R520) or the row remapper (R450) has no such symbol in libnvidia-ml;
+    # a current nvidia-ml-py then raises FunctionNotFound: the capability is absent, the GPU is fine.
+    module = fake_pynvml_module(
+        missing={"nvmlGpmQueryDeviceSupport", "nvmlDeviceGetRemappedRows"},
+        field_status={FI.REMAPPED_COR: 2, FI.REMAPPED_UNC: 2, FI.REMAPPED_PENDING: 2, FI.REMAPPED_FAILURE: 2},
+    )
+    backend = PynvmlBackend(module)
+    with pytest.raises(nvml.GpuNotSupported):
+        backend.gpm_supported("handle0")
+    reader, _ = build(backend)
+    for _ in range(2):
+        data = collect(reader)
+        assert status(data) == {"GPU-abcdef01-0000-0000-0000-000000000000": "ok"}
+        assert series(data, "hw.gpu.memory.usage")
+        assert series(data, "openlora.gpu.remap.rows") == []
+        assert series(data, "openlora.gpu.sm.activity") == []
 
 
 # -- against the real nvidia-ml-py, where installed (no driver needed) -------------------------
