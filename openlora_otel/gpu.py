@@ -612,11 +612,13 @@ class GpuCollector:
                 if not backend.gpm_supported(device.handle):
                     self._unsupported.add((device.uuid, "gpm"))
                     return
-                slot = self._gpm[device.uuid] = [
-                    backend.gpm_sample_alloc(),
-                    backend.gpm_sample_alloc(),
-                    False,
-                ]
+                first = backend.gpm_sample_alloc()
+                try:
+                    second = backend.gpm_sample_alloc()
+                except BaseException:
+                    backend.gpm_sample_free(first)  # not kept anywhere yet: freed here or never
+                    raise
+                slot = self._gpm[device.uuid] = [first, second, False]
             previous, sample, valid = slot
             backend.gpm_sample_get(device.handle, sample)
             if valid:

@@ -386,6 +386,24 @@ def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:  # 
     assert series(collect(reader), "openlora.gpu.sm.activity")
 
 
+def test_a_failed_second_gpm_allocation_frees_the_first(collect, monkeypatch) -> None:  # noqa: F811
+    [card] = h100s(1)
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    original = fake.gpm_sample_alloc
+    allocations = []
+
+    def alloc_once_then_fail():
+        if allocations:
+            raise GpuError("Insufficient Memory")
+        allocations.append(original())
+        return allocations[-1]
+
+    monkeypatch.setattr(fake, "gpm_sample_alloc", alloc_once_then_fail)
+    collect(reader)
+    assert len(allocations) == 1 and allocations[0].freed
+
+
 # -- threads, shutdown -------------------------------------------------------------------------
 
 
