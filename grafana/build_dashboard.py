@@ -529,6 +529,199 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
     return y + 8
 
 
+def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
+    """The row of what the GPU's units and links do: GPM activity, PCIe and NVLink bytes per second."""
+    panels.append(row("GPU activity and interconnect", y))
+    y += 1
+    gpm = (
+        ("openlora_gpu_sm_activity", "SM active"),
+        ("openlora_gpu_sm_occupancy", "SM occupancy"),
+        ("openlora_gpu_tensor_activity", "tensor active"),
+        ("openlora_gpu_dram_activity", "DRAM bandwidth"),
+    )
+    panels += [
+        panel(
+            "timeseries",
+            "SM, tensor and DRAM activity",
+            "What the GPU's units did between two snapshots (NVML GPM, Hopper and later; absent before Hopper "
+            "and on MIG instances): fraction of SMs busy (openlora_gpu_sm_activity), resident warps over the "
+            "maximum (openlora_gpu_sm_occupancy), fraction of time the tensor cores were busy "
+            "(openlora_gpu_tensor_activity), DRAM bandwidth used over its peak (openlora_gpu_dram_activity). "
+            "Utilization says a kernel ran; these say how much of the GPU it used.",
+            "percentunit",
+            [target(f"{name}{{{GPU}}}{RUN}", f"{label} {gpu_legend}") for name, label in gpm],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0, "max": 1},
+        ),
+        panel(
+            "timeseries",
+            "PCIe throughput",
+            "Bytes per second over PCIe per direction, transmit (GPU to host) and receive (rate of "
+            "hw_gpu_io_bytes_total by network_io_direction; absent on drivers without the PCIe byte counters).",
+            "Bps",
+            [
+                target(
+                    f"rate(hw_gpu_io_bytes_total{{{GPU}}}[$__rate_interval]){RUN}",
+                    "{{network_io_direction}} " + gpu_legend,
+                )
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "NVLink throughput",
+            "Data bytes per second over all NVLinks of the GPU per direction (rate of "
+            "openlora_gpu_nvlink_io_bytes_total by network_io_direction; absent on GPUs without NVLink).",
+            "Bps",
+            [
+                target(
+                    f"rate(openlora_gpu_nvlink_io_bytes_total{{{GPU}}}[$__rate_interval]){RUN}",
+                    "{{network_io_direction}} " + gpu_legend,
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+        ),
+    ]
+    return y + 8
+
+
+# hw.status as one number per GPU for the state timeline: 0 ok, 1 degraded, 2 failed (the current
+# state's series is 1, the other two 0).
+GPU_STATES = (("ok", 0, "green"), ("degraded", 1, "orange"), ("failed", 2, "red"))
+
+
+def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
+    """The row of the GPU's health: hw.status, XID errors, row remapping, the PCIe link and its errors
+    (what the openlora-gpu alerts read)."""
+    panels.append(row("GPU health", y))
+    y += 1
+    status = " or ".join(
+        f'(hw_status{{hw_type="gpu", hw_state="{state}", {GPU}}} == 1) * {value}' for state, value, _ in GPU_STATES
+    )
+    panels += [
+        panel(
+            "state-timeline",
+            "GPU status",
+            "hw.status per GPU (hw_status, hw_type=gpu, the state whose series is 1): failed when NVML lost the "
+            "GPU, after an XID 79 or a failed row remap, or when the driver asks for a node reboot; degraded "
+            "after an XID that means a bad GPU, while a row remap is pending, or when the driver asks for a "
+            "reset or drain (alerts OpenloraGpuFailed, OpenloraGpuDegraded).",
+            "none",
+            [target(f"max without (hw_state) ({status}){RUN}", gpu_legend)],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+            defaults={
+                "mappings": [
+                    {
+                        "type": "value",
+                        "options": {
+                            str(value): {"text": state, "color": color, "index": value}
+                            for state, value, color in GPU_STATES
+                        },
+                    }
+                ],
+                "color": {"mode": "thresholds"},
+                "thresholds": thresholds((None, "green"), (1, "orange"), (2, "red")),
+            },
+            options={"showValue": "auto", "mergeValues": True, "rowHeight": 0.9},
+        ),
+        panel(
+            "timeseries",
+            "XID errors",
+            "XID errors the driver reported since the process started watching, per code "
+            "(openlora_gpu_xid_errors_total by openlora_gpu_xid_code; a series appears with its first XID). "
+            "79: the GPU fell off the bus; 48 62 64 74 92 94 95 119 120 140 143 154: a bad GPU; the others "
+            "are the program's own (13, 31, 43, ...). A MIG GPU's are on the whole GPU.",
+            "short",
+            [
+                target(
+                    f"openlora_gpu_xid_errors_total{{{GPU}}}{RUN}",
+                    "XID {{openlora_gpu_xid_code}} " + gpu_legend,
+                )
+            ],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"custom": {"drawStyle": "line", "lineInterpolation": "stepAfter", "showPoints": "always"}},
+        ),
+        panel(
+            "timeseries",
+            "Row remapping",
+            "Memory rows remapped over the GPU's life by cause (openlora_gpu_remap_rows_total by "
+            "openlora_gpu_remap_cause), and 1 while a remap waits for a GPU reset (openlora_gpu_remap_pending) "
+            "or once one failed (openlora_gpu_remap_failed). Ampere and later datacenter GPUs only.",
+            "short",
+            [
+                target(
+                    f"openlora_gpu_remap_rows_total{{{GPU}}}{RUN}",
+                    "{{openlora_gpu_remap_cause}} rows " + gpu_legend,
+                ),
+                target(f"openlora_gpu_remap_pending{{{GPU}}}{RUN}", "pending " + gpu_legend),
+                target(f"openlora_gpu_remap_failed{{{GPU}}}{RUN}", "failed " + gpu_legend),
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+        ),
+    ]
+    y += 8
+    panels += [
+        panel(
+            "timeseries",
+            "PCIe link vs maximum",
+            "Lanes and generation the PCIe link runs at now (openlora_gpu_pcie_link_width, "
+            "openlora_gpu_pcie_link_generation) against the most GPU and slot support together "
+            "(openlora_gpu_pcie_link_width_max, openlora_gpu_pcie_link_generation_max). Fewer lanes is a "
+            "fault (OpenloraGpuPcieLinkNarrow); a lower generation only under load (an idle GPU lowers it "
+            "to save power; OpenloraGpuPcieLinkGenerationLow).",
+            "short",
+            [
+                target(f"openlora_gpu_pcie_link_width{{{GPU}}}{RUN}", "width " + gpu_legend),
+                target(f"openlora_gpu_pcie_link_width_max{{{GPU}}}{RUN}", "width max " + gpu_legend),
+                target(f"openlora_gpu_pcie_link_generation{{{GPU}}}{RUN}", "generation " + gpu_legend),
+                target(f"openlora_gpu_pcie_link_generation_max{{{GPU}}}{RUN}", "generation max " + gpu_legend),
+            ],
+            x=0,
+            y=y,
+            w=12,
+            h=8,
+        ),
+        panel(
+            "timeseries",
+            "PCIe errors",
+            "PCIe errors per rate interval (hw_errors_total, hw_type=gpu, error_type pcie_replay, and where the "
+            "driver counts them pcie_correctable, pcie_non_fatal, pcie_fatal). Replays rising steadily mean a "
+            "marginal link (OpenloraGpuPcieReplaysRising); a fatal error, a failed one.",
+            "short",
+            [
+                target(
+                    f'increase(hw_errors_total{{hw_type="gpu", error_type=~"pcie_.+", {GPU}}}[$__rate_interval]){RUN}',
+                    "{{error_type}} " + gpu_legend,
+                )
+            ],
+            x=12,
+            y=y,
+            w=12,
+            h=8,
+        ),
+    ]
+    return y + 8
+
+
+
 def build() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     y = 0
@@ -815,11 +1008,11 @@ def build() -> dict[str, Any]:
         panel(
             "timeseries",
             "ECC errors",
-            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu).",
+            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu, error_type corrected or uncorrected; the PCIe error types are in the GPU health row).",
             "short",
             [
                 target(
-                    f'increase(hw_errors_total{{hw_type="gpu", {GPU}}}[$__rate_interval]){RUN}',
+                    f'increase(hw_errors_total{{hw_type="gpu", error_type=~"corrected|uncorrected", {GPU}}}[$__rate_interval]){RUN}',
                     "{{error_type}} " + gpu_legend,
                 )
             ],
@@ -844,12 +1037,15 @@ def build() -> dict[str, Any]:
         ),
         panel(
             "timeseries",
-            "Throttle reasons in effect",
-            "1 while the GPU clock is held down for the reason named in the legend (openlora_gpu_throttle, series equal to 1).",
-            "short",
+            "Clock throttled",
+            "Share of time the GPU clock was held down, per reason (rate of openlora_gpu_throttle_time_seconds_total, "
+            "by openlora_gpu_throttle_reason: sw_power_cap, thermal, sync_boost, hw_thermal_slowdown, "
+            "hw_power_brake_slowdown). Reasons overlap in time: do not add them up. Running at the power cap "
+            "under full load is usual; thermal and hw_* slowdowns are not.",
+            "percentunit",
             [
                 target(
-                    f"openlora_gpu_throttle{{{GPU}}}{RUN} == 1",
+                    f"rate(openlora_gpu_throttle_time_seconds_total{{{GPU}}}[$__rate_interval]){RUN}",
                     "{{openlora_gpu_throttle_reason}} " + gpu_legend,
                 )
             ],
@@ -857,6 +1053,7 @@ def build() -> dict[str, Any]:
             y=y,
             w=6,
             h=8,
+            defaults={"min": 0, "max": 1},
         ),
         panel(
             "timeseries",
@@ -882,6 +1079,8 @@ def build() -> dict[str, Any]:
         ),
     ]
     y += 8
+    y = gpu_activity(panels, y, gpu_legend)
+    y = gpu_health(panels, y, gpu_legend)
     y = host(panels, y)
     templating = [
         DATASOURCE_VARIABLE,

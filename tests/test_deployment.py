@@ -27,6 +27,7 @@ from tests.test_cluster_dashboard import http_variable_options, run_every_query,
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
+    from tests.fake_nvml import FakeGpu, FakeNvml
     from tests.prometheus_server import Prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -554,6 +555,16 @@ ALERTS_ON_THE_DIVERGED_RUN = {
     "OpenloraDivergenceGuardTripped": {"openlora_guard_reason": {"nonfinite_loss"}},
     "OpenloraEvalNonFinite": {"openlora_eval_metric": {"loss", "perplexity"}},
 }
+# The main run's fake Hopper GPU is busy and unwell: an XID 48 (double-bit ECC) during the run, a
+# row remap pending, its PCIe link at x8 Gen4 of x16 Gen5. The GPU alerts whose condition holds on
+# its series (their `for` aside), with their labels; the other GPU alerts hold nowhere (a failed
+# GPU, a failed remap, XID 79, replays), and the degraded state is left to the pending remap's alert.
+ALERTS_ON_THE_FAKE_GPU = {
+    "OpenloraGpuHardwareXid": {"openlora_gpu_xid_code": {"48"}},
+    "OpenloraGpuRowRemapPending": {},
+    "OpenloraGpuPcieLinkNarrow": {},
+    "OpenloraGpuPcieLinkGenerationLow": {},
+}
 
 
 @pytest.mark.e2e
@@ -567,7 +578,11 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
     prometheus_binary()
     # GPU series from a fake NVML and allocator, so the GPU panels have data on a machine without one.
     cards = h100s(1, processes={os.getpid(): 2 * 2**30})
-    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: FakeNvml(cards))
+    cards[0].utilization = 0.9
+    cards[0].remap = (3, 1, 1, 0)  # correctable, uncorrectable, pending, failed
+    cards[0].link, cards[0].link_max = (8, 4), (16, 5)
+    fake = FakeNvml(cards)
+    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: fake)
     stats = {
         "allocated_bytes.all.current": 10,
         "reserved_bytes.all.current": 20,
@@ -619,7 +634,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
             [f"127.0.0.1:{port}", f"127.0.0.1:{diverging_port}"],
             rule_files=[str(rules_dir / "openlora.yml")],
         )
-        _check_every_query(telemetry, prometheus, diverging_port, diverging_log)
+        _check_every_query(telemetry, prometheus, diverging_port, diverging_log, fake, cards[0])
     finally:
         diverging.stdin.close()  # the diverged run shuts down
         reap(diverging, 30)
@@ -630,9 +645,15 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
 
 
 def _check_every_query(
-    telemetry: Telemetry, prometheus: Prometheus, diverging_port: int, diverging_log: Path
+    telemetry: Telemetry,
+    prometheus: Prometheus,
+    diverging_port: int,
+    diverging_log: Path,
+    fake: FakeNvml,
+    card: FakeGpu,
 ) -> None:
-    """Train the demo in a thread while every dashboard query, variable and rule runs on what it reports."""
+    """Train the demo in a thread while every dashboard query, variable and rule runs on what it reports
+    (the main run's GPU is ``card`` of the fake NVML ``fake``)."""
     from openlora_otel.demo.train import DemoOptions, run_demo
 
     done, stop = threading.Event(), threading.Event()
@@ -647,6 +668,9 @@ def _check_every_query(
             f'openlora_training_guard_trips_total{{instance="127.0.0.1:{diverging_port}"}} > 0', timeout=120
         )
         assert tripped, "the diverging run's guard did not trip:\n" + diverging_log.read_text()[-3000:]
+        # The XID arrives while the run trains: its series appears, already at 1, at the next scrape.
+        fake.inject_xid(card, 48)
+        assert prometheus.wait_for("openlora_gpu_xid_errors_total > 0", timeout=60)
         time.sleep(8)  # enough samples for 15 s rate windows while training goes on
         assert not done.is_set(), "the run ended before the queries"
         # Both runs selected in the run variable, offered by their names; the legends' hyperparameter
@@ -684,6 +708,24 @@ def _check_every_query(
             assert {s["metric"]["instance"] for s in found} == {f"127.0.0.1:{diverging_port}"}, (name, found)
             for label, values in labels.items():
                 assert {s["metric"][label] for s in found} == values, (name, found)
+        # The GPU alerts on the fake GPU's real series: there, with the main run's labels, and only those.
+        main = telemetry.prometheus_url.split("//", 1)[1].split("/", 1)[0]
+        assert set(ALERTS_ON_THE_FAKE_GPU) <= {rule["alert"] for rule in alerts()}
+        for rule in alerts():
+            if not rule["alert"].startswith("OpenloraGpu"):
+                continue
+            found = prometheus.query(rule["expr"])
+            expected = ALERTS_ON_THE_FAKE_GPU.get(rule["alert"])
+            if expected is None:
+                assert not found, (rule["alert"], found)
+                continue
+            assert {(s["metric"]["instance"], s["metric"]["hw_id"]) for s in found} == {(main, card.uuid)}, (
+                rule["alert"],
+                found,
+            )
+            assert {s["metric"]["openlora_run_name"] for s in found} == {RUN_NAMES["dash-run"]}, found
+            for label, values in expected.items():
+                assert {s["metric"][label] for s in found} == values, (rule["alert"], found)
         with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=5) as response:
             loaded = json.load(response)["data"]["groups"]
         assert sum(len(group["rules"]) for group in loaded) == len(rules())
