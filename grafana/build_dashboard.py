@@ -612,9 +612,9 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
             "state-timeline",
             "GPU status",
             "hw.status per GPU (hw_status, hw_type=gpu, the state whose series is 1): failed when NVML lost the "
-            "GPU, after an XID 79 or a failed row remap, or when the driver asks for a node reboot; degraded "
-            "after an XID that means a bad GPU, while a row remap is pending, or when the driver asks for a "
-            "reset or drain (alerts OpenloraGpuFailed, OpenloraGpuDegraded).",
+            "GPU, after an XID 79 or a failed row remap, or when the driver asks for a node or system reboot; "
+            "degraded after an XID that means a bad GPU, while a row remap is pending, or when the driver asks "
+            "for any other recovery, a GPU or bus reset or a drain (alerts OpenloraGpuFailed, OpenloraGpuDegraded).",
             "none",
             [target(f"max without (hw_state) ({status}){RUN}", gpu_legend)],
             x=0,
