@@ -101,7 +101,12 @@ local_rank = int(os.environ["LOCAL_RANK"])
 cards = h100s(int(os.environ["WORLD_SIZE"]), processes={os.getpid(): 2 * 2**30})
 for index, card in enumerate(cards):
     card.utilization = 0.3 + 0.4 * index  # 0.3 and 0.7 on two GPUs: the node's mean is 0.5
-nvml.load_pynvml_backend = lambda: FakeNvml(cards)
+fake = FakeNvml(cards)
+nvml.load_pynvml_backend = lambda: fake
+# Rank 0's GPU reports one application XID (31, a page fault: no alert), as a cluster of any
+# size sees now and then, so the XID panel has data; injected once the GPU is registered for
+# events (at the first collection), as the driver delivers none before.
+xid_card = cards[local_rank] if local_rank == 0 else None
 stats = {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 20, "allocated_bytes.all.peak": 15}
 uuid = cards[local_rank].uuid.removeprefix("GPU-")
 gpu.torch_allocator_stats = lambda: [(local_rank, uuid, stats)]
@@ -120,6 +125,9 @@ while time.monotonic() < deadline:
     data_time = time.perf_counter() - fetch
     time.sleep(step_s - data_s)
     step += 1
+    if xid_card is not None and xid_card.uuid in fake.registered:
+        fake.inject_xid(xid_card, 31)
+        xid_card = None
     training.record_step(
         loss=3.0 / (1 + step / 100), grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4,
         data_time_s=data_time,
