@@ -135,6 +135,19 @@ def _from_torchrun_store(env: Mapping[str, str], candidate: str) -> str | None:
     host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     if not host or not port.isdigit():
         return None
+    # torch is imported here, not inside the bounded thread: a torchrun worker imports it anyway,
+    # and an import still running when the bound ran out could be cut by the interpreter's exit
+    # half way through torch's C++ initialisation (an abort: "terminate called without an active
+    # exception", seen once on a loaded machine). The bound then covers only the store.
+    try:
+        import torch.distributed  # noqa: F401
+    except Exception as exc:  # torch missing or broken: this rank uses its own id
+        _logger.warning(
+            "openlora-otel: could not agree on a run id through torchrun's store (torch: %s); "
+            "this rank uses its own (set OPENLORA_RUN_ID to share one)",
+            exc,
+        )
+        return None
 
     def agree() -> str | None:
         from torch.distributed import TCPStore

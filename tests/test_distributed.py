@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -198,15 +199,9 @@ def test_an_unreachable_torchrun_store_is_survived(
 
 
 _SILENT_STORE = """
-import socket, time
-from openlora_otel import setup_telemetry
-silent = socket.socket()
-silent.bind(("127.0.0.1", 0))
-silent.listen()  # the kernel accepts; nobody ever answers
-import os
-os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(silent.getsockname()[1]))
-from openlora_otel import distributed
+import os, time
+os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1")
+from openlora_otel import distributed, setup_telemetry
 distributed.STORE_TIMEOUT_S = 1.0
 started = time.monotonic()
 telemetry = setup_telemetry()
@@ -214,13 +209,35 @@ print("SETUP TOOK", round(time.monotonic() - started, 2), telemetry.run_id, flus
 telemetry.shutdown()
 """
 
+# The store's side, in a process of its own as torchrun's agent is: the kernel accepts, nobody
+# ever answers, and the connection stays open while the worker exits.
+_SILENT_SERVER = """
+import socket, time
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen()
+print(silent.getsockname()[1], flush=True)
+time.sleep(120)
+"""
+
 
 def test_a_store_that_accepts_and_never_answers_does_not_hold_setup() -> None:
     # In a child: the process then ends with the agreeing thread still waiting in torch's
     # C++ code, which must not turn the exit into an abort.
-    result = subprocess.run(
-        [sys.executable, "-c", _SILENT_STORE], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60
-    )
+    server = subprocess.Popen([sys.executable, "-c", _SILENT_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        result = subprocess.run(
+            [sys.executable, "-c", _SILENT_STORE],
+            cwd=ROOT,
+            env=_env(MASTER_PORT=port),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        server.kill()
+        server.wait(10)
     assert result.returncode == 0, result.stderr[-3000:]
     took = float(result.stdout.split("SETUP TOOK ")[1].split()[0])
     assert took < 10  # 1 s bound; generous for a loaded machine, far below "forever"
@@ -315,3 +332,49 @@ def test_two_torchrun_nodes_on_one_host(tmp_path: Path, script: Path) -> None:
         if prometheus is not None:
             prometheus.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+_SLOW_TORCH = '''
+import threading, time
+print("TORCH IMPORTED ON", threading.current_thread().name, flush=True)
+time.sleep(1.5)  # longer than the store bound: a slow import on a loaded machine
+'''
+
+_SLOW_TORCH_DISTRIBUTED = '''
+import time
+
+
+class TCPStore:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def compare_set(self, key, expected, desired):
+        time.sleep(3600)  # a store that never answers
+'''
+
+
+def test_torch_is_imported_before_the_bounded_wait_not_inside_it(tmp_path: Path) -> None:
+    """The store's bound covers only the store: an import running past it would be cut by the exit."""
+    fake = tmp_path / "torch"
+    (fake / "distributed").mkdir(parents=True)
+    (fake / "__init__.py").write_text(_SLOW_TORCH)
+    (fake / "distributed" / "__init__.py").write_text(_SLOW_TORCH_DISTRIBUTED)
+    script = (
+        "from openlora_otel import distributed, setup_telemetry\n"
+        "distributed.STORE_TIMEOUT_S = 1.0\n"
+        "telemetry = setup_telemetry()\n"
+        "print('RUN ID', telemetry.run_id, flush=True)\n"
+        "telemetry.shutdown()\n"
+    )
+    env = _env(
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TORCH IMPORTED ON MainThread" in result.stdout, result.stdout
+    assert "RUN ID" in result.stdout and "no answer within 1 s" in result.stderr
