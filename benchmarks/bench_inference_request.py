@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import statistics
 import time
 from typing import Any
 
+from bench_record_step import rss_mb, time_variant  # the same loop and RSS reading, side by side
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -199,29 +199,6 @@ def asgi_extra_per_request(requests: int, rounds: int) -> tuple[float, float] | 
         plain.append(asyncio.run(timed(make(False))))
         instrumented.append(asyncio.run(timed(make(True))))
     return statistics.median(plain), statistics.median(instrumented)
-
-
-def time_variant(request, collect, count: int, collect_every: int) -> tuple[float, float]:
-    total = collecting = 0.0
-    done = 0
-    while done < count:
-        chunk = min(collect_every, count - done)
-        gc.disable()
-        started = time.process_time()
-        for i in range(chunk):
-            request(i)
-        total += time.process_time() - started
-        gc.enable()
-        started = time.process_time()
-        collect()
-        collecting += time.process_time() - started
-        done += chunk
-    return total / count, collecting / count
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * resource.getpagesize() / (1024 * 1024)
 
 
 def main() -> None:

@@ -135,15 +135,6 @@ class InferenceRequest:
         self._error: str | None = None
         self.ended = False
 
-    @property
-    def adapter(self) -> str:
-        """The adapter value recorded for this request (``"base"``, the name, or ``"other"`` past the cap)."""
-        return self._key[2]
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self._t0
-
     def start(self) -> None:
         """The request left the queue and is being generated (``queued=True`` requests only; else a no-op)."""
         if not self._started and not self.ended:
