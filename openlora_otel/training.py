@@ -43,7 +43,6 @@ not built with (someone else's provider) share one window.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import operator
@@ -60,7 +59,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
-from openlora_otel.windows import BucketWindow, replay, window_merging_works, window_view
+from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
@@ -186,10 +185,7 @@ class _Window:
     loss: _Series = field(default_factory=_Series)
     grad: _Series = field(default_factory=_Series)
     lr: _Series = field(default_factory=_Series)
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_DURATION_BUCKETS) + 1))
-    bucket_sums: list[float] = field(default_factory=lambda: [0.0] * (len(STEP_DURATION_BUCKETS) + 1))
-    shortest: float = math.inf
-    longest: float = -math.inf
+    durations: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
     # perf_counter() of the window's latest step: the step path stores the clock reading it
     # already took; the wall-clock conversion waits for the collection.
     last_step: float | None = None
@@ -325,8 +321,7 @@ class TrainingMetrics:
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
-        self._bounds = list(step_duration_buckets)
-        if self._bounds != list(STEP_DURATION_BUCKETS):
+        if list(step_duration_buckets) != list(STEP_DURATION_BUCKETS):
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
@@ -476,13 +471,7 @@ class TrainingMetrics:
                     window.data_timed += data_time_s
                     window.data_wall += now - last
             if step_time is not None:
-                index = bisect.bisect_left(self._bounds, step_time)
-                window.bucket_counts[index] += 1
-                window.bucket_sums[index] += step_time
-                if step_time < window.shortest:
-                    window.shortest = step_time
-                if step_time > window.longest:
-                    window.longest = step_time
+                window.durations.add(step_time)
 
     def record_values(self, *, loss: Any = None, grad_norm: Any = None, learning_rate: Any = None) -> None:
         """Add loss / gradient norm / learning rate values without counting a step.
@@ -870,13 +859,11 @@ class TrainingMetrics:
         saturated |= not self._samples.add(window.samples)
         if saturated:
             self._warn_saturated()
-        if not any(window.bucket_counts):
+        durations = window.durations
+        if not durations.count:
             return
         if self._merge_windows:
-            batch = BucketWindow(
-                tuple(self._bounds), window.bucket_counts, math.fsum(window.bucket_sums),
-                window.shortest, window.longest,
-            )  # fmt: skip
+            batch = durations.window()
             self._duration.record(batch)
             if batch.merged:
                 return
@@ -891,7 +878,7 @@ class TrainingMetrics:
             return
         # Per bucket, its count at the bucket's mean: counts and sum are exact, one
         # SDK call per step (min and max become the extreme buckets' means).
-        replay(self._duration.record, window.bucket_counts, window.bucket_sums)
+        replay(self._duration.record, durations.counts, durations.sums)
 
     def _fail_read(self, label: str, failed: set[str]) -> None:
         failed.add(label)
