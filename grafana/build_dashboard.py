@@ -1393,6 +1393,74 @@ def build_cluster() -> dict[str, Any]:
             defaults={"min": 0},
         ),
     ]
+    y += 8
+    # A straggler with a low data wait is slow at computing: its GPU may be held down or failing.
+    # The raw GPU series stay with the training dashboard; these records are one value per rank.
+    panels.append(row("GPUs behind the ranks", y))
+    y += 1
+    panels += [
+        panel(
+            "bargauge",
+            "Worst GPU status per rank, worst first",
+            "The worst hw.status of each rank's GPUs (rank:openlora_gpu_status:max): ok, degraded (a bad-GPU "
+            "XID, a pending row remap, a reset the driver asks for) or failed (lost by NVML, XID 79, a failed "
+            "row remap, a reboot the driver asks for). The training dashboard's GPU health row says which GPU "
+            "and why; alerts OpenloraGpuDegraded and OpenloraGpuFailed.",
+            "none",
+            [target(f"sort_desc(rank:openlora_gpu_status:max{{{RANK_SEL}}})", rank_legend, instant=True)],
+            x=0,
+            y=y,
+            w=8,
+            h=8,
+            defaults={
+                "min": 0,
+                "max": 2,
+                "mappings": [
+                    {
+                        "type": "value",
+                        "options": {
+                            str(value): {"text": state, "color": color, "index": value}
+                            for state, value, color in GPU_STATES
+                        },
+                    }
+                ],
+                "thresholds": thresholds((None, "green"), (1, "orange"), (2, "red")),
+            },
+        ),
+        panel(
+            "bargauge",
+            "XID errors per rank, most first",
+            "XID errors the driver reported for each rank's GPUs since its process started watching "
+            "(rank:openlora_gpu_xid_errors:sum); a rank appears with its first. Which codes: the training "
+            "dashboard's XID panel (79 and the bad-GPU codes alert, the program's own do not).",
+            "short",
+            [target(f"sort_desc(rank:openlora_gpu_xid_errors:sum{{{RANK_SEL}}})", rank_legend, instant=True)],
+            x=8,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0, "decimals": 0},
+        ),
+        panel(
+            "timeseries",
+            "GPU throttled time per rank",
+            "Per throttle reason, the largest share of time one of each rank's GPUs had its clock held down, "
+            "over 2 minutes (rank:openlora_gpu_throttle:ratio2m). Reasons overlap. A straggler throttled "
+            "for power or heat is slow at computing: check its cooling and power cap.",
+            "percentunit",
+            [
+                target(
+                    f"rank:openlora_gpu_throttle:ratio2m{{{RANK_SEL}}}",
+                    "rank {{openlora_rank}} {{openlora_gpu_throttle_reason}} ({{instance}})",
+                )
+            ],
+            x=16,
+            y=y,
+            w=8,
+            h=8,
+            defaults={"min": 0, "max": 1},
+        ),
+    ]
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),

@@ -56,6 +56,9 @@ CONTRACT_RECORDS = (
     "run:openlora_training_throughput_tokens_per_second:sum",
     "rank:openlora_training_data_wait_fraction:avg2m",
     "rank:openlora_training_model_flops_utilization:avg2m",
+    "rank:openlora_gpu_status:max",
+    "rank:openlora_gpu_xid_errors:sum",
+    "rank:openlora_gpu_throttle:ratio2m",
 )
 
 
@@ -101,6 +104,9 @@ local_rank = int(os.environ["LOCAL_RANK"])
 cards = h100s(int(os.environ["WORLD_SIZE"]), processes={os.getpid(): 2 * 2**30})
 for index, card in enumerate(cards):
     card.utilization = 0.3 + 0.4 * index  # 0.3 and 0.7 on two GPUs: the node's mean is 0.5
+# Rank 1's GPU has a row remap pending (degraded until a reset), so the cluster's GPU status
+# panel has a rank to put first.
+cards[1 % len(cards)].remap = (1, 0, 1, 0)
 fake = FakeNvml(cards)
 nvml.load_pynvml_backend = lambda: fake
 # Rank 0's GPU reports one application XID (31, a page fault: no alert), as a cluster of any
@@ -621,5 +627,15 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
             assert (
                 0 < utilization["1"] < utilization["0"] < 512 / FAST_S * FLOPS_PER_TOKEN / PEAK_FLOPS * 1.05
             ), mfu
+            # The GPUs behind the ranks: rank 1's is degraded (its pending remap), rank 0's is ok and
+            # reported its one XID; neither fake GPU is throttled.
+            status = prometheus.query(first_target("Worst GPU status per rank, worst first"))
+            assert [s["metric"]["openlora_rank"] for s in status] == ["1", "0"], status
+            assert _by_rank(status) == {"1": 1.0, "0": 0.0}, status
+            xids = _by_rank(prometheus.query(first_target("XID errors per rank, most first")))
+            assert xids == {"0": 1.0}, xids
+            throttled = prometheus.query(first_target("GPU throttled time per rank"))
+            assert {s["metric"]["openlora_rank"] for s in throttled} == {"0", "1"}, throttled
+            assert all(float(s["value"][1]) == 0.0 for s in throttled), throttled
         finally:
             prometheus.stop()
