@@ -445,6 +445,58 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
 
 
+def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) -> None:
+    """save_strategy="epoch" with save_total_limit=1: the epoch end after the stop would save the
+    NaN weights and rotate the good checkpoint away. After a trip nothing is saved."""
+    from safetensors.torch import load_file
+
+    from openlora_otel.guard import DivergenceGuard
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    model = with_lora(tiny_llama())
+    times = StepTimes()
+    per_epoch = 300  # the trip (three NaN steps and the guard's lag) comes well inside epoch 2
+    bad_from = per_epoch + 5
+
+    def poison(module, args, kwargs, output):
+        if times.ended and max(times.ended) >= bad_from:
+            output.loss = output.loss * math.nan  # NaN gradients: the weights go NaN too
+        return output
+
+    model.register_forward_hook(poison, with_kwargs=True)
+    guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        num_train_epochs=3,
+        per_device_train_batch_size=2,
+        save_strategy="epoch",
+        save_total_limit=1,
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=CountingCorpus(2 * per_epoch),
+        callbacks=[times, TelemetryCallback(telemetry, guard=guard)],
+    )
+    trainer.train()
+    telemetry.shutdown()
+    stopped = trainer.state.global_step
+    assert guard.trip is not None and bad_from + 3 <= stopped < 2 * per_epoch
+    checkpoints = sorted(path.name for path in tmp_path.glob("checkpoint-*"))
+    assert checkpoints == [f"checkpoint-{per_epoch}"], checkpoints
+    weights = load_file(str(tmp_path / checkpoints[0] / "adapter_model.safetensors"))
+    assert weights and all(bool(torch.isfinite(tensor).all()) for tensor in weights.values())
+    # The model the run ended with did diverge: that is what was not saved.
+    assert not all(
+        bool(torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad
+    )
+
+
 def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkeypatch) -> None:
     from openlora_otel.flops import training_flops_per_token
 

@@ -240,6 +240,92 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: I
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
 
 
+class NanAtStep(LoraModule):
+    """The loss of every micro-batch of optimizer step ``bad_step`` (0-based) is NaN (the last
+    step here: the NaN gradients it makes would turn every later loss NaN)."""
+
+    bad_step = 3
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        if self.trainer.global_step == self.bad_step:
+            loss = loss * math.nan
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def test_under_gradient_accumulation_the_loss_is_one_value_per_optimizer_step(
+    memory_reader: InMemoryMetricReader,
+) -> None:
+    """Lightning hands on_train_batch_end each micro-batch's loss divided by accumulate_grad_batches.
+    The callback records the step's mean micro-batch loss once per optimizer step, also for an
+    epoch's last step with fewer micro-batches; a NaN step counts once, however many micro-batches."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    module = NanAtStep()
+    trainer = pl.Trainer(
+        max_steps=4,
+        accumulate_grad_batches=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TelemetryCallback(telemetry, grad_norm=False)],
+    )
+    # 5 batches an epoch: steps of 3 and 2 micro-batches (the epoch's last step is short).
+    trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(20), batch_size=4))
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    losses = [float(x) for x in module.losses]
+    assert trainer.global_step == 4 and len(losses) == 10
+    steps = [losses[0:3], losses[3:5], losses[5:8], losses[8:10]]
+    assert all(math.isnan(x) for x in steps[3]) and not any(math.isnan(x) for s in steps[:3] for x in s)
+    finite = [statistics.fmean(s) for s in steps[:3]]
+    assert value(data, "openlora.training.loss") == pytest.approx(statistics.fmean(finite), rel=1e-5)
+    assert value(data, "openlora.training.loss.max") == pytest.approx(max(finite), rel=1e-5)
+    assert value(data, "openlora.training.loss.min") == pytest.approx(min(finite), rel=1e-5)
+    assert value(data, "openlora.training.loss.nonfinite") == 1
+
+
+def test_a_tripped_guard_keeps_the_last_good_checkpoint(tmp_path) -> None:
+    """Lightning's default ModelCheckpoint (save_top_k=1, at each epoch end) would save the diverged
+    weights at the epoch end after the stop and delete the good one. After a trip it saves nothing."""
+    from openlora_otel.guard import DivergenceGuard
+
+    per_epoch = 300  # the trip (three NaN steps and the guard's lag) comes well inside epoch 2
+
+    class Diverging(LoraModule):
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            if self.trainer.global_step >= per_epoch + 5:
+                loss = loss * math.nan  # NaN gradients: the weights go NaN too
+            return loss
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+    module = Diverging()
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TelemetryCallback(telemetry, guard=guard)],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(2 * per_epoch), batch_size=2))
+    telemetry.shutdown()
+    assert guard.trip is not None and per_epoch + 8 <= trainer.global_step < 2 * per_epoch
+    saved = sorted(path.name for path in tmp_path.rglob("*.ckpt"))
+    assert saved == [f"epoch=0-step={per_epoch}.ckpt"], saved
+    state = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)["state_dict"]
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in state.values())
+    assert trainer.checkpoint_callback.best_model_path.endswith(saved[0])
+    assert not all(bool(torch.isfinite(p).all()) for p in module.parameters() if p.requires_grad)
+    # The checkpoint callback has its own hooks back once the fit is over.
+    assert "on_train_epoch_end" not in vars(trainer.checkpoint_callback)
+
+
 def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) -> None:
     from openlora_otel.flops import training_flops_per_token
 

@@ -126,7 +126,9 @@ class TelemetryCallback(TrainerCallback):
 
     ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
     start; once it trips, the step it is seen at sets
-    ``control.should_training_stop``. With several processes (DDP) the ranks
+    ``control.should_training_stop`` and clears ``should_save`` and
+    ``should_evaluate`` (there and at the epoch end that follows), so the
+    diverged weights are not saved over the last good checkpoint. With several processes (DDP) the ranks
     agree first, every ``GUARD_SYNC_EVERY`` steps (one all-reduce of one number),
     so all of them stop at the same step.
     ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
@@ -157,6 +159,7 @@ class TelemetryCallback(TrainerCallback):
         self._step_lr_seen = False
         self._said_no_loss = False
         self._said_no_input = False
+        self._stopped = False  # the guard stopped this run: nothing more is saved or evaluated
 
     @safe
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -204,6 +207,7 @@ class TelemetryCallback(TrainerCallback):
                 "already clipped. Loss, learning rate and tokens are reported every step.",
                 every,
             )
+        self._stopped = False
         self._clock = StepClock()
         self._clock.idle()
 
@@ -272,6 +276,15 @@ class TelemetryCallback(TrainerCallback):
         )
         if self._guard is not None and _agreed_trip(self._guard.tripped, args, state.global_step):
             control.should_training_stop = True
+            if not self._stopped:
+                self._stopped = True
+                _logger.warning(
+                    "openlora-otel: the divergence guard tripped; the run stops at step %d and saves no "
+                    "checkpoint, so the diverged weights do not replace the last good one",
+                    state.global_step,
+                )
+        if self._stopped:
+            self._skip_save_and_evaluate(control)
         self._clock.idle()
         self._flops.step(self._owner.training, tokens, samples or self._samples_per_step)
 
@@ -318,6 +331,17 @@ class TelemetryCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.epoch is not None:
             self._owner.training.record_epoch(float(state.epoch))
+        if self._stopped:
+            self._skip_save_and_evaluate(control)  # after DefaultFlowCallback's epoch-end save
+
+    @staticmethod
+    def _skip_save_and_evaluate(control: Any) -> None:
+        """After a trip: the weights have diverged. Saving them would let ``save_total_limit``
+        delete the last good checkpoint; evaluating them only costs time. The Trainer reads
+        these flags right after on_step_end and on_epoch_end, and DefaultFlowCallback (first
+        in the list) has already set them by then."""
+        control.should_save = False
+        control.should_evaluate = False
 
     @safe
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

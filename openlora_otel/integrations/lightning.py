@@ -4,9 +4,12 @@
     trainer = lightning.Trainer(..., callbacks=[TelemetryCallback(telemetry)])
 
 Per optimizer step: one ``record_step`` with the step's wall time, how long it
-waited for its batches, tokens and samples. The loss tensor Lightning hands to ``on_train_batch_end`` is passed
-as a tensor (read later, off the training thread: no sync per step); with
-gradient accumulation every micro-batch loss joins the window. The gradient
+waited for its batches, tokens, samples and the loss. The loss is the step's
+mean micro-batch loss, summed on the device from the tensors Lightning hands to
+``on_train_batch_end`` (each divided by ``accumulate_grad_batches`` under
+automatic optimization, so the sum is the mean) and passed as a tensor (read
+later, off the training thread: no sync per step); so the divergence guard and
+the window count optimizer steps, as with Hugging Face. The gradient
 norm of the trainable parameters is computed on their device before the
 optimizer step (cheap for LoRA, never read on the training thread); the
 learning rate is read from the first optimizer's first parameter group.
@@ -32,6 +35,7 @@ of a step).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +57,8 @@ from openlora_otel.telemetry import Telemetry
 
 __all__ = ["TelemetryCallback"]
 
+_logger = logging.getLogger("openlora_otel.integrations")
+
 
 class TelemetryCallback(pl.Callback):
     """Report a Lightning run through openlora-otel.
@@ -63,7 +69,9 @@ class TelemetryCallback(pl.Callback):
     guarded: a failure is logged once and never reaches the training loop.
 
     ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
-    start; once it trips, the step it is seen at sets ``trainer.should_stop``.
+    start; once it trips, the step it is seen at sets ``trainer.should_stop``
+    and the trainer's checkpoint callbacks save nothing more in this fit (the
+    weights have diverged; the last good checkpoint is kept).
     With several processes the ranks agree first, every ``GUARD_SYNC_EVERY``
     steps (``strategy.reduce_boolean_decision``), so all stop at the same step.
     ``flops``: report the model's FLOPs per token (and MFU where the GPU's peak
@@ -93,6 +101,10 @@ class TelemetryCallback(pl.Callback):
         self._last_global_step = 0
         self._tokens = 0
         self._samples = 0
+        self._loss: Any = None  # the step's micro-batch losses summed on their device, never read
+        self._loss_parts = 0
+        self._normalize = 1  # what Lightning divided each micro-batch's loss by
+        self._muted: list[Any] = []  # checkpoint callbacks silenced after a guard trip
 
     @safe
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -109,6 +121,11 @@ class TelemetryCallback(pl.Callback):
         if self._flops_wanted:
             self._flops = ModelFlops(pl_module, _compute_dtype(str(getattr(trainer, "precision", ""))))
         self._last_global_step = trainer.global_step
+        self._loss, self._loss_parts = None, 0
+        # Under automatic optimization Lightning hands on_train_batch_end each micro-batch's loss
+        # divided by accumulate_grad_batches (what backward() got); manual optimization does not.
+        automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._normalize = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1) if automatic else 1
         self._clock = StepClock()
         self._clock.idle()
 
@@ -149,16 +166,28 @@ class TelemetryCallback(pl.Callback):
     def _batch_end(self, trainer: pl.Trainer, outputs: Any) -> None:
         training = self._owner.training
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            training.record_values(loss=loss)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(())
+            self._loss = loss if self._loss is None else self._loss + loss  # on the device, not read
+            self._loss_parts += 1
+        elif loss is not None:
+            training.record_values(loss=loss)  # not a one-element tensor: TrainingMetrics judges it
         if trainer.global_step == self._last_global_step:
             return  # a micro-batch under gradient accumulation: no optimizer step yet
         self._last_global_step = trainer.global_step
         step_time, data_time = self._clock.step_ended()
+        # The step's loss: the mean of its micro-batches' losses, one value per optimizer step (so
+        # the guard and the window count steps, as with Hugging Face). Each came divided by
+        # `_normalize`; an epoch's last step may have had fewer micro-batches than that.
+        step_loss, self._loss = self._loss, None
+        if step_loss is not None and self._normalize != self._loss_parts:
+            step_loss = step_loss * (self._normalize / self._loss_parts)
+        self._loss_parts = 0
         learning_rate = None
         if trainer.optimizers:
             learning_rate = trainer.optimizers[0].param_groups[0].get("lr")
         training.record_step(
+            loss=step_loss,
             learning_rate=learning_rate if isinstance(learning_rate, float) else None,
             tokens=self._tokens,
             samples=self._samples,
@@ -178,7 +207,38 @@ class TelemetryCallback(pl.Callback):
                 )
             if tripped:
                 trainer.should_stop = True
+                self._mute_checkpoints(trainer)
         self._flops.step(training, tokens, samples)
+
+    def _mute_checkpoints(self, trainer: pl.Trainer) -> None:
+        """Keep the trainer's checkpoint callbacks from saving for the rest of this fit.
+
+        Stopping still runs the epoch-end, validation-end and train-end hooks, where a
+        `ModelCheckpoint` would save the diverged weights and its rotation (``save_top_k``)
+        delete the last good checkpoint. Their saving hooks become no-ops on the instance
+        (the public hook names; ``on_fit_end`` puts them back), so ``best_model_path`` still
+        names the last good one. Every rank reaches this at the same step (the agreed trip), so
+        the collectives inside a save are skipped on all of them alike.
+        """
+        for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
+            if callback in self._muted:
+                continue
+            for hook in _CHECKPOINT_SAVING_HOOKS:
+                setattr(callback, hook, _skip_save)
+            self._muted.append(callback)
+        if self._muted:
+            _logger.warning(
+                "openlora-otel: the divergence guard tripped; %s will not save for the rest of this fit, so "
+                "the diverged weights do not replace the last good checkpoint",
+                ", ".join(sorted({type(callback).__name__ for callback in self._muted})),
+            )
+
+    @safe
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for callback in self._muted:
+            for hook in _CHECKPOINT_SAVING_HOOKS:
+                callback.__dict__.pop(hook, None)
+        self._muted = []
 
     @safe
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -223,6 +283,21 @@ class TelemetryCallback(pl.Callback):
         if isinstance(first, (list, tuple)) and first:
             first = first[0]
         return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 0
+
+
+# The Checkpoint hooks that save (ModelCheckpoint: every n steps, at epoch and validation end,
+# the last one at train end, and on an exception).
+_CHECKPOINT_SAVING_HOOKS = (
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_end",
+    "on_train_end",
+    "on_exception",
+)
+
+
+def _skip_save(*args: Any, **kwargs: Any) -> None:
+    """A checkpoint callback's saving hook after a divergence guard trip: nothing is saved."""
 
 
 def trainer_hyperparameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, object]:
