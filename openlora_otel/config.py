@@ -15,7 +15,8 @@ own environment parsing never decides anything.
 
 Invalid values raise :class:`ConfigError`, which names the variable, the value
 and what is accepted. Durations and numbers are read as ASCII decimal digits
-only (no exponent, underscore, sign or ``nan``), within documented ranges, so a
+only (no underscore, sign or ``nan``; no exponent but in ``OPENLORA_PEAK_FLOPS``,
+whose values are like ``989e12``), within documented ranges, so a
 value that would stall or kill a thread later is refused here. Credentials (URL
 ``user:password@`` and header values) never appear in an error or a repr.
 """
@@ -329,7 +330,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_PEAK_FLOPS",
         "(unset)",
-        "Peak FLOP/s of one device of this process (for example `989e12`), used for model FLOPs utilization instead of the datasheet table; a number > 0. Set it on CPUs or GPUs the table does not know.",
+        "Peak FLOP/s of one device of this process (for example `989e12`), used for model FLOPs utilization instead of the datasheet table; a number from 1 to 1e21 in ASCII digits, an exponent allowed. Set it on CPUs or GPUs the table does not know.",
     ),
     Variable(
         "OPENLORA_QUIET",
@@ -640,18 +641,20 @@ class TelemetryConfig:
 
 
 PEAK_FLOPS_RANGE = (1.0, 1e21)
-PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21, such as 989e12"
+PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21 in ASCII digits, with an optional exponent, such as 989e12"
+# A decimal with an optional exponent, ASCII only: float() would also take "1_000", a sign,
+# "nan", "infinity" and non-ASCII (fullwidth) digits.
+_EXPONENT_DECIMAL_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def _peak_flops(env: _Env) -> float | None:
-    """``OPENLORA_PEAK_FLOPS``: unset, or a plain positive number (exponent allowed)."""
+    """``OPENLORA_PEAK_FLOPS``: unset, or a plain positive decimal (the one number here with an exponent)."""
     raw = env.get("OPENLORA_PEAK_FLOPS")
     if not raw:
         return None
-    try:
-        number = float(raw)
-    except ValueError:
-        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED) from None
+    if not _EXPONENT_DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
+        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
+    number = float(raw)
     if not _in_range(number, PEAK_FLOPS_RANGE):
         raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
     return number

@@ -187,6 +187,11 @@ INVALID = [
     ("OPENLORA_PEAK_FLOPS", "0", "a number of FLOP/s from 1 to 1e21"),
     ("OPENLORA_PEAK_FLOPS", "inf", "a number of FLOP/s from 1 to 1e21"),
     ("OPENLORA_PEAK_FLOPS", "nan", "a number of FLOP/s from 1 to 1e21"),
+    ("OPENLORA_PEAK_FLOPS", "1_000", "a number of FLOP/s from 1 to 1e21"),
+    ("OPENLORA_PEAK_FLOPS", "\uff11e12", "a number of FLOP/s from 1 to 1e21"),
+    ("OPENLORA_PEAK_FLOPS", "+1e12", "a number of FLOP/s from 1 to 1e21"),
+    ("OPENLORA_PEAK_FLOPS", "0x10", "a number of FLOP/s from 1 to 1e21"),
+    ("OPENLORA_PEAK_FLOPS", "1e400", "a number of FLOP/s from 1 to 1e21"),
     ("OPENLORA_QUIET", "1", "`true` or `false`"),
     ("OPENLORA_RUN_NAME", "a\x07b", "a name of 1 to 100 printable characters"),
     ("OPENLORA_RUN_NAME", "n" * 101, "a name of 1 to 100 printable characters"),
@@ -590,3 +595,10 @@ def test_hostile_values_give_a_config_or_a_config_error(variable: str) -> None:
                     ("OTEL_", "OPENLORA_", "RANK", "LOCAL_RANK", "WORLD_", "GROUP_")
                 )
                 assert len(str(error)) < 1000
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("989e12", 989e12), ("1.5E+14", 1.5e14), (".5e3", 500.0), ("1000", 1000.0), (" 2e15 ", 2e15)]
+)
+def test_peak_flops_takes_decimals_with_an_exponent(raw: str, expected: float) -> None:
+    assert TelemetryConfig.from_env({"OPENLORA_PEAK_FLOPS": raw}).peak_flops == expected
