@@ -47,13 +47,15 @@ GUARD_REASONS = ("nonfinite_loss", "loss_spike")
 # Step duration buckets in seconds. From 10 ms to 10 s, 25 per decade (neighbours at
 # most 1.097x apart, 4 significant digits): histogram_quantile interpolates inside the
 # bucket that holds the true quantile, so its answer is within 9.7 % of it for any
-# step time in that range. Coarser bounds below (1 ms) and above (60 s) keep the
-# tails. 82 bounds: 83 `_bucket` series per process, plus `_sum` and `_count`.
+# step time in that range. The series starts one step below 10 ms (0.00912), so that
+# 10 ms itself lies in a narrow bucket, not in (0.005, 0.01]. Coarser bounds below
+# (1 ms) and above (60 s) keep the tails. 83 bounds: 84 `_bucket` series per process,
+# plus `_sum` and `_count`.
 STEP_DURATION_BUCKETS: tuple[float, ...] = (
     0.001,
     0.0025,
     0.005,
-    *(float(f"{0.01 * 10 ** (k / 25):.4g}") for k in range(76)),
+    *(float(f"{0.01 * 10 ** (k / 25):.4g}") for k in range(-1, 76)),
     20.0,
     30.0,
     60.0,

@@ -36,7 +36,7 @@ def _distributions() -> dict[str, list[float]]:
         # Just above a bound: the worst case for the upper quantiles.
         "just_above_bound": _constant(lower[len(lower) // 2] * 1.0001),
         "just_below_bound": _constant(lower[len(lower) // 4] * 0.9999),
-        "constant_10ms": _constant(0.0101),
+        "constant_10ms": _constant(0.01),  # exactly the range's lower end, a bound itself
         "constant_9s": _constant(9.5),
         "normal_5pct": [rng.gauss(0.35, 0.35 * 0.05) for _ in range(SAMPLES)],
         "lognormal": [rng.lognormvariate(math.log(0.8), 0.4) for _ in range(SAMPLES)],
@@ -130,5 +130,8 @@ def test_histogram_quantile_is_within_10_percent_for_known_distributions(tmp_pat
 def test_bucket_bounds_keep_neighbours_within_10_percent() -> None:
     inside = [b for b in STEP_DURATION_BUCKETS if 0.01 <= b <= 10.0]
     assert inside[0] == 0.01 and inside[-1] == 10.0
+    # 10 ms itself: the bucket that holds it, (below, 0.01], is as narrow as the others.
+    below = max(b for b in STEP_DURATION_BUCKETS if b < 0.01)
+    assert 0.01 / below < 1.1
     assert max(high / low for low, high in itertools.pairwise(inside)) < 1.1
     assert list(STEP_DURATION_BUCKETS) == sorted(set(STEP_DURATION_BUCKETS))
