@@ -593,11 +593,9 @@ def _summary(
         )
     elif result.interrupted:
         lines.append(f"stopped by {result.interrupted} after {result.steps} steps; telemetry {flush}")
-    if math.isfinite(result.final_eval_loss):
-        evaluation = (
-            f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} "
-            f"(best {result.best_eval_loss:.3f})"
-        )
+    if result.final_eval_loss != math.inf:  # NaN included: a diverged model's evaluation is shown as it was
+        best = f"{result.best_eval_loss:.3f}" if math.isfinite(result.best_eval_loss) else "none finite"
+        evaluation = f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} (best {best})"
     else:  # stopped before any later evaluation (or --eval-every 0 and stopped early)
         evaluation = f"eval loss {result.first_eval_loss:.3f} at the start, no evaluation after it"
     lines += [

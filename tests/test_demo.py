@@ -350,6 +350,24 @@ def test_a_loss_gone_nan_trips_the_guard_and_the_demo_stops_with_status_3(
     assert "no evaluation after it" in out and "inf" not in out
 
 
+def test_a_nan_evaluation_is_the_final_one_in_the_summary(
+    memory_reader: InMemoryMetricReader, capsys
+) -> None:
+    """Evaluations every 10 steps, the loss NaN from step 20: the evaluation after step 20 is NaN
+    and is the run's last; the summary shows it (not the best one as the final) and the best
+    finite one as the best."""
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    result = run_demo(DemoOptions(steps=400, eval_every=10, nan_at_step=20, quiet=True), telemetry, where="memory")
+    data = memory_reader.get_metrics_data()
+    telemetry.shutdown()
+    assert result.interrupted == "diverged" and result.steps > 20
+    assert math.isnan(result.final_eval_loss) and math.isfinite(result.best_eval_loss)
+    assert value(data, "openlora.training.eval.nonfinite", **{"openlora.eval.metric": "loss"}) >= 1
+    _summary(result, "memory", True, run_id="r")
+    out = capsys.readouterr().out
+    assert f"-> nan (best {result.best_eval_loss:.3f})" in out, out
+
+
 def test_a_slow_input_pipeline_shows_as_data_wait(memory_reader: InMemoryMetricReader) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     run_demo(DemoOptions(steps=8, eval_every=0, quiet=True, data_delay_ms=60), telemetry, where="memory")

@@ -279,6 +279,11 @@ class _Data:
         return self.torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()])
 
 
+def _perplexity(loss: float) -> float:
+    """exp(loss), inf past what a float holds (a diverged model's loss; math.exp would raise)."""
+    return math.exp(loss) if loss < 709.0 else (loss if math.isnan(loss) else math.inf)
+
+
 def _evaluate(model: Any, data: _Data) -> float:
     torch = data.torch
     model.eval()
@@ -353,7 +358,7 @@ def _run(
         )
         out.flush()
     first_eval = _evaluate(model, data)
-    training.record_eval(loss=first_eval, perplexity=math.exp(first_eval))
+    training.record_eval(loss=first_eval, perplexity=_perplexity(first_eval))
     stop = _Stop(stop_event)
     with _signals(stop):
         if options.hf_trainer:
@@ -365,9 +370,10 @@ def _run(
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
         final = _evaluate(model, data)
-        training.record_eval(loss=final, perplexity=math.exp(final))
+        training.record_eval(loss=final, perplexity=_perplexity(final))
         result.final_eval_loss = final
-        result.best_eval_loss = min(result.best_eval_loss, final)
+        if final < result.best_eval_loss:  # a NaN is never the best
+            result.best_eval_loss = final
     result.interrupted = stop.signal
     if result.steps and not stop.signal:  # an adapter from a run stopped early is not saved
         result.saved = saving.save_adapter(model, result, telemetry.run_id)
@@ -464,7 +470,7 @@ def _train_loop(
     progress = _Progress(options.steps, where, out, options.quiet)
     tokens_per_step = options.batch_size * options.seq_len
     started = time.perf_counter()
-    best_eval = math.inf
+    best_eval = last_eval = math.inf  # inf: no evaluation after the first
     last_loss = None
     loss = None
     step = 0
@@ -511,9 +517,10 @@ def _train_loop(
             stop.adopt(sync.agreed)
             break
         if options.eval_every and step % options.eval_every == 0 and step < options.steps:
-            eval_loss = _evaluate(model, data)
-            training.record_eval(loss=eval_loss, perplexity=math.exp(eval_loss))
-            best_eval = min(best_eval, eval_loss)
+            eval_loss = last_eval = _evaluate(model, data)
+            training.record_eval(loss=eval_loss, perplexity=_perplexity(eval_loss))
+            if eval_loss < best_eval:  # a NaN is never the best
+                best_eval = eval_loss
     elapsed = time.perf_counter() - started
     if loss is not None:
         last_loss = float(loss.detach())
@@ -523,7 +530,7 @@ def _train_loop(
         steps=step,
         seconds=elapsed,
         first_eval_loss=math.nan,
-        final_eval_loss=best_eval,
+        final_eval_loss=last_eval,
         best_eval_loss=best_eval,
         last_train_loss=last_loss,
         tokens_per_s=step * tokens_per_step / max(elapsed, 1e-9),
@@ -627,7 +634,7 @@ def _train_hf(
         elapsed = time.perf_counter() - started
     progress.bar.close()
     evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
-    best = min(evals) if evals else math.inf
+    best = min((e for e in evals if math.isfinite(e)), default=math.inf)
     steps = trainer.state.global_step
     return DemoResult(
         steps=steps,
