@@ -33,7 +33,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import gpu
 from openlora_otel.gpu import GpuCollector, GpuMetrics
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training.metrics import TrainingMetrics
 from tests.fake_nvml import FakeNvml, h100s
 
 OLD_CALLS_PER_GPU = 12  # the snapshot before batching: one call per value

@@ -29,7 +29,7 @@ from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, Telemet
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
-from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
+from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
@@ -162,7 +162,7 @@ class Telemetry:
 
     @property
     def training(self) -> TrainingMetrics:
-        """The run's :class:`~openlora_otel.training.TrainingMetrics` (created on first use, one per handle)."""
+        """The run's :class:`~openlora_otel.training.metrics.TrainingMetrics` (created on first use, one per handle)."""
         with self._lock:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
@@ -656,7 +656,7 @@ def _build_provider(
     """Create the readers and the provider; on any failure, stop whatever was started.
 
     Returns the provider, the pull endpoint (or None) and every reader, each made to
-    collect under its own key (:func:`~openlora_otel.training.collecting_for`).
+    collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
     """
     exporters = config.enabled_exporters
     # Fail on a missing package before binding a port or starting a thread.

@@ -207,7 +207,7 @@ class DivergingModule(LoraModule):
 
 
 def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: InMemoryMetricReader) -> None:
-    from openlora_otel.guard import DivergenceGuard
+    from openlora_otel.training.guard import DivergenceGuard
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
@@ -241,7 +241,7 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: I
 
 
 def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) -> None:
-    from openlora_otel.flops import training_flops_per_token
+    from openlora_otel.training.flops import training_flops_per_token
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     module = LoraModule()
@@ -266,7 +266,7 @@ import math, sys
 import lightning.pytorch as pl
 import torch
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.guard import DivergenceGuard
+from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.integrations.lightning import TelemetryCallback
 
 class Model(pl.LightningModule):
