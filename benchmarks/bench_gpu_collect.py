@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import gpu
-from openlora_otel.gpu import GpuCollector, GpuMetrics
+from openlora_otel.hardware import gpu
+from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 from openlora_otel.training.metrics import TrainingMetrics
 from tests.fake_nvml import FakeNvml, h100s
 

@@ -191,12 +191,12 @@ class Telemetry:
 
     @property
     def gpu(self) -> Any:
-        """The :class:`~openlora_otel.gpu.GpuMetrics` when GPU metrics are on, else None."""
+        """The :class:`~openlora_otel.hardware.gpu.GpuMetrics` when GPU metrics are on, else None."""
         return self._gpu
 
     def _attach_gpu(self, backend: Any) -> None:
         """Register the GPU instruments on our meter, reading NVML through ``backend`` (already initialized)."""
-        from openlora_otel.gpu import GpuCollector, GpuMetrics
+        from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 
         config = self._config
         local_rank = config.resource_attributes.get("openlora.local_rank")
@@ -212,7 +212,7 @@ class Telemetry:
 
     @property
     def host(self) -> Any:
-        """The :class:`~openlora_otel.host.HostMetrics` when host and process metrics run, else None."""
+        """The :class:`~openlora_otel.hardware.host.HostMetrics` when host and process metrics run, else None."""
         return self._host
 
     def _attach_host(self) -> None:
@@ -220,7 +220,7 @@ class Telemetry:
         config = self._config
         if not config.host_metrics:
             return
-        from openlora_otel.host import start_host_metrics
+        from openlora_otel.hardware.host import start_host_metrics
 
         try:
             self._host = start_host_metrics(
@@ -620,8 +620,8 @@ def _start_nvml(config: TelemetryConfig) -> Any:
     """An initialized NVML backend, or None when GPU metrics are off or (with ``auto``) unavailable."""
     if config.gpu_metrics == "off":
         return None
-    from openlora_otel import nvml
     from openlora_otel._deps import MissingDependencyError
+    from openlora_otel.hardware import nvml
 
     try:
         backend = nvml.load_pynvml_backend()

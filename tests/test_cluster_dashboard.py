@@ -91,7 +91,8 @@ def write_rules(directory: Path) -> Path:
 # count (an empty shard): its accuracy is NaN.
 RANK_SCRIPT = r"""
 import os, sys, time
-from openlora_otel import gpu, nvml, setup_telemetry
+from openlora_otel import setup_telemetry
+from openlora_otel.hardware import gpu, nvml
 from openlora_otel.training.guard import DivergenceGuard
 from tests.fake_nvml import FakeNvml, h100s
 

@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MOVED = {
     "openlora_otel.guard": ("openlora_otel.training.guard", "_BASELINE_WEIGHT"),
     "openlora_otel.flops": ("openlora_otel.training.flops", "_FORWARD"),
+    "openlora_otel.gpu": ("openlora_otel.hardware.gpu", "_FRESH_FOR_S"),
+    "openlora_otel.nvml": ("openlora_otel.hardware.nvml", "load_pynvml_backend"),
+    "openlora_otel.host": ("openlora_otel.hardware.host", "_missing_warned"),
 }
 
 # The packages the package must not load on import (as tests/test_setup.py's import test).
@@ -61,6 +64,7 @@ moved = json.loads(sys.argv[1])
 old_first = {{old: importlib.import_module(old) for old in moved}}
 for old, (new, _) in moved.items():
     assert old_first[old] is importlib.import_module(new), old
+import openlora_otel.hardware, openlora_otel.training
 assert not [m for m in sys.modules if m.split(".")[0] in {BLOCKED!r}]
 print("ok")
 """
