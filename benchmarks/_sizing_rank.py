@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from openlora_otel import nvml, setup_telemetry  # noqa: E402
+from openlora_otel import setup_telemetry  # noqa: E402
+from openlora_otel.hardware import nvml  # noqa: E402
 from tests.fake_nvml import FakeNvml, h100s  # noqa: E402
 
 GPUS_PER_NODE = 8

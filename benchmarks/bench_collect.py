@@ -31,7 +31,7 @@ from opentelemetry.sdk.metrics.view import View
 from prometheus_client import CollectorRegistry, generate_latest
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.training.metrics import TrainingMetrics, step_duration_view
 
 # Dyadic step times: every sum is exact in binary, so "exact" can mean equal.
 STEP_TIMES = (2.0**-11, 0.0625, 0.09375, 0.375, 0.3125, 1.5, 48.0, 70.0, 0.5, 0.125)

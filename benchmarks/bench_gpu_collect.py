@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import gpu
-from openlora_otel.gpu import GpuCollector, GpuMetrics
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.hardware import gpu
+from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
+from openlora_otel.training.metrics import TrainingMetrics
 from tests.fake_nvml import FakeNvml, h100s
 
 OLD_CALLS_PER_GPU = 12  # the snapshot before batching: one call per value

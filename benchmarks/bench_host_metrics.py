@@ -38,7 +38,7 @@ from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
-from openlora_otel.host import SCOPE_NAME, selection  # noqa: E402
+from openlora_otel.hardware.host import SCOPE_NAME, selection  # noqa: E402
 
 
 def _config(host: bool, **changes: object) -> TelemetryConfig:

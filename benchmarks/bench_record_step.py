@@ -31,7 +31,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from openlora_otel.training import TrainingMetrics, step_duration_view
+from openlora_otel.training.metrics import TrainingMetrics, step_duration_view
 
 
 def prometheus_variant(read_loss=lambda: 2.0, read_grad=lambda: 1.0, data_wait: bool = False):

@@ -377,7 +377,7 @@ NODE_LINKS = 'device!~"lo|veth.*|docker.*|br-.*|ifb.*"'
 
 
 def host(panels: list[dict[str, Any]], y: int) -> int:
-    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/host.py): the row, from y.
+    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/hardware/host.py): the row, from y.
 
     process.* come from every process, system.* from one process per node (LOCAL_RANK 0),
     so a node's system series are under its rank-0 instance. system.cpu.utilization has

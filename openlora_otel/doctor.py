@@ -123,7 +123,7 @@ def check_exporters(config: TelemetryConfig, *, timeout_s: float) -> list[Check]
 
 def check_gpu(config: TelemetryConfig) -> Check:
     """Whether NVML starts, and what OPENLORA_GPU_METRICS will do about it."""
-    from openlora_otel import nvml
+    from openlora_otel.hardware import nvml
 
     name = "gpu metrics"
     if config.gpu_metrics == "off":

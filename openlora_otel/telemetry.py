@@ -29,7 +29,7 @@ from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, Telemet
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
-from openlora_otel.training import TrainingMetrics, collecting_for, step_duration_view
+from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
@@ -162,7 +162,7 @@ class Telemetry:
 
     @property
     def training(self) -> TrainingMetrics:
-        """The run's :class:`~openlora_otel.training.TrainingMetrics` (created on first use, one per handle)."""
+        """The run's :class:`~openlora_otel.training.metrics.TrainingMetrics` (created on first use, one per handle)."""
         with self._lock:
             if self._training is None:
                 # Our own provider has step_duration_view(): windows merge in O(buckets).
@@ -191,12 +191,12 @@ class Telemetry:
 
     @property
     def gpu(self) -> Any:
-        """The :class:`~openlora_otel.gpu.GpuMetrics` when GPU metrics are on, else None."""
+        """The :class:`~openlora_otel.hardware.gpu.GpuMetrics` when GPU metrics are on, else None."""
         return self._gpu
 
     def _attach_gpu(self, backend: Any) -> None:
         """Register the GPU instruments on our meter, reading NVML through ``backend`` (already initialized)."""
-        from openlora_otel.gpu import GpuCollector, GpuMetrics
+        from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 
         config = self._config
         local_rank = config.resource_attributes.get("openlora.local_rank")
@@ -212,7 +212,7 @@ class Telemetry:
 
     @property
     def host(self) -> Any:
-        """The :class:`~openlora_otel.host.HostMetrics` when host and process metrics run, else None."""
+        """The :class:`~openlora_otel.hardware.host.HostMetrics` when host and process metrics run, else None."""
         return self._host
 
     def _attach_host(self) -> None:
@@ -220,7 +220,7 @@ class Telemetry:
         config = self._config
         if not config.host_metrics:
             return
-        from openlora_otel.host import start_host_metrics
+        from openlora_otel.hardware.host import start_host_metrics
 
         try:
             self._host = start_host_metrics(
@@ -620,8 +620,8 @@ def _start_nvml(config: TelemetryConfig) -> Any:
     """An initialized NVML backend, or None when GPU metrics are off or (with ``auto``) unavailable."""
     if config.gpu_metrics == "off":
         return None
-    from openlora_otel import nvml
     from openlora_otel._deps import MissingDependencyError
+    from openlora_otel.hardware import nvml
 
     try:
         backend = nvml.load_pynvml_backend()
@@ -656,7 +656,7 @@ def _build_provider(
     """Create the readers and the provider; on any failure, stop whatever was started.
 
     Returns the provider, the pull endpoint (or None) and every reader, each made to
-    collect under its own key (:func:`~openlora_otel.training.collecting_for`).
+    collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
     """
     exporters = config.enabled_exporters
     # Fail on a missing package before binding a port or starting a thread.

@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
-from openlora_otel import training as training_module
+from openlora_otel.training import metrics as training_module
 
 _OWN_PREFIXES = ("OTEL_", "OPENLORA_")
 # Launcher variables (torchrun, torch.distributed's env://, Slurm) that decide ranks, ports and the run id.

@@ -1,6 +1,6 @@
 """Fakes for GPU tests without a GPU.
 
-- :class:`FakeNvml` implements :class:`openlora_otel.nvml.NvmlBackend`: several GPUs, MIG
+- :class:`FakeNvml` implements :class:`openlora_otel.hardware.nvml.NvmlBackend`: several GPUs, MIG
   instances, capabilities a device lacks, errors mid-run, per-call latency, and call counts.
   A :class:`FakeGpu` answers field values (per field, with NVML's own status and raw units,
   honouring the NVLink scope), XID events, remapped rows, PCIe link state and GPM samples;
@@ -21,7 +21,7 @@ import types
 from collections import Counter
 from dataclasses import dataclass, field
 
-from openlora_otel.nvml import (
+from openlora_otel.hardware.nvml import (
     FI,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_INVALID_ARGUMENT,

@@ -94,8 +94,9 @@ def write_rules(directory: Path) -> Path:
 # count (an empty shard): its accuracy is NaN.
 RANK_SCRIPT = r"""
 import os, sys, time
-from openlora_otel import gpu, nvml, setup_telemetry
-from openlora_otel.guard import DivergenceGuard
+from openlora_otel import setup_telemetry
+from openlora_otel.hardware import gpu, nvml
+from openlora_otel.training.guard import DivergenceGuard
 from tests.fake_nvml import FakeNvml, h100s
 
 step_s, data_s, lifetime_s = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])

@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.guard import DivergenceGuard
+from openlora_otel.training.guard import DivergenceGuard
 from tests.conftest import value
 
 torch = pytest.importorskip("torch")

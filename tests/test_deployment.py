@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from openlora_otel.config import TelemetryConfig
-from openlora_otel.host import HOST_METRICS
+from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, free_port, reap
 from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
@@ -571,7 +571,8 @@ ALERTS_ON_THE_FAKE_GPU = {
 def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("peft")
-    from openlora_otel import gpu, nvml, setup_telemetry
+    from openlora_otel import setup_telemetry
+    from openlora_otel.hardware import gpu, nvml
     from tests.fake_nvml import FakeNvml, h100s
     from tests.prometheus_server import Prometheus, prometheus_binary
 

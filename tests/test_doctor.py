@@ -127,7 +127,7 @@ def test_module_entry_point_and_help() -> None:
 
 
 def test_gpu_check_with_and_without_nvml(monkeypatch) -> None:
-    from openlora_otel import nvml
+    from openlora_otel.hardware import nvml
     from tests.fake_nvml import FakeNvml, h100s
 
     fake = FakeNvml(h100s(2))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from openlora_otel.flops import (
+from openlora_otel.training.flops import (
     GPU_PEAKS,
     device_peak_flops,
     peak_flops,
@@ -356,7 +356,7 @@ def test_bad_arguments() -> None:
 
 
 def test_importing_the_module_does_not_import_torch() -> None:
-    code = "import sys, openlora_otel, openlora_otel.flops; sys.exit('torch' in sys.modules)"
+    code = "import sys, openlora_otel, openlora_otel.training.flops; sys.exit('torch' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -10,10 +10,11 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, gpu, nvml, setup_telemetry
-from openlora_otel.gpu import GpuCollector, GpuMetrics
+from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
+from openlora_otel.hardware import gpu, nvml
+from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
+from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
-from openlora_otel.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from tests.conftest import points, served_series
 from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
 

@@ -10,15 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import gpu, nvml
-from openlora_otel.gpu import FIELDS, GpuCollector
+from openlora_otel.hardware import gpu, nvml
+from openlora_otel.hardware.gpu import FIELDS, GpuCollector
+from openlora_otel.hardware.nvml import (
+    FI,
+    GPM,
+    PERF_POLICY,
+    RECOVERY,
+    SCOPE_ALL_LINKS,
+    GpuError,
+    PynvmlBackend,
+)
 from openlora_otel.names import XID_CODES
-from openlora_otel.nvml import FI, GPM, PERF_POLICY, RECOVERY, SCOPE_ALL_LINKS, GpuError, PynvmlBackend
 from tests import fake_nvml
 from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
 from tests.test_gpu import SteppedTime, build, collect, series, stepped_time  # noqa: F401 (fixtures)
 
-OLD_CALLS_PER_GPU = 12  # before batching: one NVML call per value (see git history of gpu.py)
+OLD_CALLS_PER_GPU = 12  # before batching: one NVML call per value (see git history of openlora_otel/hardware/gpu.py)
 
 
 def by(data, name: str, key: str) -> dict:

@@ -14,8 +14,8 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel import training as training_module
-from openlora_otel.guard import DivergenceGuard
+from openlora_otel.training import metrics as training_module
+from openlora_otel.training.guard import DivergenceGuard
 from tests.conftest import value
 
 torch = pytest.importorskip("torch")

@@ -401,7 +401,7 @@ class StepTimes(TrainerCallback):
 def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
     tmp_path, memory_reader: InMemoryMetricReader
 ) -> None:
-    from openlora_otel.guard import DivergenceGuard
+    from openlora_otel.training.guard import DivergenceGuard
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     model = with_lora(tiny_llama())
@@ -450,7 +450,7 @@ def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) ->
     NaN weights and rotate the good checkpoint away. After a trip nothing is saved."""
     from safetensors.torch import load_file
 
-    from openlora_otel.guard import DivergenceGuard
+    from openlora_otel.training.guard import DivergenceGuard
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     model = with_lora(tiny_llama())
@@ -498,7 +498,7 @@ def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) ->
 
 
 def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkeypatch) -> None:
-    from openlora_otel.flops import training_flops_per_token
+    from openlora_otel.training.flops import training_flops_per_token
 
     monkeypatch.setenv("OPENLORA_PEAK_FLOPS", "1e12")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")

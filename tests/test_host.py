@@ -17,8 +17,9 @@ from opentelemetry.instrumentation.system_metrics import SystemMetricsInstrument
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 
-from openlora_otel import ConfigError, TelemetryConfig, host, setup_telemetry
-from openlora_otel.host import HOST_METRICS, PROCESS_SELECTION, SCOPE_NAME, SYSTEM_SELECTION
+from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
+from openlora_otel.hardware import host
+from openlora_otel.hardware.host import HOST_METRICS, PROCESS_SELECTION, SCOPE_NAME, SYSTEM_SELECTION
 from tests.conftest import child_env, free_port, points
 
 ROOT = Path(__file__).resolve().parent.parent

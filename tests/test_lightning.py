@@ -207,7 +207,7 @@ class DivergingModule(LoraModule):
 
 
 def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: InMemoryMetricReader) -> None:
-    from openlora_otel.guard import DivergenceGuard
+    from openlora_otel.training.guard import DivergenceGuard
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
@@ -290,7 +290,7 @@ def test_under_gradient_accumulation_the_loss_is_one_value_per_optimizer_step(
 def test_a_tripped_guard_keeps_the_last_good_checkpoint(tmp_path) -> None:
     """Lightning's default ModelCheckpoint (save_top_k=1, at each epoch end) would save the diverged
     weights at the epoch end after the stop and delete the good one. After a trip it saves nothing."""
-    from openlora_otel.guard import DivergenceGuard
+    from openlora_otel.training.guard import DivergenceGuard
 
     per_epoch = 300  # the trip (three NaN steps and the guard's lag) comes well inside epoch 2
 
@@ -327,7 +327,7 @@ def test_a_tripped_guard_keeps_the_last_good_checkpoint(tmp_path) -> None:
 
 
 def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) -> None:
-    from openlora_otel.flops import training_flops_per_token
+    from openlora_otel.training.flops import training_flops_per_token
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     module = LoraModule()
@@ -352,7 +352,7 @@ import math, sys
 import lightning.pytorch as pl
 import torch
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.guard import DivergenceGuard
+from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.integrations.lightning import TelemetryCallback
 
 class Model(pl.LightningModule):

@@ -23,7 +23,8 @@ from google.protobuf.json_format import MessageToJson
 from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import TelemetryConfig, nvml, report, setup_telemetry
+from openlora_otel import TelemetryConfig, report, setup_telemetry
+from openlora_otel.hardware import nvml
 from openlora_otel.report.history import read_history
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus

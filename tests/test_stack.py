@@ -84,6 +84,9 @@ def test_the_package_ships_the_one_rules_file(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("openlora_otel-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("openlora_otel/rules/openlora.yml").decode() == RULES.read_text()
+        # Every module, subpackages included (setuptools finds a package by its __init__.py).
+        sources = {path.relative_to(source).as_posix() for path in (source / "openlora_otel").rglob("*.py")}
+        assert sources <= set(archive.namelist()), sources - set(archive.namelist())
 
 
 def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:

@@ -13,10 +13,10 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel import training as training_module
-from openlora_otel.guard import DivergenceGuard
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training import metrics as training_module
+from openlora_otel.training.guard import DivergenceGuard
+from openlora_otel.training.metrics import TrainingMetrics
 from tests.conftest import WALL_OFFSET, FakeClock, points, value
 
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-from openlora_otel import training as training_module  # noqa: E402
+from openlora_otel.training import metrics as training_module  # noqa: E402
 from tests.conftest import value  # noqa: E402
 
 FOLD_EVERY = training_module._FOLD_EVERY
@@ -39,7 +39,7 @@ def test_a_failed_fold_is_tried_once_per_window_not_once_per_step(
     fold = FailingFold()
     monkeypatch.setattr(training_module, "_fold_by_device", fold)
     steps = 3 * FOLD_EVERY
-    with caplog.at_level(logging.WARNING, logger="openlora_otel.training"):
+    with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         for step in range(steps):
             training.record_step(loss=torch.tensor(float(step % 7)))
     # Before the fix: one attempt per step from the 512th on (1025 here).
@@ -86,7 +86,7 @@ def test_memory_stays_bounded_after_a_failed_fold_and_drops_are_counted(
     assert len(training._window.loss.deferred) == cap
     assert len(training._window.grad.deferred) == cap
     assert fold.calls == 2  # one per series
-    with caplog.at_level(logging.WARNING, logger="openlora_otel.training"):
+    with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         data = reader.get_metrics_data()
     # What was kept arrives; the rest is counted as dropped, and steps are still all counted.
     assert value(data, "openlora.training.loss") == pytest.approx(3.0)
@@ -114,7 +114,7 @@ def test_a_collection_that_cannot_fold_either_drops_with_a_warning_and_no_stale_
     for _ in range(3 * FOLD_EVERY):
         training.record_step(loss=torch.tensor(9.0))
     assert calls == 1
-    with caplog.at_level(logging.WARNING, logger="openlora_otel.training"):
+    with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         data = reader.get_metrics_data()
     assert calls == 2  # one more attempt, at collection
     # Not frozen at 1.5: a window with nothing readable shows no loss.

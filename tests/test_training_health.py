@@ -12,9 +12,9 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel import training as training_module
-from openlora_otel.guard import DivergenceGuard, Trip
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training import metrics as training_module
+from openlora_otel.training.guard import DivergenceGuard, Trip
+from openlora_otel.training.metrics import TrainingMetrics
 from tests.conftest import FakeClock, points, value
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,8 @@ from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider, MetricsTimeoutError
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import TelemetryConfig, gpu, nvml, setup_telemetry
+from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel.hardware import gpu, nvml
 from openlora_otel.views import observed_total_views
 from tests.conftest import SlowOnce, value
 from tests.fake_nvml import FakeNvml, h100s

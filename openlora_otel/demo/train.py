@@ -22,9 +22,9 @@ from typing import Any, TextIO
 
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
-from openlora_otel.flops import report_model_flops
-from openlora_otel.guard import DivergenceGuard
 from openlora_otel.telemetry import Telemetry
+from openlora_otel.training.flops import report_model_flops
+from openlora_otel.training.guard import DivergenceGuard
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from openlora_otel.telemetry import Telemetry, setup_telemetry
-from openlora_otel.training import TrainingMetrics
+from openlora_otel.training.metrics import TrainingMetrics
 
 __all__ = [
     "GUARD_SYNC_EVERY",
@@ -138,7 +138,7 @@ class ModelFlops:
         if self.done:
             return
         self.done = True  # once, whatever happens below
-        from openlora_otel.flops import report_model_flops
+        from openlora_otel.training.flops import report_model_flops
 
         seq_len = tokens // samples if tokens and samples else None
         report_model_flops(training, self._model, seq_len=seq_len, dtype=self._dtype)

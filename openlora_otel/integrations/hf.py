@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from openlora_otel.guard import DivergenceGuard
 from openlora_otel.integrations._common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
@@ -64,6 +63,7 @@ from openlora_otel.integrations._common import (
     safe,
 )
 from openlora_otel.telemetry import Telemetry
+from openlora_otel.training.guard import DivergenceGuard
 
 __all__ = ["TelemetryCallback"]
 
@@ -124,7 +124,7 @@ class TelemetryCallback(TrainerCallback):
     train end. Every hook is guarded: a failure is logged once and never
     reaches the training loop.
 
-    ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
+    ``guard``: a :class:`~openlora_otel.training.guard.DivergenceGuard`, attached at train
     start; once it trips, the step it is seen at sets
     ``control.should_training_stop`` and clears ``should_save`` and
     ``should_evaluate`` (there and at the epoch end that follows), so the

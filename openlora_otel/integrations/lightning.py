@@ -43,7 +43,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from openlora_otel.guard import DivergenceGuard
 from openlora_otel.integrations._common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
@@ -54,6 +53,7 @@ from openlora_otel.integrations._common import (
     safe,
 )
 from openlora_otel.telemetry import Telemetry
+from openlora_otel.training.guard import DivergenceGuard
 
 __all__ = ["TelemetryCallback"]
 
@@ -68,7 +68,7 @@ class TelemetryCallback(pl.Callback):
     train end. ``grad_norm=False`` skips the gradient norm. Every hook is
     guarded: a failure is logged once and never reaches the training loop.
 
-    ``guard``: a :class:`~openlora_otel.guard.DivergenceGuard`, attached at train
+    ``guard``: a :class:`~openlora_otel.training.guard.DivergenceGuard`, attached at train
     start; once it trips, the step it is seen at sets ``trainer.should_stop``
     and the trainer's checkpoint callbacks save nothing more in this fit (the
     weights have diverged; the last good checkpoint is kept).

@@ -57,8 +57,8 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
-from openlora_otel.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
+from openlora_otel.training.guard import DivergenceGuard, LossWindow, Trip
 from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
@@ -635,7 +635,7 @@ class TrainingMetrics:
         utilization is achieved / peak. ``peak_flops`` is ignored when the
         configuration gave one (``OPENLORA_PEAK_FLOPS``); with neither, only the
         achieved FLOP/s is reported (on a CPU, say). See
-        :func:`openlora_otel.flops.training_flops_per_token` for the estimate.
+        :func:`openlora_otel.training.flops.training_flops_per_token` for the estimate.
         """
         flops = _positive(per_token, "per_token")
         peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
@@ -651,7 +651,7 @@ class TrainingMetrics:
         return None if achieved is None or peak is None else achieved / peak
 
     def attach_guard(self, guard: DivergenceGuard) -> DivergenceGuard:
-        """Watch the losses with ``guard`` (see :mod:`openlora_otel.guard`); returns it.
+        """Watch the losses with ``guard`` (see :mod:`openlora_otel.training.guard`); returns it.
 
         Starts the guard's check thread. One guard per ``TrainingMetrics``:
         attaching the same one again does nothing, another raises ``ValueError``.

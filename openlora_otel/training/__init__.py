@@ -1,0 +1,43 @@
+"""Training-run metrics: the step metrics, the divergence guard and the FLOPs for MFU.
+
+- :mod:`openlora_otel.training.metrics`: :class:`TrainingMetrics`, one cheap call per
+  optimizer step, read when metrics are collected, and :func:`step_duration_view`.
+- :mod:`openlora_otel.training.guard`: :class:`DivergenceGuard`, which notices a diverged
+  run (NaN losses, a loss spike) without adding a sync to the step.
+- :mod:`openlora_otel.training.flops`: training FLOPs per token from a model's weights
+  (LoRA-aware) and the GPU peak table, for MFU.
+
+The public names are re-exported here, so ``from openlora_otel.training import
+TrainingMetrics`` keeps working as it did when this was one module. Code that reaches
+private names, or monkeypatches, goes to the module that defines them. None of these
+imports torch: the FLOPs walk imports it when called.
+"""
+
+from openlora_otel.training.flops import (
+    GPU_PEAKS,
+    FlopsEstimate,
+    GpuPeak,
+    device_peak_flops,
+    peak_flops,
+    peak_table_markdown,
+    report_model_flops,
+    training_flops_per_token,
+)
+from openlora_otel.training.guard import DivergenceGuard, Trip
+from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
+
+__all__ = [
+    "GPU_PEAKS",
+    "DivergenceGuard",
+    "FlopsEstimate",
+    "GpuPeak",
+    "TrainingMetrics",
+    "Trip",
+    "collecting_for",
+    "device_peak_flops",
+    "peak_flops",
+    "peak_table_markdown",
+    "report_model_flops",
+    "step_duration_view",
+    "training_flops_per_token",
+]
