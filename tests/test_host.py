@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import subprocess
@@ -56,6 +57,8 @@ def collect(env: dict[str, str] | None = None) -> tuple[dict[str, object], objec
         {"OTEL_METRICS_EXPORTER": "none", "OPENLORA_QUIET": "true", **(env or {})}
     )
     telemetry = setup_telemetry(config=config, metric_readers=[reader])
+    # CPU shares need the CPU counters (10 ms ticks) to move past the reading taken at setup.
+    time.sleep(0.05)
     try:
         return host_metrics(reader.get_metrics_data()), telemetry.host
     finally:
@@ -184,6 +187,7 @@ def test_a_second_setup_in_the_process_reports_on_its_own_provider() -> None:
         # The API sets the global provider once: the first, shut down, stays global. The
         # instruments must go on the second one, passed explicitly.
         assert metrics.get_meter_provider() is first_provider is not second.meter_provider
+        time.sleep(0.05)  # past the CPU reading setup took (see collect)
         assert set(host_metrics(reader.get_metrics_data())) == SYSTEM_NAMES | PROCESS_NAMES
     finally:
         second.shutdown()
@@ -282,7 +286,7 @@ def test_a_failing_start_leaves_telemetry_working(
 
 def test_psutil_is_read_on_the_collecting_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
     readers: list[str] = []
-    for name in ("virtual_memory", "cpu_times_percent", "disk_io_counters", "net_io_counters"):
+    for name in ("virtual_memory", "cpu_times", "disk_io_counters", "net_io_counters"):
         original = getattr(psutil, name)
         monkeypatch.setattr(
             psutil,
@@ -299,6 +303,7 @@ def test_psutil_is_read_on_the_collecting_thread_only(monkeypatch: pytest.Monkey
     telemetry = setup_telemetry(
         config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader]
     )
+    readers.clear()  # setup took the first CPU-times reading, the base of the first collection's shares
     try:
         for _ in range(200):
             telemetry.training.record_step(loss=1.0, tokens=4, step_time_s=0.01)
@@ -309,6 +314,66 @@ def test_psutil_is_read_on_the_collecting_thread_only(monkeypatch: pytest.Monkey
         assert readers and set(readers) == {"collector"}
     finally:
         telemetry.shutdown()
+
+
+CpuTimes = collections.namedtuple(
+    "CpuTimes", "user nice system idle iowait irq softirq steal guest guest_nice"
+)
+
+
+def _cpu(user: float, idle: float, guest: float = 0.0) -> CpuTimes:
+    return CpuTimes(user, 0.0, 0.0, idle, 0.0, 0.0, 0.0, 0.0, guest, 0.0)
+
+
+def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever_thread_collects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psutil 7's cpu_times_percent keeps its previous reading per thread: a scrape on a new thread
+    (every scrape of the pull endpoint) read every CPU 0 % idle. The shares come from one reading
+    to the next, whichever thread takes them; the first from the reading taken at setup."""
+    readings = [
+        [_cpu(100, 100, guest=5), _cpu(50, 50)],  # at setup
+        [_cpu(140, 160, guest=15), _cpu(150, 50)],  # cpu 1: 60 idle of 100 (guest is in user); cpu 2: busy
+        [_cpu(140, 160, guest=15), _cpu(150, 150)],  # cpu 1 did not move: repeats; cpu 2: all idle
+    ]
+    calls: list[str] = []
+
+    def cpu_times(percpu: bool = False) -> list[CpuTimes]:
+        assert percpu
+        calls.append(threading.current_thread().name)
+        return readings[min(len(calls), len(readings)) - 1]
+
+    monkeypatch.setattr(psutil, "cpu_times", cpu_times)
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader])
+    try:
+        seen = []
+        for name in ("scrape-1", "scrape-2"):  # a new thread each time, as the pull endpoint's scrapes
+            result: list[MetricsData] = []
+            thread = threading.Thread(target=lambda out=result: out.append(reader.get_metrics_data()), name=name)
+            thread.start()
+            thread.join(30)
+            points = host_metrics(result[0])["system.cpu.utilization"].data.data_points
+            seen.append({(p.attributes["cpu"], p.attributes["state"]): p.value for p in points})
+    finally:
+        telemetry.shutdown()
+    assert calls == [threading.current_thread().name, "scrape-1", "scrape-2"]
+    assert seen[0] == {(1, "idle"): pytest.approx(0.6), (2, "idle"): 0.0}
+    assert seen[1] == {(1, "idle"): pytest.approx(0.6), (2, "idle"): 1.0}
+
+
+def test_cpu_idle_has_no_value_before_a_cpu_moved() -> None:
+    readings = iter([[_cpu(10, 10)], [_cpu(10, 10)], [_cpu(10, 30)]])
+    idle = host.CpuIdle(["idle", "user"], lambda percpu: next(readings))
+    assert list(idle()) == []  # within one clock tick of the first reading: nothing measured yet
+    assert {(o.attributes["state"], o.value) for o in idle()} == {("idle", 1.0), ("user", 0.0)}
+
+
+def test_shutdown_hands_the_instrumentor_back_with_its_own_cpu_callback() -> None:
+    _, handle = collect()
+    instrumentor = SystemMetricsInstrumentor()
+    assert handle is not None and not handle.running
+    assert "_get_system_cpu_utilization" not in vars(instrumentor)
 
 
 def test_import_does_not_load_the_package() -> None:

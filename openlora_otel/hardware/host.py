@@ -25,6 +25,14 @@ on which provider, and when they stop. Why it is built this way:
   clears it, so that the next ``setup_telemetry()`` in the process can
   instrument its own provider. An instrumentor already started by someone else
   (``opentelemetry-instrument``, the application) is left alone and used as is.
+- **CPU utilization from one previous reading.** The package's callback calls
+  ``psutil.cpu_times_percent(percpu=True)``, which in psutil 7 keeps its previous
+  reading per calling thread. The pull endpoint serves each scrape on a new
+  thread, so each scrape measured an empty interval and reported every CPU 0 %
+  idle: the node read 100 % busy. :class:`CpuIdle` replaces that one callback on
+  the instrumentor with the same name, unit and attributes, computed from one
+  process-wide previous ``psutil.cpu_times(percpu=True)`` reading taken first at
+  start; the package keeps everything else.
 - **Off the step path.** Every value is read by an observable callback, on the
   thread that collects: the scrape thread of the pull endpoint or the export
   thread of a push reader (``benchmarks/bench_host_metrics.py`` measures one
@@ -40,7 +48,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from openlora_otel.names import MetricSpec
@@ -138,6 +146,45 @@ def selection(*, system: bool, excluded: Sequence[str] = ()) -> dict[str, list[s
     }
 
 
+class CpuIdle:
+    """``system.cpu.utilization`` from one process-wide previous reading, whichever thread collects.
+
+    Each call measures the share of time per logical CPU (``cpu`` numbered from 1) in each of
+    ``states`` since the previous call, in any thread (two readers, pull and push: each covers
+    the time since the other one), or since construction for the first. The total is psutil's:
+    every field of ``cpu_times``, less ``guest`` and ``guest_nice`` (Linux counts them in
+    ``user`` already). A CPU whose counters did not move (two calls within one clock tick)
+    repeats its previous shares, or has none yet.
+    """
+
+    def __init__(self, states: Sequence[str], cpu_times: Any) -> None:
+        self._states = tuple(states)
+        self._cpu_times = cpu_times  # psutil.cpu_times, handed in so tests can script it
+        self._lock = threading.Lock()
+        self._previous = cpu_times(percpu=True)
+        self._shares: dict[tuple[int, str], float] = {}
+
+    def __call__(self, options: Any = None) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        observations = []
+        with self._lock:
+            current = self._cpu_times(percpu=True)
+            previous, self._previous = self._previous, current
+            for cpu, (before, after) in enumerate(zip(previous, current, strict=False), start=1):
+                deltas = {field: max(getattr(after, field) - getattr(before, field), 0.0) for field in after._fields}
+                total = sum(deltas.values()) - deltas.get("guest", 0.0) - deltas.get("guest_nice", 0.0)
+                for state in self._states:
+                    if state not in deltas:
+                        continue
+                    if total > 0:
+                        self._shares[cpu, state] = min(deltas[state] / total, 1.0)
+                    share = self._shares.get((cpu, state))
+                    if share is not None:
+                        observations.append(Observation(share, {"state": state, "cpu": cpu}))
+        return observations
+
+
 class HostMetrics:
     """What :func:`start_host_metrics` turned on; :meth:`stop` hands the package's instrumentor back."""
 
@@ -167,6 +214,8 @@ class HostMetrics:
             instrumentor, self._instrumentor = self._instrumentor, None
         if instrumentor is None:
             return
+        # The instrumentor is a process-wide singleton: hand it back with its own callback.
+        instrumentor.__dict__.pop("_get_system_cpu_utilization", None)
         try:
             instrumentor.uninstrument()
         except Exception:  # pragma: no cover - the package's uninstrument only clears a flag
@@ -207,6 +256,14 @@ def start_host_metrics(
         )
         return None
     instrumentor = SystemMetricsInstrumentor(config=chosen)
+    states = chosen.get("system.cpu.utilization")
+    if states:
+        import psutil
+
+        # An instance attribute: instrument() registers self._get_system_cpu_utilization.
+        instrumentor._get_system_cpu_utilization = CpuIdle(states, psutil.cpu_times)
+    else:
+        instrumentor.__dict__.pop("_get_system_cpu_utilization", None)
     instrumentor.instrument(meter_provider=meter_provider)
     if not instrumentor.is_instrumented_by_opentelemetry:
         # instrument() logs a dependency conflict (psutil too old) and returns without raising.
