@@ -83,6 +83,10 @@ def test_multi_element_tensor_and_tensor_counts_are_refused(setup) -> None:
         training.record_step(loss=torch.ones(3))
     with pytest.raises(TypeError, match="would sync the device"):
         training.record_step(tokens=torch.tensor(5))
+    # Durations too: float() of a CUDA tensor is a host read.
+    for argument in ("step_time_s", "data_time_s"):
+        with pytest.raises(TypeError, match=f"{argument} must be a Python number .*would sync the device"):
+            training.record_step(**{argument: torch.tensor(0.05)})
 
 
 class SlowDataset(torch.utils.data.Dataset):

@@ -591,7 +591,8 @@ def report_model_flops(
     ``training`` is a :class:`~openlora_otel.training.metrics.TrainingMetrics`. ``device`` and
     ``dtype`` default to those of the model's first parameter; pass the compute dtype
     under mixed precision (bf16 autocast over float32 weights, say), since that is what
-    the matmuls run at. The framework callbacks call this at train start.
+    the matmuls run at. The framework callbacks call this at the first optimizer step
+    (``seq_len`` from that step's batch).
     """
     estimate = training_flops_per_token(model, seq_len=seq_len)
     if device is None or dtype is None:

@@ -29,9 +29,10 @@ Rules, on the losses given to ``record_step`` / ``record_values``:
 
 A trip is latched (``tripped`` stays True until :meth:`DivergenceGuard.reset`),
 counted in ``openlora.training.guard.trips`` with its reason, logged once, and
-handed to ``on_trip`` on the thread that noticed it (the collection's or the
-guard's own): keep that hook short and thread-safe (set a flag, send a
-message); do checkpoints on the training thread after seeing ``tripped``.
+handed to ``on_trip`` on a short-lived thread of its own (so that it may flush
+the telemetry or post a message without holding up a collection or the
+guard's check): keep it thread-safe; do checkpoints on the training thread
+after seeing ``tripped``.
 """
 
 from __future__ import annotations

@@ -926,7 +926,10 @@ def _window_extreme(series: _Series, previous: float | None, failed: bool, *, hi
 
 
 def _seconds(value: Any, what: str) -> float:
-    """A duration argument: a finite host number >= 0."""
+    """A duration argument: a finite host number >= 0 (a tensor is refused, as for counts)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} must be a Python number (reading a tensor here would sync the device)")
     number = _host_number(value, what)
     if not 0.0 <= number < math.inf:
         raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
