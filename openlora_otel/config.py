@@ -504,7 +504,7 @@ class TelemetryConfig:
         if not isinstance(self.host_metrics, bool):
             raise ConfigError("host_metrics", self.host_metrics, "`True` or `False`")
         if isinstance(self.host_metrics_excluded, str) or not all(
-            isinstance(p, str) and _GLOB_RE.fullmatch(p) for p in self.host_metrics_excluded
+            isinstance(p, str) and _GLOB_RE.fullmatch(p) and _brackets_closed(p) for p in self.host_metrics_excluded
         ):
             raise ConfigError("host_metrics_excluded", self.host_metrics_excluded, "a tuple of " + _GLOBS_ACCEPTED)
         if self.run_name is not None:
@@ -671,7 +671,8 @@ def _excluded_metrics(env: _Env) -> tuple[str, ...]:
     raw = env.get("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
     patterns = tuple(part.strip() for part in raw.split(",") if part.strip())
     for pattern in patterns:
-        if not _GLOB_RE.fullmatch(pattern):
+        # fnmatch reads a `[` without its `]` as a literal character, which no metric name has.
+        if not _GLOB_RE.fullmatch(pattern) or not _brackets_closed(pattern):
             raise ConfigError(
                 "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
                 raw,
@@ -679,6 +680,20 @@ def _excluded_metrics(env: _Env) -> tuple[str, ...]:
                 f"{pattern!r} can match no metric name",
             )
     return patterns
+
+
+def _brackets_closed(pattern: str) -> bool:
+    """Every `[` of a glob opens a set that a later `]` closes (fnmatch's reading)."""
+    index = 0
+    while (index := pattern.find("[", index)) >= 0:
+        start = index + 1
+        start += pattern[start : start + 1] == "!"  # a negated set
+        start += pattern[start : start + 1] == "]"  # a `]` first in the set is one of its characters
+        close = pattern.find("]", start)
+        if close < 0:
+            return False
+        index = close + 1
+    return True
 
 
 DIRECTORY_ACCEPTED = "a directory, or a path where one can be created"

@@ -206,7 +206,7 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "openlora.training.model_flops.utilization",
         "gauge",
         "",
-        "Model FLOPs utilization (MFU): achieved FLOP/s over the peak, 0 to 1; absent without a peak.",
+        "Model FLOPs utilization (MFU): achieved FLOP/s over the peak, 0 to 1 (above 1: the peak given is too low); absent without a peak.",
     ),
     MetricSpec(
         "openlora.training.loss.nonfinite", "counter", "{step}", "Steps whose loss was NaN or infinite."

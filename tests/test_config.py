@@ -179,6 +179,8 @@ INVALID = [
     ("OPENLORA_GPU_TIMEOUT", "-1", "milliseconds from 1 to 60000 (1 min)"),
     ("OPENLORA_HOST_METRICS", "yes", "`true` or `false`"),
     ("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", "system.cpu.*,system network", "glob patterns over metric names"),
+    ("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", "system.cpu.[", "glob patterns over metric names"),
+    ("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", "process.[!]", "glob patterns over metric names"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "-1", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "1e9", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_HANDLE_SIGTERM", "no", "`true` or `false`"),
@@ -602,3 +604,9 @@ def test_hostile_values_give_a_config_or_a_config_error(variable: str) -> None:
 )
 def test_peak_flops_takes_decimals_with_an_exponent(raw: str, expected: float) -> None:
     assert TelemetryConfig.from_env({"OPENLORA_PEAK_FLOPS": raw}).peak_flops == expected
+
+
+@pytest.mark.parametrize("patterns", ["system.[cd]*", "process.[!c]*", "system.*", "[]]x,system.network.io"])
+def test_excluded_metrics_with_closed_sets_are_accepted(patterns: str) -> None:
+    config = TelemetryConfig.from_env({"OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS": patterns})
+    assert ",".join(config.host_metrics_excluded) == patterns
