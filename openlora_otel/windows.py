@@ -57,7 +57,8 @@ class BucketWindow(float):
 class BucketCounts:
     """Values counted into explicit buckets (the SDK's rule: a value equal to a bound goes below it).
 
-    Not locked: the owner holds its own lock around :meth:`add` and :meth:`take`.
+    Not locked: the owner holds its own lock around :meth:`add`, and takes the whole object
+    (a new one per window) before :meth:`window` hands it to the SDK.
     """
 
     __slots__ = ("bounds", "count", "counts", "longest", "shortest", "sums")

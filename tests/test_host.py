@@ -369,6 +369,13 @@ def test_cpu_idle_has_no_value_before_a_cpu_moved() -> None:
     assert {(o.attributes["state"], o.value) for o in idle()} == {("idle", 1.0), ("user", 0.0)}
 
 
+def test_cpu_idle_reports_nothing_for_the_interval_in_which_a_cpu_went_offline() -> None:
+    readings = iter([[_cpu(10, 10), _cpu(10, 10)], [_cpu(20, 30)], [_cpu(30, 30)]])
+    idle = host.CpuIdle(["idle"], lambda percpu: next(readings))
+    assert list(idle()) == []  # two CPUs, then one: positions no longer pair the same CPUs
+    assert [(o.attributes["cpu"], o.value) for o in idle()] == [(1, 0.0)]
+
+
 def test_shutdown_hands_the_instrumentor_back_with_its_own_cpu_callback() -> None:
     _, handle = collect()
     instrumentor = SystemMetricsInstrumentor()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -254,24 +255,31 @@ class NanAtStep(LoraModule):
         return loss
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["argument", "scheduler"])
 def test_under_gradient_accumulation_the_loss_is_one_value_per_optimizer_step(
-    memory_reader: InMemoryMetricReader,
+    memory_reader: InMemoryMetricReader, scheduled: bool
 ) -> None:
     """Lightning hands on_train_batch_end each micro-batch's loss divided by accumulate_grad_batches.
     The callback records the step's mean micro-batch loss once per optimizer step, also for an
-    epoch's last step with fewer micro-batches; a NaN step counts once, however many micro-batches."""
+    epoch's last step with fewer micro-batches; a NaN step counts once, however many micro-batches.
+    A GradientAccumulationScheduler sets the count only at the epoch's start, after train start."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     module = NanAtStep()
+    accumulation = (
+        {"callbacks": [GradientAccumulationScheduler({0: 3})]} if scheduled else {"accumulate_grad_batches": 3}
+    )
     trainer = pl.Trainer(
         max_steps=4,
-        accumulate_grad_batches=3,
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[TelemetryCallback(telemetry, grad_norm=False)],
+        **accumulation,
     )
+    trainer.callbacks.append(TelemetryCallback(telemetry, grad_norm=False))
     # 5 batches an epoch: steps of 3 and 2 micro-batches (the epoch's last step is short).
     trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(20), batch_size=4))
     data = memory_reader.get_metrics_data()
@@ -324,6 +332,36 @@ def test_a_tripped_guard_keeps_the_last_good_checkpoint(tmp_path) -> None:
     assert not all(bool(torch.isfinite(p).all()) for p in module.parameters() if p.requires_grad)
     # The checkpoint callback has its own hooks back once the fit is over.
     assert "on_train_epoch_end" not in vars(trainer.checkpoint_callback)
+
+
+def test_a_trip_before_min_steps_warns_once(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning ignores should_stop until min_steps: the guard trips again every step. The
+    checkpoint callbacks are muted, and that is said, once."""
+    from openlora_otel.training.guard import DivergenceGuard
+
+    class Diverging(LoraModule):
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            return loss * math.nan if self.trainer.global_step >= 3 else loss
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
+    trainer = pl.Trainer(
+        min_steps=60,
+        max_steps=60,
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[TelemetryCallback(telemetry, guard=guard)],
+    )
+    with caplog.at_level(logging.WARNING, logger="openlora_otel.integrations"):
+        trainer.fit(Diverging(), torch.utils.data.DataLoader(CountingCorpus(400), batch_size=2))
+    telemetry.shutdown()
+    assert guard.trip is not None and trainer.global_step == 60
+    said = [r for r in caplog.records if "will not save" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
 
 
 def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) -> None:

@@ -281,7 +281,10 @@ class _Data:
 
 def _perplexity(loss: float) -> float:
     """exp(loss), inf past what a float holds (a diverged model's loss; math.exp would raise)."""
-    return math.exp(loss) if loss < 709.0 else (loss if math.isnan(loss) else math.inf)
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def _evaluate(model: Any, data: _Data) -> float:

@@ -153,8 +153,10 @@ class CpuIdle:
     ``states`` since the previous call, in any thread (two readers, pull and push: each covers
     the time since the other one), or since construction for the first. The total is psutil's:
     every field of ``cpu_times``, less ``guest`` and ``guest_nice`` (Linux counts them in
-    ``user`` already). A CPU whose counters did not move (two calls within one clock tick)
-    repeats its previous shares, or has none yet.
+    ``user`` and ``nice`` already). A CPU whose counters did not move (two calls within one
+    clock tick) repeats its previous shares, or has none yet. psutil lists online CPUs only:
+    when their number changed between two readings (a CPU taken off or on line), positions no
+    longer pair the same CPUs, and that one collection reports nothing.
     """
 
     def __init__(self, states: Sequence[str], cpu_times: Any) -> None:
@@ -171,7 +173,10 @@ class CpuIdle:
         with self._lock:
             current = self._cpu_times(percpu=True)
             previous, self._previous = self._previous, current
-            for cpu, (before, after) in enumerate(zip(previous, current, strict=False), start=1):
+            if len(previous) != len(current):
+                self._shares.clear()
+                return observations
+            for cpu, (before, after) in enumerate(zip(previous, current, strict=True), start=1):
                 deltas = {field: max(getattr(after, field) - getattr(before, field), 0.0) for field in after._fields}
                 total = sum(deltas.values()) - deltas.get("guest", 0.0) - deltas.get("guest_nice", 0.0)
                 for state in self._states:

@@ -329,10 +329,10 @@ class TelemetryCallback(TrainerCallback):
 
     @safe
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._stopped:  # first: nothing below may keep it from happening
+            self._skip_save_and_evaluate(control)  # after DefaultFlowCallback's epoch-end save
         if state.epoch is not None:
             self._owner.training.record_epoch(float(state.epoch))
-        if self._stopped:
-            self._skip_save_and_evaluate(control)  # after DefaultFlowCallback's epoch-end save
 
     @staticmethod
     def _skip_save_and_evaluate(control: Any) -> None:

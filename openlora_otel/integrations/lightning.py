@@ -103,7 +103,7 @@ class TelemetryCallback(pl.Callback):
         self._samples = 0
         self._loss: Any = None  # the step's micro-batch losses summed on their device, never read
         self._loss_parts = 0
-        self._normalize = 1  # what Lightning divided each micro-batch's loss by
+        self._automatic = True  # automatic optimization: Lightning divides each micro-batch's loss
         self._muted: list[Any] = []  # checkpoint callbacks silenced after a guard trip
 
     @safe
@@ -122,10 +122,8 @@ class TelemetryCallback(pl.Callback):
             self._flops = ModelFlops(pl_module, _compute_dtype(str(getattr(trainer, "precision", ""))))
         self._last_global_step = trainer.global_step
         self._loss, self._loss_parts = None, 0
-        # Under automatic optimization Lightning hands on_train_batch_end each micro-batch's loss
-        # divided by accumulate_grad_batches (what backward() got); manual optimization does not.
-        automatic = bool(getattr(pl_module, "automatic_optimization", True))
-        self._normalize = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1) if automatic else 1
+        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        self._unmute_checkpoints()  # a trainer reused after a fit that tripped and then raised
         self._clock = StepClock()
         self._clock.idle()
 
@@ -177,11 +175,14 @@ class TelemetryCallback(pl.Callback):
         self._last_global_step = trainer.global_step
         step_time, data_time = self._clock.step_ended()
         # The step's loss: the mean of its micro-batches' losses, one value per optimizer step (so
-        # the guard and the window count steps, as with Hugging Face). Each came divided by
-        # `_normalize`; an epoch's last step may have had fewer micro-batches than that.
+        # the guard and the window count steps, as with Hugging Face). Under automatic
+        # optimization each came divided by accumulate_grad_batches, read now: a
+        # GradientAccumulationScheduler changes it at epoch starts. An epoch's last step may have
+        # had fewer micro-batches than that.
+        normalize = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1) if self._automatic else 1
         step_loss, self._loss = self._loss, None
-        if step_loss is not None and self._normalize != self._loss_parts:
-            step_loss = step_loss * (self._normalize / self._loss_parts)
+        if step_loss is not None and normalize != self._loss_parts:
+            step_loss = step_loss * (normalize / self._loss_parts)
         self._loss_parts = 0
         learning_rate = None
         if trainer.optimizers:
@@ -216,29 +217,35 @@ class TelemetryCallback(pl.Callback):
         Stopping still runs the epoch-end, validation-end and train-end hooks, where a
         `ModelCheckpoint` would save the diverged weights and its rotation (``save_top_k``)
         delete the last good checkpoint. Their saving hooks become no-ops on the instance
-        (the public hook names; ``on_fit_end`` puts them back), so ``best_model_path`` still
+        (the public hook names; ``on_fit_end``, or the next fit's start after a fit that raised,
+        puts them back), so ``best_model_path`` still
         names the last good one. Every rank reaches this at the same step (the agreed trip), so
         the collectives inside a save are skipped on all of them alike.
         """
+        muted = []
         for callback in getattr(trainer, "checkpoint_callbacks", None) or []:
             if callback in self._muted:
-                continue
+                continue  # already: Lightning ignores should_stop before min_steps, the trip repeats
             for hook in _CHECKPOINT_SAVING_HOOKS:
                 setattr(callback, hook, _skip_save)
             self._muted.append(callback)
-        if self._muted:
+            muted.append(callback)
+        if muted:
             _logger.warning(
                 "openlora-otel: the divergence guard tripped; %s will not save for the rest of this fit, so "
                 "the diverged weights do not replace the last good checkpoint",
-                ", ".join(sorted({type(callback).__name__ for callback in self._muted})),
+                ", ".join(sorted({type(callback).__name__ for callback in muted})),
             )
 
-    @safe
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _unmute_checkpoints(self) -> None:
         for callback in self._muted:
             for hook in _CHECKPOINT_SAVING_HOOKS:
                 callback.__dict__.pop(hook, None)
         self._muted = []
+
+    @safe
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unmute_checkpoints()
 
     @safe
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
