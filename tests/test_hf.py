@@ -561,3 +561,29 @@ def test_a_run_name_with_a_tab_or_newline_is_kept_and_the_callback_still_sets_up
         assert callback._samples_per_step == 4  # set after the run info: the hook went on
     finally:
         telemetry.shutdown()
+
+
+def test_a_run_that_raised_leaves_no_second_forward_hook(tmp_path) -> None:
+    """A Trainer run that raises never reaches on_train_end, so its forward hook stays on the model.
+    The next run on that model (any callback instance) replaces it instead of adding a second."""
+    from transformers import TrainerControl, TrainerState
+
+    from openlora_otel.integrations.hf import _ForwardTap
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    model = with_lora(tiny_llama())
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+
+    def taps() -> int:
+        return sum(isinstance(hook, _ForwardTap) for hook in model._forward_hooks.values())
+
+    try:
+        TelemetryCallback(telemetry).on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+        assert taps() == 1  # and the run raises: no on_train_end
+        second = TelemetryCallback(telemetry)
+        second.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+        assert taps() == 1
+        second.on_train_end(args, TrainerState(), TrainerControl(), model=model)
+        assert taps() == 0
+    finally:
+        telemetry.shutdown()

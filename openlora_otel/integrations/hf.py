@@ -48,6 +48,7 @@ metrics are flushed at train end. Independent of ``report_to``: it works with
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -68,6 +69,11 @@ from openlora_otel.training.guard import DivergenceGuard
 __all__ = ["TelemetryCallback"]
 
 _logger = logging.getLogger("openlora_otel.integrations")
+
+# The forward hook each model carries from this module, so that a run that raised (no
+# on_train_end, its hook left on the model) does not leave a second one summing losses
+# forever when the model is trained again, by any callback instance.
+_TAPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 # Keys of Trainer logs and eval metrics that are bookkeeping, not model quality.
 _NOT_EVAL_METRICS = {"epoch", "runtime", "samples_per_second", "steps_per_second", "loss"}
@@ -189,9 +195,14 @@ class TelemetryCallback(TrainerCallback):
         world = int(getattr(args, "world_size", 1) or 1)
         self._loss_scale = world if getattr(args, "average_tokens_across_devices", False) and world > 1 else 1
         self._remove_tap()
+        if model is not None:
+            left = _TAPS.pop(model, None)
+            if left is not None:
+                left.remove()  # an earlier run on this model raised before on_train_end
         if model is not None and int(getattr(args, "n_gpu", 1) or 1) <= 1:
             self._tap = _ForwardTap(str(getattr(model, "main_input_name", "input_ids") or "input_ids"))
             self._tap.handle = model.register_forward_hook(self._tap, with_kwargs=True)
+            _TAPS[model] = self._tap.handle
         else:
             _logger.warning(
                 "openlora-otel: no forward hook (%s); loss comes from the Trainer's logs every "
