@@ -597,6 +597,15 @@ def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
 # hw.status as one number per GPU for the state timeline: 0 ok, 1 degraded, 2 failed (the current
 # state's series is 1, the other two 0).
 GPU_STATES = (("ok", 0, "green"), ("degraded", 1, "orange"), ("failed", 2, "red"))
+# Those numbers shown as their state's name and colour (the training dashboard's state timeline,
+# the cluster dashboard's worst status per rank).
+GPU_STATE_MAPPINGS = [
+    {
+        "type": "value",
+        "options": {str(value): {"text": state, "color": color, "index": value} for state, value, color in GPU_STATES},
+    }
+]
+GPU_STATE_THRESHOLDS = thresholds((None, "green"), (1, "orange"), (2, "red"))
 
 
 def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
@@ -622,17 +631,9 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
             w=8,
             h=8,
             defaults={
-                "mappings": [
-                    {
-                        "type": "value",
-                        "options": {
-                            str(value): {"text": state, "color": color, "index": value}
-                            for state, value, color in GPU_STATES
-                        },
-                    }
-                ],
+                "mappings": GPU_STATE_MAPPINGS,
                 "color": {"mode": "thresholds"},
-                "thresholds": thresholds((None, "green"), (1, "orange"), (2, "red")),
+                "thresholds": GPU_STATE_THRESHOLDS,
             },
             options={"showValue": "auto", "mergeValues": True, "rowHeight": 0.9},
         ),
@@ -1415,16 +1416,8 @@ def build_cluster() -> dict[str, Any]:
             defaults={
                 "min": 0,
                 "max": 2,
-                "mappings": [
-                    {
-                        "type": "value",
-                        "options": {
-                            str(value): {"text": state, "color": color, "index": value}
-                            for state, value, color in GPU_STATES
-                        },
-                    }
-                ],
-                "thresholds": thresholds((None, "green"), (1, "orange"), (2, "red")),
+                "mappings": GPU_STATE_MAPPINGS,
+                "thresholds": GPU_STATE_THRESHOLDS,
             },
         ),
         panel(
