@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from openlora_otel import report
+from openlora_otel._args import number
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
@@ -55,28 +56,10 @@ def seeds_markdown() -> str:
     return "\n".join(rows)
 
 
-def _number(kind: type, *, allow_zero: bool) -> Callable[[str], Any]:
-    """An argparse type: a finite ``kind`` (int or float) > 0, or >= 0 with ``allow_zero``."""
-    bound = ">= 0" if allow_zero else "> 0"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'} {bound}, got {text!r}"
-            ) from None
-        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    return parse
-
-
-_positive_int = _number(int, allow_zero=False)
-_non_negative_int = _number(int, allow_zero=True)
-_positive_float = _number(float, allow_zero=False)
-_non_negative_float = _number(float, allow_zero=True)
+_positive_int = number(int)
+_non_negative_int = number(int, allow_zero=True)
+_positive_float = number(float)
+_non_negative_float = number(float, allow_zero=True)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+from openlora_otel._args import number
+
 __all__ = [
     "LoadOptions",
     "LoadResult",
@@ -664,19 +666,6 @@ def render(result: LoadResult) -> str:
 # -- the command -----------------------------------------------------------------------------------------
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
 def _mix(text: str) -> tuple[tuple[str, float], ...]:
     try:
         return parse_mix(text)
@@ -701,26 +690,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--url", default=DEFAULT_URL, help="the server (default %(default)s)")
     parser.add_argument(
         "--rate",
-        type=_positive(float),
+        type=number(float),
         default=1.0,
         metavar="PER_S",
         help="requests per second (default %(default)s)",
     )
     parser.add_argument(
         "--duration",
-        type=_positive(float),
+        type=number(float),
         metavar="SECONDS",
         help="schedule requests for this long (default 10 unless --requests is given)",
     )
     parser.add_argument(
         "--requests",
-        type=_positive(int),
+        type=number(int),
         metavar="N",
         help="send at most N requests (with --duration: whichever ends first)",
     )
     parser.add_argument(
         "--concurrency",
-        type=_positive(int),
+        type=number(int),
         default=32,
         metavar="N",
         help="at most N requests in flight; the ones whose slot finds N in flight are not sent (default %(default)s)",
@@ -735,7 +724,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the mix's draws (default %(default)s)")
     parser.add_argument(
         "--max-tokens",
-        type=_positive(int),
+        type=number(int),
         default=16,
         metavar="N",
         help="max_tokens of each request (default %(default)s)",
@@ -751,7 +740,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive(float),
+        type=number(float),
         default=30.0,
         metavar="SECONDS",
         help="per request, all of it (default %(default)s)",

@@ -1,0 +1,25 @@
+"""Argument types the command line's parsers share (``openlora-otel demo``, ``serve``, ``load``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def number(kind: type, *, allow_zero: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a finite ``kind`` (int or float) > 0, or >= 0 with ``allow_zero``."""
+    bound = ">= 0" if allow_zero else "> 0"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} {bound}, got {text!r}"
+            ) from None
+        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
