@@ -398,22 +398,29 @@ class StepTimes(TrainerCallback):
         self.ended[state.global_step] = time.perf_counter()
 
 
-def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
-    tmp_path, memory_reader: InMemoryMetricReader
-) -> None:
-    from openlora_otel.training.guard import DivergenceGuard
-
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+def poisoned_model(times: StepTimes, bad_from: int):
+    """A tiny LoRA model whose training loss is NaN once ``bad_from`` optimizer steps ended (its NaN
+    gradients turn the weights NaN too). The hook comes before the callback's: that one sees the NaN."""
     model = with_lora(tiny_llama())
-    times = StepTimes()
-    bad_from = 10  # the forward of optimizer step 10 (0-based count of steps done) returns NaN
 
     def poison(module, args, kwargs, output):
         if times.ended and max(times.ended) >= bad_from:
             output.loss = output.loss * math.nan
         return output
 
-    model.register_forward_hook(poison, with_kwargs=True)  # before ours: ours sees the NaN
+    model.register_forward_hook(poison, with_kwargs=True)
+    return model
+
+
+def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
+    tmp_path, memory_reader: InMemoryMetricReader
+) -> None:
+    from openlora_otel.training.guard import DivergenceGuard
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
+    times = StepTimes()
+    bad_from = 10  # the forward of optimizer step 10 (0-based count of steps done) returns NaN
+    model = poisoned_model(times, bad_from)
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -453,17 +460,10 @@ def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) ->
     from openlora_otel.training.guard import DivergenceGuard
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
-    model = with_lora(tiny_llama())
     times = StepTimes()
     per_epoch = 300  # the trip (three NaN steps and the guard's lag) comes well inside epoch 2
     bad_from = per_epoch + 5
-
-    def poison(module, args, kwargs, output):
-        if times.ended and max(times.ended) >= bad_from:
-            output.loss = output.loss * math.nan  # NaN gradients: the weights go NaN too
-        return output
-
-    model.register_forward_hook(poison, with_kwargs=True)
+    model = poisoned_model(times, bad_from)
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
     args = TrainingArguments(
         output_dir=str(tmp_path),

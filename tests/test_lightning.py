@@ -47,18 +47,25 @@ class LoraModule(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
+def quiet_trainer(**options) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or model summary, unless ``options`` say otherwise."""
+    quiet = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(**{**quiet, **options})
+
+
 def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     module = LoraModule()
     loader = torch.utils.data.DataLoader(CountingCorpus(256), batch_size=4, shuffle=True)
     val_loader = torch.utils.data.DataLoader(CountingCorpus(16, seed=1), batch_size=8)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=20,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         val_check_interval=10,
         num_sanity_val_steps=0,
         callbacks=[TelemetryCallback(telemetry)],
@@ -169,14 +176,9 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(memory_reader:
         CountingCorpus(16, seed=1), batch_size=8, collate_fn=SlowCollate(val_sleep)
     )
     span = Span()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=steps,
         accumulate_grad_batches=accumulation,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         val_check_interval=5,  # batches 5 and 15 are the first micro-batch of a step, 10 the last
         num_sanity_val_steps=0,
         callbacks=[TelemetryCallback(telemetry), span],
@@ -219,13 +221,8 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: I
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             ended[trainer.global_step] = time.perf_counter()
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=3000,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[StepTimes(), TelemetryCallback(telemetry, guard=guard)],
     )
     loader = torch.utils.data.DataLoader(CountingCorpus(12000), batch_size=2)
@@ -270,13 +267,8 @@ def test_under_gradient_accumulation_the_loss_is_one_value_per_optimizer_step(
     accumulation = (
         {"callbacks": [GradientAccumulationScheduler({0: 3})]} if scheduled else {"accumulate_grad_batches": 3}
     )
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=4,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **accumulation,
     )
     trainer.callbacks.append(TelemetryCallback(telemetry, grad_norm=False))
@@ -312,13 +304,10 @@ def test_a_tripped_guard_keeps_the_last_good_checkpoint(tmp_path) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
     module = Diverging()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_epochs=3,
-        accelerator="cpu",
-        logger=False,
+        enable_checkpointing=True,
         default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[TelemetryCallback(telemetry, guard=guard)],
     )
     trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(2 * per_epoch), batch_size=2))
@@ -346,14 +335,11 @@ def test_a_trip_before_min_steps_warns_once(tmp_path, caplog: pytest.LogCaptureF
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         min_steps=60,
         max_steps=60,
-        accelerator="cpu",
-        logger=False,
+        enable_checkpointing=True,
         default_root_dir=str(tmp_path),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[TelemetryCallback(telemetry, guard=guard)],
     )
     with caplog.at_level(logging.WARNING, logger="openlora_otel.integrations"):
@@ -369,13 +355,8 @@ def test_model_flops_from_the_first_step(memory_reader: InMemoryMetricReader) ->
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     module = LoraModule()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[TelemetryCallback(telemetry)],
     )
     trainer.fit(module, torch.utils.data.DataLoader(CountingCorpus(32), batch_size=4))
