@@ -10,6 +10,7 @@ from typing import Any
 
 from openlora_otel import report
 from openlora_otel._args import number
+from openlora_otel._device import DEVICE_CHOICES, device_choice
 from openlora_otel._version import __version__
 from openlora_otel.config import VARIABLES
 from openlora_otel.demo.train import DemoOptions
@@ -71,11 +72,12 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="fine-tune a small LoRA model on CPU with live metrics (needs the demo extra)",
+        help="fine-tune a small LoRA model (CUDA when there is one, else CPU) with live metrics (needs the demo extra)",
         description="Fine-tune a small Llama built from a config with LoRA (PEFT) on a generated corpus, on "
-        "CPU, with setup_telemetry() on: by default metrics are served at http://localhost:9464/metrics "
-        "while it runs. Nothing is downloaded. Under torchrun (torchrun --standalone --nproc_per_node=N "
-        "-m openlora_otel demo) it trains data-parallel (DDP, gloo): each rank on its own data, with its "
+        "the first CUDA device when torch sees one, else on CPU (--device), with setup_telemetry() on: by "
+        "default metrics are served at http://localhost:9464/metrics while it runs. Nothing is downloaded. "
+        "Under torchrun (torchrun --standalone --nproc_per_node=N -m openlora_otel demo) it trains "
+        "data-parallel on CPU (DDP, gloo): each rank on its own data, with its "
         "own endpoint (port + LOCAL_RANK); only rank 0 prints, and all ranks stop at the same step on "
         "SIGINT / SIGTERM. A divergence guard watches the loss: 3 non-finite losses in a row stop the run. "
         "Exit status: 0 done, 2 usage or configuration error, 3 stopped by the divergence guard, "
@@ -108,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="LoRA alpha (default %(default)s)",
     )
     demo.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default %(default)s)")
+    _add_device_argument(demo, "train on", defaults.device)
     demo.add_argument(
         "--eval-every",
         type=_non_negative_int,
@@ -255,7 +258,11 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"openlora-otel demo: {exc}", file=sys.stderr)
         return 2
-    problem = _distributed_problem(args, ranks.world_size) or _save_problem(args)
+    problem = (
+        _distributed_problem(args, ranks.world_size)
+        or _save_problem(args)
+        or _hf_device_problem(args)
+    )
     if problem:
         args.demo_parser.error(problem)
     if ranks.distributed and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
@@ -270,7 +277,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from openlora_otel.demo import train as _train
         from openlora_otel.demo.train import DemoOptions, run_demo
 
-        _train._require()
+        torch, _, _ = _train._require()
     except MissingDependencyError as exc:
         print(
             f"openlora-otel demo: {exc}".replace("openlora-otel[torch]", "openlora-otel[demo]").replace(
@@ -278,6 +285,10 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
+        return 2
+    device_problem = _device_problem(args.device, torch)
+    if device_problem:
+        print(f"openlora-otel demo: {device_problem}", file=sys.stderr)
         return 2
     options = DemoOptions(
         steps=args.steps,
@@ -287,6 +298,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         lora_alpha=args.lora_alpha,
         seed=args.seed,
         eval_every=args.eval_every,
+        device=args.device,
         hf_trainer=args.hf_trainer,
         # Under torchrun only rank 0 prints (N copies of each line would say nothing more).
         quiet=args.quiet or ranks.rank != 0,
@@ -341,7 +353,8 @@ def _add_serve_parser(commands: Any) -> None:
         "serve",
         help="serve a model saved by `demo --save` and its LoRA adapters over HTTP (needs the serve extra)",
         description="Serve the base model and adapters saved by `openlora-otel demo --save DIR` over HTTP "
-        "(FastAPI + uvicorn, CPU, greedy decoding, streaming): POST /v1/completions with "
+        "(FastAPI + uvicorn; on the first CUDA device when torch sees one, else on CPU: --device; greedy "
+        "decoding, streaming): POST /v1/completions with "
         '{"model": ADAPTER or the base model\'s name, "prompt": ..., "max_tokens": N, "stream": BOOL}, '
         "GET /v1/models, GET /health. At most --max-concurrency requests generate at once, --max-queue "
         "more wait, the rest get 503. Every request is measured (gen_ai.server.* and openlora.inference.*, "
@@ -360,6 +373,7 @@ def _add_serve_parser(commands: Any) -> None:
         help="also serve the PEFT adapter directory PATH as NAME (repeatable; NAME: "
         f"{ADAPTER_NAME_RULE}); DIR/adapters/* are served under their directory names",
     )
+    _add_device_argument(serve, "run the models on", "auto")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument(
         "--port", type=_non_negative_int, default=8000, help="HTTP port (default %(default)s; 0: any free port)"
@@ -407,6 +421,11 @@ def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
 
     if not 0 <= args.port <= 65535:
         return f"--port: {args.port} is not a TCP port (0 to 65535)"
+    import torch
+
+    device_problem = _device_problem(args.device, torch)
+    if device_problem:
+        return device_problem
     if args.max_new_tokens_limit > MAX_TOKENS_LIMIT:
         return f"--max-new-tokens-limit: at most {MAX_TOKENS_LIMIT}, got {args.max_new_tokens_limit}"
     try:
@@ -486,7 +505,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"openlora-otel serve: {exc}", file=sys.stderr)
             return 2
         try:
-            return _server.serve(base, adapters, telemetry, options, sock)
+            return _server.serve(base, adapters, telemetry, options, sock, device=args.device)
         finally:
             telemetry.shutdown()
     finally:
@@ -508,12 +527,51 @@ def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | Non
                 f"--straggle-rank: {args.straggle_rank} is not a rank of this launch "
                 f"(WORLD_SIZE={world_size}: ranks 0 to {world_size - 1})"
             )
+    if world_size > 1 and args.device not in ("auto", "cpu"):
+        return (
+            f"--device {args.device}: under torchrun the demo trains data-parallel on CPU (DDP over gloo); "
+            "drop --device or use --device cpu"
+        )
     if args.hf_trainer and (args.nan_at_step is not None or args.data_delay_ms is not None):
         return "--nan-at-step and --data-delay-ms work with the demo's own loop; drop --hf-trainer"
     if args.hf_trainer and world_size > 1:
         return (
             "--hf-trainer runs one process; under torchrun the demo trains with its own DDP loop "
             "(drop --hf-trainer)"
+        )
+    return None
+
+
+def _add_device_argument(parser: argparse.ArgumentParser, what: str, default: str) -> None:
+    parser.add_argument(
+        "--device",
+        type=device_choice,
+        default=default,
+        metavar="DEVICE",
+        help=f"where to {what}: {DEVICE_CHOICES} (default %(default)s: the first CUDA device when torch "
+        "sees one, else the CPU); on a CUDA device with bfloat16 (Ampere and later) the forward passes run "
+        "under bf16 autocast",
+    )
+
+
+def _device_problem(choice: str, torch: Any) -> str | None:
+    """Why ``--device choice`` cannot be used on this machine, if it cannot."""
+    from openlora_otel._device import DeviceError, resolve_device
+
+    try:
+        resolve_device(choice, torch)
+    except DeviceError as exc:
+        return str(exc)
+    return None
+
+
+def _hf_device_problem(args: argparse.Namespace) -> str | None:
+    """--hf-trainer on another GPU than the first: the Trainer chooses its device itself."""
+    if args.hf_trainer and args.device.startswith("cuda:") and args.device != "cuda:0":
+        index = args.device.partition(":")[2]
+        return (
+            f"--device {args.device}: the Hugging Face Trainer runs on cuda:0 (it picks its device itself); "
+            f"use CUDA_VISIBLE_DEVICES={index} with --device cuda"
         )
     return None
 

@@ -1,4 +1,9 @@
-"""The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, on CPU, with live telemetry.
+"""The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, with live telemetry.
+
+It runs where ``--device`` says (``auto``: the first CUDA device when there is one, else the
+CPU; see ``openlora_otel/_device.py``): the model, the corpus and every batch live there, and
+on a CUDA device with bfloat16 the forward passes run under autocast. Under torchrun the
+ranks train on CPU with gloo.
 
 Why no plain-torch LoRA fallback: PEFT is what users fine-tune with, the demo
 exists to show our callbacks and adapter pick-up working on the real thing,
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from openlora_otel._device import Placement, resolve_device
 from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
 from openlora_otel.telemetry import Telemetry
@@ -50,6 +56,8 @@ class DemoOptions:
     seed: int = 0
     eval_every: int = 50
     seq_len: int = 64
+    # auto, cpu, cuda or cuda:N (openlora_otel/_device.py); distributed runs train on CPU.
+    device: str = "auto"
     hf_trainer: bool = False
     quiet: bool = False
     linger: float = 0.0
@@ -252,17 +260,20 @@ def _lora_config(peft: Any, options: DemoOptions) -> Any:
 
 
 class _Data:
-    def __init__(self, options: DemoOptions, rank: int = 0) -> None:
+    """The corpus on the training device; batches are windows of it, drawn there (no copy per step)."""
+
+    def __init__(self, options: DemoOptions, rank: int = 0, device: Any = None) -> None:
         torch, _, _ = _require()
         self.torch = torch
         tokenizer = CharTokenizer()
         self.vocab_size = tokenizer.vocab_size
-        ids = torch.tensor(tokenizer.encode(generate_corpus(seed=1234)), dtype=torch.long)
+        ids = torch.tensor(tokenizer.encode(generate_corpus(seed=1234)), dtype=torch.long, device=device)
         split = int(len(ids) * 0.95)
         self.train, self.eval = ids[:split], ids[split:]
         self.seq_len = options.seq_len
         self.delay_s = options.data_delay_ms / 1000.0
-        # Each rank draws its own windows: its shard of the data in a data-parallel run.
+        # Each rank draws its own windows: its shard of the data in a data-parallel run. The
+        # window starts come from a CPU generator on every device: the same seed draws the same batches.
         self.generator = torch.Generator().manual_seed(options.seed + rank)
         # A fixed evaluation set, so eval losses are comparable across the run.
         eval_starts = torch.arange(0, len(self.eval) - self.seq_len - 1, self.seq_len)[:64]
@@ -287,10 +298,10 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
-def _evaluate(model: Any, data: _Data) -> float:
+def _evaluate(model: Any, data: _Data, placement: Placement) -> float:
     torch = data.torch
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), placement.autocast(torch):
         loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
     model.train()
     return loss
@@ -316,9 +327,17 @@ def run_demo(
 
     if options.hf_trainer and options.distributed:
         raise ValueError("the Hugging Face Trainer path runs one process; distributed runs use the plain loop")
+    if options.distributed and options.device not in ("auto", "cpu"):
+        raise ValueError(f"device {options.device!r}: under torchrun the demo trains on CPU (gloo)")
+    placement = resolve_device("cpu" if options.distributed else options.device, torch)
+    if options.hf_trainer and placement.is_cuda and placement.device.index not in (None, 0):
+        raise ValueError(
+            f"device {placement.name}: the Hugging Face Trainer picks cuda:0 itself; "
+            f"run with CUDA_VISIBLE_DEVICES={placement.device.index} --device cuda instead"
+        )
     group = TrainingGroup(torch) if options.distributed else None
     try:
-        return _run(options, telemetry, torch, describe_lora, group, where, out, stop_event)
+        return _run(options, telemetry, torch, describe_lora, group, where, out, stop_event, placement)
     finally:
         if group is not None:
             group.close()
@@ -333,19 +352,21 @@ def _run(
     where: str,
     out: TextIO,
     stop_event: threading.Event | None,
+    placement: Placement,
 ) -> DemoResult:
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(options.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rank = group.rank if group else 0
-    data = _Data(options, rank=rank)
+    data = _Data(options, rank=rank, device=placement.device)
     saving = _Saving(options, rank)
     model = build_model(options, data.vocab_size, base_path=saving.base_path, on_base=saving.on_base)
+    model.to(placement.device)
     training = telemetry.training
     describe_lora(model, training)
-    # FLOPs per token for achieved FLOP/s (and MFU where a peak is known: not on a CPU
-    # unless OPENLORA_PEAK_FLOPS gives one).
-    report_model_flops(training, model, seq_len=options.seq_len)
+    # FLOPs per token for achieved FLOP/s (and MFU where a peak is known: on a GPU of the peak
+    # table, at the autocast dtype; not on a CPU unless OPENLORA_PEAK_FLOPS gives one).
+    report_model_flops(training, model, seq_len=options.seq_len, dtype=placement.autocast_dtype)
     guard = training.attach_guard(
         DivergenceGuard(nonfinite_losses=GUARD_NONFINITE_LOSSES, check_interval_s=GUARD_CHECK_INTERVAL_S)
     )
@@ -357,22 +378,23 @@ def _run(
             f"({total:,} parameters, {trainable:,} trainable), {len(data.train):,} training characters, "
             f"{options.steps} steps of {options.batch_size}x{options.seq_len} tokens"
             + (f" on each of {group.world_size} ranks (DDP, gloo)" if group else "")
+            + f", on {placement.name} ({placement.precision})"
             + "\n"
         )
         out.flush()
-    first_eval = _evaluate(model, data)
+    first_eval = _evaluate(model, data, placement)
     training.record_eval(loss=first_eval, perplexity=_perplexity(first_eval))
     stop = _Stop(stop_event)
     with _signals(stop):
         if options.hf_trainer:
-            result = _train_hf(options, telemetry, model, data, stop, where, out, guard)
+            result = _train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
         else:
-            result = _train_loop(options, training, model, data, stop, where, out, group, guard)
+            result = _train_loop(options, training, model, data, stop, where, out, group, guard, placement)
         if group is not None:
             group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
-        final = _evaluate(model, data)
+        final = _evaluate(model, data, placement)
         training.record_eval(loss=final, perplexity=_perplexity(final))
         result.final_eval_loss = final
         if final < result.best_eval_loss:  # a NaN is never the best
@@ -451,8 +473,10 @@ def _train_loop(
     out: TextIO,
     group: TrainingGroup | None = None,
     guard: DivergenceGuard | None = None,
+    placement: Placement | None = None,
 ) -> DemoResult:
     torch = data.torch
+    placement = placement or Placement(torch.device("cpu"))
     sync = StepSync()
     # Training goes through DDP under torchrun; evaluation uses the bare model, per rank.
     network = group.wrap(model, sync) if group is not None else model
@@ -489,7 +513,8 @@ def _train_loop(
         data_time = time.perf_counter() - fetch_started
         if straggle_s:
             time.sleep(straggle_s)  # --straggle-rank: this rank's work is slower, inside its timed step
-        loss = network(input_ids=batch, labels=batch).loss
+        with placement.autocast(torch):
+            loss = network(input_ids=batch, labels=batch).loss
         if options.nan_at_step is not None and step >= options.nan_at_step:
             loss = loss * math.nan  # --nan-at-step: the gradients and then the weights go NaN too
         loss.backward()
@@ -520,7 +545,7 @@ def _train_loop(
             stop.adopt(sync.agreed)
             break
         if options.eval_every and step % options.eval_every == 0 and step < options.steps:
-            eval_loss = last_eval = _evaluate(model, data)
+            eval_loss = last_eval = _evaluate(model, data, placement)
             training.record_eval(loss=eval_loss, perplexity=_perplexity(eval_loss))
             if eval_loss < best_eval:  # a NaN is never the best
                 best_eval = eval_loss
@@ -550,6 +575,7 @@ def _train_hf(
     where: str,
     out: TextIO,
     guard: DivergenceGuard | None = None,
+    placement: Placement | None = None,
 ) -> DemoResult:
     import tempfile
 
@@ -559,10 +585,11 @@ def _train_hf(
     from openlora_otel.integrations.hf import TelemetryCallback
 
     torch = data.torch
+    placement = placement or Placement(torch.device("cpu"))
 
     class Windows(torch.utils.data.Dataset):
         def __init__(self, count: int) -> None:
-            self.rows = data.batch(count)
+            self.rows = data.batch(count).cpu()  # the Trainer moves (and pins) its batches itself
 
         def __len__(self) -> int:
             return len(self.rows)
@@ -599,7 +626,7 @@ def _train_hf(
                 )
                 self.bar.update(state.global_step, lambda: self.loss, rate)
 
-    eval_rows = data.eval_batch
+    eval_rows = data.eval_batch.cpu()
     eval_set = [{"input_ids": row, "labels": row} for row in eval_rows]
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="openlora-demo-") as output_dir:
@@ -617,7 +644,8 @@ def _train_hf(
             eval_steps=options.eval_every or None,
             save_strategy="no",
             report_to="none",
-            use_cpu=True,
+            use_cpu=not placement.is_cuda,
+            bf16=placement.autocast_dtype is not None,
             disable_tqdm=True,
             include_num_input_tokens_seen=True,
             seed=options.seed,

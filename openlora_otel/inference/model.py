@@ -1,10 +1,13 @@
-"""The saved demo model served: its base and LoRA adapters on CPU, greedy generation token by token.
+"""The saved demo model served: its base and LoRA adapters on one device, greedy generation token by token.
 
 Each adapter is merged (PEFT ``merge_and_unload``) into its own copy of the base at load time,
 so a request's adapter is just which module it runs: no ``set_adapter`` switch shared between
 concurrent requests, no LoRA matmuls per token, and a module is only read while it generates,
 so any number of worker threads may use the same one at once. The demo's base is about 3 MB;
 32 adapters cost about 100 MB. (A large base would want PEFT's multi-adapter batching instead.)
+The models run on the device chosen at start (``auto``: the first CUDA device when torch sees
+one, else the CPU; see ``openlora_otel/_device.py``), under bf16 autocast on CUDA devices with
+bfloat16; adapters are merged on the CPU, into a copy of the base kept there, then moved.
 
 Generation is greedy over the last ``context_length`` tokens (the demo trains on 64-character
 windows), one forward pass per token. The character model has no end-of-text token: it runs to
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from openlora_otel._device import Placement, resolve_device
 from openlora_otel.demo.corpus import CharTokenizer
 from openlora_otel.inference.layout import SavedAdapter, SavedBase, quiet_progress
 
@@ -63,14 +67,17 @@ def _require() -> tuple[Any, Any, Any]:
 class ServedModels:
     """The base model and the adapters loaded so far; ``generate`` is safe from many threads at once."""
 
-    def __init__(self, base: SavedBase) -> None:
+    def __init__(self, base: SavedBase, *, device: str = "auto") -> None:
         self.torch, transformers, self._peft = _require()
+        self.placement: Placement = resolve_device(device, self.torch)
         self.base = base
         self.tokenizer = CharTokenizer(base.alphabet)
         with quiet_progress():
             module = transformers.LlamaForCausalLM.from_pretrained(str(base.path), local_files_only=True)
         module.eval()
-        self._base_module = module
+        # Adapters are merged into copies of this CPU base (PEFT loads their weights on the CPU).
+        self._cpu_base = module
+        self._base_module = copy.deepcopy(module).to(self.placement.device) if self.placement.is_cuda else module
         self._adapters: dict[str, Any] = {}
         self._lock = threading.Lock()  # guards the dict, not generation
 
@@ -94,11 +101,12 @@ class ServedModels:
                 f"adapter {adapter.name!r} ({adapter.path}) was trained on base {adapter.base_fingerprint}, "
                 f"not on the served base {self.base.fingerprint}"
             )
-        module = copy.deepcopy(self._base_module)
+        module = copy.deepcopy(self._cpu_base)
         with warnings.catch_warnings(), quiet_progress():
             warnings.simplefilter("ignore", FutureWarning)
             peft_model = self._peft.PeftModel.from_pretrained(module, str(adapter.path), is_trainable=False)
             merged = peft_model.merge_and_unload()
+        merged.to(self.placement.device)
         merged.eval()
         with self._lock:
             self._adapters[adapter.name] = merged
@@ -142,11 +150,12 @@ class ServedModels:
         sent = 0  # characters of text already given to on_token
         finish = "length"
         generated = 0
-        with torch.inference_mode():
+        device = self.placement.device
+        with torch.inference_mode(), self.placement.autocast(torch):
             for _ in range(max_tokens):
                 if cancelled is not None and cancelled():
                     raise Cancelled()
-                logits = module(input_ids=torch.tensor([window])).logits
+                logits = module(input_ids=torch.tensor([window], device=device)).logits
                 token = int(logits[0, -1].argmax())
                 generated += 1
                 text += self.tokenizer.decode([token])

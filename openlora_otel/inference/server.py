@@ -535,12 +535,12 @@ def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
 
 
 def load_models(
-    base: SavedBase, adapters: list[SavedAdapter], telemetry: Telemetry, err: TextIO
+    base: SavedBase, adapters: list[SavedAdapter], telemetry: Telemetry, err: TextIO, *, device: str = "auto"
 ) -> ServedModels:
-    """The base model and every adapter that loads; a failed adapter is recorded, said, and left out."""
+    """The base model and every adapter that loads, on ``device``; a failed adapter is recorded, said, and left out."""
     inference = telemetry.inference
     inference.set_model(base.base_model, operation=OPERATION)
-    models = ServedModels(base)
+    models = ServedModels(base, device=device)
     for adapter in adapters:
         try:
             with inference.loading_adapter(adapter.name):
@@ -621,15 +621,16 @@ def serve(
     sock: socket.socket,
     *,
     out: TextIO = sys.stderr,
+    device: str = "auto",
 ) -> int:
-    """Load the models, serve until SIGINT/SIGTERM, then finish or cancel what runs (bounded). 0 when stopped.
+    """Load the models on ``device``, serve until SIGINT/SIGTERM, then finish or cancel what runs (bounded).
 
-    The caller owns ``telemetry`` (and shuts it down after this returns) and ``sock``.
+    0 when stopped. The caller owns ``telemetry`` (and shuts it down after this returns) and ``sock``.
     """
     import uvicorn
 
     started = time.perf_counter()
-    models = load_models(base, adapters, telemetry, out)
+    models = load_models(base, adapters, telemetry, out, device=device)
     service = CompletionService(models, telemetry, options)
     app = build_app(service, telemetry)
     config = uvicorn.Config(
@@ -654,7 +655,8 @@ def serve(
     where = f"[{host}]" if ":" in host else host
     served = ", ".join(models.adapters) or "none"
     print(
-        f"openlora-otel serve: {models.base_model} with adapters: {served}; loaded in "
+        f"openlora-otel serve: {models.base_model} with adapters: {served} on {models.placement.name} "
+        f"({models.placement.precision}); loaded in "
         f"{time.perf_counter() - started:.1f} s; listening on http://{where}:{port} "
         f"(POST /v1/completions, GET /v1/models, GET /health); metrics: "
         f"{_metrics_where(telemetry)}; Ctrl-C or SIGTERM stops",
