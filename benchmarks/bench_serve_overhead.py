@@ -13,7 +13,9 @@ which side goes first, and the median of the per-pair ratios is the figure
 (target >= 0.98). The server's CPU time per completed request (from /proc) is
 printed too: on a shared machine it moves less with other load than req/s.
 
-    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5]
+``--device`` trains the adapters and serves them there (default cpu).
+
+    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5] [--device cpu]
 """
 
 from __future__ import annotations
@@ -46,16 +48,18 @@ def free_port() -> int:
 
 def env(**extra: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
-    return {**base, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENLORA_QUIET": "true", **extra}
+    # The checkout first, then whatever the caller had (benchmarks/gpu_check.sh puts carried wheels there).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**base, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "OPENLORA_QUIET": "true", **extra}
 
 
-def save(directory: Path) -> None:
+def save(directory: Path, device: str = "cpu") -> None:
     for seed, name in enumerate(("a1", "a2")):
         subprocess.run(
             [
                 sys.executable, "-m", "openlora_otel", "demo", "--steps", "4", "--batch-size", "2",
                 "--eval-every", "0", "--exporter", "none", "-q", "--save", str(directory),
-                "--run-name", name, "--seed", str(seed),
+                "--run-name", name, "--seed", str(seed), "--device", device,
             ],
             env=env(), cwd=ROOT, check=True, capture_output=True, timeout=600,
         )  # fmt: skip
@@ -144,7 +148,7 @@ def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> t
     process = subprocess.Popen(
         [
             sys.executable, "-m", "openlora_otel", "serve", str(directory), "--port", str(port),
-            "--max-concurrency", str(args.slots), "--max-queue", "64",
+            "--max-concurrency", str(args.slots), "--max-queue", "64", "--device", args.device,
         ],
         env=env(**extra), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -168,7 +172,7 @@ def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> t
             process.wait(10)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=20.0, help="counted seconds per side")
@@ -176,22 +180,33 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--slots", type=int, default=2, help="serve --max-concurrency")
     parser.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between two scrapes")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N (default cpu)")
+    return parser
+
+
+def measure(args: argparse.Namespace, report=print) -> list[tuple[float, float, float, float]]:
+    """Per pair: (req/s on, server CPU ms per request on, req/s off, CPU ms off); ``report`` gets a line per pair."""
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "saved"
-        save(directory)
-        ratios, cpu_ratios = [], []
+        save(directory, args.device)
         for pair in range(args.pairs):
             order = (True, False) if pair % 2 == 0 else (False, True)
             results = {side: run_side(directory, side, args) for side in order}
             (on_rate, on_cpu), (off_rate, off_cpu) = results[True], results[False]
-            ratios.append(on_rate / off_rate)
-            cpu_ratios.append(on_cpu / off_cpu)
-            print(
+            pairs.append((on_rate, on_cpu, off_rate, off_cpu))
+            report(
                 f"pair {pair + 1}: telemetry on {on_rate:.2f} req/s ({on_cpu:.1f} ms server CPU per request), "
-                f"off {off_rate:.2f} req/s ({off_cpu:.1f} ms), ratio {ratios[-1]:.3f}",
-                flush=True,
+                f"off {off_rate:.2f} req/s ({off_cpu:.1f} ms), ratio {on_rate / off_rate:.3f}"
             )
+    return pairs
+
+
+def main() -> None:
+    args = parser().parse_args()
+    pairs = measure(args, report=lambda line: print(line, flush=True))
+    ratios = [on / off for on, _, off, _ in pairs]
+    cpu_ratios = [on_cpu / off_cpu for _, on_cpu, _, off_cpu in pairs]
     print(
         f"median ratio on/off over {args.pairs} pairs: {statistics.median(ratios):.3f} "
         f"(range {min(ratios):.3f} to {max(ratios):.3f}; target >= 0.98)"
