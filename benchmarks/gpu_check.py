@@ -223,7 +223,25 @@ class Smi:
         return done.stdout
 
     def query(self, fields: list[str]) -> dict[str, dict[str, float | None]]:
-        """{GPU UUID: {field: value}} for the fields this nvidia-smi offers."""
+        """{GPU UUID: {field: value}} for the fields this nvidia-smi offers.
+
+        One field it lists but refuses on this GPU fails the whole query: then each field is asked
+        alone, and the ones refused are dropped (and no longer asked).
+        """
+        try:
+            return self._query(fields)
+        except RuntimeError:
+            kept = []
+            for field in fields:
+                try:
+                    self._query([field])
+                    kept.append(field)
+                except RuntimeError:
+                    self.fields.discard(field)
+            fields[:] = kept
+            return self._query(kept)
+
+    def _query(self, fields: list[str]) -> dict[str, dict[str, float | None]]:
         asked = ["uuid", *fields]
         out = self._run(f"--query-gpu={','.join(asked)}", "--format=csv,noheader,nounits")
         result = {}
@@ -493,6 +511,7 @@ def stage_values(ctx: Context, stage: dict[str, Any]) -> str:
             telemetry.shutdown()
     if not ctx.dry:
         checks += _allocator_check(ctx)
+    stage["absent_in_smi"] = [row[0] for row in SMI_VALUES if row[0] not in ctx.smi.fields]
     stage["compared"] = compared
     stage["checks"] = checks
     off = [row["field"] for row in compared if row["within"] == "NO"]
