@@ -262,17 +262,23 @@ class FakeNvml:
         return [self._numbered(handle, field_id, scope) for field_id, scope in fields]
 
     def _numbered(self, handle: FakeGpu, field_id: int, scope: int) -> tuple[int, object]:
-        """One field as this driver numbers it: R580 answers the hw_* throttle times at 252/253 and
-        power-smoothing settings at 270/271 (nvidia-smi 580.65.06 asks 251-253); later drivers the
-        other way round (nvidia-ml-py 13.615's numbering). Both on a GPU with power smoothing."""
-        major = int(self.driver.split(".")[0])
+        """One field as this driver numbers it: early R580 drivers answer the hw_* throttle times at
+        252/253 and power-smoothing settings at 270/271 (nvidia-smi 580.65.06 asks 251-253); later
+        drivers the other way round (nvidia-ml-py 13.615's numbering). Both on a GPU with power
+        smoothing. 580.159.04 already numbers them as the later ones and refuses 252/253
+        (NotSupported), as read on an H200 on 2026-11-26; where in R580 that changed is not known:
+        here from 580.159 on."""
+        major, minor = (int(part) for part in self.driver.split(".")[:2])
+        early_r580 = major == 580 and minor < 159
         r580 = {252: FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, 253: FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN}
         smoothing = {252: 0, 253: 1, 270: 30, 271: 4_000_000}  # settings: a level, a flag, a %, mW/s
         if handle.failing:
             return NVML_ERROR_GPU_IS_LOST, None
-        if major == 580 and field_id in r580:
+        if early_r580 and field_id in r580:
             return handle.field_value(r580[field_id], scope)
-        if field_id in smoothing and (major == 580) == (field_id >= 270):
+        if major == 580 and not early_r580 and field_id in r580:
+            return NVML_ERROR_NOT_SUPPORTED, None
+        if field_id in smoothing and early_r580 == (field_id >= 270):
             return NVML_SUCCESS, smoothing[field_id]
         return handle.field_value(field_id, scope)
 
@@ -465,11 +471,14 @@ def fake_pynvml_module(
     field_status: dict[int, int] | None = None,
     xids: list[int] | None = None,
     missing: set[str] | None = None,
+    memory_v2: bool = True,
 ) -> types.ModuleType:
     """A pynvml stand-in returning NVML's raw units for one GPU.
 
     ``field_status``: nvmlReturn per field id (default success); ``xids``: XID codes queued on the event set;
-    ``missing``: entry points this "driver" lacks (an older libnvidia-ml: pynvml raises FunctionNotFound).
+    ``missing``: entry points this "driver" lacks (an older libnvidia-ml: pynvml raises FunctionNotFound);
+    ``memory_v2``: the driver has nvmlDeviceGetMemoryInfo_v2 (its ``used`` leaves out the driver's
+    reserve, as nvidia-smi's memory.used does; the v1 ``used`` includes it, as a real H200 showed).
     """
     module = types.ModuleType("pynvml")
     not_supported = not_supported or set()
@@ -501,6 +510,7 @@ def fake_pynvml_module(
     module.NVML_DEVICE_MIG_ENABLE = 1
     module.nvmlEventTypeXidCriticalError = 0x8
     module.NVML_GPM_METRICS_GET_VERSION = 1
+    module.nvmlMemory_v2 = 0x02000028  # pynvml's version stamp for c_nvmlMemory_v2_t
     module.c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
     module.asked_fields = []  # what nvmlDeviceGetFieldValues was given, per call
     module.metrics_requests = []
@@ -579,7 +589,17 @@ def fake_pynvml_module(
     api("nvmlDeviceGetUtilizationRates", types.SimpleNamespace(gpu=37, memory=12))
     api("nvmlDeviceGetEncoderUtilization", (5, 167000))
     api("nvmlDeviceGetDecoderUtilization", (0, 167000))
-    api("nvmlDeviceGetMemoryInfo", types.SimpleNamespace(used=1_234_567_890, total=85_520_809_984, free=0))
+    reserved = 620_756_992  # what an H200's driver reserved (1625.88 - 1011 MiB, v1 against nvidia-smi)
+
+    def memory_info(handle, version=None):
+        if version is None:
+            return types.SimpleNamespace(used=1_234_567_890 + reserved, total=85_520_809_984, free=0)
+        if not memory_v2:
+            raise NVMLError_FunctionNotFound("Function Not Found")  # pynvml: no nvmlDeviceGetMemoryInfo_v2
+        assert version == module.nvmlMemory_v2
+        return types.SimpleNamespace(used=1_234_567_890, reserved=reserved, total=85_520_809_984, free=0)
+
+    api("nvmlDeviceGetMemoryInfo", memory_info)
     api("nvmlDeviceGetPowerUsage", 312_456)  # milliwatts
     api("nvmlDeviceGetTotalEnergyConsumption", 987_654_321)  # millijoules
     api("nvmlDeviceGetTemperature", 61)

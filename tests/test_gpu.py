@@ -178,6 +178,25 @@ def test_real_backend_converts_nvml_units_exactly() -> None:
     assert backend.mig_handles(handle) == []
 
 
+def test_memory_used_is_nvidia_smis_reading_without_the_drivers_reserve() -> None:
+    """On an H200 (driver 580.159.04) the v1 reading said 1626 MiB used where nvidia-smi said 1011:
+    v1 counts the memory the driver reserves for itself. v2 leaves it out, as nvidia-smi does."""
+    module = fake_pynvml_module()
+    backend = PynvmlBackend(module)
+    assert backend.memory("handle0") == (1_234_567_890, 85_520_809_984)
+    v1_used = module.nvmlDeviceGetMemoryInfo("handle0").used
+    assert v1_used - 1_234_567_890 == 620_756_992
+    # A driver without the v2 call: the v1 reading, and v2 is not asked again.
+    old = fake_pynvml_module(memory_v2=False)
+    backend = PynvmlBackend(old)
+    assert backend.memory("handle0") == (v1_used, 85_520_809_984)
+    assert backend._memory_v2 is None
+    # A pynvml release without the v2 structure: v1 straight away.
+    older = fake_pynvml_module()
+    del older.nvmlMemory_v2
+    assert PynvmlBackend(older).memory("handle0") == (v1_used, 85_520_809_984)
+
+
 def test_real_backend_maps_errors() -> None:
     unsupported = PynvmlBackend(fake_pynvml_module(not_supported={"nvmlDeviceGetPowerUsage"}))
     with pytest.raises(GpuNotSupported):

@@ -58,7 +58,8 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: 
     assert fake.calls["field_values"] == 8
     # ... for far more values than the 12 it used to read.
     asked = len(fake.fields_asked[-1])
-    assert asked == len(FIELDS) - 2  # the two hw_* throttle times: R580's ids or later drivers', not both
+    # The two hw_* throttle times at one numbering: R580's ids, not the ones replacing them nor later drivers'.
+    assert asked == len(FIELDS) - 4
     assert asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
 
     # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
@@ -157,6 +158,31 @@ def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, 
     times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
     assert times["hw_thermal_slowdown"] == 7.0
     assert times["hw_power_brake_slowdown"] == 3e-6
+
+
+def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_snapshot(collect, monkeypatch) -> None:  # noqa: F811
+    """580.159.04 on an H200: 252/253 NotSupported, the hw_* throttle times at 270/271 (nvidia-smi
+    showed the same 0 us as those fields). Early R580 drivers keep 252/253 and are never asked 270/271,
+    which hold power-smoothing settings there."""
+    [card] = h100s(1)
+    card.throttle_ns.update(hw_thermal=7_000_000_000, hw_power_brake=3_000)
+    fake = FakeNvml([card], driver="580.159.04")
+    reader, _ = build(fake)
+    data = collect(reader)
+    first, second = ({fid for fid, _ in call} & {252, 253, 270, 271} for call in fake.fields_asked[-2:])
+    assert (first, second) == ({252, 253}, {270, 271})
+    times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
+    assert times["hw_thermal_slowdown"] == 7.0 and times["hw_power_brake_slowdown"] == 3e-6
+    fake.fields_asked.clear()
+    monkeypatch.setattr(gpu, "_FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
+    collect(reader)
+    later = [{fid for fid, _ in call} & {252, 253, 270, 271} for call in fake.fields_asked]
+    assert later and all(ids == {270, 271} for ids in later)  # one call a snapshot, 252/253 not asked again
+
+    early = FakeNvml(h100s(1), driver="580.82.07")
+    reader, _ = build(early)
+    collect(reader)
+    assert all(not {fid for fid, _ in call} & {270, 271} for call in early.fields_asked)
 
 
 def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:  # noqa: F811

@@ -114,6 +114,14 @@ class Field:
     pick: int | None = None  # index into the fallback's tuple result
     min_driver: int = 0  # driver major versions the field id means this value in, from ...
     max_driver: int | None = None  # ... to (inclusive)
+    # Asked only once the driver refused this other id for the same value (a renumbering within
+    # one driver branch); never together with it.
+    replaces: int | None = None
+
+    @property
+    def tag(self) -> str:
+        """The key under which NVML's refusal of this field id is remembered."""
+        return f"fi:{self.key}@{self.field_id}"
 
 
 FIELDS: tuple[Field, ...] = (
@@ -151,7 +159,10 @@ FIELDS: tuple[Field, ...] = (
         fallback="violation_s",
         fallback_args=(PERF_POLICY.SYNC_BOOST,),
     ),
-    # Renumbered after R580 (see nvml.FI); drivers before R580 are not asked.
+    # Renumbered within R580 (see nvml.FI): early R580 drivers answer at 252/253 (and hold power
+    # smoothing settings at 270/271); 580.159.04 refuses 252/253 and answers at 270/271, as every
+    # later branch does (both read on an H200). So R580 is asked 252/253 first and 270/271 only
+    # once refused. Drivers before R580 are not asked.
     Field(
         "throttle.hw_thermal_slowdown",
         R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
@@ -165,6 +176,22 @@ FIELDS: tuple[Field, ...] = (
         per=1e9,
         min_driver=580,
         max_driver=580,
+    ),
+    Field(
+        "throttle.hw_thermal_slowdown",
+        FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
+        per=1e9,
+        min_driver=580,
+        max_driver=580,
+        replaces=R580_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN,
+    ),
+    Field(
+        "throttle.hw_power_brake_slowdown",
+        FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
+        per=1e9,
+        min_driver=580,
+        max_driver=580,
+        replaces=R580_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN,
     ),
     Field(
         "throttle.hw_thermal_slowdown", FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, per=1e9, min_driver=581
@@ -540,35 +567,48 @@ class GpuCollector:
             if value is not None:
                 values[key] = value
 
-    def _read_fields(self, device: Device, values: dict[str, Any]) -> None:
+    def _wanted_fields(self, device: Device) -> list[Field]:
+        """The field ids to ask this device for now: its driver's numbering, none refused before."""
         driver = _driver_major(self._driver_version)
-        wanted = [
+        return [
             f
             for f in FIELDS
-            if f.min_driver <= driver <= (f.max_driver or driver) and self._supported(device, "fi:" + f.key)
+            if f.min_driver <= driver <= (f.max_driver or driver)
+            and self._supported(device, f.tag)
+            and (f.replaces is None or not self._supported(device, f"fi:{f.key}@{f.replaces}"))
         ]
+
+    def _read_fields(self, device: Device, values: dict[str, Any]) -> None:
+        wanted = self._wanted_fields(device)
         if wanted and self._supported(device, "field_values"):
-            try:
-                results = self._backend.field_values(device.handle, [(f.field_id, f.scope) for f in wanted])
-            except GpuNotSupported:
-                self._unsupported.add((device.uuid, "field_values"))  # every value by its own call
-            else:
-                for f, (status, value) in zip(wanted, results, strict=True):
-                    if status == NVML_SUCCESS and value is not None:
-                        values[f.key] = value * f.scale / f.per if (f.scale, f.per) != (1, 1) else value
-                    elif status in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
-                        self._unsupported.add((device.uuid, "fi:" + f.key))
-                    elif status == NVML_ERROR_GPU_IS_LOST:
-                        raise GpuError("GPU is lost")
-                    else:  # a passing problem with this one value: skip it this time
-                        self._warn_once(
-                            f"{device.uuid}:field:{f.field_id}:{status}",
-                            f"GPU {device.index}: NVML field {f.field_id} ({f.key}) failed with status {status}",
-                        )
+            self._ask_fields(device, wanted, values)
+            # Ids that replace one just refused are asked at once (the first snapshot has them too).
+            again = [f for f in self._wanted_fields(device) if f.replaces is not None and f not in wanted]
+            if again and self._supported(device, "field_values"):
+                self._ask_fields(device, again, values)
         self._read_fallbacks(device, values)
         if values.get("nvlink_links") == 0:  # no NVLink: the throughput fields say 0, report nothing
             values.pop("nvlink_tx", None)
             values.pop("nvlink_rx", None)
+
+    def _ask_fields(self, device: Device, wanted: list[Field], values: dict[str, Any]) -> None:
+        try:
+            results = self._backend.field_values(device.handle, [(f.field_id, f.scope) for f in wanted])
+        except GpuNotSupported:
+            self._unsupported.add((device.uuid, "field_values"))  # every value by its own call
+            return
+        for f, (status, value) in zip(wanted, results, strict=True):
+            if status == NVML_SUCCESS and value is not None:
+                values[f.key] = value * f.scale / f.per if (f.scale, f.per) != (1, 1) else value
+            elif status in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
+                self._unsupported.add((device.uuid, f.tag))
+            elif status == NVML_ERROR_GPU_IS_LOST:
+                raise GpuError("GPU is lost")
+            else:  # a passing problem with this one value: skip it this time
+                self._warn_once(
+                    f"{device.uuid}:field:{f.field_id}:{status}",
+                    f"GPU {device.index}: NVML field {f.field_id} ({f.key}) failed with status {status}",
+                )
 
     def _read_fallbacks(self, device: Device, values: dict[str, Any]) -> None:
         batched = self._supported(device, "field_values")
@@ -576,7 +616,7 @@ class GpuCollector:
         for f in FIELDS:
             if f.fallback is None or f.key in values:
                 continue
-            if batched and self._supported(device, "fi:" + f.key):
+            if batched and self._supported(device, f.tag):
                 continue  # the field answered or failed in passing; the fallback is for unsupported ones
             call = (f.fallback, f.fallback_args)
             if call not in answers:

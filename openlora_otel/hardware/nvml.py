@@ -179,6 +179,8 @@ class PynvmlBackend:
     def __init__(self, pynvml: Any) -> None:
         self._nv = pynvml
         self._xid_uuids: dict[Any, str] = {}  # registered device handle -> UUID, to name an event's GPU
+        # nvmlDeviceGetMemoryInfo_v2 where pynvml and the driver have it (see memory()).
+        self._memory_v2 = getattr(pynvml, "nvmlMemory_v2", None)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -240,6 +242,17 @@ class PynvmlBackend:
         return self._call(self._nv.nvmlDeviceGetDecoderUtilization, handle)[0] / 100.0
 
     def memory(self, handle: Any) -> tuple[int, int]:
+        """(used, total) bytes. Used as nvidia-smi shows it: the v2 reading, without the memory the
+        driver reserves for itself (about 600 MiB on an H200, which the v1 reading counts as used);
+        the v1 reading on drivers or pynvml releases without v2."""
+        if self._memory_v2 is not None:
+            try:
+                info = self._call(self._nv.nvmlDeviceGetMemoryInfo, handle, self._memory_v2)
+                return int(info.used), int(info.total)
+            except GpuError:
+                info = self._call(self._nv.nvmlDeviceGetMemoryInfo, handle)  # a lost GPU raises here too
+                self._memory_v2 = None  # v1 answered where v2 did not: this driver has no v2
+                return int(info.used), int(info.total)
         info = self._call(self._nv.nvmlDeviceGetMemoryInfo, handle)
         return int(info.used), int(info.total)
 
