@@ -264,7 +264,7 @@ class FakeSmi:
 
     def query(self, fields: list[str]) -> dict[str, dict[str, float | None]]:
         nv, handle = self._nv, "handle0"
-        memory = nv.nvmlDeviceGetMemoryInfo(handle)
+        memory = nv.nvmlDeviceGetMemoryInfo(handle, nv.nvmlMemory_v2)  # what nvidia-smi reads
         utilization = nv.nvmlDeviceGetUtilizationRates(handle)
         remapped = nv.nvmlDeviceGetRemappedRows(handle)
         known = {
@@ -318,11 +318,12 @@ def pick(found: list[tuple[str, dict[str, Any], float]], name: str, uuid: str, *
 
 
 class Counting:
-    """An NVML backend that counts the calls made through it, by method."""
+    """An NVML backend that counts the calls made through it, and their time, by method."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         self.calls: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._backend, name)
@@ -331,7 +332,11 @@ class Counting:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
-            return attribute(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
 
         return call
 
@@ -631,12 +636,18 @@ def stage_fields(ctx: Context, stage: dict[str, Any]) -> str:
 
 
 def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
+    """Copy a known number of bytes each way for about a second; read the byte counters right after,
+    and again 0.25 s, 1 s and 3 s later (a counter the driver updates in arrears catches up), with
+    the driver's own throughput figure (nvmlDeviceGetPcieThroughput, KB/s over 20 ms) sampled
+    during the copy."""
+    import pynvml
+
     from openlora_otel.hardware.nvml import FI
 
     torch = ctx.torch
     backend = ctx.backend()
     size = 1024 * MIB
-    rounds = 4
+    rounds = 48
     try:
         handle = backend.handle(0)
         host = torch.empty(size, dtype=torch.uint8).pin_memory()
@@ -645,7 +656,21 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
         results = {}
         for direction in ("host_to_device", "device_to_host"):
             torch.cuda.synchronize()
+            time.sleep(1)
             before = backend.field_values(handle, ids)
+            rates: dict[str, list[float]] = {"tx": [], "rx": []}
+            copying = threading.Event()
+            copying.set()
+
+            def sample(rates: dict[str, list[float]] = rates, copying: threading.Event = copying) -> None:
+                while copying.is_set():
+                    with contextlib.suppress(Exception):
+                        for key, counter in (("tx", pynvml.NVML_PCIE_UTIL_TX_BYTES), ("rx", pynvml.NVML_PCIE_UTIL_RX_BYTES)):
+                            rates[key].append(pynvml.nvmlDeviceGetPcieThroughput(handle, counter) * 1024 / 1e9)
+                    time.sleep(0.05)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
             started = time.perf_counter()
             for _ in range(rounds):
                 if direction == "host_to_device":
@@ -654,26 +679,37 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                     host.copy_(device, non_blocking=True)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - started
-            after = backend.field_values(handle, ids)
-            deltas = {
-                name: (None if b[1] is None or a[1] is None else a[1] - b[1])
-                for name, b, a in zip(("tx", "rx"), before, after, strict=True)
-            }
+            copying.clear()
+            sampler.join(5)
+            copied = size * rounds
+            reads = {}
+            for delay in (0.0, 0.25, 1.0, 3.0):
+                time.sleep(max(0.0, started + seconds + delay - time.perf_counter()))
+                after = backend.field_values(handle, ids)
+                reads[f"+{delay:g} s"] = {
+                    name: (None if b[1] is None or a[1] is None else round((a[1] - b[1]) / copied, 4))
+                    for name, b, a in zip(("tx", "rx"), before, after, strict=True)
+                }
             results[direction] = {
-                "bytes copied": size * rounds,
-                "GB/s": round(size * rounds / seconds / 1e9, 2),
-                "counter deltas (tx, rx)": deltas,
-                "ratio to bytes copied (tx, rx)": {
-                    k: (None if v is None else round(v / (size * rounds), 4)) for k, v in deltas.items()
-                },
-                "status before/after": (before, after),
+                "bytes copied": copied,
+                "seconds": round(seconds, 3),
+                "GB/s (copied / time)": round(copied / seconds / 1e9, 2),
+                "driver throughput GB/s during the copy (max tx, max rx)": (
+                    round(max(rates["tx"], default=0), 2),
+                    round(max(rates["rx"], default=0), 2),
+                ),
+                "counter delta / bytes copied (tx, rx), read after the copy at": reads,
+                "raw before": before,
             }
     finally:
         backend.shutdown()
     stage["details"] = results
-    h2d = results["host_to_device"]["ratio to bytes copied (tx, rx)"]
-    d2h = results["device_to_host"]["ratio to bytes copied (tx, rx)"]
-    return f"host->device: rx/copied {h2d['rx']}, tx/copied {h2d['tx']}; device->host: tx/copied {d2h['tx']}, rx/copied {d2h['rx']}"
+    h2d = results["host_to_device"]["counter delta / bytes copied (tx, rx), read after the copy at"]["+3 s"]
+    d2h = results["device_to_host"]["counter delta / bytes copied (tx, rx), read after the copy at"]["+3 s"]
+    return (
+        f"3 s after copying {size * rounds / 2**30:.0f} GiB each way, counter delta / bytes copied: "
+        f"host->device rx {h2d['rx']} (tx {h2d['tx']}), device->host tx {d2h['tx']} (rx {d2h['rx']})"
+    )
 
 
 def stage_snapshot(ctx: Context, stage: dict[str, Any]) -> str:
@@ -686,6 +722,7 @@ def stage_snapshot(ctx: Context, stage: dict[str, Any]) -> str:
         collector.snapshot()  # discovery, XID registration, the link maximum
         times, calls = [], []
         per_call: Counter[str] = Counter()
+        backend.seconds.clear()
         for _ in range(count):
             backend.calls.clear()
             started = time.perf_counter()
@@ -704,6 +741,9 @@ def stage_snapshot(ctx: Context, stage: dict[str, Any]) -> str:
         "values per snapshot": values,
         "NVML calls per snapshot (median)": statistics.median(calls),
         "calls per snapshot by method": {k: round(v / count, 2) for k, v in sorted(per_call.items())},
+        "ms per snapshot by method (mean)": {
+            k: round(1000 * v / count, 3) for k, v in sorted(backend.seconds.items(), key=lambda kv: -kv[1])
+        },
         "ms p50": round(1000 * times[len(times) // 2], 3),
         "ms p99": round(1000 * times[min(len(times) - 1, int(len(times) * 0.99))], 3),
         "ms max": round(1000 * times[-1], 3),
@@ -771,8 +811,9 @@ def child_demo_sync(out: Path, device: str, steps: int) -> None:
                 inside = path.split("/openlora_otel/", 1)[1]
                 where = f"openlora_otel/{inside}:{frame.lineno} ({frame.name})"
                 return ("demo" if inside.startswith(("demo/", "inference/")) else "telemetry"), where
-        last = stack[-1] if stack else None
-        where = f"{last.filename}:{last.lineno}" if last else "?"
+        frames = [f for f in stack if not f.filename.endswith("warnings.py")]
+        last = frames[-1] if frames else None
+        where = f"{last.filename}:{last.lineno} ({last.name}) on thread {thread}" if last else f"? on thread {thread}"
         return ("telemetry" if thread == collecting else "other"), where
 
     original = warnings.showwarning
@@ -875,7 +916,7 @@ def stage_demo_speed(ctx: Context, stage: dict[str, Any]) -> str:
 
 
 def stage_serve_speed(ctx: Context, stage: dict[str, Any]) -> str:
-    pairs, seconds, warmup = (1, 2, 1) if ctx.dry else (2, 10, 2)
+    pairs, seconds, warmup = (1, 2, 1) if ctx.dry else (ctx.args.serve_pairs, ctx.args.serve_seconds, 2)
     done = _run(
         [
             sys.executable, "benchmarks/bench_serve_overhead.py", "--pairs", str(pairs), "--seconds", str(seconds),
@@ -915,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--snapshots", type=int, default=300, help="timed snapshots (default %(default)s)")
     parser.add_argument("--pairs", type=int, default=3, help="demo on/off pairs (default %(default)s)")
+    parser.add_argument("--serve-pairs", type=int, default=2, help="serve on/off pairs (default %(default)s)")
+    parser.add_argument(
+        "--serve-seconds", type=float, default=10, help="counted seconds per serve side (default %(default)s)"
+    )
     parser.add_argument("--budget-s", type=float, default=480, help="no stage starts after this (default %(default)s)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)

@@ -21,7 +21,7 @@ import gpu_check  # noqa: E402
 @pytest.fixture
 def dry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> gpu_check.Context:
     monkeypatch.delitem(sys.modules, "pynvml", raising=False)  # the dry run puts the fake there
-    return gpu_check.Context(gpu_check.argparse.Namespace(dry_run=True, out=tmp_path, snapshots=10, pairs=1))
+    return gpu_check.Context(gpu_check.argparse.Namespace(dry_run=True, out=tmp_path, snapshots=10, pairs=1, serve_pairs=1, serve_seconds=2))
 
 
 def test_the_dry_run_runs_every_stage_that_needs_no_hardware(tmp_path: Path) -> None:
