@@ -288,6 +288,9 @@ class Telemetry:
             if self._training is not None:
                 # No record after this point: the final collection below holds every accepted step.
                 self._training.close()
+                # The guard's thread ends now, not during interpreter exit (bounded: a check gives up
+                # its read-back at once on close).
+                self._training.join_guard(min(0.5, timeout * 0.25))
             # Keep a slice of the bound for closing the endpoint and joining its threads.
             reserve = min(0.25, timeout * 0.2)
             flush_first = self._will_wait_for_final_scrape() and self._config.enabled_exporters != (

@@ -167,3 +167,21 @@ def test_guard_check_with_a_read_back_slower_than_the_poll(monkeypatch) -> None:
         assert tripped.wait(5), "5 NaN losses, check interval 0.05 s, read-back 0.3 s: no trip in 5 s"
     finally:
         telemetry.shutdown()
+
+
+def test_a_guard_check_waiting_on_the_device_is_gone_when_shutdown_returns(monkeypatch) -> None:
+    """A check in the middle of a read-back (the device far behind the host) used to go on polling
+    for up to 5 s after shutdown, a daemon thread touching the device while the interpreter exits
+    (CUDA may be going away then). close() stops its wait; shutdown() joins the thread, bounded."""
+    import time
+
+    started = threading.Event()
+    monkeypatch.setattr(training_module._HostRead, "ready", lambda self: started.set() or False)  # never lands
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    telemetry.training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05))
+    telemetry.training.record_step(loss=torch.tensor(1.0))
+    assert started.wait(5), "the guard's check never started a read-back"
+    began = time.monotonic()
+    telemetry.shutdown()
+    assert time.monotonic() - began < 1.5
+    assert not [t for t in threading.enumerate() if t.name == "openlora-otel-guard" and t.is_alive()]

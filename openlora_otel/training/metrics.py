@@ -343,6 +343,7 @@ class TrainingMetrics:
         self._guard: DivergenceGuard | None = None
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
         self._guard_stop = threading.Event()
+        self._guard_thread: threading.Thread | None = None
         self._steps_recorded = 0  # for Trip.steps: committed windows' steps
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
@@ -671,9 +672,10 @@ class TrainingMetrics:
             lambda: self._steps_recorded + self._window.steps,
         )
         if not self._closed:
-            threading.Thread(
+            self._guard_thread = threading.Thread(
                 target=self._guard_loop, args=(guard,), name="openlora-otel-guard", daemon=True
-            ).start()
+            )
+            self._guard_thread.start()
         return guard
 
     def _guard_loop(self, guard: DivergenceGuard) -> None:
@@ -701,7 +703,9 @@ class TrainingMetrics:
             waiting: list[tuple[str, list[Any]]] = []
             # This thread has nothing else to do: it waits for a device that runs far behind
             # the host as long as the window lasts, rather than giving up and starting over.
-            for _, folded in _poll_readbacks([("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S):
+            for _, folded in _poll_readbacks(
+                [("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S, stop=self._guard_stop
+            ):
                 loss.merge(folded)
             if failed or waiting:
                 return  # not readable yet: the next check or the collection sees it
@@ -726,6 +730,17 @@ class TrainingMetrics:
         # or is ignored. Both are fine.
         self._closed = True
         self._guard_stop.set()
+
+    def join_guard(self, timeout_s: float) -> bool:
+        """After :meth:`close`, wait (at most ``timeout_s``) for the guard's check thread to end;
+        True when none is left running. A check in the middle of reading the device back gives up
+        at once on close, so the thread never touches the device after the shutdown (at
+        interpreter exit CUDA may already be going away)."""
+        thread = self._guard_thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
 
     # -- collection ---------------------------------------------------------------
     @property
@@ -1187,10 +1202,12 @@ def _poll_readbacks(
     carry: list[tuple[str, list[Any]]],
     on_failure: Any = None,
     wait_s: float | None = None,
+    stop: threading.Event | None = None,
 ) -> list[tuple[str, _Folded]]:
     """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
 
-    A read-back that raises is dropped alone (``on_failure(label)`` is called).
+    A read-back that raises is dropped alone (``on_failure(label)`` is called). The wait ends
+    early when ``stop`` is set.
     """
     deadline = time.monotonic() + (_READBACK_WAIT_S if wait_s is None else wait_s)
     ready: list[tuple[str, _Folded]] = []
@@ -1198,7 +1215,7 @@ def _poll_readbacks(
         waiting = []
         for handle in handles:
             try:
-                while not handle.ready() and time.monotonic() < deadline:
+                while not handle.ready() and time.monotonic() < deadline and not (stop and stop.is_set()):
                     time.sleep(0.001)
                 if handle.ready():
                     ready.append((label, _Folded.from_values(handle.values())))
