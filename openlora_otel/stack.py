@@ -7,9 +7,12 @@ endpoints (``localhost:PORT`` .. ``PORT+N-1``, or the targets the ranks register
 ``OPENLORA_PROMETHEUS_FILE_SD_DIR``), loads the alerting rules shipped in this package and sends
 alerts to a local Alertmanager, and an ``alertmanager.yml`` with the routes of
 ``collector/alertmanager.yml`` and a webhook receiver. It prints the two command lines; with
-``--start`` it runs both on 127.0.0.1 until Ctrl-C or SIGTERM and stops them cleanly. Unless
-``--webhook`` names a receiver of your own, ``--start`` also runs a small one that prints every
-notification, so a NaN alert shows up in the terminal with the run's name and id.
+``--start`` it runs both on 127.0.0.1 until Ctrl-C or SIGTERM and stops them cleanly; it says
+they run once Prometheus scrapes the targets, not when it first answers ``/-/ready`` (a
+Prometheus 2 applies its targets on a 5 s tick after that, and a short run started in between
+would never be scraped). Unless ``--webhook`` names a receiver of your own, ``--start`` also runs a
+small one that prints every notification, so a NaN alert shows up in the terminal with the run's
+name and id.
 """
 
 from __future__ import annotations
@@ -310,6 +313,28 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _scraping(plan: StackPlan) -> bool:
+    """Whether Prometheus scrapes every target of the plan (a file_sd directory: nothing to wait for).
+
+    ``/-/ready`` comes first: Prometheus 2 hands its targets to the scrape loops on a 5 s tick after
+    start, so for about 5 s a ready Prometheus scrapes nothing. A target listed as active in
+    ``/api/v1/targets`` has its loop running and is scraped within one scrape interval.
+    """
+    if plan.file_sd_dir:
+        return True
+    url = f"http://{LOOPBACK}:{plan.prometheus_port}/api/v1/targets?state=active"
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            active = json.load(response)["data"]["activeTargets"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    try:
+        scraped = {t["labels"]["instance"] for t in active if t.get("scrapePool") == "openlora"}
+    except (KeyError, TypeError):
+        return False
+    return scraped.issuperset(plan.targets)
+
+
 def _tail(path: Path, size: int = 2000) -> str:
     try:
         return path.read_text(errors="replace")[-size:]
@@ -412,6 +437,20 @@ def _start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
                 print(
                     f"openlora-otel stack: {names} not ready in {READY_TIMEOUT_S:.0f} s; see the log in "
                     f"{plan.directory}",
+                    file=err,
+                )
+                return 1
+            stop.wait(0.2)
+        # Ready is not yet scraping (see _scraping): a run started at the line below and over
+        # within Prometheus's first seconds would otherwise never be scraped.
+        while not stop.is_set() and not _scraping(plan):
+            for server in servers:
+                if server.exited():
+                    return _died(server, err)
+            if time.monotonic() > deadline:
+                print(
+                    f"openlora-otel stack: Prometheus does not scrape {plan.scraped} after "
+                    f"{READY_TIMEOUT_S:.0f} s; see the log in {plan.directory}",
                     file=err,
                 )
                 return 1

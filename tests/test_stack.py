@@ -13,9 +13,11 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -218,6 +220,134 @@ def test_start_without_the_binaries_says_what_to_install(
     assert "apt-get install prometheus-alertmanager" in err
     assert (tmp_path / "stack" / "prometheus.yml").exists()  # written: the commands above still apply
     assert "prometheus --config.file=" in out
+
+
+class _FakePrometheusApi:
+    """``/-/ready`` at once, and ``/api/v1/targets`` listing ``target`` only once ``listed`` is set:
+    what Prometheus 2 does in its first 5 s (ready, but its targets not yet handed to a scrape loop)."""
+
+    def __init__(self, target: str) -> None:
+        self.listed = threading.Event()
+        self.target_queries = 0
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/api/v1/targets"):
+                    api.target_queries += 1
+                    listed = [{"scrapePool": "openlora", "labels": {"instance": target}, "health": "unknown"}]
+                    active = listed if api.listed.is_set() else []
+                    body = json.dumps({"status": "success", "data": {"activeTargets": active}})
+                else:
+                    body = "Prometheus Server is Ready.\n"
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(2)]
+        self.ports = [server.server_address[1] for server in self.servers]
+        for server in self.servers:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def fake_servers(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``_start`` with stand-ins for the two binaries: nothing is spawned; setting ``exited`` ends it."""
+    started: list = []
+
+    class FakeServer:
+        exited_flag = False
+
+        def __init__(self, name: str, argv: list[str], ready_url: str, log: Path) -> None:
+            self.name, self.ready_url, self.log = name, ready_url, log
+            self.process = argparse.Namespace(returncode=0)
+            started.append(self)
+
+        def exited(self) -> bool:
+            return FakeServer.exited_flag
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(stack, "_Server", FakeServer)
+    monkeypatch.setattr(stack, "find_binary", lambda names: "/nonexistent/" + names[0])
+    return started
+
+
+def test_start_says_it_runs_only_once_prometheus_scrapes_the_targets(
+    tmp_path: Path, fake_servers: list
+) -> None:
+    """Prometheus 2 answers /-/ready about 5 s before it scrapes its static targets: a run started at
+    the ready line and over by then (the NaN demo, 2 s) was never scraped, and its alerts never fired."""
+    api = _FakePrometheusApi("localhost:9464")
+    plan = stack.StackPlan(
+        tmp_path,
+        targets=("localhost:9464",),
+        webhook_url="http://127.0.0.1:9/alerts",
+        builtin_receiver=False,
+        prometheus_port=api.ports[0],
+        alertmanager_port=api.ports[1],
+    )
+    out, err = io.StringIO(), io.StringIO()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(stack._start(plan, err, out)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while api.target_queries < 3 and "Ctrl-C" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Ctrl-C stops both" not in out.getvalue()  # not while the target is not scraped
+        assert api.target_queries >= 3, err.getvalue()  # both ready: it asks what Prometheus scrapes
+        api.listed.set()
+        while "Ctrl-C stops both" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "Ctrl-C stops both" in out.getvalue()
+    finally:
+        type(fake_servers[0]).exited_flag = True
+        thread.join(10)
+        api.close()
+    assert result == [1]  # ended by the fake servers "exiting"
+
+
+def test_start_fails_when_prometheus_never_scrapes_the_targets(
+    tmp_path: Path, fake_servers: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stack, "READY_TIMEOUT_S", 1.0)
+    api = _FakePrometheusApi("localhost:9464")
+    plan = stack.StackPlan(
+        tmp_path,
+        targets=("localhost:9464", "localhost:9465"),  # the second one is never listed
+        webhook_url="http://127.0.0.1:9/alerts",
+        builtin_receiver=False,
+        prometheus_port=api.ports[0],
+        alertmanager_port=api.ports[1],
+    )
+    api.listed.set()
+    out, err = io.StringIO(), io.StringIO()
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(stack._start(plan, err, out)), daemon=True)
+    thread.start()
+    thread.join(10)
+    type(fake_servers[0]).exited_flag = True  # ends it, had it gone on to run
+    thread.join(10)
+    api.close()
+    assert result == [1]
+    assert "Prometheus does not scrape localhost:9464, localhost:9465 after 1 s" in err.getvalue()
+    assert "Ctrl-C stops both" not in out.getvalue()
+
+
+def test_a_file_sd_stack_has_no_targets_to_wait_for(tmp_path: Path) -> None:
+    # The ranks register themselves whenever they start; nothing is listening on this port.
+    plan = stack.StackPlan(tmp_path, file_sd_dir=str(tmp_path / "sd"), prometheus_port=free_port())
+    assert stack._scraping(plan)
 
 
 def test_the_alert_printer_shows_each_alert_with_its_run() -> None:
