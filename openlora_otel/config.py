@@ -323,6 +323,11 @@ VARIABLES: tuple[Variable, ...] = (
         + "; 0 turns the wait off.",
     ),
     Variable(
+        "OPENLORA_PROMETHEUS_EXPECT_SCRAPE",
+        "false",
+        "`true`: a Prometheus is known to scrape this endpoint, so `shutdown()` also waits (up to `OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`) for a scrape when none came yet: a run shorter than one scrape interval still reaches Prometheus. `false`: a run never scraped ends at once (nothing may be watching).",
+    ),
+    Variable(
         "OPENLORA_HANDLE_SIGTERM",
         "true",
         "`true`: on SIGTERM (when the application has no SIGTERM handler of its own) do the bounded final export, then exit with status 143; `false`: leave SIGTERM alone.",
@@ -457,6 +462,7 @@ class TelemetryConfig:
     host_metrics_excluded: tuple[str, ...] = ()
     prometheus_port_explicit: bool = True
     final_scrape_timeout_s: float = 15.0
+    expect_scrape: bool = False
     handle_sigterm: bool = True
     quiet: bool = False
     file_sd_dir: str | None = None
@@ -628,6 +634,7 @@ class TelemetryConfig:
             host_metrics_excluded=_excluded_metrics(env),
             prometheus_port_explicit=bool(env.get("OTEL_EXPORTER_PROMETHEUS_PORT")),
             final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
+            expect_scrape=env.boolean("OPENLORA_PROMETHEUS_EXPECT_SCRAPE"),
             handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
             quiet=env.boolean("OPENLORA_QUIET"),
             file_sd_dir=_file_sd_dir(env),

@@ -462,6 +462,7 @@ def _start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
             f"Prometheus   http://{LOOPBACK}:{plan.prometheus_port}  (log {servers[1].log})\n"
             f"Alertmanager http://{LOOPBACK}:{plan.alertmanager_port}  (log {servers[0].log})\n"
             f"alerts: {alerts}\n"
+            "runs shorter than a scrape interval: OPENLORA_PROMETHEUS_EXPECT_SCRAPE=true makes them wait for it\n"
             "Ctrl-C stops both.",
             file=out,
             flush=True,

@@ -261,10 +261,11 @@ class Telemetry:
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Final collect and export, then stop every reader and the pull endpoint.
 
-        When the pull endpoint has been scraped, it first waits for one more
-        scrape so the run's final values reach Prometheus (at most
-        ``OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT``, and about 1.5 observed scrape
-        intervals). The rest returns within ``timeout_s`` (default
+        When the pull endpoint has been scraped (or, with
+        ``OPENLORA_PROMETHEUS_EXPECT_SCRAPE=true``, even when it has not been yet), it
+        first waits for one more scrape so the run's final values reach Prometheus (at
+        most ``OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT``, and about 1.5 observed scrape
+        intervals once two scrapes were seen). The rest returns within ``timeout_s`` (default
         ``OPENLORA_SHUTDOWN_TIMEOUT``) even when the OTLP endpoint hangs; True when
         everything finished in time. Idempotent and safe from any thread: a call
         while another thread is shutting down waits for it (within its own
@@ -324,7 +325,11 @@ class Telemetry:
 
     def _will_wait_for_final_scrape(self) -> bool:
         endpoint = self._prometheus
-        return endpoint is not None and self._config.final_scrape_timeout_s > 0 and endpoint.scrapes > 0
+        return (
+            endpoint is not None
+            and self._config.final_scrape_timeout_s > 0
+            and (endpoint.scrapes > 0 or self._config.expect_scrape)
+        )
 
     def _wait_for_final_scrape(self) -> None:
         """Serve until the scraper that has been scraping us collected once more (bounded)."""

@@ -371,6 +371,8 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
             env=child_env(
                 OPENLORA_RUN_ID=run_id,
                 OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+                # As the README's example: the run may be over before the first scrape.
+                OPENLORA_PROMETHEUS_EXPECT_SCRAPE="true",
                 OMP_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT),
             ),

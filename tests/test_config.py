@@ -184,6 +184,7 @@ INVALID = [
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "-1", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", "1e9", "milliseconds from 0 to 600000 (10 min)"),
     ("OPENLORA_HANDLE_SIGTERM", "no", "`true` or `false`"),
+    ("OPENLORA_PROMETHEUS_EXPECT_SCRAPE", "yes please", "`true` or `false`"),
     ("OPENLORA_PROMETHEUS_FILE_SD_DIR", "/dev/null", "a directory, or a path where one can be created"),
     ("OPENLORA_PEAK_FLOPS", "fast", "a number of FLOP/s from 1 to 1e21"),
     ("OPENLORA_PEAK_FLOPS", "0", "a number of FLOP/s from 1 to 1e21"),

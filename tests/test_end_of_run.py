@@ -88,6 +88,47 @@ def test_a_run_never_scraped_does_not_wait() -> None:
     assert time.monotonic() - started < 1.0  # the default wait is 15 s: not taken
 
 
+def test_a_run_shorter_than_a_scrape_interval_waits_for_its_first_scrape_when_one_is_expected() -> None:
+    """OPENLORA_PROMETHEUS_EXPECT_SCRAPE=true: a run that ends before Prometheus's first scrape (a run
+    that diverges at once, a scrape interval longer than the run) still gets its values scraped."""
+    config = TelemetryConfig.from_env(
+        {
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(free_port()),
+            "OPENLORA_HANDLE_SIGTERM": "false",
+            "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true",
+        }
+    )
+    assert config.expect_scrape
+    telemetry = setup_telemetry(config=config)
+    assert telemetry.prometheus_url is not None
+    for _ in range(7):
+        telemetry.training.record_step(loss=1.0, tokens=10)
+    scraped: list[str] = []
+    scraper = threading.Timer(0.8, lambda: scraped.append(_scrape(telemetry.prometheus_url)))
+    scraper.start()
+    started = time.monotonic()
+    assert telemetry.shutdown()
+    waited = time.monotonic() - started
+    scraper.join(5)
+    assert 0.7 < waited < 5.0, waited  # until the scrape came, not the 15 s bound
+    assert re.search(r"^openlora_training_steps_total(\{[^}]*\})? 7\.0$", scraped[0], re.MULTILINE), scraped[0]
+
+
+def test_an_expected_scrape_that_never_comes_is_waited_for_within_the_bound() -> None:
+    config = TelemetryConfig(
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        handle_sigterm=False,
+        expect_scrape=True,
+        final_scrape_timeout_s=0.5,
+    )
+    telemetry = setup_telemetry(config=config)
+    started = time.monotonic()
+    telemetry.shutdown()
+    assert 0.4 < time.monotonic() - started < 2.0
+
+
 # What Prometheus sends; a plain GET (curl, a browser) does not count as a scrape.
 SCRAPER = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
 
