@@ -391,6 +391,8 @@ class OTLPConfig:
     client_certificate: str | None = None
     temporality: Literal["cumulative", "delta", "lowmemory"] = "cumulative"
     endpoint_variable: str = "OTEL_EXPORTER_OTLP_ENDPOINT"
+    # False when neither endpoint variable was set and the protocol's default is used.
+    endpoint_set: bool = True
 
     def __post_init__(self) -> None:
         # The same rules as from_env, for configs built in code: a bad value fails
@@ -981,6 +983,7 @@ def _read_otlp(env: _Env) -> OTLPConfig:
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
     per_signal = endpoint_variable == "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" and bool(endpoint)
+    endpoint_set = bool(endpoint)
     insecure = env.boolean("OTEL_EXPORTER_OTLP_METRICS_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
 
     if resolved_protocol == "http/protobuf":
@@ -1057,6 +1060,7 @@ def _read_otlp(env: _Env) -> OTLPConfig:
         client_certificate=files["client_certificate"],
         temporality=temporality,  # type: ignore[arg-type]
         endpoint_variable=endpoint_variable,
+        endpoint_set=endpoint_set,
     )
 
 

@@ -85,7 +85,12 @@ def describe_config(config: TelemetryConfig) -> list[str]:
         f"resource attributes: {dict(config.resource_attributes) or '{}'}",
         f"exporters:           {','.join(config.exporters)}",
         f"prometheus endpoint: {config.prometheus_host}:{config.prometheus_port}",
-        f"otlp endpoint:       {otlp.redacted_endpoint()} ({otlp.protocol}, from {otlp.endpoint_variable})",
+        f"otlp endpoint:       {otlp.redacted_endpoint()} ({otlp.protocol}, "
+        + (
+            f"from {otlp.endpoint_variable})"
+            if otlp.endpoint_set
+            else "the default: OTEL_EXPORTER_OTLP_METRICS_ENDPOINT and OTEL_EXPORTER_OTLP_ENDPOINT are unset)"
+        ),
         f"otlp headers:        {dict(otlp.redacted_headers()) or '{}'}",
         f"otlp timeout:        {otlp.timeout_s:g} s, compression {otlp.compression}, "
         f"temporality {otlp.temporality}",

@@ -143,3 +143,18 @@ def test_gpu_check_with_and_without_nvml(monkeypatch) -> None:
     )
     code, text = doctor({"OTEL_METRICS_EXPORTER": "none"})  # auto: information, not a failure
     assert code == 0 and "[info] gpu metrics: NVML does not start" in text
+
+
+def test_the_otlp_endpoint_says_where_it_came_from() -> None:
+    base = {"OTEL_METRICS_EXPORTER": "none"}
+    _, text = doctor(base)
+    assert (
+        "otlp endpoint:       http://localhost:4318/v1/metrics (http/protobuf, the default: "
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT and OTEL_EXPORTER_OTLP_ENDPOINT are unset)" in text
+    )
+    _, text = doctor({**base, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert "(grpc, the default: " in text
+    _, text = doctor({**base, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert "(http/protobuf, from OTEL_EXPORTER_OTLP_ENDPOINT)" in text
+    _, text = doctor({**base, "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://collector:4318/v1/metrics"})
+    assert "(http/protobuf, from OTEL_EXPORTER_OTLP_METRICS_ENDPOINT)" in text
