@@ -325,11 +325,13 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     where = _where(telemetry)
     if not options.quiet:
         print(f"metrics: {where}", file=sys.stderr)
-        print(
-            "full stack (collector, Prometheus, Grafana): cd collector && "
-            "GRAFANA_ADMIN_PASSWORD=... docker compose up -d, then open http://localhost:3000 (see the README)",
-            file=sys.stderr,
-        )
+        if telemetry.enabled and {"prometheus", "otlp"} & set(config.enabled_exporters):
+            # Only where a stack could see them: not for `none`, the console or a history file alone.
+            print(
+                "full stack (collector, Prometheus, Grafana): cd collector && "
+                "GRAFANA_ADMIN_PASSWORD=... docker compose up -d, then open http://localhost:3000 (see the README)",
+                file=sys.stderr,
+            )
     try:
         result = run_demo(options, telemetry, where=where)
     finally:

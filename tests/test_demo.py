@@ -391,3 +391,19 @@ def test_the_demo_reports_model_flops_and_mfu_with_a_configured_peak(
     achieved = value(data, "openlora.training.throughput.flops")
     assert achieved == pytest.approx(value(data, "openlora.training.throughput.tokens") * 3_448_832)
     assert value(data, "openlora.training.model_flops.utilization") == pytest.approx(achieved / 1e12)
+
+
+@pytest.mark.parametrize(
+    ("environ", "hint"),
+    [
+        ({"OTEL_METRICS_EXPORTER": "none"}, False),
+        ({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": "0"}, True),
+        ({"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_SDK_DISABLED": "true"}, False),
+    ],
+)
+def test_the_docker_compose_hint_only_where_a_stack_could_see_the_metrics(monkeypatch, capsys, environ, hint) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+    assert main(["demo", "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--device", "cpu"]) == 0
+    assert ("docker compose up" in capsys.readouterr().err) is hint
