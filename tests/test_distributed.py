@@ -44,8 +44,11 @@ except ValueError as error:  # ConfigError; exit 0 so that torchrun's exit barri
     sys.exit(0)
 for _ in range(int(os.environ.get("STEPS", "0"))):
     telemetry.training.record_step(loss=1.0, tokens=5)
-print("REPORT " + json.dumps({"rank": os.environ.get("RANK"), "run_id": telemetry.run_id,
-                             "url": telemetry.prometheus_url}), flush=True)
+# One write() of the whole line: the ranks share torchrun's stdout, and print() may write the text
+# and its newline apart, so that another rank's line lands between them.
+sys.stdout.flush()
+os.write(1, ("REPORT " + json.dumps({"rank": os.environ.get("RANK"), "run_id": telemetry.run_id,
+                                     "url": telemetry.prometheus_url}) + "\n").encode())
 stop = os.environ.get("STOP_FILE")
 deadline = time.monotonic() + float(os.environ.get("HOLD_S", "0"))
 while time.monotonic() < deadline and not (stop and Path(stop).exists()):
@@ -60,10 +63,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _reports(output: str) -> list[dict]:
-    return sorted(
-        (json.loads(line.split("REPORT ", 1)[1]) for line in output.splitlines() if "REPORT " in line),
-        key=lambda report: int(report["rank"]),
-    )
+    """Every rank's REPORT object, wherever the shared stdout put it (two once ran together on a line)."""
+    decoder = json.JSONDecoder()
+    found = [decoder.raw_decode(part)[0] for part in output.split("REPORT ")[1:]]
+    return sorted(found, key=lambda report: int(report["rank"]))
 
 
 def _launch(arguments: list[str], script: Path, env: dict[str, str]) -> subprocess.Popen[str]:
