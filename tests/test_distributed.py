@@ -48,7 +48,7 @@ for _ in range(int(os.environ.get("STEPS", "0"))):
 # and its newline apart, so that another rank's line lands between them.
 sys.stdout.flush()
 os.write(1, ("REPORT " + json.dumps({"rank": os.environ.get("RANK"), "run_id": telemetry.run_id,
-                                     "url": telemetry.prometheus_url}) + "\n").encode())
+                                     "url": telemetry.prometheus_url}) + "\\n").encode())
 stop = os.environ.get("STOP_FILE")
 deadline = time.monotonic() + float(os.environ.get("HOLD_S", "0"))
 while time.monotonic() < deadline and not (stop and Path(stop).exists()):
