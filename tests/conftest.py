@@ -32,6 +32,61 @@ _TORCHRUN = (
 )
 
 
+# -- tiers -------------------------------------------------------------------------------------
+# `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, Chromium).
+# `process`: it starts any other child process (the demo, serve, torchrun, a fresh interpreter,
+# promtool, amtool). What is left is the fast tier, in-process only: pytest -m "not e2e and not process".
+# The marks hold: a test (or a fixture it uses) whose own code, or this package's, starts a process
+# without the mark it needs fails, naming the mark. Processes libraries start for themselves are not
+# counted.
+_SERVERS = frozenset(
+    {"prometheus", "prometheus-alertmanager", "alertmanager", "victoria-metrics", "vmalert", "chromium"}
+)
+_OURS = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
+    for part in ("tests", "benchmarks", "openlora_otel")
+)
+_running: list[pytest.Item | None] = [None]
+_popen_init = subprocess.Popen.__init__
+
+
+def _launcher() -> str | None:
+    """The file of the first frame outside subprocess.py that asked for a process, if it is ours."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == subprocess.__file__:
+        frame = frame.f_back
+    filename = os.path.abspath(frame.f_code.co_filename) if frame is not None else ""
+    return filename if filename.startswith(_OURS) else None
+
+
+def _checked_popen_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+    item = _running[0]
+    if item is not None and _launcher() is not None:
+        first = args[0] if isinstance(args, (list, tuple)) and args else args
+        program = os.path.basename(os.fspath(first)).split()[0] if first else ""
+        marks = {mark.name for mark in item.iter_markers()}
+        needed = "e2e" if program in _SERVERS else "process"
+        if needed not in marks and not (needed == "process" and "e2e" in marks):
+            raise RuntimeError(
+                f"{item.nodeid} starts {program!r} without the `{needed}` mark (tests/conftest.py, tiers)"
+            )
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _checked_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _running[0] = item
+    try:
+        yield
+    finally:
+        _running[0] = None
+
+
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts with no OTEL_*/OPENLORA_*/torchrun variable set."""

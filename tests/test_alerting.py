@@ -66,6 +66,7 @@ def alert_rules() -> list[dict]:
 # -- collector/alertmanager.yml ---------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_amtool_accepts_the_config_and_its_commented_receivers(tmp_path: Path) -> None:
     result = amtool("check-config", "collector/alertmanager.yml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -102,6 +103,7 @@ def _routed(*labels: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.process
 def test_every_alert_is_routed_by_its_severity_and_grouped_by_run() -> None:
     config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
     assert config["route"]["group_by"] == ["alertname", "openlora_run_id"]

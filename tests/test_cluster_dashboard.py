@@ -526,6 +526,7 @@ def test_rules_the_stores_load_define_every_contract_record() -> None:
     assert set(CONTRACT_RECORDS) <= records
 
 
+@pytest.mark.process
 def test_stand_in_rules_are_valid_for_promtool(tmp_path) -> None:
     import shutil
 

@@ -80,6 +80,7 @@ def test_demo_metrics_scraped_by_prometheus_then_sigterm(tmp_path) -> None:
     assert "Traceback" not in stderr
 
 
+@pytest.mark.process
 def test_sigint_mid_training_stops_at_the_next_step_and_flushes() -> None:
     receiver = HttpReceiver()
     env = {
@@ -289,6 +290,7 @@ group.close()
 """
 
 
+@pytest.mark.process
 def test_two_ranks_stop_together_and_time_their_own_work(tmp_path) -> None:
     script = tmp_path / "group.py"
     script.write_text(_GROUP_SCRIPT)
@@ -402,8 +404,8 @@ def test_the_demo_reports_model_flops_and_mfu_with_a_configured_peak(
     ],
 )
 def test_the_docker_compose_hint_only_where_a_stack_could_see_the_metrics(monkeypatch, capsys, environ, hint) -> None:
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
+    for name, setting in environ.items():
+        monkeypatch.setenv(name, setting)
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
     assert main(["demo", "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--device", "cpu"]) == 0
     assert ("docker compose up" in capsys.readouterr().err) is hint

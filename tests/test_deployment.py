@@ -48,12 +48,14 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 # -- promtool -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_promtool_check_config() -> None:
     result = promtool("check", "config", "collector/prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
 
 
+@pytest.mark.process
 def test_promtool_check_rules() -> None:
     result = promtool("check", "rules", "openlora_otel/rules/openlora.yml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -62,6 +64,7 @@ def test_promtool_check_rules() -> None:
 RULE_TESTS = sorted((ROOT / "tests" / "rules").glob("*.yml"))
 
 
+@pytest.mark.process
 def test_promtool_test_rules_fire_and_stay_quiet() -> None:
     assert {p.name for p in RULE_TESTS} >= {"openlora_test.yml", "healthy_setup_test.yml", "inference_test.yml"}
     result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in RULE_TESTS))

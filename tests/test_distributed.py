@@ -96,6 +96,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "form",
     ["standalone", "static", "c10d-with-rdzv-id"],
@@ -150,12 +151,14 @@ def _plain_ranks(script: Path, *, init_first: bool) -> tuple[list[dict], str]:
     return _reports("".join(out for out, _ in outputs)), "".join(err for _, err in outputs)
 
 
+@pytest.mark.process
 def test_plain_torch_distributed_ranks_share_the_run_id_of_the_process_group(script: Path) -> None:
     reports, err = _plain_ranks(script, init_first=True)
     assert [r["rank"] for r in reports] == ["0", "1"], err[-3000:]
     assert reports[0]["run_id"] == reports[1]["run_id"]
 
 
+@pytest.mark.process
 def test_a_rank_that_cannot_share_an_id_says_how_to(script: Path) -> None:
     reports, err = _plain_ranks(script, init_first=False)
     assert len(reports) == 2, err[-3000:]
@@ -224,6 +227,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.process
 def test_a_store_that_accepts_and_never_answers_does_not_hold_setup() -> None:
     # In a child: the process then ends with the agreeing thread still waiting in torch's
     # C++ code, which must not turn the exit into an abort.
@@ -356,6 +360,7 @@ class TCPStore:
 '''
 
 
+@pytest.mark.process
 def test_torch_is_imported_before_the_bounded_wait_not_inside_it(tmp_path: Path) -> None:
     """The store's bound covers only the store: an import running past it would be cut by the exit."""
     fake = tmp_path / "torch"

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from openlora_otel.cli import main, variables_markdown
 from openlora_otel.doctor import run_doctor
 from tests.conftest import free_port
@@ -108,6 +110,7 @@ def test_env_command_prints_the_table(capsys) -> None:
     assert capsys.readouterr().out.strip() == variables_markdown()
 
 
+@pytest.mark.process
 def test_module_entry_point_and_help() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "openlora_otel", "doctor", "--help"],

@@ -355,6 +355,7 @@ print("NOT KILLED", flush=True)
 """
 
 
+@pytest.mark.process
 def test_sigterm_exports_every_recorded_step_and_exits_143() -> None:
     receiver = HttpReceiver()
     try:
@@ -369,6 +370,7 @@ def test_sigterm_exports_every_recorded_step_and_exits_143() -> None:
         receiver.close()
 
 
+@pytest.mark.process
 def test_sigterm_handling_can_be_turned_off() -> None:
     receiver = HttpReceiver()
     try:
@@ -379,6 +381,7 @@ def test_sigterm_handling_can_be_turned_off() -> None:
         receiver.close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_an_application_sigterm_handler_keeps_working(when: str) -> None:
     handler = """
@@ -406,6 +409,7 @@ time.sleep(60)
         receiver.close()
 
 
+@pytest.mark.process
 def test_sigterm_reaches_a_main_thread_stuck_in_c_code() -> None:
     # A rank stuck in a collective never returns to Python; pbkdf2 with a huge
     # iteration count stands in for it (a C loop that releases the GIL and ignores signals).
@@ -428,6 +432,7 @@ print("NOT KILLED", flush=True)
         receiver.close()
 
 
+@pytest.mark.process
 def test_sigterm_while_recording_ends_the_run_within_the_bound() -> None:
     body = """
 telemetry = setup_telemetry()
@@ -448,6 +453,7 @@ while True:  # still recording when the signal comes
         receiver.close()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_sigterm_to_a_forked_worker_ends_only_the_worker() -> None:
     body = """
@@ -503,6 +509,7 @@ def test_shutdown_waits_for_a_shutdown_in_progress_on_another_thread() -> None:
         hanging.close()
 
 
+@pytest.mark.process
 def test_an_application_handler_that_calls_ours_keeps_control_of_the_exit() -> None:
     # Lightning's signal connector installs its handler after ours and calls the previous one.
     body = """
@@ -533,6 +540,7 @@ sys.exit(0)
         receiver.close()
 
 
+@pytest.mark.process
 def test_a_late_watcher_leaves_a_shutdown_the_application_began_alone() -> None:
     # The demo's pattern: its own handler during a wait, ours put back, then shutdown().
     # The watcher thread may get the GIL only after all that (seen on a loaded CI
@@ -575,6 +583,7 @@ sys.exit(5)
         receiver.close()
 
 
+@pytest.mark.process
 def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
     receiver = HttpReceiver()
     try:
@@ -585,6 +594,7 @@ def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
         receiver.close()
 
 
+@pytest.mark.process
 def test_shutdown_off_the_main_thread_leaves_no_stray_wakeup_writes(tmp_path: Path) -> None:
     # Closing the wakeup socket while it is still installed would let the C signal handler
     # write into whatever file gets that descriptor number next.
@@ -614,6 +624,7 @@ print("READY", flush=True)
         receiver.close()
 
 
+@pytest.mark.process
 def test_asyncio_keeps_its_signal_handling_after_shutdown() -> None:
     body = """
 import asyncio

@@ -355,6 +355,7 @@ def test_bad_arguments() -> None:
         training_flops_per_token(model, seq_len=True)
 
 
+@pytest.mark.process
 def test_importing_the_module_does_not_import_torch() -> None:
     code = "import sys, openlora_otel, openlora_otel.training.flops; sys.exit('torch' in sys.modules)"
     result = subprocess.run(

@@ -24,6 +24,7 @@ def dry(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> gpu_check.Context:
     return gpu_check.Context(gpu_check.argparse.Namespace(dry_run=True, out=tmp_path, snapshots=10, pairs=1, serve_pairs=1, serve_seconds=2))
 
 
+@pytest.mark.process
 def test_the_dry_run_runs_every_stage_that_needs_no_hardware(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("peft")

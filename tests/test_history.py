@@ -90,6 +90,7 @@ def _demo_env(directory: Path) -> dict[str, str]:
     )
 
 
+@pytest.mark.process
 def test_a_demo_run_leaves_otlp_json_lines_that_decode_into_the_proto(tmp_path: Path) -> None:
     directory = tmp_path / "history"
     result = subprocess.run(
@@ -143,6 +144,7 @@ def test_a_demo_run_leaves_otlp_json_lines_that_decode_into_the_proto(tmp_path: 
     assert any(s.metrics.get("openlora.training.eval.loss") for s in snapshots)
 
 
+@pytest.mark.process
 def test_sigterm_in_the_middle_of_a_demo_run_still_writes_the_final_line(tmp_path: Path) -> None:
     directory = tmp_path / "history"
     process = subprocess.Popen(
@@ -174,6 +176,7 @@ def test_sigterm_in_the_middle_of_a_demo_run_still_writes_the_final_line(tmp_pat
     assert path.read_bytes().endswith(b"\n")
 
 
+@pytest.mark.process
 def test_sigterm_to_a_plain_script_writes_the_final_line_through_the_shutdown(tmp_path: Path) -> None:
     """No periodic line (a day apart): the only line is the one the SIGTERM guard's shutdown writes."""
     script = textwrap.dedent(

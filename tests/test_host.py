@@ -383,6 +383,7 @@ def test_shutdown_hands_the_instrumentor_back_with_its_own_cpu_callback() -> Non
     assert "_get_system_cpu_utilization" not in vars(instrumentor)
 
 
+@pytest.mark.process
 def test_import_does_not_load_the_package() -> None:
     # psutil itself is not ours to keep out: opentelemetry.sdk.resources imports it when installed.
     code = """

@@ -50,6 +50,7 @@ def test_monkeypatching_through_an_old_path_reaches_the_moved_module(
     assert getattr(importlib.import_module(new), attribute) is marker
 
 
+@pytest.mark.process
 def test_old_paths_import_first_in_a_fresh_interpreter_and_load_nothing_heavy() -> None:
     # Imported before the new paths, in a process where the heavy packages cannot load.
     code = f"""

@@ -402,6 +402,7 @@ telemetry.shutdown()
 """
 
 
+@pytest.mark.process
 def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path) -> None:
     import re
     import subprocess

@@ -178,6 +178,7 @@ def _run_exit_script(env_extra: dict[str, str]) -> tuple[float, str]:
     return time.monotonic() - started, result.stdout
 
 
+@pytest.mark.process
 def test_values_are_delivered_at_interpreter_exit() -> None:
     server = HttpReceiver()
     try:
@@ -192,6 +193,7 @@ def test_values_are_delivered_at_interpreter_exit() -> None:
         server.close()
 
 
+@pytest.mark.process
 def test_interpreter_exit_is_bounded_with_a_hanging_endpoint() -> None:
     hanging = HangingEndpoint()
     try:

@@ -202,6 +202,7 @@ telemetry.shutdown()
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("mode", "quiet", "expected"),
     [("plain", "", 1), ("plain", "true", 0), ("info", "", 1), ("info", "true", 1)],

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from openlora_otel.cli import variables_markdown
 from tests.conftest import child_env
 
@@ -24,6 +26,7 @@ def test_environment_table_matches_the_config_module() -> None:
     assert variables_markdown() in README
 
 
+@pytest.mark.process
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     command = block("test-command")
     assert "pytest" in command
@@ -43,6 +46,7 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.process
 def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
     command = block("run-command")
     assert command.index("torch==2.13.0") < command.index('-e ".[demo')
@@ -61,6 +65,7 @@ def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
     assert "3 steps" in result.stdout
 
 
+@pytest.mark.process
 def test_quickstart_example_runs_and_serves() -> None:
     env = child_env(OTEL_EXPORTER_PROMETHEUS_PORT="0")
     script = ROOT / "examples" / "quickstart.py"

@@ -325,6 +325,7 @@ def run_doctor_cli(**env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_doctor_with_credentials_against_a_live_collector() -> None:
     server = HttpReceiver()
     try:
@@ -342,6 +343,7 @@ def test_doctor_with_credentials_against_a_live_collector() -> None:
     assert leaked(output) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "env",
     [

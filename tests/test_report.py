@@ -356,6 +356,7 @@ def headless(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.e2e
 def test_html_page_in_headless_chromium(two_runs: Path, tmp_path: Path) -> None:
     chromium()
     out = tmp_path / "page"
@@ -415,6 +416,7 @@ def _needs_the_demo() -> None:
         pytest.importorskip(module)
 
 
+@pytest.mark.process
 def test_report_from_the_history_files_of_two_real_demo_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -597,6 +599,7 @@ def test_promql_reads_one_process_on_both_paths() -> None:
     assert PrometheusSource("127.0.0.1:9090").shown == "127.0.0.1:9090"
 
 
+@pytest.mark.process
 def test_the_command_line_writes_both_files_next_to_each_other(two_runs: Path, tmp_path: Path) -> None:
     out = tmp_path / "cli"
     out.mkdir()

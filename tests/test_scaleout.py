@@ -338,6 +338,7 @@ def check_store(store: Server, ranks: Ranks) -> None:
 # -- the shipped files -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_shipped_prometheus_configs_pass_promtool() -> None:
     promtool = binary("promtool", "prometheus")
     for args in (
@@ -381,6 +382,7 @@ def test_vmalert_unit_runs_the_installed_binary_with_the_shipped_flags() -> None
     assert "-rule=/etc/prometheus/rules/*.yml" in shipped_args(VM_DIR / "vmalert.default")
 
 
+@pytest.mark.e2e
 def test_rules_load_in_vmalert() -> None:
     vmalert = binary("vmalert", "victoria-metrics")
     result = subprocess.run(

@@ -73,6 +73,7 @@ def models(saved: Path) -> ServedModels:
 # -- the saved directory ------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_demo_save_writes_the_base_once_and_one_adapter_per_run(saved: Path) -> None:
     base, adapters = read_saved(saved)
     assert base.base_model == "tiny-llama" and base.alphabet == ALPHABET and base.context_length == 64
@@ -115,6 +116,7 @@ def test_demo_save_into_a_broken_directory_is_a_usage_error(tmp_path, capsys) ->
 # -- the model, in process ------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_each_adapter_is_its_own_merged_model(models: ServedModels) -> None:
     torch = models.torch
     ids = torch.tensor([models.encode(PROMPT)])
@@ -127,6 +129,7 @@ def test_each_adapter_is_its_own_merged_model(models: ServedModels) -> None:
     assert not torch.allclose(logits["a1"], logits["a2"])
 
 
+@pytest.mark.process
 def test_generation_is_greedy_deterministic_and_calls_back_once_per_token(models: ServedModels) -> None:
     pieces: list[str] = []
     completion = models.generate("a1", models.encode(PROMPT), 12, on_token=pieces.append)
@@ -136,6 +139,7 @@ def test_generation_is_greedy_deterministic_and_calls_back_once_per_token(models
     assert models.generate("a1", models.encode(PROMPT), 12).text == completion.text
 
 
+@pytest.mark.process
 def test_a_stop_string_ends_the_text_and_is_held_back_while_it_may_complete(models: ServedModels) -> None:
     full = models.generate(None, models.encode(PROMPT), 16).text
     stop = full[5:7]
@@ -155,6 +159,7 @@ def test_held_back_is_the_longest_start_of_a_stop_string() -> None:
     assert _held_back("xa", ("a",)) == 0  # a whole stop string is a hit, not a start
 
 
+@pytest.mark.process
 def test_generation_stops_when_cancelled(models: ServedModels) -> None:
     calls = []
 
@@ -167,6 +172,7 @@ def test_generation_stops_when_cancelled(models: ServedModels) -> None:
     assert len(calls) == 4
 
 
+@pytest.mark.process
 def test_an_adapter_trained_on_another_base_is_refused(models: ServedModels, saved: Path, tmp_path) -> None:
     from openlora_otel.inference.layout import read_adapter
 
@@ -227,6 +233,7 @@ def test_a_waiter_that_gives_up_leaves_the_queue() -> None:
 # -- the server over HTTP ---------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_models_lists_the_base_and_every_adapter(server: ServeProcess) -> None:
     status, _, body = server.request("GET", "/v1/models")
     assert status == 200
@@ -240,6 +247,7 @@ def test_models_lists_the_base_and_every_adapter(server: ServeProcess) -> None:
     assert server.request("GET", "/health")[0] == 200
 
 
+@pytest.mark.process
 def test_completions_per_adapter_match_the_model_in_process(server: ServeProcess, models: ServedModels) -> None:
     for model, adapter in (("tiny-llama", None), ("a1", "a1"), ("a2", "a2")):
         status, _, body = server.complete({"model": model, "prompt": PROMPT, "max_tokens": 7})
@@ -252,6 +260,7 @@ def test_completions_per_adapter_match_the_model_in_process(server: ServeProcess
     assert body["usage"]["completion_tokens"] == 16  # the default max_tokens
 
 
+@pytest.mark.process
 def test_streaming_sends_one_event_per_token_then_usage_then_done(server: ServeProcess) -> None:
     _, _, whole = server.complete({"model": "a2", "prompt": PROMPT, "max_tokens": 9})
     stream = server.stream({"model": "a2", "prompt": PROMPT, "max_tokens": 9})
@@ -271,6 +280,7 @@ def test_streaming_sends_one_event_per_token_then_usage_then_done(server: ServeP
     assert chunks[-1]["usage"] == whole["usage"]
 
 
+@pytest.mark.process
 def test_a_stop_string_over_http(server: ServeProcess) -> None:
     _, _, whole = server.complete({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12})
     text = whole["choices"][0]["text"]
@@ -287,6 +297,7 @@ def test_a_stop_string_over_http(server: ServeProcess) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.process
 def test_an_unknown_adapter_is_404_and_counted_as_other(server: ServeProcess) -> None:
     before = requests_by(server.metrics())
     status, _, body = server.complete({"model": "no-such-adapter", "prompt": PROMPT})
@@ -304,6 +315,7 @@ def test_an_unknown_adapter_is_404_and_counted_as_other(server: ServeProcess) ->
     assert not any(adapter == "no-such-adapter" for adapter, _ in after)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -329,6 +341,7 @@ def test_bad_input_is_400_with_a_clear_message(server: ServeProcess, body, messa
     assert message in answer["error"]["message"]
 
 
+@pytest.mark.process
 def test_bad_input_is_counted_under_its_adapter_or_other(server: ServeProcess) -> None:
     before = requests_by(server.metrics())
     server.complete({"model": "a2", "prompt": PROMPT, "max_tokens": -1})
@@ -342,6 +355,7 @@ def test_bad_input_is_counted_under_its_adapter_or_other(server: ServeProcess) -
     )
 
 
+@pytest.mark.process
 def test_past_the_queue_503_and_a_disconnected_stream_is_cancelled(server: ServeProcess) -> None:
     """--max-concurrency 1 --max-queue 1: one runs, one waits, the third is refused."""
     before = requests_by(server.metrics())
@@ -383,6 +397,7 @@ def test_past_the_queue_503_and_a_disconnected_stream_is_cancelled(server: Serve
     assert server.complete({"model": "a1", "prompt": PROMPT, "max_tokens": 2})[0] == 200
 
 
+@pytest.mark.process
 def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -> None:
     def ok(text: str, adapter: str) -> float:
         return total(text, "gen_ai_server_request_duration_seconds_count", openlora_adapter_name=adapter, error_type="")
@@ -427,6 +442,7 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
 # -- the command: lifecycle and usage -------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(saved: Path, tmp_path) -> None:
     stranger = tmp_path / "stranger"  # an adapter of another base: its load fails, the server goes on
     shutil.copytree(saved / "adapters" / "a2", stranger)
@@ -474,6 +490,7 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
     assert total(scrapes[-1], "gen_ai_server_request_duration_seconds_count", **ok) == 1
 
 
+@pytest.mark.process
 def test_past_the_shutdown_timeout_a_stream_ends_with_a_cancelled_event(saved: Path, tmp_path) -> None:
     serve = ServeProcess(saved, "--shutdown-timeout", "0.2", workdir=tmp_path)
     try:
@@ -511,6 +528,7 @@ def _accepts(port: int) -> bool:
         return False
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -535,6 +553,7 @@ def test_usage_errors_exit_2_with_a_clear_message(saved: Path, tmp_path, args, m
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_a_port_in_use_is_a_clear_error(saved: Path, capsys) -> None:
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
@@ -551,6 +570,7 @@ def test_read_saved_names_what_is_wrong(tmp_path) -> None:
         read_saved(tmp_path)
 
 
+@pytest.mark.process
 def test_importing_the_package_imports_no_server_stack() -> None:
     code = (
         "import sys, openlora_otel, openlora_otel.cli, openlora_otel.inference; "

@@ -236,6 +236,7 @@ def test_missing_optional_package_names_package_and_extra(
     _assert_port_free(port)
 
 
+@pytest.mark.process
 def test_import_loads_no_optional_framework() -> None:
     # A meta-path finder that refuses the heavy packages: importing ours must not touch them.
     code = """

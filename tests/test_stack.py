@@ -50,6 +50,7 @@ def run_stack(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.process
 def test_the_package_ships_the_one_rules_file(tmp_path: Path) -> None:
     # One file: what compose mounts, the tests load and the stack writes. No copy to drift.
     assert stack.rules_text() == RULES.read_text()
@@ -116,6 +117,7 @@ def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.process
 def test_promtool_and_amtool_accept_what_it_writes(tmp_path: Path) -> None:
     code, _, err = run_stack("--dir", str(tmp_path), "--ranks", "2")
     assert code == 0, err
@@ -492,6 +494,7 @@ def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.
     assert all(_refused(port) for port in ports)  # both servers and the printer are gone
 
 
+@pytest.mark.process
 def test_receiver_only_prints_alerts_until_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen(

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from tests.conftest import child_env, free_port, reap
 from tests.prometheus_server import Prometheus
@@ -64,6 +66,7 @@ def _true_quantile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+@pytest.mark.process
 def test_histogram_quantile_is_within_10_percent_for_known_distributions(tmp_path) -> None:
     distributions = _distributions()
     ports = {name: free_port() for name in distributions}
