@@ -66,7 +66,7 @@ def _true_quantile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-@pytest.mark.process
+@pytest.mark.e2e
 def test_histogram_quantile_is_within_10_percent_for_known_distributions(tmp_path) -> None:
     distributions = _distributions()
     ports = {name: free_port() for name in distributions}

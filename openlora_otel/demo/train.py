@@ -335,12 +335,17 @@ def run_demo(
             f"device {placement.name}: the Hugging Face Trainer picks cuda:0 itself; "
             f"run with CUDA_VISIBLE_DEVICES={placement.device.index} --device cuda instead"
         )
-    group = TrainingGroup(torch) if options.distributed else None
-    try:
-        return _run(options, telemetry, torch, describe_lora, group, where, out, stop_event, placement)
-    finally:
-        if group is not None:
-            group.close()
+    stop = _Stop(stop_event)
+    group = None
+    # From the first moment: a signal while the model is built or first evaluated stops the run
+    # before its first step (it used to raise KeyboardInterrupt there, with no final export).
+    with _signals(stop):
+        try:
+            group = TrainingGroup(torch) if options.distributed else None
+            return _run(options, telemetry, torch, describe_lora, group, where, out, stop, placement)
+        finally:
+            if group is not None:
+                group.close()
 
 
 def _run(
@@ -351,7 +356,7 @@ def _run(
     group: TrainingGroup | None,
     where: str,
     out: TextIO,
-    stop_event: threading.Event | None,
+    stop: _Stop,
     placement: Placement,
 ) -> DemoResult:
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
@@ -384,14 +389,12 @@ def _run(
         out.flush()
     first_eval = _evaluate(model, data, placement)
     training.record_eval(loss=first_eval, perplexity=_perplexity(first_eval))
-    stop = _Stop(stop_event)
-    with _signals(stop):
-        if options.hf_trainer:
-            result = _train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
-        else:
-            result = _train_loop(options, training, model, data, stop, where, out, group, guard, placement)
-        if group is not None:
-            group.close()  # no collective after the loop: evaluation and lingering are per rank
+    if options.hf_trainer:
+        result = _train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
+    else:
+        result = _train_loop(options, training, model, data, stop, where, out, group, guard, placement)
+    if group is not None:
+        group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
         final = _evaluate(model, data, placement)
