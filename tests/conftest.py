@@ -16,6 +16,11 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
 from openlora_otel.training import metrics as training_module
 
+# One OpenMP thread for torch here and in every child: on a loaded 2-core machine two spinning
+# OpenMP threads made the demo about 100 times slower (141 tokens/s) and tests ran past their bounds.
+# Set before any test imports torch; child_env() copies it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 _OWN_PREFIXES = ("OTEL_", "OPENLORA_")
 # Launcher variables (torchrun, torch.distributed's env://, Slurm) that decide ranks, ports and the run id.
 _TORCHRUN = (
