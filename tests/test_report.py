@@ -289,6 +289,33 @@ def test_legend_shows_only_what_differs_and_tells_same_names_apart() -> None:
     assert legend_labels(runs[:1]) == ["sweep (lr=0.001, r=8)"]  # one run: what it was
 
 
+def test_a_diverged_run_is_marked_in_the_table_and_on_the_loss_panel() -> None:
+    """A run gone NaN: its mean loss stays finite (the NaN steps are left out of it), so the last loss
+    alone looked healthy. The non-finite counter says by which step it went, in the table and as a
+    line on the loss panel; a healthy run beside it has neither."""
+    pytest.importorskip("matplotlib")
+    from openlora_otel.report.render import LAST_LOSS, html_page
+
+    diverged = Run("a1", "lr-too-high", {"learning_rate": "0.3"}, "a.jsonl")
+    healthy = Run("b2", "lr-ok", {"learning_rate": "0.001"}, "b.jsonl")
+    for step in (10, 20, 30):
+        diverged.rows.append(
+            Row(float(step), {"steps": float(step), "loss": 2.0, "loss_nonfinite": 0.0 if step < 30 else 4.0})
+        )
+        healthy.rows.append(Row(float(step), {"steps": float(step), "loss": 1.5, "loss_nonfinite": 0.0}))
+    drawing = prepare([diverged, healthy])
+    assert [s.nonfinite_from for s in drawing.summaries] == [30.0, None]
+    assert drawing.summaries[0].last_loss_text == "2 (non-finite by step 30)"
+    assert drawing.summaries[1].last_loss_text == "1.5"
+    page = html_page(drawing)
+    assert f"<th>{LAST_LOSS}</th>" in page and "2 (non-finite by step 30)" in page
+    figure = png_figure(drawing)
+    loss_axes = [ax for ax in figure.axes if ax.get_title(loc="left") == "Loss"]
+    marks = [line for ax in loss_axes for line in ax.get_lines() if line.get_gid() == "nonfinite"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [30.0, 30.0]
+    assert any("non-finite loss by step 30" in text.get_text() for ax in loss_axes for text in ax.texts)
+
+
 def test_curves_keep_an_evaluation_that_ends_after_the_last_step() -> None:
     rows = [
         Row(1.0, {"steps": 10.0, "loss": 2.0, "eval_loss": 2.5}),

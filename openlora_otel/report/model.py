@@ -102,6 +102,8 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("last_step_time", "openlora.training.last_step.timestamp"),
     Quantity("loss", "openlora.training.loss"),
     Quantity("loss_max", "openlora.training.loss.max"),
+    # Steps whose loss was NaN or infinite so far: the window means leave them out, this does not.
+    Quantity("loss_nonfinite", "openlora.training.loss.nonfinite"),
     Quantity("eval_loss", "openlora.training.eval.loss"),
     Quantity("grad_norm", "openlora.training.gradient_norm"),
     Quantity("grad_norm_max", "openlora.training.gradient_norm.max"),

@@ -54,14 +54,27 @@ _RC = {
 }
 
 
+# The last collection interval's mean loss: the demo's "last train loss" is its last step's.
+LAST_LOSS = "last loss (interval mean)"
+
+
 @dataclass(frozen=True)
 class Summary:
     """A run's row in the table."""
 
     steps: int | None
-    final_loss: float | None
+    final_loss: float | None  # the last interval's mean over its finite losses, not the last step's
     final_eval_loss: float | None
     seconds: float | None
+    nonfinite_from: float | None = None  # the step by which the first NaN / infinite loss was counted
+
+    @property
+    def last_loss_text(self) -> str:
+        """The table's cell: the last interval's mean, and where the loss went non-finite if it did."""
+        text = _num(self.final_loss)
+        if self.nonfinite_from is not None:
+            text += f" (non-finite by step {self.nonfinite_from:,.0f})"
+        return text
 
 
 def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
@@ -79,7 +92,13 @@ def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
         final_loss=last("loss"),
         final_eval_loss=last("eval_loss"),
         seconds=max(stamps) - min(stamps) if len(stamps) > 1 else None,
+        nonfinite_from=nonfinite_from(run_curves),
     )
+
+
+def nonfinite_from(run_curves: dict[str, Curve]) -> float | None:
+    """The step of the first point whose count of non-finite losses is above 0 (None: none counted)."""
+    return next((step for step, count in run_curves.get("loss_nonfinite", []) if count > 0), None)
 
 
 def _matplotlib() -> Any:
@@ -170,6 +189,21 @@ def _draw(ax: Any, panel: Panel, run_curves: Sequence[dict[str, Curve]], colors:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _compact(y)))
     elif panel.key in ("throughput", "gpu_memory"):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 100 else f"{y:,.3g}"))
+    if panel.key == "loss":  # where a run went non-finite: its mean line just stops there
+        for curve_set, color in zip(run_curves, colors, strict=True):
+            step = nonfinite_from(curve_set)
+            if step is not None:
+                ax.axvline(step, color=color, linestyle=(0, (2, 2)), linewidth=1.4, gid="nonfinite")
+                ax.annotate(
+                    f"non-finite loss by step {step:,.0f}",
+                    xy=(step, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(4, -4),
+                    textcoords="offset points",
+                    va="top",
+                    fontsize=9,
+                    color=color,
+                )
     if panel.ylim:
         ax.set_ylim(*panel.ylim)
     elif panel.key == "gpu_memory":  # from zero: how full, not how much it wobbled
@@ -252,7 +286,7 @@ def _table(ax: Any, runs: Sequence[Run], colors: Sequence[str], summaries: Seque
             _short(run.name, 28),
             run.run_id[:16],
             _int(summary.steps),
-            _num(summary.final_loss),
+            summary.last_loss_text,
             _num(summary.final_eval_loss),
             _duration(summary.seconds),
         ]
@@ -260,7 +294,7 @@ def _table(ax: Any, runs: Sequence[Run], colors: Sequence[str], summaries: Seque
     ]
     table = ax.table(
         cellText=cells,
-        colLabels=["run", "id", "steps", "final loss", "final eval loss", "first to last step"],
+        colLabels=["run", "id", "steps", LAST_LOSS, "final eval loss", "first to last step"],
         loc="upper left",
         cellLoc="left",
         colLoc="left",
@@ -373,7 +407,7 @@ def html_page(drawing: Drawing) -> str:
             f"<td><code>{e(run.run_id)}</code></td>"
             f'<td class="wrap"><code>{hyperparameters}</code></td>'
             f'<td class="num">{_int(summary.steps)}</td>'
-            f'<td class="num">{_num(summary.final_loss)}</td>'
+            f'<td class="num">{e(summary.last_loss_text)}</td>'
             f'<td class="num">{_num(summary.final_eval_loss)}</td>'
             f'<td class="num">{_duration(summary.seconds)}</td>'
             f'<td class="wrap"><small>{e(rank + run.source)}</small></td>'
@@ -394,7 +428,7 @@ def html_page(drawing: Drawing) -> str:
         f'<p class="meta">Written by openlora-otel {e(__version__)} on {now}. Curves of each run\'s lowest rank, '
         "against the optimizer step.</p>\n"
         "<h2>Runs</h2>\n<table><thead><tr><th>run</th><th>id</th><th>hyperparameters</th><th>steps</th>"
-        "<th>final loss</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
+        f"<th>{e(LAST_LOSS)}</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>\n" + "\n".join(sections) + "\n</body></html>\n"
     )
 
