@@ -627,3 +627,19 @@ def test_the_ready_line_says_where_metrics_go(exporters: tuple[str, ...], expect
         assert _metrics_where(telemetry) == expected
     finally:
         telemetry.shutdown()
+
+
+def test_connections_accepted_by_serve_have_nagle_off() -> None:
+    """A kept-alive client's first streamed event must not wait for the previous response's ACK."""
+    import socket
+
+    from openlora_otel.inference.server import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(sock.getsockname()[:2])
+        accepted, _ = sock.accept()
+        with client, accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        sock.close()

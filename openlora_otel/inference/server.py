@@ -610,7 +610,13 @@ def _metrics_where(telemetry: Telemetry) -> str:
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket (bound before the models load, so a busy port fails fast); OSError as it comes."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    # Nagle off for every connection accepted from it (they inherit the option). asyncio turns it off
+    # only on sockets made with proto IPPROTO_TCP, and create_server leaves proto 0: a streamed
+    # response's first small event on a kept-alive connection waited for the ACK of the last one, so
+    # clients saw a first token later than the server's own time-to-first-token said.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def serve(
