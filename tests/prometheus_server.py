@@ -34,13 +34,27 @@ def prometheus_binary() -> str:
 class ServerProcess:
     """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
 
-    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, ready_path: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        port: int,
+        workdir: Path,
+        ready_path: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / f"{name}.log"
         self._log_handle = self.log.open("wb")
-        self._process = subprocess.Popen(argv, stdout=self._log_handle, stderr=subprocess.STDOUT, cwd=workdir)
+        self._process = subprocess.Popen(
+            argv,
+            stdout=self._log_handle,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=None if env is None else {**os.environ, **env},
+        )
         deadline = time.monotonic() + 30
         while True:
             if self._process.poll() is not None:

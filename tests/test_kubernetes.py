@@ -496,7 +496,7 @@ def test_the_generator_refuses_text_yaml_would_change() -> None:
 def test_agents_send_to_the_gateway_service() -> None:
     agent_config = checks.load(COLLECTOR_CONFIGS / "agent.yaml")
     gateway_config = checks.load(COLLECTOR_CONFIGS / "gateway.yaml")
-    endpoint = agent_config["exporters"]["otlp"]["endpoint"]
+    endpoint = agent_config["exporters"]["otlp_grpc"]["endpoint"]
     service = one("Service", checks.endpoint_host(endpoint))  # short name: same namespace as the agents
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == checks.endpoint_port(endpoint)]
     (gateway,) = selected_workloads(service["spec"]["selector"])

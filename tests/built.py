@@ -1,0 +1,38 @@
+"""The servers tools/build.sh builds from the Go module proxy (build/bin, or $OPENLORA_BIN_DIR).
+
+A test that needs one skips when it is not built, except under CI (``CI`` set), where .ci/run builds
+them all and a missing one is a failure, as for the Debian binaries.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# binary -> the tools/build.sh target that builds it
+TARGETS = {
+    "otelcol-openlora": "collector",
+    "prometheus": "prometheus",
+    "promtool": "prometheus",
+    "alertmanager": "alertmanager",
+    "amtool": "alertmanager",
+    "victoria-metrics": "victoriametrics",
+}
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("OPENLORA_BIN_DIR") or ROOT / "build" / "bin")
+
+
+def built(name: str) -> str:
+    """The path of built binary ``name``; skips (fails under CI) when it is not there."""
+    path = bin_dir() / name
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path)
+    message = f"{path} is not built: run tools/build.sh {TARGETS[name]}"
+    if os.environ.get("CI"):
+        pytest.fail(message + " (.ci/run must build it)")
+    pytest.skip(message)

@@ -1,0 +1,91 @@
+"""Our Collector distribution (build/bin/otelcol-openlora) running a shipped config on loopback.
+
+The shipped configs listen on fixed ports of every interface (4317, 4318, 8888, 8889, 13133), as a
+container needs; here a second config file, merged over the shipped one by the collector itself,
+moves each of them to a free 127.0.0.1 port, so the file under test is the shipped one, unchanged
+but for where it listens. Ready when the health_check extension answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from tests.built import built
+from tests.conftest import free_port
+from tests.prometheus_server import ServerProcess
+
+
+class Collector(ServerProcess):
+    def __init__(
+        self,
+        workdir: Path,
+        config: Path,
+        *,
+        env: dict[str, str] | None = None,
+        name: str = "otelcol",
+        overrides: dict | None = None,
+    ) -> None:
+        """Run ``config`` as shipped, its ports moved to loopback; ``overrides`` (a config fragment, merged
+        last: maps key by key, lists replaced) changes what else a test needs, an exporter's endpoint say."""
+        shipped = yaml.safe_load(config.read_text())
+        self.ports = {
+            "grpc": free_port(),
+            "http": free_port(),
+            "health": free_port(),
+            "self_metrics": free_port(),
+        }
+        overlay: dict = {
+            "receivers": {
+                "otlp": {
+                    "protocols": {
+                        "grpc": {"endpoint": f"127.0.0.1:{self.ports['grpc']}"},
+                        "http": {"endpoint": f"127.0.0.1:{self.ports['http']}"},
+                    }
+                }
+            },
+            "extensions": {"health_check": {"endpoint": f"127.0.0.1:{self.ports['health']}"}},
+            "service": {
+                "telemetry": {
+                    "metrics": {
+                        "readers": [
+                            {
+                                "pull": {
+                                    "exporter": {
+                                        "prometheus": {
+                                            "host": "127.0.0.1",
+                                            "port": self.ports["self_metrics"],
+                                        }
+                                    }
+                                }
+                            }
+                        ]
+                    }
+                }
+            },
+        }
+        if "prometheus" in (shipped.get("exporters") or {}):
+            self.ports["prometheus"] = free_port()
+            overlay["exporters"] = {"prometheus": {"endpoint": f"127.0.0.1:{self.ports['prometheus']}"}}
+        self.overlay = workdir / f"{name}-loopback.yaml"
+        self.overlay.write_text(yaml.safe_dump(overlay))
+        extra = []
+        if overrides:
+            (workdir / f"{name}-overrides.yaml").write_text(yaml.safe_dump(overrides))
+            extra = ["--config", str(workdir / f"{name}-overrides.yaml")]
+        self.config = config
+        argv = [built("otelcol-openlora"), "--config", str(config), "--config", str(self.overlay), *extra]
+        super().__init__(name, argv, self.ports["health"], workdir, "/", env=env)
+
+    @property
+    def otlp_http(self) -> str:
+        return f"http://127.0.0.1:{self.ports['http']}"
+
+    @property
+    def otlp_grpc(self) -> str:
+        return f"http://127.0.0.1:{self.ports['grpc']}"
+
+    def log_lines(self, level: str) -> list[str]:
+        """The log lines of ``level`` (``warn``, ``error``): the collector's console log is tab-separated."""
+        return [line for line in self.log.read_text().splitlines() if f"\t{level}\t" in line]

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Build, from the Go module proxy, the servers the end-to-end tests run next to Debian's packages:
+#
+#   collector        build/bin/otelcol-openlora   our OpenTelemetry Collector distribution
+#                                                 (collector/otelcol-openlora: core v0.165.0, contrib v0.165.1)
+#   prometheus       build/bin/prometheus, promtool   Prometheus 3 (module v0.316.0 = Prometheus 3.16.0)
+#   alertmanager     build/bin/alertmanager, amtool   Alertmanager v0.35.0
+#   victoriametrics  build/bin/victoria-metrics       VictoriaMetrics v1.151.0 (single node)
+#
+# Usage: tools/build.sh [--regenerate] [collector|prometheus|alertmanager|victoriametrics ...]
+#   With no name, all four. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
+#   collector/otelcol-openlora/); --regenerate first reruns the Collector Builder (ocb v0.165.0) on
+#   collector/otelcol-openlora/manifest.yaml, after a change of components or release.
+#   OPENLORA_BIN_DIR: where the binaries go (default build/bin). Go's module and build caches
+#   ($GOMODCACHE, $GOCACHE) are reused between runs: a second build takes seconds per binary.
+#
+# The builds are reproducible: CGO off, -trimpath, no VCS stamp; each binary's version says what it is
+# (`build/bin/prometheus --version`, `build/bin/otelcol-openlora --version`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+out=${OPENLORA_BIN_DIR:-build/bin}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false" GOTOOLCHAIN=local
+OCB_VERSION=v0.165.0
+
+regenerate=0
+targets=()
+for arg in "$@"; do
+    case $arg in
+        --regenerate) regenerate=1 ;;
+        collector | prometheus | alertmanager | victoriametrics) targets+=("$arg") ;;
+        -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, prometheus, alertmanager, victoriametrics)" >&2; exit 2 ;;
+    esac
+done
+[ ${#targets[@]} -gt 0 ] || targets=(collector prometheus alertmanager victoriametrics)
+
+# The version of module $2 in the go.mod of directory $1, and the directory Go unpacked it into.
+module_version() { (cd "$1" && go list -m -f '{{.Version}}' "$2"); }
+module_dir() { (cd "$1" && go mod download -json "$2" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p'); }
+
+# ldflags for github.com/prometheus/common/version, which Prometheus and Alertmanager print.
+common_version_flags() {
+    local p=github.com/prometheus/common/version
+    echo "-s -w -X $p.Version=$1 -X $p.Revision=$2 -X $p.Branch=module -X $p.BuildUser=openlora-otel/tools/build.sh"
+}
+
+timed() {
+    local name=$1
+    shift
+    local started=$SECONDS
+    "$@"
+    echo "built $name in $((SECONDS - started)) s"
+}
+
+build_collector() {
+    local dir=$root/collector/otelcol-openlora
+    if [ "$regenerate" = 1 ]; then
+        (cd "$dir" && go run "go.opentelemetry.io/collector/cmd/builder@$OCB_VERSION" --config manifest.yaml --skip-compilation)
+    fi
+    (cd "$dir" && go build -ldflags "-s -w" -o "$out/otelcol-openlora" .)
+}
+
+build_prometheus() {
+    local dir=$root/tools/prometheus3 module=github.com/prometheus/prometheus
+    local version release
+    version=$(module_version "$dir" "$module")
+    release=$(cat "$(module_dir "$dir" "$module")/VERSION")
+    local flags
+    flags=$(common_version_flags "$release" "$module@$version")
+    (cd "$dir" && go build -ldflags "$flags" -o "$out/prometheus" "$module/cmd/prometheus" \
+        && go build -ldflags "$flags" -o "$out/promtool" "$module/cmd/promtool")
+}
+
+build_alertmanager() {
+    # The module has the source of the web UI but not what npm and Elm build from it (ui/app/dist, which
+    # ui/web.go embeds), and neither can be fetched here: the build uses a copy of the module with a
+    # one-page ui/app/dist saying so. The API (/api/v2), which Prometheus and amtool use, is whole.
+    local dir=$root/tools/alertmanager module=github.com/prometheus/alertmanager
+    local version flags
+    version=$(module_version "$dir" "$module")
+    flags=$(common_version_flags "${version#v}" "$module@$version")
+    local src=$root/build/src/alertmanager-$version
+    if [ ! -f "$src/.openlora-ui-placeholder" ]; then
+        rm -rf "$src"
+        mkdir -p "$(dirname "$src")"
+        cp -R "$(module_dir "$dir" "$module")" "$src"
+        chmod -R u+w "$src"
+        local page='<!doctype html><title>Alertmanager</title><p>This Alertmanager was built by openlora-otel tools/build.sh without its web UI (npm and Elm build it, and neither is reachable there). The API at /api/v2 and amtool work.</p>'
+        for ui in elm mantine; do
+            mkdir -p "$src/ui/app/dist/$ui"
+            echo "$page" >"$src/ui/app/dist/$ui/index.html"
+        done
+        touch "$src/.openlora-ui-placeholder"
+    fi
+    # The pinned go.mod and go.sum, with the module replaced by that copy.
+    cp "$dir/go.mod" "$src.mod"
+    cp "$dir/go.sum" "$src.sum"
+    echo "replace $module => $src" >>"$src.mod"
+    (cd "$dir" && go build -modfile="$src.mod" -ldflags "$flags" -o "$out/alertmanager" "$module/cmd/alertmanager" \
+        && go build -modfile="$src.mod" -ldflags "$flags" -o "$out/amtool" "$module/cmd/amtool")
+}
+
+build_victoriametrics() {
+    local dir=$root/tools/victoriametrics module=github.com/VictoriaMetrics/VictoriaMetrics
+    local version
+    version=$(module_version "$dir" "$module")
+    (cd "$dir" && go build -ldflags "-s -w -X $module/lib/buildinfo.Version=victoria-metrics-$version" \
+        -o "$out/victoria-metrics" "$module/app/victoria-metrics")
+}
+
+for target in "${targets[@]}"; do
+    timed "$target" "build_$target"
+done
