@@ -34,6 +34,7 @@ import yaml
 
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, reap
+from tests.prometheus_server import PROMETHEUS_MAJORS
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -554,13 +555,14 @@ def _by_rank(result: list[dict]) -> dict[str, float]:
 
 
 @pytest.mark.e2e
-def test_every_cluster_query_on_a_real_two_rank_run(tmp_path) -> None:
+@PROMETHEUS_MAJORS
+def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, major: int) -> None:
     from tests.prometheus_server import Prometheus, prometheus_binary
 
-    prometheus_binary()
+    prometheus_binary(major)
     rules = write_rules(tmp_path / "rules")
     with ranks(RUN_ID, [FAST_S, SLOW_S], data_seconds=[0.0, SLOW_DATA_S]) as run:
-        prometheus = Prometheus(tmp_path, run.targets, rule_files=[str(rules)])
+        prometheus = Prometheus(tmp_path, run.targets, rule_files=[str(rules)], major=major)
         try:
             straggler = "rank:openlora_training_straggler_ratio:2m"
             assert wait_until(lambda: len(prometheus.query(straggler)) == 2, timeout=60), prometheus.query(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
@@ -130,16 +131,19 @@ PHASE_S = 7.0
 
 
 @pytest.mark.e2e
-def test_runs_by_name_across_a_rename_a_reused_endpoint_and_a_run_without_run_info(tmp_path) -> None:
+@PROMETHEUS_MAJORS
+def test_runs_by_name_across_a_rename_a_reused_endpoint_and_a_run_without_run_info(
+    tmp_path, major: int
+) -> None:
     from tests.prometheus_server import Prometheus, prometheus_binary
 
-    prometheus_binary()
+    prometheus_binary(major)
     with endpoints(3) as served:
         # Endpoint 0: run-a, named by its id until "train start" renames it; then run-d there.
         served.set(0, "run-a", 'openlora_run_name="run-a"', 2.0)
         served.set(1, "run-b", 'openlora_run_name="beta",openlora_hparam_learning_rate="0.001"', 1.5)
         served.set(2, "run-c", None, 3.5)
-        prometheus = Prometheus(tmp_path, served.targets)
+        prometheus = Prometheus(tmp_path, served.targets, major=major)
         try:
             assert wait_until(lambda: len(prometheus.query("up == 1")) == 3, timeout=30), prometheus.query(
                 "up"

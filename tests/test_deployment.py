@@ -22,7 +22,9 @@ import yaml
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
+from tests.built import built
 from tests.conftest import child_env, free_port, reap
+from tests.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
 
 if TYPE_CHECKING:
@@ -36,12 +38,16 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "openlora-training.json"
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 
 
-def promtool(*args: str) -> subprocess.CompletedProcess:
-    binary = shutil.which("promtool")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
-        pytest.skip("promtool is not installed (Debian package `prometheus`)")
+def promtool(*args: str, major: int = 2) -> subprocess.CompletedProcess:
+    """promtool of Prometheus ``major``: 2 is Debian's package, 3 is build/bin/promtool (tools/build.sh)."""
+    if major == 3:
+        binary = built("promtool")
+    else:
+        binary = shutil.which("promtool")
+        if binary is None:
+            if os.environ.get("CI"):
+                pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
+            pytest.skip("promtool is not installed (Debian package `prometheus`)")
     return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
@@ -49,15 +55,17 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.process
-def test_promtool_check_config() -> None:
-    result = promtool("check", "config", "collector/prometheus.yml")
+@PROMETHEUS_MAJORS
+def test_promtool_check_config(major: int) -> None:
+    result = promtool("check", "config", "collector/prometheus.yml", major=major)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
 
 
 @pytest.mark.process
-def test_promtool_check_rules() -> None:
-    result = promtool("check", "rules", "openlora_otel/rules/openlora.yml")
+@PROMETHEUS_MAJORS
+def test_promtool_check_rules(major: int) -> None:
+    result = promtool("check", "rules", "openlora_otel/rules/openlora.yml", major=major)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -65,9 +73,10 @@ RULE_TESTS = sorted((ROOT / "tests" / "rules").glob("*.yml"))
 
 
 @pytest.mark.process
-def test_promtool_test_rules_fire_and_stay_quiet() -> None:
+@PROMETHEUS_MAJORS
+def test_promtool_test_rules_fire_and_stay_quiet(major: int) -> None:
     assert {p.name for p in RULE_TESTS} >= {"openlora_test.yml", "healthy_setup_test.yml", "inference_test.yml"}
-    result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in RULE_TESTS))
+    result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in RULE_TESTS), major=major)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -563,7 +572,10 @@ ALERTS_ON_THE_FAKE_GPU = {
 
 
 @pytest.mark.e2e
-def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@PROMETHEUS_MAJORS
+def test_every_dashboard_and_rule_query_on_a_real_demo_run(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, major: int
+) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     from openlora_otel import setup_telemetry
@@ -571,7 +583,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
     from tests.fake_nvml import FakeNvml, h100s
     from tests.prometheus_server import Prometheus, prometheus_binary
 
-    prometheus_binary()
+    prometheus_binary(major)
     # GPU series from a fake NVML and allocator, so the GPU panels have data on a machine without one.
     cards = h100s(1, processes={os.getpid(): 2 * 2**30})
     cards[0].utilization = 0.9
@@ -629,6 +641,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(tmp_path, monkeypatch
             tmp_path,
             [f"127.0.0.1:{port}", f"127.0.0.1:{diverging_port}"],
             rule_files=[str(rules_dir / "openlora.yml")],
+            major=major,
         )
         _check_every_query(telemetry, prometheus, diverging_port, diverging_log, fake, cards[0])
     finally:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
+from tests.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
@@ -255,11 +256,12 @@ def value(result: list[dict]) -> float:
 
 
 @pytest.mark.e2e
-def test_every_inference_query_on_recorded_requests(tmp_path) -> None:
+@PROMETHEUS_MAJORS
+def test_every_inference_query_on_recorded_requests(tmp_path, major: int) -> None:
     from openlora_otel import TelemetryConfig, setup_telemetry
     from tests.prometheus_server import Prometheus, prometheus_binary
 
-    prometheus_binary()
+    prometheus_binary(major)
     config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0)
     telemetry = setup_telemetry("openlora-serve", run_id=RUN_ID, run_name="serve", config=config)
     prometheus = None
@@ -280,7 +282,7 @@ def test_every_inference_query_on_recorded_requests(tmp_path) -> None:
         rules_dir.mkdir()
         (rules_dir / "openlora.yml").write_text(RULES.read_text())
         target = telemetry.prometheus_url.removeprefix("http://").removesuffix("/metrics")
-        prometheus = Prometheus(tmp_path, [target], rule_files=[str(rules_dir / "openlora.yml")])
+        prometheus = Prometheus(tmp_path, [target], rule_files=[str(rules_dir / "openlora.yml")], major=major)
         with Traffic(inference) as traffic:
             assert prometheus.wait_for(
                 'sum(gen_ai_server_request_duration_seconds_count{error_type="RuntimeError"}) >= 2',
