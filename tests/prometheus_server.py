@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.built import built
 from tests.conftest import free_port, reap
@@ -119,8 +120,12 @@ class Prometheus(ServerProcess):
         file_sd: list[str] | None = None,
         major: int = 2,
         extra_args: tuple[str, ...] = (),
+        honor_labels: bool = False,
+        blocks: dict | None = None,
     ) -> None:
-        """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs."""
+        """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs;
+        ``honor_labels`` as the scrape job of a Collector's exporter has it. ``blocks``: more top-level
+        sections of the config (``otlp``, ``storage``), as YAML would give them."""
         port = free_port()
         config = workdir / "prometheus.yml"
         target_list = ", ".join(f'"{t}"' for t in targets)
@@ -132,13 +137,15 @@ class Prometheus(ServerProcess):
             + ("rule_files:\n" + "".join(f"  - {path}\n" for path in rule_files) if rule_files else "")
             + "scrape_configs:\n"
             f"  - job_name: {job}\n"
-            f"    static_configs:\n      - targets: [{target_list}]\n"
+            + ("    honor_labels: true\n" if honor_labels else "")
+            + f"    static_configs:\n      - targets: [{target_list}]\n"
             + (
                 "    file_sd_configs:\n      - refresh_interval: 1s\n        files:\n"
                 + "".join(f'          - "{glob}"\n' for glob in file_sd)
                 if file_sd
                 else ""
             )
+            + (yaml.safe_dump(blocks) if blocks else "")
         )
         self.major = major
         argv = [

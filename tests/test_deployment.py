@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -571,15 +572,28 @@ ALERTS_ON_THE_FAKE_GPU = {
 }
 
 
+# How the runs' metrics reach Prometheus, and which Prometheus: pulled from each process (2.42 and 3.16);
+# pushed over OTLP to our Collector running collector/otelcol.yaml, whose prometheus exporter Prometheus
+# scrapes with honor_labels (2.42 and 3.16); pushed over OTLP straight into Prometheus 3's receiver
+# with the otlp block of deploy/prometheus/otlp.yml.
+METRIC_PATHS = pytest.mark.parametrize(
+    ("path", "major"),
+    [("pull", 2), ("pull", 3), ("collector", 2), ("collector", 3), ("otlp", 3)],
+    ids=["pull-prometheus2", "pull-prometheus3", "collector-prometheus2", "collector-prometheus3", "otlp-prometheus3"],
+)
+DIVERGED_INSTANCE = "diverged-run-instance"  # its service.instance.id on the push paths
+
+
 @pytest.mark.e2e
-@PROMETHEUS_MAJORS
+@METRIC_PATHS
 def test_every_dashboard_and_rule_query_on_a_real_demo_run(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, major: int
+    tmp_path, monkeypatch: pytest.MonkeyPatch, path: str, major: int
 ) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     from openlora_otel import setup_telemetry
     from openlora_otel.hardware import gpu, nvml
+    from tests.collector_server import Collector
     from tests.fake_nvml import FakeNvml, h100s
     from tests.prometheus_server import Prometheus, prometheus_binary
 
@@ -599,31 +613,71 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
     monkeypatch.setattr(
         gpu, "torch_allocator_stats", lambda: [(0, cards[0].uuid.removeprefix("GPU-"), stats)]
     )
-    # A peak, as OPENLORA_PEAK_FLOPS gives it: on a CPU there is none, and no MFU without one.
-    config = TelemetryConfig(
-        prometheus_host="127.0.0.1", prometheus_port=0, gpu_metrics="on", gpu_devices="all", peak_flops=1e12
-    )
-    diverging_port = free_port()
-    diverging_log = tmp_path / "diverging-run.log"
-    with diverging_log.open("wb") as log:
-        diverging = subprocess.Popen(
-            [sys.executable, "-c", DIVERGING_RUN],
-            cwd=ROOT,
-            env=child_env(
-                OPENLORA_RUN_ID="diverged-run",
-                OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-                OTEL_EXPORTER_PROMETHEUS_PORT=str(diverging_port),
-                OPENLORA_QUIET="true",
-                OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT="0",
-                OMP_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT),
-            ),
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    telemetry = prometheus = None
+    rules_dir = tmp_path / "rules"
+    rules_dir.mkdir()
+    shutil.copy(RULES, rules_dir / "openlora.yml")
+    rule_files = [str(rules_dir / "openlora.yml")]
+    collector = prometheus = telemetry = diverging = None
     try:
+        if path == "pull":
+            diverging_port = free_port()
+            diverging_instance = f"127.0.0.1:{diverging_port}"
+            exporter_env = {
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(diverging_port),
+                "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT": "0",
+            }
+            main_env = {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": "0"}
+        else:
+            if path == "collector":
+                collector = Collector(tmp_path, COLLECTOR / "otelcol.yaml")
+                prometheus = Prometheus(
+                    tmp_path,
+                    [f"127.0.0.1:{collector.ports['prometheus']}"],
+                    job="openlora-collector",
+                    honor_labels=True,
+                    rule_files=rule_files,
+                    major=major,
+                )
+                endpoint = collector.otlp_http
+            else:
+                shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "otlp.yml").read_text())
+                prometheus = Prometheus(
+                    tmp_path,
+                    [],
+                    rule_files=rule_files,
+                    major=major,
+                    extra_args=("--web.enable-otlp-receiver",),
+                    blocks={"otlp": shipped["otlp"], "storage": shipped["storage"]},
+                )
+                endpoint = f"{prometheus.url}/api/v1/otlp"
+            diverging_instance = DIVERGED_INSTANCE
+            main_env = {
+                "OTEL_METRICS_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+            }
+            exporter_env = {**main_env, "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={DIVERGED_INSTANCE}"}
+        # A peak, as OPENLORA_PEAK_FLOPS gives it: on a CPU there is none, and no MFU without one.
+        config = dataclasses.replace(
+            TelemetryConfig.from_env(main_env), gpu_metrics="on", gpu_devices="all", peak_flops=1e12
+        )
+        diverging_log = tmp_path / "diverging-run.log"
+        with diverging_log.open("wb") as log:
+            diverging = subprocess.Popen(
+                [sys.executable, "-c", DIVERGING_RUN],
+                cwd=ROOT,
+                env=child_env(
+                    OPENLORA_RUN_ID="diverged-run",
+                    OPENLORA_QUIET="true",
+                    OMP_NUM_THREADS="1",
+                    PYTHONPATH=str(ROOT),
+                    **exporter_env,
+                ),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         from openlora_otel.demo.train import DemoOptions
 
         telemetry = setup_telemetry(
@@ -633,36 +687,38 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
             hyperparameters=DemoOptions().hyperparameters(),
             config=config,
         )
-        port = int(telemetry.prometheus_url.rsplit(":", 1)[1].split("/")[0])
-        rules_dir = tmp_path / "rules"
-        rules_dir.mkdir()
-        shutil.copy(RULES, rules_dir / "openlora.yml")
-        prometheus = Prometheus(
-            tmp_path,
-            [f"127.0.0.1:{port}", f"127.0.0.1:{diverging_port}"],
-            rule_files=[str(rules_dir / "openlora.yml")],
-            major=major,
-        )
-        _check_every_query(telemetry, prometheus, diverging_port, diverging_log, fake, cards[0])
+        if path == "pull":
+            main_instance = telemetry.prometheus_url.split("//", 1)[1].split("/", 1)[0]
+            prometheus = Prometheus(
+                tmp_path, [main_instance, diverging_instance], rule_files=rule_files, major=major
+            )
+        else:
+            main_instance = telemetry.resource.attributes["service.instance.id"]
+        _check_every_query(telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0])
     finally:
-        diverging.stdin.close()  # the diverged run shuts down
-        reap(diverging, 30)
-        if prometheus is not None:
-            prometheus.stop()
+        if diverging is not None:
+            diverging.stdin.close()  # the diverged run shuts down
+            reap(diverging, 30)
         if telemetry is not None:
             telemetry.shutdown()
+        if prometheus is not None:
+            prometheus.stop()
+        if collector is not None:
+            collector.stop()
 
 
 def _check_every_query(
     telemetry: Telemetry,
     prometheus: Prometheus,
-    diverging_port: int,
+    main_instance: str,
+    diverging_instance: str,
     diverging_log: Path,
     fake: FakeNvml,
     card: FakeGpu,
 ) -> None:
     """Train the demo in a thread while every dashboard query, variable and rule runs on what it reports
-    (the main run's GPU is ``card`` of the fake NVML ``fake``)."""
+    (the main run, ``instance`` ``main_instance``, has GPU ``card`` of the fake NVML ``fake``; the
+    diverging run is ``diverging_instance``)."""
     from openlora_otel.demo.train import DemoOptions, run_demo
 
     done, stop = threading.Event(), threading.Event()
@@ -674,7 +730,7 @@ def _check_every_query(
     try:
         assert prometheus.wait_for("openlora_training_steps_total > 30", timeout=120)
         tripped = prometheus.wait_for(
-            f'openlora_training_guard_trips_total{{instance="127.0.0.1:{diverging_port}"}} > 0', timeout=120
+            f'openlora_training_guard_trips_total{{instance="{diverging_instance}"}} > 0', timeout=120
         )
         assert tripped, "the diverging run's guard did not trip:\n" + diverging_log.read_text()[-3000:]
         # The XID arrives while the run trains: its series appears, already at 1, at the next scrape.
@@ -714,11 +770,11 @@ def _check_every_query(
         for name, labels in ALERTS_ON_THE_DIVERGED_RUN.items():
             (rule,) = [r for r in alerts() if r["alert"] == name]
             found = prometheus.query(rule["expr"])
-            assert {s["metric"]["instance"] for s in found} == {f"127.0.0.1:{diverging_port}"}, (name, found)
+            assert {s["metric"]["instance"] for s in found} == {diverging_instance}, (name, found)
             for label, values in labels.items():
                 assert {s["metric"][label] for s in found} == values, (name, found)
         # The GPU alerts on the fake GPU's real series: there, with the main run's labels, and only those.
-        main = telemetry.prometheus_url.split("//", 1)[1].split("/", 1)[0]
+        main = main_instance
         assert set(ALERTS_ON_THE_FAKE_GPU) <= {rule["alert"] for rule in alerts()}
         for rule in alerts():
             if not rule["alert"].startswith("OpenloraGpu"):
