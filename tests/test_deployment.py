@@ -695,6 +695,10 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
         else:
             main_instance = telemetry.resource.attributes["service.instance.id"]
         _check_every_query(telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0])
+        # The series names are the ones names.py gives for the path (the README's table is made from
+        # them): checked here against what the real Collector and Prometheus 3's receiver produced.
+        observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
+        assert_series_names_follow_the_path(observed, path)
     finally:
         if diverging is not None:
             diverging.stdin.close()  # the diverged run shuts down
@@ -705,6 +709,30 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
             prometheus.stop()
         if collector is not None:
             collector.stop()
+
+
+# Series that are no exported metric: Prometheus' own per scrape, recording rules (with a colon), alerts.
+NOT_METRICS = {"up", "target_info", "ALERTS", "ALERTS_FOR_STATE"}
+
+
+def assert_series_names_follow_the_path(observed: set[str], path: str) -> None:
+    """Every exported series name seen is a metric's name on ``path`` (``MetricSpec.prometheus`` pulled,
+    ``prometheus_collector`` pushed), histograms as their _bucket/_sum/_count."""
+    specs = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
+    expected: dict[str, str] = {}
+    for spec in specs:
+        name = spec.prometheus if path == "pull" else spec.prometheus_collector
+        for suffix in ("_bucket", "_sum", "_count") if spec.kind == "histogram" else ("",):
+            expected[name + suffix] = spec.name
+    exported = {
+        name for name in observed if name not in NOT_METRICS and ":" not in name and not name.startswith("scrape_")
+    }
+    assert exported - set(expected) == set(), f"{path}: series no metric is named so on this path"
+    # Not vacuous: the unit-1 gauges, whose names differ between the paths, were seen under this path's.
+    for spec in (*GPU_METRICS, *HOST_METRICS):
+        if spec.unit == "1" and spec.kind == "gauge" and spec.name in {"hw.gpu.utilization", "system.cpu.utilization"}:
+            name = spec.prometheus if path == "pull" else spec.prometheus_collector
+            assert name in exported, (path, name, sorted(exported))
 
 
 def _check_every_query(

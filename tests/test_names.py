@@ -66,3 +66,17 @@ def test_pull_endpoint_serves_exactly_the_documented_names() -> None:
     for spec in ALL:
         expected = spec.prometheus + ("_count" if spec.kind == "histogram" else "")
         assert expected in served, (spec.name, expected, sorted(served))
+
+
+def test_the_readmes_table_lists_every_name_that_differs_between_the_paths() -> None:
+    from pathlib import Path
+
+    from openlora_otel.hardware.host import HOST_METRICS
+    from openlora_otel.names import GPU_METRICS, INFERENCE_METRICS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("<!-- names-table:start -->\n", 1)[1].split("<!-- names-table:end -->", 1)[0]
+    rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()]
+    specs = (*ALL, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
+    differ = [[s.name, s.prometheus, s.prometheus_collector] for s in specs if s.prometheus != s.prometheus_collector]
+    assert differ and rows == differ
