@@ -12,8 +12,10 @@ already carry openlora_run_id and openlora_rank, so its queries stay cheap on
 a store holding thousands of ranks.
 
 The inference dashboard reads a server's InferenceMetrics series, which carry the adapter as a
-label; a `service` variable (service_name of target_info) picks the servers, and the latency
-objective and error-ratio threshold it draws are those of the `openlora-inference` alerts.
+label; a `service` variable picks the servers, and the latency objective and error-ratio threshold
+it draws are those of the `openlora-inference` alerts. A server's service name is target_info's
+service_name when pulled; pushed (through a Collector or into Prometheus 3's OTLP receiver) it is
+the job, and target_info has no service_name: the variable and its filter take either.
 
     python grafana/build_dashboard.py
 
@@ -155,14 +157,43 @@ def variable(
 # last time it was seen: sorted newest first, a run renamed at train start (the callbacks) is
 # offered by its latest name (Grafana keeps the first option of a value). A run without
 # openlora_run_info (an older openlora-otel) is still offered, by its id.
-def run_names(targets: str) -> str:
-    """The run variable's query over the target_info series that match ``targets``."""
+def run_names(targets: str, *, by_service: bool = False) -> str:
+    """The run variable's query over the target_info series that match ``targets`` (and, ``by_service``,
+    the servers the service variable picks: see :func:`service_target_info`)."""
+    info = service_target_info(targets) if by_service else f"target_info{{{targets}}}"
+    last = (
+        service_target_info(targets, "[$__range]", around="last_over_time")
+        if by_service
+        else f"last_over_time(target_info{{{targets}}}[$__range])"
+    )
     return (
         "sort_desc(max_over_time(timestamp(group by (openlora_run_id, openlora_run_name) ("
-        f"openlora_run_info * on (job, instance) group_left (openlora_run_id) target_info{{{targets}}}"
+        f"openlora_run_info * on (job, instance) group_left (openlora_run_id) {info}"
         "))[$__range:$__interval]) or on (openlora_run_id) group by (openlora_run_id) ("
-        f"last_over_time(target_info{{{targets}}}[$__range])))"
+        f"{last}))"
     )
+
+
+def service_target_info(matchers: str, range_: str = "", *, around: str = "") -> str:
+    """target_info{``matchers``} of the services the ``service`` variable picks, on every path: pulled,
+    target_info carries service_name; pushed, service.name is the job and target_info has none (the
+    Collector's exporters and Prometheus' OTLP receiver move it to job). ``around``: a function
+    applied to each selector (with ``range_``), as ``last_over_time``."""
+    parts = [
+        f'target_info{{{matchers}, service_name=~"$service"}}{range_}',
+        f'target_info{{{matchers}, service_name="", job=~"$service"}}{range_}',
+    ]
+    if around:
+        parts = [f"{around}({part})" for part in parts]
+    return f"({parts[0]} or {parts[1]})"
+
+
+# The service variable: target_info's service_name when there is one, else its job (see above).
+SERVICE_QUERY = (
+    'query_result(group by (service_name) (target_info{job=~"$job", service_name!=""})'
+    ' or group by (job) (target_info{job=~"$job", service_name=""}))'
+)
+SERVICE_REGEX = '/(?:service_name|job)="(?<value>[^"]+)"/'
 
 
 RUN_NAMES = run_names('job=~"$job"')
@@ -1475,9 +1506,7 @@ def build_cluster() -> dict[str, Any]:
 # A server's series (openlora_otel.inference, names.INFERENCE_METRICS) carry the adapter as its own
 # label; the server's run id and service name are in target_info, as for training.
 ADAPTER_SEL = 'job=~"$job", instance=~"$instance", openlora_adapter_name=~"$adapter"'
-SERVING = (
-    ' * on (job, instance) group_left (openlora_run_id) target_info{openlora_run_id=~"$run", service_name=~"$service"}'
-)
+SERVING = " * on (job, instance) group_left (openlora_run_id) " + service_target_info('openlora_run_id=~"$run"')
 REQUESTS = "gen_ai_server_request_duration_seconds"
 # Errors the client caused; the rest (exceptions, overloaded) are the server's
 # (OpenloraInferenceErrorRatioHigh in openlora_otel/rules/openlora.yml leaves out the same).
@@ -1824,16 +1853,19 @@ def build_inference() -> dict[str, Any]:
             defaults={"min": 0},
         ),
     ]
-    serving_targets = 'job=~"$job", service_name=~"$service"'
+    serving_runs = run_names('job=~"$job"', by_service=True)
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
-        variable("service", "Service", 'label_values(target_info{job=~"$job"}, service_name)'),
-        variable("run", "Run", f"query_result({run_names(serving_targets)})", regex=RUN_NAME_REGEX),
+        variable("service", "Service", SERVICE_QUERY, regex=SERVICE_REGEX),
+        variable("run", "Run", f"query_result({serving_runs})", regex=RUN_NAME_REGEX),
         variable(
             "instance",
             "Server / instance",
-            'label_values(target_info{job=~"$job", service_name=~"$service", openlora_run_id=~"$run"}, instance)',
+            "query_result(group by (instance) "
+            + service_target_info('job=~"$job", openlora_run_id=~"$run"')
+            + ")",
+            regex='/instance="(?<value>[^"]+)"/',
         ),
         variable(
             "adapter",

@@ -25,6 +25,7 @@ from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.built import built
 from tests.conftest import child_env, free_port, reap
+from tests.metrics_paths import METRIC_PATHS
 from tests.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
 
@@ -572,15 +573,6 @@ ALERTS_ON_THE_FAKE_GPU = {
 }
 
 
-# How the runs' metrics reach Prometheus, and which Prometheus: pulled from each process (2.42 and 3.16);
-# pushed over OTLP to our Collector running collector/otelcol.yaml, whose prometheus exporter Prometheus
-# scrapes with honor_labels (2.42 and 3.16); pushed over OTLP straight into Prometheus 3's receiver
-# with the otlp block of deploy/prometheus/otlp.yml.
-METRIC_PATHS = pytest.mark.parametrize(
-    ("path", "major"),
-    [("pull", 2), ("pull", 3), ("collector", 2), ("collector", 3), ("otlp", 3)],
-    ids=["pull-prometheus2", "pull-prometheus3", "collector-prometheus2", "collector-prometheus3", "otlp-prometheus3"],
-)
 DIVERGED_INSTANCE = "diverged-run-instance"  # its service.instance.id on the push paths
 
 
@@ -589,15 +581,15 @@ DIVERGED_INSTANCE = "diverged-run-instance"  # its service.instance.id on the pu
 def test_every_dashboard_and_rule_query_on_a_real_demo_run(
     tmp_path, monkeypatch: pytest.MonkeyPatch, path: str, major: int
 ) -> None:
+    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     from openlora_otel import setup_telemetry
     from openlora_otel.hardware import gpu, nvml
-    from tests.collector_server import Collector
     from tests.fake_nvml import FakeNvml, h100s
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.metrics_paths import MetricsPath
 
-    prometheus_binary(major)
     # GPU series from a fake NVML and allocator, so the GPU panels have data on a machine without one.
     cards = h100s(1, processes={os.getpid(): 2 * 2**30})
     cards[0].utilization = 0.9
@@ -616,99 +608,69 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
     rules_dir = tmp_path / "rules"
     rules_dir.mkdir()
     shutil.copy(RULES, rules_dir / "openlora.yml")
-    rule_files = [str(rules_dir / "openlora.yml")]
-    collector = prometheus = telemetry = diverging = None
-    try:
-        if path == "pull":
-            diverging_port = free_port()
-            diverging_instance = f"127.0.0.1:{diverging_port}"
-            exporter_env = {
-                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
-                "OTEL_EXPORTER_PROMETHEUS_PORT": str(diverging_port),
-                "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT": "0",
-            }
-            main_env = {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": "0"}
-        else:
-            if path == "collector":
-                collector = Collector(tmp_path, COLLECTOR / "otelcol.yaml")
-                prometheus = Prometheus(
-                    tmp_path,
-                    [f"127.0.0.1:{collector.ports['prometheus']}"],
-                    job="openlora-collector",
-                    honor_labels=True,
-                    rule_files=rule_files,
-                    major=major,
-                )
-                endpoint = collector.otlp_http
+    telemetry = diverging = None
+    with MetricsPath(path, major, tmp_path, rule_files=[str(rules_dir / "openlora.yml")]) as metrics:
+        try:
+            if metrics.push:
+                diverging_instance = DIVERGED_INSTANCE
+                exporter_env = metrics.push_env(instance=DIVERGED_INSTANCE)
+                main_env = metrics.push_env()
             else:
-                shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "otlp.yml").read_text())
-                prometheus = Prometheus(
-                    tmp_path,
-                    [],
-                    rule_files=rule_files,
-                    major=major,
-                    extra_args=("--web.enable-otlp-receiver",),
-                    blocks={"otlp": shipped["otlp"], "storage": shipped["storage"]},
+                diverging_port = free_port()
+                diverging_instance = f"127.0.0.1:{diverging_port}"
+                exporter_env = {
+                    "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                    "OTEL_EXPORTER_PROMETHEUS_PORT": str(diverging_port),
+                    "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT": "0",
+                }
+                main_env = {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": "0"}
+            # A peak, as OPENLORA_PEAK_FLOPS gives it: on a CPU there is none, and no MFU without one.
+            config = dataclasses.replace(
+                TelemetryConfig.from_env(main_env), gpu_metrics="on", gpu_devices="all", peak_flops=1e12
+            )
+            diverging_log = tmp_path / "diverging-run.log"
+            with diverging_log.open("wb") as log:
+                diverging = subprocess.Popen(
+                    [sys.executable, "-c", DIVERGING_RUN],
+                    cwd=ROOT,
+                    env=child_env(
+                        OPENLORA_RUN_ID="diverged-run",
+                        OPENLORA_QUIET="true",
+                        OMP_NUM_THREADS="1",
+                        PYTHONPATH=str(ROOT),
+                        **exporter_env,
+                    ),
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                 )
-                endpoint = f"{prometheus.url}/api/v1/otlp"
-            diverging_instance = DIVERGED_INSTANCE
-            main_env = {
-                "OTEL_METRICS_EXPORTER": "otlp",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-            }
-            exporter_env = {**main_env, "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={DIVERGED_INSTANCE}"}
-        # A peak, as OPENLORA_PEAK_FLOPS gives it: on a CPU there is none, and no MFU without one.
-        config = dataclasses.replace(
-            TelemetryConfig.from_env(main_env), gpu_metrics="on", gpu_devices="all", peak_flops=1e12
-        )
-        diverging_log = tmp_path / "diverging-run.log"
-        with diverging_log.open("wb") as log:
-            diverging = subprocess.Popen(
-                [sys.executable, "-c", DIVERGING_RUN],
-                cwd=ROOT,
-                env=child_env(
-                    OPENLORA_RUN_ID="diverged-run",
-                    OPENLORA_QUIET="true",
-                    OMP_NUM_THREADS="1",
-                    PYTHONPATH=str(ROOT),
-                    **exporter_env,
-                ),
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        from openlora_otel.demo.train import DemoOptions
+            from openlora_otel.demo.train import DemoOptions
 
-        telemetry = setup_telemetry(
-            "openlora-demo",
-            run_id="dash-run",
-            run_name=RUN_NAMES["dash-run"],
-            hyperparameters=DemoOptions().hyperparameters(),
-            config=config,
-        )
-        if path == "pull":
-            main_instance = telemetry.prometheus_url.split("//", 1)[1].split("/", 1)[0]
-            prometheus = Prometheus(
-                tmp_path, [main_instance, diverging_instance], rule_files=rule_files, major=major
+            telemetry = setup_telemetry(
+                "openlora-demo",
+                run_id="dash-run",
+                run_name=RUN_NAMES["dash-run"],
+                hyperparameters=DemoOptions().hyperparameters(),
+                config=config,
             )
-        else:
-            main_instance = telemetry.resource.attributes["service.instance.id"]
-        _check_every_query(telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0])
-        # The series names are the ones names.py gives for the path (the README's table is made from
-        # them): checked here against what the real Collector and Prometheus 3's receiver produced.
-        observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
-        assert_series_names_follow_the_path(observed, path)
-    finally:
-        if diverging is not None:
-            diverging.stdin.close()  # the diverged run shuts down
-            reap(diverging, 30)
-        if telemetry is not None:
-            telemetry.shutdown()
-        if prometheus is not None:
-            prometheus.stop()
-        if collector is not None:
-            collector.stop()
+            if metrics.push:
+                main_instance = telemetry.resource.attributes["service.instance.id"]
+            else:
+                main_instance = telemetry.prometheus_url.split("//", 1)[1].split("/", 1)[0]
+            prometheus = metrics.scrape([main_instance, diverging_instance])
+            _check_every_query(
+                telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0]
+            )
+            # The series names are the ones names.py gives for the path (the README's table is made
+            # from them): checked here against what the real Collector and Prometheus 3's receiver made.
+            observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
+            assert_series_names_follow_the_path(observed, path)
+        finally:
+            if diverging is not None:
+                diverging.stdin.close()  # the diverged run shuts down
+                reap(diverging, 30)
+            if telemetry is not None:
+                telemetry.shutdown()
 
 
 # Series that are no exported metric: Prometheus' own per scrape, recording rules (with a colon), alerts.

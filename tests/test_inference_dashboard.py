@@ -16,12 +16,13 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
-from tests.prometheus_server import PROMETHEUS_MAJORS
+from tests.metrics_paths import METRIC_PATHS
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
@@ -31,6 +32,10 @@ from tests.test_cluster_dashboard import (
     run_every_query,
     substitute,
 )
+
+if TYPE_CHECKING:
+    from openlora_otel import TelemetryConfig
+    from tests.metrics_paths import MetricsPath
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -136,15 +141,21 @@ def test_inference_dashboard_structure() -> None:
             # Every series read is filtered by job, instance and adapter, and joined with the
             # target_info of the selected services and runs.
             selectors = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}", expr)
+            # The service: service_name when pulled, the job when pushed (target_info has no
+            # service_name then), so target_info is read twice, once for each.
+            infos = [labels for name, labels in selectors if name == "target_info"]
+            assert infos and len(infos) % 2 == 0, (panel["title"], expr)
+            for pulled, pushed in zip(infos[::2], infos[1::2], strict=True):
+                assert 'service_name=~"$service"' in pulled, (panel["title"], infos)
+                assert 'service_name="", job=~"$service"' in pushed, (panel["title"], infos)
             for name, labels in selectors:
                 wanted = (
-                    ('openlora_run_id=~"$run"', 'service_name=~"$service"')
+                    ('openlora_run_id=~"$run"',)
                     if name == "target_info"
                     else ('job=~"$job"', 'instance=~"$instance"', 'openlora_adapter_name=~"$adapter"')
                 )
                 for selected in wanted:
                     assert selected in labels, (panel["title"], name, selected)
-            assert any(name == "target_info" for name, _ in selectors), (panel["title"], expr)
             if re.search(r"\b(rate|increase)\(", expr):
                 assert "[$__rate_interval]" in expr, expr
             if expr.startswith("sort_desc("):
@@ -256,15 +267,28 @@ def value(result: list[dict]) -> float:
 
 
 @pytest.mark.e2e
-@PROMETHEUS_MAJORS
-def test_every_inference_query_on_recorded_requests(tmp_path, major: int) -> None:
-    from openlora_otel import TelemetryConfig, setup_telemetry
-    from tests.prometheus_server import Prometheus, prometheus_binary
+@METRIC_PATHS
+def test_every_inference_query_on_recorded_requests(tmp_path, path: str, major: int) -> None:
+    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
+    from openlora_otel import TelemetryConfig
+    from tests.metrics_paths import MetricsPath
 
-    prometheus_binary(major)
-    config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0)
+    rules_dir = tmp_path / "rules"
+    rules_dir.mkdir()
+    (rules_dir / "openlora.yml").write_text(RULES.read_text())
+    with MetricsPath(path, major, tmp_path, rule_files=[str(rules_dir / "openlora.yml")]) as metrics:
+        if metrics.push:
+            config = TelemetryConfig.from_env(metrics.push_env(instance="serve-instance"))
+        else:
+            config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0)
+        _check_every_inference_query(metrics, config)
+
+
+def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) -> None:
+    from openlora_otel import setup_telemetry
+
     telemetry = setup_telemetry("openlora-serve", run_id=RUN_ID, run_name="serve", config=config)
-    prometheus = None
     held: list = []
     try:
         inference = telemetry.inference
@@ -278,11 +302,11 @@ def test_every_inference_query_on_recorded_requests(tmp_path, major: int) -> Non
         # One request waiting in the queue and one running, held open while Prometheus scrapes.
         held = [inference.request("a1", queued=True), inference.request("a2")]
 
-        rules_dir = tmp_path / "rules"
-        rules_dir.mkdir()
-        (rules_dir / "openlora.yml").write_text(RULES.read_text())
-        target = telemetry.prometheus_url.removeprefix("http://").removesuffix("/metrics")
-        prometheus = Prometheus(tmp_path, [target], rule_files=[str(rules_dir / "openlora.yml")], major=major)
+        if metrics.push:
+            target = telemetry.resource.attributes["service.instance.id"]
+        else:
+            target = telemetry.prometheus_url.removeprefix("http://").removesuffix("/metrics")
+        prometheus = metrics.scrape([target])
         with Traffic(inference) as traffic:
             assert prometheus.wait_for(
                 'sum(gen_ai_server_request_duration_seconds_count{error_type="RuntimeError"}) >= 2',
@@ -382,6 +406,4 @@ def test_every_inference_query_on_recorded_requests(tmp_path, major: int) -> Non
     finally:
         for request in held:
             request.end()
-        if prometheus is not None:
-            prometheus.stop()
         telemetry.shutdown()
