@@ -34,7 +34,7 @@ import yaml
 
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, reap
-from tests.prometheus_server import PROMETHEUS_MAJORS
+from tests.metrics_paths import METRIC_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -180,6 +180,8 @@ class Ranks:
     """``len(step_seconds)`` rank processes of one run on this host, on base_port + LOCAL_RANK.
 
     ``data_seconds``: how much of each rank's step is spent waiting for its batch (none by default).
+    ``push_env``: push the metrics this way (tests/metrics_paths.py) instead of serving them; each rank's
+    service.instance.id, its ``instance`` label then, is ``<run_id>-rank<RANK>``, and ``targets`` lists those.
     """
 
     def __init__(
@@ -191,6 +193,7 @@ class Ranks:
         lifetime_s: float = 300.0,
         extra_env: dict[str, str] | None = None,
         run_name: str | None = None,
+        push_env: dict[str, str] | None = None,
     ) -> None:
         data_seconds = data_seconds or [0.0] * len(step_seconds)
         assert len(data_seconds) == len(step_seconds)
@@ -202,8 +205,17 @@ class Ranks:
         self.processes: list[subprocess.Popen] = []
         # Output to files, not pipes: a pipe nobody reads would block a chatty rank.
         self.logs = [tempfile.TemporaryFile() for _ in step_seconds]  # noqa: SIM115 (closed in stop())
-        self.targets = [f"127.0.0.1:{self.base_port + rank}" for rank in range(self.world_size)]
+        self.push = push_env is not None
+        if self.push:
+            self.targets = [f"{run_id}-rank{rank}" for rank in range(self.world_size)]
+        else:
+            self.targets = [f"127.0.0.1:{self.base_port + rank}" for rank in range(self.world_size)]
         for rank, step_s in enumerate(step_seconds):
+            push = (
+                {**push_env, "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={self.targets[rank]}"}
+                if push_env is not None
+                else {}
+            )
             env = child_env(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank),
@@ -218,6 +230,7 @@ class Ranks:
                 OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT="0",
                 PYTHONPATH=str(ROOT),
                 **(extra_env or {}),
+                **push,
             )
             args = (step_s, data_seconds[rank], lifetime_s, FLOPS_PER_TOKEN, PEAK_FLOPS)
             try:
@@ -234,6 +247,8 @@ class Ranks:
             self.processes.append(process)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
+        if self.push:
+            return  # nothing to serve: a test waits for their series instead
         deadline = time.monotonic() + timeout
         for process, target in zip(self.processes, self.targets, strict=True):
             while True:
@@ -263,8 +278,13 @@ class Ranks:
 
 
 @contextmanager
-def ranks(run_id: str, step_seconds: list[float], data_seconds: list[float] | None = None) -> Iterator[Ranks]:
-    started = Ranks(run_id, step_seconds, data_seconds=data_seconds)
+def ranks(
+    run_id: str,
+    step_seconds: list[float],
+    data_seconds: list[float] | None = None,
+    push_env: dict[str, str] | None = None,
+) -> Iterator[Ranks]:
+    started = Ranks(run_id, step_seconds, data_seconds=data_seconds, push_env=push_env)
     try:
         started.wait_serving()
         yield started
@@ -555,91 +575,97 @@ def _by_rank(result: list[dict]) -> dict[str, float]:
 
 
 @pytest.mark.e2e
-@PROMETHEUS_MAJORS
-def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, major: int) -> None:
-    from tests.prometheus_server import Prometheus, prometheus_binary
+@METRIC_PATHS
+def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, path: str, major: int) -> None:
+    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
+    from tests.metrics_paths import MetricsPath
 
-    prometheus_binary(major)
     rules = write_rules(tmp_path / "rules")
-    with ranks(RUN_ID, [FAST_S, SLOW_S], data_seconds=[0.0, SLOW_DATA_S]) as run:
-        prometheus = Prometheus(tmp_path, run.targets, rule_files=[str(rules)], major=major)
-        try:
-            straggler = "rank:openlora_training_straggler_ratio:2m"
-            assert wait_until(lambda: len(prometheus.query(straggler)) == 2, timeout=60), prometheus.query(
-                "up"
-            )
-            time.sleep(3)  # a few more scrapes: throughput gauges and rates over more than one interval
+    with (
+        MetricsPath(path, major, tmp_path, rule_files=[str(rules)]) as metrics,
+        ranks(
+            RUN_ID,
+            [FAST_S, SLOW_S],
+            data_seconds=[0.0, SLOW_DATA_S],
+            push_env=metrics.push_env() if metrics.push else None,
+        ) as run,
+    ):
+        prometheus = metrics.scrape(run.targets)
+        straggler = "rank:openlora_training_straggler_ratio:2m"
+        assert wait_until(lambda: len(prometheus.query(straggler)) == 2, timeout=60), prometheus.query(
+            "up"
+        )
+        time.sleep(3)  # a few more scrapes: throughput gauges and rates over more than one interval
 
-            problems = run_every_query(
-                CLUSTER_DASHBOARD,
-                prometheus.query,
-                http_variable_options(prometheus.url),
-                RUN_ID,
-                run_names={RUN_ID: run.run_name},
-            )
-            assert not problems, "\n".join(problems)
+        problems = run_every_query(
+            CLUSTER_DASHBOARD,
+            prometheus.query,
+            http_variable_options(prometheus.url),
+            RUN_ID,
+            run_names={RUN_ID: run.run_name},
+        )
+        assert not problems, "\n".join(problems)
 
-            # The values say what the panels promise.
-            assert float(prometheus.query("run:openlora_ranks_reporting:count")[0]["value"][1]) == 2
-            assert float(prometheus.query("run:openlora_world_size:max")[0]["value"][1]) == 2
-            step_panel = next(
-                p for p in panels(CLUSTER_DASHBOARD) if p["title"].startswith("Step time per rank,")
+        # The values say what the panels promise.
+        assert float(prometheus.query("run:openlora_ranks_reporting:count")[0]["value"][1]) == 2
+        assert float(prometheus.query("run:openlora_world_size:max")[0]["value"][1]) == 2
+        step_panel = next(
+            p for p in panels(CLUSTER_DASHBOARD) if p["title"].startswith("Step time per rank,")
+        )
+        slowest_first = prometheus.query(substitute(step_panel["targets"][0]["expr"], run=RUN_ID))
+        assert [s["metric"]["openlora_rank"] for s in slowest_first] == ["1", "0"]
+        step = _by_rank(slowest_first)
+        assert FAST_S <= step["0"] < 2 * FAST_S and SLOW_S <= step["1"] < 1.5 * SLOW_S, step
+        ratio = _by_rank(prometheus.query(straggler))
+        assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+        node = prometheus.query(
+            substitute(
+                next(p for p in panels(CLUSTER_DASHBOARD) if "per node" in p["title"])["targets"][0][
+                    "expr"
+                ]
             )
-            slowest_first = prometheus.query(substitute(step_panel["targets"][0]["expr"], run=RUN_ID))
-            assert [s["metric"]["openlora_rank"] for s in slowest_first] == ["1", "0"]
-            step = _by_rank(slowest_first)
-            assert FAST_S <= step["0"] < 2 * FAST_S and SLOW_S <= step["1"] < 1.5 * SLOW_S, step
-            ratio = _by_rank(prometheus.query(straggler))
-            assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
-            node = prometheus.query(
-                substitute(
-                    next(p for p in panels(CLUSTER_DASHBOARD) if "per node" in p["title"])["targets"][0][
-                        "expr"
-                    ]
-                )
-            )
-            assert [s["metric"]["host_name"] for s in node] == [socket.gethostname()]
-            assert float(node[0]["value"][1]) == pytest.approx(0.5)
-            total = float(
-                prometheus.query("run:openlora_training_throughput_tokens_per_second:sum")[0]["value"][1]
-            )
-            # 512 tokens per step: about 25,600/s from rank 0 and 6,400/s from rank 1, less the loop's overhead.
-            assert 0.5 * (512 / FAST_S + 512 / SLOW_S) < total < 1.05 * (512 / FAST_S + 512 / SLOW_S), total
-            age = _by_rank(prometheus.query("rank:openlora_training_last_step_age_seconds"))
-            assert sorted(age) == ["0", "1"] and all(0 <= value < 10 for value in age.values()), age
+        )
+        assert [s["metric"]["host_name"] for s in node] == [socket.gethostname()]
+        assert float(node[0]["value"][1]) == pytest.approx(0.5)
+        total = float(
+            prometheus.query("run:openlora_training_throughput_tokens_per_second:sum")[0]["value"][1]
+        )
+        # 512 tokens per step: about 25,600/s from rank 0 and 6,400/s from rank 1, less the loop's overhead.
+        assert 0.5 * (512 / FAST_S + 512 / SLOW_S) < total < 1.05 * (512 / FAST_S + 512 / SLOW_S), total
+        age = _by_rank(prometheus.query("rank:openlora_training_last_step_age_seconds"))
+        assert sorted(age) == ["0", "1"] and all(0 <= value < 10 for value in age.values()), age
 
-            # Why rank 1 is slow: it waits for its data. The bars list it first, near 0.75.
-            def first_target(title: str) -> str:
-                return substitute(
-                    next(p for p in panels(CLUSTER_DASHBOARD) if p["title"] == title)["targets"][0]["expr"],
-                    run=RUN_ID,
-                )
+        # Why rank 1 is slow: it waits for its data. The bars list it first, near 0.75.
+        def first_target(title: str) -> str:
+            return substitute(
+                next(p for p in panels(CLUSTER_DASHBOARD) if p["title"] == title)["targets"][0]["expr"],
+                run=RUN_ID,
+            )
 
-            waiting = prometheus.query(first_target("Data-wait fraction per rank, highest first"))
-            assert [s["metric"]["openlora_rank"] for s in waiting] == ["1", "0"], waiting
-            fraction = _by_rank(waiting)
-            assert 0.6 < fraction["1"] <= 1.0 and 0.0 <= fraction["0"] < 0.1, fraction
-            # OpenloraInputBound's condition (its `for` aside) holds for rank 1 alone.
-            (input_bound,) = [r for r in rules_in(rules) if r.get("alert") == "OpenloraInputBound"]
-            flagged = prometheus.query(input_bound["expr"])
-            assert [s["metric"]["instance"] for s in flagged] == [run.targets[1]], flagged
-            # Same model and device on both ranks: the one that waits gets the lower MFU.
-            mfu = prometheus.query(first_target("MFU per rank, lowest first"))
-            assert [s["metric"]["openlora_rank"] for s in mfu] == ["1", "0"], mfu
-            # About 512 / 0.02 tokens/s x 1 MFLOP / 100 GFLOP/s = 0.26 for rank 0, a quarter of that for rank 1.
-            utilization = _by_rank(mfu)
-            assert (
-                0 < utilization["1"] < utilization["0"] < 512 / FAST_S * FLOPS_PER_TOKEN / PEAK_FLOPS * 1.05
-            ), mfu
-            # The GPUs behind the ranks: rank 1's is degraded (its pending remap), rank 0's is ok and
-            # reported its one XID; neither fake GPU is throttled.
-            status = prometheus.query(first_target("Worst GPU status per rank, worst first"))
-            assert [s["metric"]["openlora_rank"] for s in status] == ["1", "0"], status
-            assert _by_rank(status) == {"1": 1.0, "0": 0.0}, status
-            xids = _by_rank(prometheus.query(first_target("XID errors per rank, most first")))
-            assert xids == {"0": 1.0}, xids
-            throttled = prometheus.query(first_target("GPU throttled time per rank"))
-            assert {s["metric"]["openlora_rank"] for s in throttled} == {"0", "1"}, throttled
-            assert all(float(s["value"][1]) == 0.0 for s in throttled), throttled
-        finally:
-            prometheus.stop()
+        waiting = prometheus.query(first_target("Data-wait fraction per rank, highest first"))
+        assert [s["metric"]["openlora_rank"] for s in waiting] == ["1", "0"], waiting
+        fraction = _by_rank(waiting)
+        assert 0.6 < fraction["1"] <= 1.0 and 0.0 <= fraction["0"] < 0.1, fraction
+        # OpenloraInputBound's condition (its `for` aside) holds for rank 1 alone.
+        (input_bound,) = [r for r in rules_in(rules) if r.get("alert") == "OpenloraInputBound"]
+        flagged = prometheus.query(input_bound["expr"])
+        assert [s["metric"]["instance"] for s in flagged] == [run.targets[1]], flagged
+        # Same model and device on both ranks: the one that waits gets the lower MFU.
+        mfu = prometheus.query(first_target("MFU per rank, lowest first"))
+        assert [s["metric"]["openlora_rank"] for s in mfu] == ["1", "0"], mfu
+        # About 512 / 0.02 tokens/s x 1 MFLOP / 100 GFLOP/s = 0.26 for rank 0, a quarter of that for rank 1.
+        utilization = _by_rank(mfu)
+        assert (
+            0 < utilization["1"] < utilization["0"] < 512 / FAST_S * FLOPS_PER_TOKEN / PEAK_FLOPS * 1.05
+        ), mfu
+        # The GPUs behind the ranks: rank 1's is degraded (its pending remap), rank 0's is ok and
+        # reported its one XID; neither fake GPU is throttled.
+        status = prometheus.query(first_target("Worst GPU status per rank, worst first"))
+        assert [s["metric"]["openlora_rank"] for s in status] == ["1", "0"], status
+        assert _by_rank(status) == {"1": 1.0, "0": 0.0}, status
+        xids = _by_rank(prometheus.query(first_target("XID errors per rank, most first")))
+        assert xids == {"0": 1.0}, xids
+        throttled = prometheus.query(first_target("GPU throttled time per rank"))
+        assert {s["metric"]["openlora_rank"] for s in throttled} == {"0", "1"}, throttled
+        assert all(float(s["value"][1]) == 0.0 for s in throttled), throttled
