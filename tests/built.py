@@ -20,6 +20,7 @@ TARGETS = {
     "alertmanager": "alertmanager",
     "amtool": "alertmanager",
     "victoria-metrics": "victoriametrics",
+    "vmalert": "victoriametrics",
 }
 
 

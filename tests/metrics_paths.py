@@ -4,7 +4,11 @@
 - ``collector``: the processes push OTLP (HTTP) to our Collector running collector/otelcol.yaml, and
   Prometheus scrapes the Collector's prometheus exporter with ``honor_labels``, as collector/prometheus.yml;
 - ``otlp``: the processes push OTLP straight into Prometheus 3's receiver, configured with the
-  ``otlp`` and ``storage`` blocks of deploy/prometheus/otlp.yml.
+  ``otlp`` and ``storage`` blocks of deploy/prometheus/otlp.yml;
+- ``gateway``: the processes push OTLP to a Collector running deploy/collector/agent.yaml, which
+  forwards it over OTLP gRPC to one running deploy/collector/gateway.yaml, which remote-writes to
+  Prometheus (its remote-write receiver on, evaluating the rules) or, ``major`` 0, to
+  VictoriaMetrics 1.151 with vmalert evaluating them.
 
 On the push paths ``instance`` is the process's ``service.instance.id``: :meth:`MetricsPath.push_env`
 sets one a test can name.
@@ -17,14 +21,33 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.built import built
 from tests.collector_server import Collector
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.prometheus_server import Prometheus, VictoriaMetrics, prometheus_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 METRIC_PATHS = pytest.mark.parametrize(
     ("path", "major"),
-    [("pull", 2), ("pull", 3), ("collector", 2), ("collector", 3), ("otlp", 3)],
-    ids=["pull-prometheus2", "pull-prometheus3", "collector-prometheus2", "collector-prometheus3", "otlp-prometheus3"],
+    [
+        ("pull", 2),
+        ("pull", 3),
+        ("collector", 2),
+        ("collector", 3),
+        ("otlp", 3),
+        ("gateway", 2),
+        ("gateway", 3),
+        ("gateway", 0),
+    ],
+    ids=[
+        "pull-prometheus2",
+        "pull-prometheus3",
+        "collector-prometheus2",
+        "collector-prometheus3",
+        "otlp-prometheus3",
+        "gateway-prometheus2",
+        "gateway-prometheus3",
+        "gateway-victoriametrics",
+    ],
 )
 PUSH_INTERVAL_MS = "1000"  # the processes' OTLP export interval (the default is 60 s)
 
@@ -34,11 +57,19 @@ class MetricsPath:
     path Prometheus starts at :meth:`scrape`, when the targets are known."""
 
     def __init__(self, path: str, major: int, workdir: Path, rule_files: list[str] | None = None) -> None:
-        assert path in ("pull", "collector", "otlp"), path
-        prometheus_binary(major)  # skip (or fail under CI) before anything starts
+        assert path in ("pull", "collector", "otlp", "gateway"), path
+        # Skip (or fail under CI) before anything starts.
+        if major:
+            prometheus_binary(major)
+        else:
+            built("victoria-metrics")
+            built("vmalert")
+        if path in ("collector", "gateway"):
+            built("otelcol-openlora")
         self.path, self.major, self.workdir, self.rule_files = path, major, workdir, rule_files
-        self.collector: Collector | None = None
-        self.prometheus: Prometheus | None = None
+        self.collector: Collector | None = None  # where the processes push (the agent on the gateway path)
+        self.gateway: Collector | None = None
+        self.prometheus: Prometheus | VictoriaMetrics | None = None
 
     def __enter__(self) -> MetricsPath:
         try:
@@ -61,6 +92,32 @@ class MetricsPath:
                     major=self.major,
                     extra_args=("--web.enable-otlp-receiver",),
                     blocks={"otlp": shipped["otlp"], "storage": shipped["storage"]},
+                )
+            elif self.path == "gateway":
+                if self.major:
+                    self.prometheus = Prometheus(
+                        self.workdir,
+                        [],
+                        rule_files=self.rule_files,
+                        major=self.major,
+                        extra_args=("--web.enable-remote-write-receiver",),
+                    )
+                else:
+                    self.prometheus = VictoriaMetrics(self.workdir, self.rule_files)
+                self.gateway = Collector(
+                    self.workdir,
+                    ROOT / "deploy" / "collector" / "gateway.yaml",
+                    name="gateway",
+                    env={
+                        "OPENLORA_REMOTE_WRITE_URL": f"{self.prometheus.url}/api/v1/write",
+                        "OPENLORA_REMOTE_WRITE_AUTHORIZATION": "",
+                    },
+                )
+                self.collector = Collector(
+                    self.workdir,
+                    ROOT / "deploy" / "collector" / "agent.yaml",
+                    name="agent",
+                    overrides={"exporters": {"otlp_grpc": {"endpoint": f"127.0.0.1:{self.gateway.ports['grpc']}"}}},
                 )
         except BaseException:
             self.stop()
@@ -94,14 +151,13 @@ class MetricsPath:
             env["OTEL_RESOURCE_ATTRIBUTES"] = f"service.instance.id={instance}"
         return env
 
-    def scrape(self, targets: list[str]) -> Prometheus:
+    def scrape(self, targets: list[str]) -> Prometheus | VictoriaMetrics:
         """The Prometheus holding the metrics: on the pull path started now, scraping ``targets``."""
         if self.prometheus is None:
             self.prometheus = Prometheus(self.workdir, targets, rule_files=self.rule_files, major=self.major)
         return self.prometheus
 
     def stop(self) -> None:
-        if self.prometheus is not None:
-            self.prometheus.stop()
-        if self.collector is not None:
-            self.collector.stop()
+        for server in (self.collector, self.gateway, self.prometheus):
+            if server is not None:
+                server.stop()

@@ -158,8 +158,69 @@ class Prometheus(ServerProcess):
         ]
         super().__init__("prometheus", argv, port, workdir, "/-/ready")
 
+    @property
+    def rules_url(self) -> str:
+        """Where the rules are evaluated: ``/api/v1/rules`` there lists them (vmalert's, for VictoriaMetrics)."""
+        return self.url
+
     def active_targets(self) -> list[dict]:
         """The scrape targets Prometheus knows now (``/api/v1/targets``, active ones)."""
         body = self.get("/api/v1/targets", state="active")
         assert body["status"] == "success", body
         return body["data"]["activeTargets"]
+
+
+class VictoriaMetrics(ServerProcess):
+    """VictoriaMetrics (build/bin's, tools/build.sh victoriametrics) and a vmalert evaluating
+    ``rule_files`` against it, as deploy/prometheus/victoria-metrics/ runs them; queried through its
+    Prometheus API like :class:`Prometheus`. Takes remote write at ``/api/v1/write`` and OTLP at
+    ``/opentelemetry/v1/metrics``."""
+
+    def __init__(self, workdir: Path, rule_files: list[str] | None = None) -> None:
+        port = free_port()
+        argv = [
+            built("victoria-metrics"),
+            f"-storageDataPath={workdir / 'vm-data'}",
+            f"-httpListenAddr=127.0.0.1:{port}",
+            "-search.latencyOffset=0s",  # fresh samples visible at once
+            "-loggerLevel=WARN",
+        ]
+        super().__init__("victoria-metrics", argv, port, workdir, "/health")
+        self.vmalert: ServerProcess | None = None
+        if rule_files:
+            vmalert_port = free_port()
+            try:
+                self.vmalert = ServerProcess(
+                    "vmalert",
+                    [
+                        built("vmalert"),
+                        *(f"-rule={path}" for path in rule_files),
+                        f"-datasource.url={self.url}",
+                        f"-remoteWrite.url={self.url}",
+                        f"-remoteRead.url={self.url}",
+                        f"-notifier.url=http://127.0.0.1:{free_port()}",  # alerts are not under test
+                        "-evaluationInterval=1s",
+                        # Evaluate at now, as VictoriaMetrics answers fresh samples at once (the
+                        # default, 30 s back, would not see a run that started seconds ago).
+                        "-rule.evalDelay=0s",
+                        "-remoteWrite.flushInterval=1s",
+                        f"-httpListenAddr=127.0.0.1:{vmalert_port}",
+                        "-loggerLevel=WARN",
+                    ],
+                    vmalert_port,
+                    workdir,
+                    "/health",
+                )
+            except BaseException:
+                super().stop()
+                raise
+
+    @property
+    def rules_url(self) -> str:
+        assert self.vmalert is not None, "no rules given"
+        return self.vmalert.url
+
+    def stop(self) -> None:
+        if self.vmalert is not None:
+            self.vmalert.stop()
+        super().stop()

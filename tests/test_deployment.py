@@ -27,7 +27,7 @@ from tests.built import built
 from tests.conftest import child_env, free_port, reap
 from tests.metrics_paths import METRIC_PATHS
 from tests.prometheus_server import PROMETHEUS_MAJORS
-from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute
+from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute, wait_until
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
@@ -759,6 +759,13 @@ def _check_every_query(
         # The alerts on a diverged run hold on the real series of one, there and only there.
         for name, labels in ALERTS_ON_THE_DIVERGED_RUN.items():
             (rule,) = [r for r in alerts() if r["alert"] == name]
+            # Bounded wait: on VictoriaMetrics the recording rules the alerts join (instance:openlora_run:current)
+            # go through vmalert's evaluation and its remote write, a few seconds behind the data.
+            wait_until(
+                lambda rule=rule: {s["metric"]["instance"] for s in prometheus.query(rule["expr"])}
+                == {diverging_instance},
+                timeout=30,
+            )
             found = prometheus.query(rule["expr"])
             assert {s["metric"]["instance"] for s in found} == {diverging_instance}, (name, found)
             for label, values in labels.items():
@@ -769,8 +776,16 @@ def _check_every_query(
         for rule in alerts():
             if not rule["alert"].startswith("OpenloraGpu"):
                 continue
-            found = prometheus.query(rule["expr"])
             expected = ALERTS_ON_THE_FAKE_GPU.get(rule["alert"])
+            if expected is not None:
+                wait_until(
+                    lambda rule=rule: {
+                        (s["metric"]["instance"], s["metric"]["hw_id"]) for s in prometheus.query(rule["expr"])
+                    }
+                    == {(main, card.uuid)},
+                    timeout=30,
+                )
+            found = prometheus.query(rule["expr"])
             if expected is None:
                 assert not found, (rule["alert"], found)
                 continue
@@ -781,7 +796,7 @@ def _check_every_query(
             assert {s["metric"]["openlora_run_name"] for s in found} == {RUN_NAMES["dash-run"]}, found
             for label, values in expected.items():
                 assert {s["metric"][label] for s in found} == values, (rule["alert"], found)
-        with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=5) as response:
+        with urllib.request.urlopen(f"{prometheus.rules_url}/api/v1/rules", timeout=5) as response:
             loaded = json.load(response)["data"]["groups"]
         assert sum(len(group["rules"]) for group in loaded) == len(rules())
         assert all(rule["health"] == "ok" for group in loaded for rule in group["rules"])

@@ -31,6 +31,7 @@ from tests.test_cluster_dashboard import (
     panels,
     run_every_query,
     substitute,
+    wait_until,
 )
 
 if TYPE_CHECKING:
@@ -383,7 +384,11 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) 
             assert [(s["metric"]["openlora_adapter_name"], s["metric"]["error_type"]) for s in failed] == [
                 ("broken", "FileNotFoundError")
             ]
-            alert = prometheus.query(rule("OpenloraInferenceAdapterLoadFailed")["expr"])
+            # Bounded wait: the alert joins a recording rule, which on VictoriaMetrics vmalert writes back
+            # a few evaluations after the data arrived.
+            load_failed = rule("OpenloraInferenceAdapterLoadFailed")["expr"]
+            wait_until(lambda: bool(prometheus.query(load_failed)), timeout=30)
+            alert = prometheus.query(load_failed)
             assert [
                 (s["metric"]["openlora_adapter_name"], s["metric"]["openlora_run_id"]) for s in alert
             ] == [("broken", RUN_ID)], alert
@@ -394,7 +399,13 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) 
             assert all(0.01 <= float(s["value"][1]) < 1 for s in load_times), load_times
 
         # Traffic stopped: only the two held requests are in flight.
-        time.sleep(2.5)
+        # Bounded wait for the last interval with traffic to pass through (pulled: the next scrape;
+        # through the agent and gateway tiers: an export and two batches, some seconds).
+        wait_until(
+            lambda: value(prometheus.query(first("Waiting requests"))) == 1
+            and value(prometheus.query(first("Running requests"))) == 1,
+            timeout=30,
+        )
         assert value(prometheus.query(first("Waiting requests"))) == 1
         assert value(prometheus.query(first("Running requests"))) == 1
         by_state = {

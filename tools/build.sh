@@ -5,7 +5,8 @@
 #                                                 (collector/otelcol-openlora: core v0.165.0, contrib v0.165.1)
 #   prometheus       build/bin/prometheus, promtool   Prometheus 3 (module v0.316.0 = Prometheus 3.16.0)
 #   alertmanager     build/bin/alertmanager, amtool   Alertmanager v0.35.0
-#   victoriametrics  build/bin/victoria-metrics       VictoriaMetrics v1.151.0 (single node)
+#   victoriametrics  build/bin/victoria-metrics, vmalert   VictoriaMetrics v1.151.0 (single node) and its
+#                                                 rule evaluator
 #
 # Usage: tools/build.sh [--regenerate] [collector|prometheus|alertmanager|victoriametrics ...]
 #   With no name, all four. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
@@ -107,8 +108,11 @@ build_victoriametrics() {
     local dir=$root/tools/victoriametrics module=github.com/VictoriaMetrics/VictoriaMetrics
     local version
     version=$(module_version "$dir" "$module")
-    (cd "$dir" && go build -ldflags "-s -w -X $module/lib/buildinfo.Version=victoria-metrics-$version" \
-        -o "$out/victoria-metrics" "$module/app/victoria-metrics")
+    local app
+    for app in victoria-metrics vmalert; do
+        (cd "$dir" && go build -ldflags "-s -w -X $module/lib/buildinfo.Version=$app-$version" \
+            -o "$out/$app" "$module/app/$app")
+    done
 }
 
 for target in "${targets[@]}"; do
