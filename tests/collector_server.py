@@ -70,10 +70,10 @@ class Collector(ServerProcess):
             overlay["exporters"] = {"prometheus": {"endpoint": f"127.0.0.1:{self.ports['prometheus']}"}}
         self.overlay = workdir / f"{name}-loopback.yaml"
         self.overlay.write_text(yaml.safe_dump(overlay))
-        extra = []
-        if overrides:
-            (workdir / f"{name}-overrides.yaml").write_text(yaml.safe_dump(overrides))
-            extra = ["--config", str(workdir / f"{name}-overrides.yaml")]
+        # Always there (empty: nothing changed), so that restart(overrides=...) can change it.
+        self.overrides = workdir / f"{name}-overrides.yaml"
+        self.overrides.write_text(yaml.safe_dump(overrides or {}))
+        extra = ["--config", str(self.overrides)]
         self.config = config
         argv = [built("otelcol-openlora"), "--config", str(config), "--config", str(self.overlay), *extra]
         super().__init__(name, argv, self.ports["health"], workdir, "/", env=env)
@@ -89,3 +89,9 @@ class Collector(ServerProcess):
     def log_lines(self, level: str) -> list[str]:
         """The log lines of ``level`` (``warn``, ``error``): the collector's console log is tab-separated."""
         return [line for line in self.log.read_text().splitlines() if f"\t{level}\t" in line]
+
+    def restart(self, overrides: dict | None = None) -> None:
+        """Stop and start again on the same ports; ``overrides`` replaces those given at the start."""
+        if overrides is not None:
+            self.overrides.write_text(yaml.safe_dump(overrides))
+        super().restart()

@@ -4,7 +4,9 @@
 - ``collector``: the processes push OTLP (HTTP) to our Collector running collector/otelcol.yaml, and
   Prometheus scrapes the Collector's prometheus exporter with ``honor_labels``, as collector/prometheus.yml;
 - ``otlp``: the processes push OTLP straight into Prometheus 3's receiver, configured with the
-  ``otlp`` and ``storage`` blocks of deploy/prometheus/otlp.yml;
+  ``otlp`` and ``storage`` blocks of deploy/prometheus/otlp.yml (``major`` 0: into VictoriaMetrics
+  1.151's OTLP ingestion, which makes no target_info and no job or instance: not a path the
+  dashboards work on, see tests/test_push_paths.py);
 - ``gateway``: the processes push OTLP to a Collector running deploy/collector/agent.yaml, which
   forwards it over OTLP gRPC to one running deploy/collector/gateway.yaml, which remote-writes to
   Prometheus (its remote-write receiver on, evaluating the rules) or, ``major`` 0, to
@@ -83,6 +85,10 @@ class MetricsPath:
                     rule_files=self.rule_files,
                     major=self.major,
                 )
+            elif self.path == "otlp" and not self.major:
+                self.prometheus = VictoriaMetrics(
+                    self.workdir, self.rule_files, extra_args=("-opentelemetry.usePrometheusNaming",)
+                )
             elif self.path == "otlp":
                 shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "otlp.yml").read_text())
                 self.prometheus = Prometheus(
@@ -137,6 +143,8 @@ class MetricsPath:
         if self.collector is not None:
             return self.collector.otlp_http
         assert self.prometheus is not None and self.path == "otlp"
+        if isinstance(self.prometheus, VictoriaMetrics):
+            return f"{self.prometheus.url}/opentelemetry"
         return f"{self.prometheus.url}/api/v1/otlp"
 
     def push_env(self, instance: str | None = None) -> dict[str, str]:

@@ -56,27 +56,35 @@ class ServerProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = workdir / f"{name}.log"
+        self._argv, self._workdir, self._ready_path = argv, workdir, ready_path
+        self._env = None if env is None else {**os.environ, **env}
         self._log_handle = self.log.open("wb")
+        self._start()
+
+    def _start(self) -> None:
         self._process = subprocess.Popen(
-            argv,
-            stdout=self._log_handle,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=None if env is None else {**os.environ, **env},
+            self._argv, stdout=self._log_handle, stderr=subprocess.STDOUT, cwd=self._workdir, env=self._env
         )
         deadline = time.monotonic() + 30
         while True:
             if self._process.poll() is not None:
-                raise RuntimeError(f"{name} exited: {self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(self.url + ready_path, timeout=1) as response:
+                with urllib.request.urlopen(self.url + self._ready_path, timeout=1) as response:
                     if response.status == 200:
                         return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"{self.name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
             time.sleep(0.2)
+
+    def restart(self) -> None:
+        """Stop the process (SIGTERM) and start it again with the same command line, on the same port;
+        its log goes on in the same file."""
+        self.stop()
+        self._log_handle = self.log.open("ab")
+        self._start()
 
     def get(self, path: str, **params: str | list[str]) -> dict:
         url = f"{self.url}{path}?" + urllib.parse.urlencode(params, doseq=True)
@@ -176,7 +184,9 @@ class VictoriaMetrics(ServerProcess):
     Prometheus API like :class:`Prometheus`. Takes remote write at ``/api/v1/write`` and OTLP at
     ``/opentelemetry/v1/metrics``."""
 
-    def __init__(self, workdir: Path, rule_files: list[str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, rule_files: list[str] | None = None, extra_args: tuple[str, ...] = ()
+    ) -> None:
         port = free_port()
         argv = [
             built("victoria-metrics"),
@@ -184,6 +194,7 @@ class VictoriaMetrics(ServerProcess):
             f"-httpListenAddr=127.0.0.1:{port}",
             "-search.latencyOffset=0s",  # fresh samples visible at once
             "-loggerLevel=WARN",
+            *extra_args,
         ]
         super().__init__("victoria-metrics", argv, port, workdir, "/health")
         self.vmalert: ServerProcess | None = None
