@@ -176,7 +176,11 @@ def test_every_prometheus_config_that_loads_the_rules_sends_their_alerts() -> No
                 for t in sc["targets"]
             ]
             assert targets == ["127.0.0.1:9093"], path
-    assert {str(p) for p in loading} == {"collector/prometheus.yml", "deploy/prometheus/central.yml"}
+    assert {str(p) for p in loading} == {
+        "collector/prometheus.yml",
+        "deploy/prometheus/central.yml",
+        "deploy/prometheus/otlp.yml",
+    }
     # vmalert, the rule evaluator of the VictoriaMetrics variant, sends to the same place.
     vmalert = (ROOT / "deploy" / "prometheus" / "victoria-metrics" / "vmalert.default").read_text()
     assert "-notifier.url=http://127.0.0.1:9093" in vmalert

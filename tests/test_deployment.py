@@ -65,6 +65,15 @@ def test_promtool_check_config(major: int) -> None:
 
 
 @pytest.mark.process
+def test_the_otlp_receivers_config_passes_promtool_3_and_says_2_cannot_load_it() -> None:
+    result = promtool("check", "config", "deploy/prometheus/otlp.yml", major=3)
+    assert result.returncode == 0, result.stdout + result.stderr
+    old = promtool("check", "config", "deploy/prometheus/otlp.yml", major=2)
+    assert old.returncode != 0 and "otlp" in old.stdout + old.stderr
+    assert "Needs Prometheus 3.0 or later" in (ROOT / "deploy" / "prometheus" / "otlp.yml").read_text()
+
+
+@pytest.mark.process
 @PROMETHEUS_MAJORS
 def test_promtool_check_rules(major: int) -> None:
     result = promtool("check", "rules", "openlora_otel/rules/openlora.yml", major=major)
