@@ -25,11 +25,14 @@ endpoint, and through OTLP to a test receiver at the protocol level:
   allowed; 3 to 5 ms measured on 2 cores).
 - every query of the inference dashboard returns data on what the server reported. A burst past
   the server's queue adds the ``overloaded`` 503s the server-error panels need, after the
-  quantiles are taken (it would make the latencies bimodal, where neighbouring ranks differ by
-  more than a bucket).
+  histograms are compared (the mix alone, as scraped before the burst).
 
-Small on purpose (a tiny model, 46 requests to one server and 16 to another, a few seconds each): the
-suite runs on 2 cores (about 50 s for this file, most of it the demo's save and two server starts).
+- the same server pushing OTLP through our Collector, through the agent and gateway tiers, and straight
+  into Prometheus 3's receiver: the counts per adapter, and every inference query has data.
+
+Small on purpose (a tiny model, 46 requests to one server, 16 to another and 32 to each of three pushing
+over OTLP, a few seconds each): the suite runs on 2 cores (about 90 s for this file, most of it the
+demo's save and five server starts).
 """
 
 from __future__ import annotations
@@ -448,3 +451,52 @@ def test_the_same_counts_through_otlp(saved: Path, tmp_path: Path) -> None:
         assert resource["service.name"] == "openlora-serve"
     finally:
         receiver.close()
+
+
+# -- through the real Collector, its tiers, and Prometheus 3's OTLP receiver ------------------------------
+
+
+@pytest.mark.parametrize("path", ["collector", "gateway", "otlp"])
+def test_serve_under_load_on_the_push_paths(saved: Path, tmp_path: Path, path: str) -> None:
+    """``serve`` pushing OTLP (every second) through our Collector, through the agent and gateway tiers, and
+    straight into Prometheus 3.16: per adapter the counts the load saw, and every inference query has data."""
+    from tests.metrics_paths import MetricsPath
+    from tests.test_cluster_dashboard import http_variable_options, run_every_query, wait_until
+
+    broken = tmp_path / "broken"  # as for the scraped server: a failed load and 503s, so every panel has data
+    shutil.copytree(saved / "adapters" / "a1", broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with (
+        MetricsPath(path, 3, tmp_path) as metrics,
+        serving(
+            saved,
+            tmp_path,
+            "--adapter",
+            f"broken={broken}",
+            "--max-queue",
+            str(MAX_QUEUE),
+            **metrics.push_env(),
+        ) as serve,
+    ):
+        results = load_mix(serve, tmp_path / "mix.json", requests=16)
+        burst = load(
+            serve, tmp_path / "burst.json", "--rate", "1000", "--requests", str(BURST), "--adapters", "a1",
+            "--max-tokens", "48",
+        )  # fmt: skip
+        assert burst["overall"]["by_error"].get("overloaded", 0) > 0, burst["overall"]
+        expected = expected_counts(serve.base_model, results, burst)
+        prometheus = metrics.scrape([])
+
+        def counts() -> dict[tuple[str, str], int]:
+            found = prometheus.query(
+                "sum by (openlora_adapter_name, error_type) (gen_ai_server_request_duration_seconds_count) > 0"
+            )
+            return {
+                (s["metric"]["openlora_adapter_name"], s["metric"].get("error_type", "")): int(float(s["value"][1]))
+                for s in found
+            }
+
+        assert wait_until(lambda: counts() == expected, timeout=30), (counts(), expected)
+        time.sleep(2)  # a second sample of every series after the traffic: the panels' rates have two
+        problems = run_every_query(INFERENCE_DASHBOARD, prometheus.query, http_variable_options(prometheus.url), RUN_ID)
+        assert not problems, "\n".join(problems)
