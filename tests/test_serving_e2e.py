@@ -26,7 +26,6 @@ endpoint, and through OTLP to a test receiver at the protocol level:
 - every query of the inference dashboard returns data on what the server reported. A burst past
   the server's queue adds the ``overloaded`` 503s the server-error panels need, after the
   histograms are compared (the mix alone, as scraped before the burst).
-
 - the same server pushing OTLP through our Collector, through the agent and gateway tiers, and straight
   into Prometheus 3's receiver: the counts per adapter, and every inference query has data.
 
