@@ -5,8 +5,8 @@ segment, no unit in the name, UCUM units, never ``_total``. Where no semantic
 convention exists (model training has none) they live under ``openlora.*``.
 
 Units are chosen so that the Prometheus series name is the same on both paths:
-pulled from the Python exporter, or pushed over OTLP through the Collector's
-Prometheus exporter. The one unit that differs between them is ``1`` on a gauge
+pulled from the Python exporter, or pushed over OTLP (through the Collector, or into
+Prometheus 3's OTLP receiver, which names alike). The one unit that differs between them is ``1`` on a gauge
 (the Collector appends ``_ratio``, Python does not), so dimensionless gauges
 here have an empty unit and counts use a ``{annotation}``, which both paths drop.
 :func:`prometheus_name` implements both translations so tests can check this.
@@ -559,7 +559,9 @@ def prometheus_name(name: str, unit: str, kind: Kind, *, path: Literal["pull", "
     """Translate an OpenTelemetry metric to its Prometheus series name on one of the two paths.
 
     ``pull``: opentelemetry-exporter-prometheus (unit ``1`` adds nothing).
-    ``collector``: the Collector's Prometheus exporter (unit ``1`` on a gauge adds ``_ratio``).
+    ``collector``: pushed over OTLP (unit ``1`` on a gauge adds ``_ratio``): the Collector's
+    prometheus and prometheus_remote_write exporters, and Prometheus 3's OTLP receiver, name alike
+    (the tests check every name against each of them).
     Both drop ``{annotations}``, map ``s``/``By``/... to words, ``X/s`` to ``X_per_second``,
     and add ``_total`` to monotonic counters.
     """
