@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.prometheus_server import Prometheus
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -126,20 +126,28 @@ def test_the_threshold_is_the_rules_threshold() -> None:
 
 
 @pytest.mark.e2e
-def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> None:
-    prometheus_binary()
+@pytest.mark.parametrize(
+    ("path", "major"),
+    [("pull", 2), ("collector", 3), ("gateway", 3), ("otlp", 3)],
+    ids=["pull-prometheus2", "collector-prometheus3", "gateway-prometheus3", "otlp-prometheus3"],
+)
+def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path: str, major: int) -> None:
+    """Pulled from each rank, and pushed over OTLP through our Collector, through the agent and gateway
+    tiers, and straight into Prometheus 3's receiver (tests/metrics_paths.py)."""
+    from tests.metrics_paths import MetricsPath
+
     base = two_free_ports()
     rules = tmp_path / "rules"
     rules.mkdir()
     shutil.copy(RULES, rules / "openlora.yml")
-    prometheus = Prometheus(
-        tmp_path, [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"], rule_files=[str(rules / "openlora.yml")]
-    )
+    metrics = MetricsPath(path, major, tmp_path, rule_files=[str(rules / "openlora.yml")]).__enter__()
+    prometheus = metrics.scrape([f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"])
     env = child_env(
         OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
         OTEL_EXPORTER_PROMETHEUS_PORT=str(base),
         OMP_NUM_THREADS="1",
         PYTHONPATH=str(ROOT),
+        **(metrics.push_env() if metrics.push else {}),
     )
     # Rank 1 sleeps 400 ms inside each step: several times a small step's own work on two
     # busy cores, so its ratio is well above 1.5 (2 (C + S) / (2 C + S) with two ranks).
@@ -181,7 +189,7 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> N
         assert means["1"] - means["0"] > 0.2, means
 
         # target_info: the ranks, the world size, one run id.
-        infos = [r["metric"] for r in prometheus.query('target_info{job="openlora"}')]
+        infos = [r["metric"] for r in prometheus.query('target_info{openlora_world_size="2"}')]
         assert sorted(i["openlora_rank"] for i in infos) == ["0", "1"], infos
         assert sorted(i["openlora_local_rank"] for i in infos) == ["0", "1"], infos
         assert {i["openlora_world_size"] for i in infos} == {"2"}, infos
@@ -212,24 +220,31 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path) -> N
         launch._reader.join(timeout=10)
     except BaseException:
         launch.stop()
-        prometheus.stop()
+        metrics.stop()
         raise
     try:
         output = launch.output
         stopped = re.search(r"stopped by SIGTERM after (\d+) steps; telemetry flushed", output)
         assert stopped, output[-3000:]
         assert output.count("stopped by SIGTERM") == 1, "only rank 0 prints its summary"
-        assert output.count("metrics: http://") == 1, "only rank 0 says where its metrics are"
+        where = "metrics: OTLP http/protobuf to http://" if metrics.push else "metrics: http://"
+        assert output.count(where) == 1, "only rank 0 says where its metrics are"
         steps = int(stopped.group(1))
         assert re.search(rf"run {re.escape(run_id)}: {steps} steps in", output), output[-3000:]
-        # Each rank's final count reached Prometheus (the final scrape at shutdown), and both
-        # ranks stopped after the same step.
-        final = by_rank(
-            prometheus,
-            "last_over_time(openlora_training_steps_total[5m])",
-            info="last_over_time(target_info[5m])",  # stale since the ranks exited
-        )
-        assert final == {"0": steps, "1": steps}, (final, steps)
+        # Each rank's final count reached Prometheus (the final scrape at shutdown, or the final
+        # export, which on the push paths may still be in a Collector's batch), and both ranks
+        # stopped after the same step.
+        def final() -> dict[str, float]:
+            return by_rank(
+                prometheus,
+                "last_over_time(openlora_training_steps_total[5m])",
+                info="last_over_time(target_info[5m])",  # stale since the ranks exited
+            )
+
+        deadline = time.monotonic() + 30
+        while final() != {"0": steps, "1": steps} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert final() == {"0": steps, "1": steps}, (final(), steps)
         assert all(not Path(f"/proc/{pid}").exists() for pid in launch.workers), "a worker outlived torchrun"
     finally:
-        prometheus.stop()
+        metrics.stop()
