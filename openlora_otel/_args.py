@@ -23,3 +23,9 @@ def number(kind: type, *, allow_zero: bool = False) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+positive_int = number(int)
+non_negative_int = number(int, allow_zero=True)
+positive_float = number(float)
+non_negative_float = number(float, allow_zero=True)

@@ -18,7 +18,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEVICE_CHOICES", "DeviceError", "Placement", "device_choice", "resolve_device"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "DeviceError",
+    "Placement",
+    "add_device_argument",
+    "device_choice",
+    "device_problem",
+    "resolve_device",
+]
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _CHOICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,4})?")
@@ -91,3 +99,24 @@ def resolve_device(choice: str, torch: Any) -> Placement:
     device = torch.device("cuda", index)
     bf16 = torch.cuda.get_device_capability(index)[0] >= 8  # Ampere and later compute in bfloat16
     return Placement(device, torch.bfloat16 if bf16 else None)
+
+
+def add_device_argument(parser: argparse.ArgumentParser, what: str, default: str) -> None:
+    parser.add_argument(
+        "--device",
+        type=device_choice,
+        default=default,
+        metavar="DEVICE",
+        help=f"where to {what}: {DEVICE_CHOICES} (default %(default)s: the first CUDA device when torch "
+        "sees one, else the CPU); on a CUDA device with bfloat16 (Ampere and later) the forward passes run "
+        "under bf16 autocast",
+    )
+
+
+def device_problem(choice: str, torch: Any) -> str | None:
+    """Why ``--device choice`` cannot be used on this machine, if it cannot."""
+    try:
+        resolve_device(choice, torch)
+    except DeviceError as exc:
+        return str(exc)
+    return None

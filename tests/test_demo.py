@@ -19,7 +19,8 @@ pytest.importorskip("peft")
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
-from openlora_otel.cli import _summary, main
+from openlora_otel.cli import main
+from openlora_otel.commands.demo import _summary
 from openlora_otel.demo.train import DemoOptions, run_demo
 from tests.conftest import child_env, free_port, value
 from tests.otlp_receiver import HttpReceiver

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from openlora_otel.cli import main, variables_markdown
+from openlora_otel.cli import main
+from openlora_otel.commands.env import variables_markdown
 from openlora_otel.doctor import run_doctor
 from tests.conftest import free_port
 from tests.otlp_receiver import HttpReceiver

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel.cli import variables_markdown
+from openlora_otel.commands.env import variables_markdown
 from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_quickstart_example_runs_and_serves() -> None:
 
 
 def test_metric_table_matches_the_names_module() -> None:
-    from openlora_otel.cli import metrics_markdown, seeds_markdown
+    from openlora_otel.commands.metrics import metrics_markdown, seeds_markdown
 
     assert metrics_markdown() in README
     assert seeds_markdown() in README
