@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from openlora_otel.cli import main as cli_main
-from openlora_otel.inference.load import (
+from openlora_otel.serving.load import (
     LoadOptions,
     LoadUsageError,
     Unreachable,

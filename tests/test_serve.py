@@ -24,10 +24,10 @@ pytest.importorskip("opentelemetry.instrumentation.fastapi")
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.demo.corpus import ALPHABET
+from openlora_otel.demo.layout import LayoutError, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
-from openlora_otel.inference.layout import LayoutError, read_saved
-from openlora_otel.inference.model import AdapterMismatchError, Cancelled, ServedModels, _held_back
-from openlora_otel.inference.server import Admission, Overloaded
+from openlora_otel.serving.model import AdapterMismatchError, Cancelled, ServedModels, _held_back
+from openlora_otel.serving.server import Admission, Overloaded
 from tests.serving import ServeProcess, has, requests_by, save_demo, total, wait_until
 
 PROMPT = "the engineer trains "
@@ -174,7 +174,7 @@ def test_generation_stops_when_cancelled(models: ServedModels) -> None:
 
 @pytest.mark.process
 def test_an_adapter_trained_on_another_base_is_refused(models: ServedModels, saved: Path, tmp_path) -> None:
-    from openlora_otel.inference.layout import read_adapter
+    from openlora_otel.demo.layout import read_adapter
 
     other = tmp_path / "other"
     shutil.copytree(saved / "adapters" / "a1", other)
@@ -585,7 +585,7 @@ def test_a_replaced_directory_is_never_deleted_while_it_is_the_one_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The old adapter is moved aside before the new one moves in: at no moment is half of one in place."""
-    from openlora_otel.inference import layout
+    from openlora_otel.demo import layout
 
     target = tmp_path / "adapters" / "a1"
 
@@ -620,7 +620,7 @@ def test_a_replaced_directory_is_never_deleted_while_it_is_the_one_in_place(
     [(("none",), "not exported (OTEL_METRICS_EXPORTER=none)"), (("console",), "pushed (console)")],
 )
 def test_the_ready_line_says_where_metrics_go(exporters: tuple[str, ...], expected: str) -> None:
-    from openlora_otel.inference.server import _metrics_where
+    from openlora_otel.serving.server import _metrics_where
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=exporters, export_interval_ms=600000))
     try:
@@ -633,7 +633,7 @@ def test_connections_accepted_by_serve_have_nagle_off() -> None:
     """A kept-alive client's first streamed event must not wait for the previous response's ACK."""
     import socket
 
-    from openlora_otel.inference.server import listen
+    from openlora_otel.serving.server import listen
 
     sock = listen("127.0.0.1", 0)
     try:

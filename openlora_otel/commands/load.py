@@ -1,10 +1,10 @@
-"""``openlora-otel load``: a load generator for ``serve`` (openlora_otel.inference.load)."""
+"""``openlora-otel load``: a load generator for ``serve`` (openlora_otel.serving.load)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from openlora_otel.inference import load
+from openlora_otel.serving import load
 
 
 def register(commands: Any) -> None:

@@ -11,7 +11,7 @@ from openlora_otel._device import add_device_argument, device_problem
 
 
 def register(commands: Any) -> None:
-    from openlora_otel.inference.layout import ADAPTER_NAME_RULE
+    from openlora_otel.demo.layout import ADAPTER_NAME_RULE
 
     serve = commands.add_parser(
         "serve",
@@ -80,8 +80,8 @@ def register(commands: Any) -> None:
 
 def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
     """The saved base and the adapters to serve, or what is wrong with DIR / --adapter."""
-    from openlora_otel.inference.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
-    from openlora_otel.inference.server import MAX_TOKENS_LIMIT
+    from openlora_otel.demo.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
+    from openlora_otel.serving.server import MAX_TOKENS_LIMIT
 
     if not 0 <= args.port <= 65535:
         return f"--port: {args.port} is not a TCP port (0 to 65535)"
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"openlora-otel serve: {exc}", file=sys.stderr)
         return 2
-    from openlora_otel.inference import server as _server
+    from openlora_otel.serving import server as _server
     from openlora_otel.telemetry import setup_telemetry
 
     options = _server.ServeOptions(

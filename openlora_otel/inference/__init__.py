@@ -1,9 +1,7 @@
-"""Serving LoRA adapters: per-request metrics (:class:`InferenceMetrics`), an HTTP server (``serve`` extra) and a load generator.
+"""Per-request metrics of a server of LoRA adapters: :class:`InferenceMetrics` (``telemetry.inference``).
 
-``import openlora_otel.inference`` imports only the metrics: the server stack
-(FastAPI, uvicorn, torch) is imported by the ``serve`` command itself. The load
-generator (``openlora-otel load``, :mod:`openlora_otel.inference.load`) uses the
-standard library only.
+The library any server imports: the standard library and OpenTelemetry only. The server and the
+load generator that ship with openlora-otel are programs above it, in :mod:`openlora_otel.serving`.
 """
 
 from openlora_otel.inference.metrics import (

@@ -45,9 +45,9 @@ from typing import Any, TextIO
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from openlora_otel.inference.layout import SavedAdapter, SavedBase
+from openlora_otel.demo.layout import SavedAdapter, SavedBase
 from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceRequest
-from openlora_otel.inference.model import Cancelled, Completion, PromptError, ServedModels
+from openlora_otel.serving.model import Cancelled, Completion, PromptError, ServedModels
 from openlora_otel.telemetry import Telemetry
 
 __all__ = [
