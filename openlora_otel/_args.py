@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,3 +30,9 @@ positive_int = number(int)
 non_negative_int = number(int, allow_zero=True)
 positive_float = number(float)
 non_negative_float = number(float, allow_zero=True)
+
+
+def fail(command: str, problem: object) -> int:
+    """Say on stderr why ``openlora-otel COMMAND`` cannot go on (``openlora-otel COMMAND: problem``); exit status 2."""
+    print(f"openlora-otel {command}: {problem}", file=sys.stderr)
+    return 2

@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Any
 
-from openlora_otel._args import non_negative_float, non_negative_int, positive_float, positive_int
+from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
 from openlora_otel.demo.train import DemoOptions
 
@@ -136,15 +136,13 @@ def run(args: argparse.Namespace) -> int:
             args.demo_parser.error(
                 f"argument --exporter: {args.exporter!r} is not valid: expected {exc.accepted}"
             )
-        print(f"openlora-otel demo: {exc}", file=sys.stderr)
-        return 2
+        return fail("demo", exc)
     from openlora_otel.demo.ddp import ranks_from_env
 
     try:
         ranks = ranks_from_env(environ)
     except ValueError as exc:
-        print(f"openlora-otel demo: {exc}", file=sys.stderr)
-        return 2
+        return fail("demo", exc)
     problem = (
         _distributed_problem(args, ranks.world_size)
         or _save_problem(args)
@@ -175,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     unusable = device_problem(args.device, torch)
     if unusable:
-        print(f"openlora-otel demo: {unusable}", file=sys.stderr)
-        return 2
+        return fail("demo", unusable)
     options = DemoOptions(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -207,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
             hyperparameters=options.hyperparameters(world_size=ranks.world_size),
         )
     except (ConfigError, MissingDependencyError) as exc:
-        print(f"openlora-otel demo: {exc}", file=sys.stderr)
-        return 2
+        return fail("demo", exc)
     where = _where(telemetry)
     if not options.quiet:
         print(f"metrics: {where}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from openlora_otel._args import non_negative_int, positive_float, positive_int
+from openlora_otel._args import fail, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
 
 
@@ -124,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
         for module in ("fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi", "torch", "transformers", "peft"):
             require(module, "openlora-otel serve", extra="serve")
     except MissingDependencyError as exc:
-        print(f"openlora-otel serve: {exc}", file=sys.stderr)
-        return 2
+        return fail("serve", exc)
     found = _serve_problem(args)
     if isinstance(found, str):
         args.serve_parser.error(found)
@@ -136,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = TelemetryConfig.from_env(environ)
     except ConfigError as exc:
-        print(f"openlora-otel serve: {exc}", file=sys.stderr)
-        return 2
+        return fail("serve", exc)
     from openlora_otel.serving import server as _server
     from openlora_otel.telemetry import setup_telemetry
 
@@ -166,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             telemetry = setup_telemetry(None if named else "openlora-serve", config=config.replace(quiet=True))
         except (ConfigError, MissingDependencyError) as exc:
-            print(f"openlora-otel serve: {exc}", file=sys.stderr)
-            return 2
+            return fail("serve", exc)
         try:
             return _server.serve(base, adapters, telemetry, options, sock, device=args.device)
         finally:

@@ -10,9 +10,9 @@ page). Nothing here is imported by ``import openlora_otel``; matplotlib (the
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from openlora_otel._args import fail
 from openlora_otel.report.model import ReportError, Run
 
 __all__ = ["FORMATS", "ReportError", "add_parser", "main", "output_paths"]
@@ -118,8 +118,7 @@ def main(args: argparse.Namespace) -> int:
 
         drawing = render(runs, png=targets.get("png"), html_path=targets.get("html"))
     except ReportError as exc:
-        print(f"openlora-otel report: {exc}", file=sys.stderr)
-        return 2
+        return fail("report", exc)
     for run, summary in zip(runs, drawing.summaries, strict=True):
         print(
             f"run {run.run_id}{f' ({run.name})' if run.name != run.run_id else ''}: {summary.steps} steps, "
