@@ -70,6 +70,10 @@ DEFAULT_HISTORY_MAX_BYTES = 64 * 1024 * 1024
 MIN_HISTORY_MAX_BYTES = 1024 * 1024
 INFERENCE_MAX_ADAPTERS_RANGE = (1, 1000)
 MAX_RUN_NAME_LENGTH = 100
+# A run id names the history file (with a rank suffix, under the 255-byte limit of a file name) and
+# labels every series of the run.
+MAX_RUN_ID_LENGTH = 128
+RUN_ID_ACCEPTED = f"a run id of 1 to {MAX_RUN_ID_LENGTH} printable characters"
 # Ranks are exported as integers: keep them far inside int64.
 MAX_RANK = 2**31 - 1
 
@@ -242,7 +246,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_RUN_ID",
         "shared by the launcher, else random",
-        "Run id in the Resource (`openlora.run.id`). Unset, every rank of one job gets the same id anyway: torchrun's `TORCHELASTIC_RUN_ID`, torchrun's store (static rendezvous), the initialized process group's store, or Slurm's job and step ids (see Distributed training).",
+        "Run id in the Resource (`openlora.run.id`), 1 to 128 printable characters (it names the history file). Unset, every rank of one job gets the same id anyway: torchrun's `TORCHELASTIC_RUN_ID`, torchrun's store (static rendezvous), the initialized process group's store, or Slurm's job and step ids (see Distributed training).",
     ),
     Variable(
         "OPENLORA_RUN_NAME",
@@ -519,6 +523,10 @@ class TelemetryConfig:
             problem = run_name_problem(self.run_name)
             if problem:
                 raise ConfigError("run_name", self.run_name, RUN_NAME_ACCEPTED, problem)
+        if self.run_id is not None:
+            problem = run_id_problem(self.run_id)
+            if problem:
+                raise ConfigError("run_id", self.run_id, RUN_ID_ACCEPTED, problem)
         if not _in_range(self.history_interval_ms, HISTORY_INTERVAL_RANGE_MS):
             raise ConfigError(
                 "history_interval_ms", self.history_interval_ms, _ms_accepted(HISTORY_INTERVAL_RANGE_MS)
@@ -603,6 +611,9 @@ class TelemetryConfig:
         # torchrun sets TORCHELASTIC_RUN_ID=none when no rendezvous id was given.
         if run_id == "none" and not env.get("OPENLORA_RUN_ID"):
             run_id = None
+        if run_id is not None and run_id_problem(run_id):
+            source = "OPENLORA_RUN_ID" if env.get("OPENLORA_RUN_ID") else "TORCHELASTIC_RUN_ID"
+            raise ConfigError(source, run_id, RUN_ID_ACCEPTED, run_id_problem(run_id) or "")
 
         gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT", bounds=GPU_TIMEOUT_RANGE_MS)
         final_scrape = env.milliseconds(
@@ -736,6 +747,19 @@ def run_name_problem(name: object) -> str | None:
     if len(name) > MAX_RUN_NAME_LENGTH:
         return f"it has {len(name)} characters"
     if not name.isprintable():
+        return "it contains a control character"
+    return None
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """Why ``run_id`` cannot be a run id, if it cannot."""
+    if not isinstance(run_id, str):
+        return f"it is a {type(run_id).__name__}, not a string"
+    if not run_id:
+        return "it is empty"
+    if len(run_id) > MAX_RUN_ID_LENGTH:
+        return f"it has {len(run_id)} characters"
+    if not run_id.isprintable():
         return "it contains a control character"
     return None
 

@@ -101,6 +101,29 @@ def test_run_id_sources() -> None:
     assert cfg(TORCHELASTIC_RUN_ID="none").run_id is None
 
 
+@pytest.mark.parametrize("variable", ["OPENLORA_RUN_ID", "TORCHELASTIC_RUN_ID"])
+@pytest.mark.parametrize(("value", "problem"), [("x" * 300, "300 characters"), ("a\nb", "control character")])
+def test_a_run_id_too_long_for_a_file_name_or_with_a_control_character_names_its_variable(
+    variable: str, value: str, problem: str
+) -> None:
+    # (It names the history file: 300 characters would fail there, naming OPENLORA_HISTORY_DIR.)
+    with pytest.raises(ConfigError) as raised:
+        cfg(**{variable: value})
+    assert raised.value.variable == variable
+    assert problem in str(raised.value) and "1 to 128 printable characters" in str(raised.value)
+    assert cfg(**{variable: "x" * 128}).run_id == "x" * 128
+
+
+def test_a_run_id_given_in_code_is_held_to_the_same_rules() -> None:
+    from openlora_otel import setup_telemetry
+
+    with pytest.raises(ConfigError) as raised:
+        setup_telemetry(config=TelemetryConfig(exporters=("none",)), run_id="x" * 129)
+    assert raised.value.variable == "run_id" and "129 characters" in str(raised.value)
+    with pytest.raises(ConfigError, match="it is a int, not a string"):
+        TelemetryConfig(run_id=7)  # type: ignore[arg-type]
+
+
 def test_prometheus_port_offset_by_local_rank() -> None:
     assert cfg(LOCAL_RANK="3").prometheus_port == 9467
     assert cfg(LOCAL_RANK="3", OPENLORA_PROMETHEUS_PORT_OFFSET="none").prometheus_port == 9464
@@ -595,7 +618,7 @@ def test_hostile_values_give_a_config_or_a_config_error(variable: str) -> None:
                 TelemetryConfig.from_env(env)
             except ConfigError as error:
                 assert error.variable.startswith(
-                    ("OTEL_", "OPENLORA_", "RANK", "LOCAL_RANK", "WORLD_", "GROUP_")
+                    ("OTEL_", "OPENLORA_", "RANK", "LOCAL_RANK", "WORLD_", "GROUP_", "TORCHELASTIC_")
                 )
                 assert len(str(error)) < 1000
 

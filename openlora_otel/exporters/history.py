@@ -86,15 +86,20 @@ class HistoryLineTooLarge(OSError):
 def history_path(directory: str | os.PathLike[str], resource: Resource) -> Path:
     """``<directory>/<run id>.jsonl``, or ``<run id>.rank<RANK>.jsonl`` when the Resource has a rank.
 
-    Characters other than letters, digits, ``.``, ``_`` and ``-`` in the run id
-    become ``_``, so no run id can name a file elsewhere.
+    Characters other than letters, digits, ``.``, ``_`` and ``-`` in the run id and in the rank
+    become ``_``, so no value (``openlora.rank=/../x`` in ``OTEL_RESOURCE_ATTRIBUTES`` included) can
+    name a file elsewhere or a subdirectory.
     """
     run_id = str(resource.attributes.get(RUN_ID_ATTRIBUTE) or "run")
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_id).lstrip(".") or "run"
+    name = _safe(run_id).lstrip(".") or "run"
     rank = resource.attributes.get(RANK_ATTRIBUTE)
     if rank is not None:
-        name += f".rank{rank}"
+        name += f".rank{_safe(str(rank))}"
     return Path(directory) / f"{name}.jsonl"
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def _encoder() -> Any:
