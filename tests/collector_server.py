@@ -74,17 +74,12 @@ class Collector(ServerProcess):
         self.overrides = workdir / f"{name}-overrides.yaml"
         self.overrides.write_text(yaml.safe_dump(overrides or {}))
         extra = ["--config", str(self.overrides)]
-        self.config = config
         argv = [built("otelcol-openlora"), "--config", str(config), "--config", str(self.overlay), *extra]
         super().__init__(name, argv, self.ports["health"], workdir, "/", env=env)
 
     @property
     def otlp_http(self) -> str:
         return f"http://127.0.0.1:{self.ports['http']}"
-
-    @property
-    def otlp_grpc(self) -> str:
-        return f"http://127.0.0.1:{self.ports['grpc']}"
 
     def log_lines(self, level: str) -> list[str]:
         """The log lines of ``level`` (``warn``, ``error``): the collector's console log is tab-separated."""

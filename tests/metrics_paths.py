@@ -148,16 +148,8 @@ class MetricsPath:
         return f"{self.prometheus.url}/api/v1/otlp"
 
     def push_env(self, instance: str | None = None) -> dict[str, str]:
-        """The environment that sends a process's metrics this way (push paths); ``instance``: its
-        service.instance.id, so its ``instance`` label, instead of a random one."""
-        env = {
-            "OTEL_METRICS_EXPORTER": "otlp",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": self.otlp_endpoint,
-            "OTEL_METRIC_EXPORT_INTERVAL": PUSH_INTERVAL_MS,
-        }
-        if instance is not None:
-            env["OTEL_RESOURCE_ATTRIBUTES"] = f"service.instance.id={instance}"
-        return env
+        """The environment that sends a process's metrics this way (push paths): :func:`push_env`."""
+        return push_env(self.otlp_endpoint, instance)
 
     def scrape(self, targets: list[str]) -> Prometheus | VictoriaMetrics:
         """The Prometheus holding the metrics: on the pull path started now, scraping ``targets``."""
@@ -169,3 +161,16 @@ class MetricsPath:
         for server in (self.collector, self.gateway, self.prometheus):
             if server is not None:
                 server.stop()
+
+
+def push_env(endpoint: str, instance: str | None = None) -> dict[str, str]:
+    """The environment that pushes a process's metrics over OTLP to ``endpoint`` every second;
+    ``instance``: its service.instance.id, so its ``instance`` label, instead of a random one."""
+    env = {
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_METRIC_EXPORT_INTERVAL": PUSH_INTERVAL_MS,
+    }
+    if instance is not None:
+        env["OTEL_RESOURCE_ATTRIBUTES"] = f"service.instance.id={instance}"
+    return env

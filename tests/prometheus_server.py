@@ -155,7 +155,6 @@ class Prometheus(ServerProcess):
             )
             + (yaml.safe_dump(blocks) if blocks else "")
         )
-        self.major = major
         argv = [
             prometheus_binary(major),
             f"--config.file={config}",

@@ -29,10 +29,10 @@ import yaml
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.collector_server import Collector
 from tests.conftest import child_env
-from tests.metrics_paths import MetricsPath
+from tests.metrics_paths import MetricsPath, push_env
 from tests.prometheus_server import Prometheus
 from tests.test_cluster_dashboard import wait_until
-from tests.test_end_of_run import _CHILD_PRELUDE, _run_child
+from tests.test_end_of_run import _CHILD_PRELUDE, _RECORD_5000, _run_child
 
 pytestmark = pytest.mark.e2e
 
@@ -45,6 +45,18 @@ def steps_total(prometheus: Prometheus, instance: str) -> float | None:
     return float(found[0]["value"][1]) if found else None
 
 
+def watch_self_metrics(workdir: Path, collector: Collector) -> Prometheus:
+    """Prometheus 3 scraping ``collector``'s own metrics as collector/prometheus.yml does (job
+    openlora-collector-self), with the rules evaluated."""
+    return Prometheus(
+        workdir,
+        [f"127.0.0.1:{collector.ports['self_metrics']}"],
+        job="openlora-collector-self",
+        rule_files=[str(RULES)],
+        major=3,
+    )
+
+
 def alert_expr(name: str) -> str:
     (rule,) = [
         rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"] if rule.get("alert") == name
@@ -52,14 +64,6 @@ def alert_expr(name: str) -> str:
     return rule["expr"]
 
 
-_RECORD_5000 = """
-telemetry = setup_telemetry()
-for _ in range(5000):
-    telemetry.training.record_step(loss=1.0, tokens=7)
-print("READY", flush=True)
-time.sleep(60)
-print("NOT KILLED", flush=True)
-"""
 _RECORD_3000_AND_END = """
 telemetry = setup_telemetry()
 for _ in range(3000):
@@ -166,24 +170,9 @@ def test_a_store_refusing_the_gateways_writes_shows_as_export_failing(tmp_path: 
             name="gateway",
             env={"OPENLORA_REMOTE_WRITE_URL": f"{refusing.url}/api/v1/write", "OPENLORA_REMOTE_WRITE_AUTHORIZATION": ""},
         )
-        # The gateway's own metrics, scraped as collector/prometheus.yml does, the rules evaluated.
-        watcher = Prometheus(
-            watcher_dir,
-            [f"127.0.0.1:{gateway.ports['self_metrics']}"],
-            job="openlora-collector-self",
-            rule_files=[str(RULES)],
-            major=3,
-        )
+        watcher = watch_self_metrics(watcher_dir, gateway)
         telemetry = setup_telemetry(
-            "openlora-demo",
-            run_id="refused-run",
-            config=TelemetryConfig.from_env(
-                {
-                    "OTEL_METRICS_EXPORTER": "otlp",
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": gateway.otlp_http,
-                    "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-                }
-            ),
+            "openlora-demo", run_id="refused-run", config=TelemetryConfig.from_env(push_env(gateway.otlp_http))
         )
         for _ in range(50):
             telemetry.training.record_step(loss=1.0, tokens=8)
@@ -226,25 +215,12 @@ def test_a_collector_over_its_memory_limit_refuses_points_and_nothing_is_lost_af
             honor_labels=True,
             major=3,
         )
-        watcher = Prometheus(
-            watcher_dir,
-            [f"127.0.0.1:{collector.ports['self_metrics']}"],
-            job="openlora-collector-self",
-            rule_files=[str(RULES)],
-            major=3,
-        )
+        watcher = watch_self_metrics(watcher_dir, collector)
         instance = "refused-points-run"
         telemetry = setup_telemetry(
             "openlora-demo",
             run_id="refused-points",
-            config=TelemetryConfig.from_env(
-                {
-                    "OTEL_METRICS_EXPORTER": "otlp",
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": collector.otlp_http,
-                    "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-                    "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={instance}",
-                }
-            ),
+            config=TelemetryConfig.from_env(push_env(collector.otlp_http, instance)),
         )
         for _ in range(200):
             telemetry.training.record_step(loss=1.0, tokens=8)
