@@ -744,11 +744,7 @@ RUN_NAME_ACCEPTED = f"a name of 1 to {MAX_RUN_NAME_LENGTH} printable characters"
 def run_name_problem(name: object) -> str | None:
     if not isinstance(name, str) or not name.strip():
         return "it is empty"
-    if len(name) > MAX_RUN_NAME_LENGTH:
-        return f"it has {len(name)} characters"
-    if not name.isprintable():
-        return "it contains a control character"
-    return None
+    return _label_text_problem(name, MAX_RUN_NAME_LENGTH)
 
 
 def run_id_problem(run_id: object) -> str | None:
@@ -757,9 +753,14 @@ def run_id_problem(run_id: object) -> str | None:
         return f"it is a {type(run_id).__name__}, not a string"
     if not run_id:
         return "it is empty"
-    if len(run_id) > MAX_RUN_ID_LENGTH:
-        return f"it has {len(run_id)} characters"
-    if not run_id.isprintable():
+    return _label_text_problem(run_id, MAX_RUN_ID_LENGTH)
+
+
+def _label_text_problem(text: str, max_length: int) -> str | None:
+    """What rules a non-empty run name or id out as a label value: its length, a control character."""
+    if len(text) > max_length:
+        return f"it has {len(text)} characters"
+    if not text.isprintable():
         return "it contains a control character"
     return None
 
