@@ -367,11 +367,11 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) 
             assert by_type == {"RuntimeError", "unknown_adapter"}, by_type
             # The rule's window holds every request so far: the ratio of what was sent, within
             # the requests of one scrape interval that the rate window has not seen yet.
-            recorded = value(
-                prometheus.query(
-                    "instance:openlora_inference_server_errors:rate5m / instance:openlora_inference_requests:rate5m"
-                )
-            )
+            # Bounded wait: on VictoriaMetrics both recording rules go through vmalert's evaluation and
+            # its remote write, some seconds behind the data (CI once read the ratio before either).
+            ratio = "instance:openlora_inference_server_errors:rate5m / instance:openlora_inference_requests:rate5m"
+            wait_until(lambda: len(prometheus.query(ratio)) == 1, timeout=30)
+            recorded = value(prometheus.query(ratio))
             assert recorded == pytest.approx(1 / len(CYCLE), rel=0.35), (recorded, traffic.sent)
             # Adapters: the three loaded ones counted, the unloaded one not; the failed load shown,
             # and the alert's expression finds it.
