@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from openlora_otel._deps import OPTIONAL_PACKAGES, is_installed
-from openlora_otel.config import ConfigError, TelemetryConfig, secrets_in_env
+from openlora_otel.config import PROMETHEUS_PORT_VARIABLE, ConfigError, TelemetryConfig, secrets_in_env
 from openlora_otel.redaction import redact
 
 __all__ = ["Check", "run_doctor"]
@@ -205,7 +205,7 @@ def _check_bind(config: TelemetryConfig) -> Check:
                 name,
                 False,
                 f"cannot bind {host}:{port}: {exc.strerror or exc}",
-                f"stop what holds port {port}, or set {config.prometheus_port_variable.split(' ')[0]} "
+                f"stop what holds port {port}, or set {PROMETHEUS_PORT_VARIABLE} "
                 "to another port (0 = any free port)",
             )
     shown = "any free port" if port == 0 else str(port)

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from openlora_otel._version import __version__
+from openlora_otel.config import DEFAULT_PROMETHEUS_PORT as _DEFAULT_METRICS_PORT
 from openlora_otel.redaction import redact_url
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
 DEFAULT_PROMETHEUS_PORT = 9090
 DEFAULT_ALERTMANAGER_PORT = 9093
 DEFAULT_RECEIVER_PORT = 9095
-DEFAULT_METRICS_PORT = 9464
+DEFAULT_METRICS_PORT = _DEFAULT_METRICS_PORT  # the first rank's pull endpoint
 # The shipped timings of collector/prometheus.yml: the rules' thresholds assume them.
 DEFAULT_SCRAPE_INTERVAL = "5s"
 DEFAULT_EVALUATION_INTERVAL = "15s"
@@ -588,7 +589,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--port",
         type=_port,
         metavar="PORT",
-        help="the first rank's metrics port (default: OTEL_EXPORTER_PROMETHEUS_PORT, else 9464)",
+        help=f"the first rank's metrics port (default: OTEL_EXPORTER_PROMETHEUS_PORT, else {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument(
         "--webhook",
@@ -651,7 +652,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         return 2
     port = args.port
     if port is None:
-        port = config.prometheus_port if config.prometheus_port_explicit and config.prometheus_port else 9464
+        port = (
+            config.prometheus_port
+            if config.prometheus_port_explicit and config.prometheus_port
+            else DEFAULT_METRICS_PORT
+        )
     if port + args.ranks - 1 > 65535:
         parser.error(f"--port {port} with --ranks {args.ranks} runs past port 65535")
     ports = {args.prometheus_port, args.alertmanager_port} | (set() if args.webhook else {args.receiver_port})

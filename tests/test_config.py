@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openlora_otel.config import VARIABLES, ConfigError, TelemetryConfig
+from openlora_otel.config import GROUPS, VARIABLES, ConfigError, PortOffset, TelemetryConfig
 
 
 def cfg(**env: str) -> TelemetryConfig:
@@ -134,7 +134,8 @@ def test_prometheus_port_offset_by_global_rank() -> None:
     # Two torchrun "nodes" on one host: LOCAL_RANK repeats, RANK does not.
     node1 = {"RANK": "5", "LOCAL_RANK": "1", "OPENLORA_PROMETHEUS_PORT_OFFSET": "rank"}
     assert cfg(**node1).prometheus_port == 9469
-    assert cfg(**node1).prometheus_port_variable == "OTEL_EXPORTER_PROMETHEUS_PORT (+ RANK)"
+    assert cfg(**node1).prometheus_port_offset == PortOffset("RANK", 5)
+    assert cfg(**node1).prometheus_port_offset.setting == "OTEL_EXPORTER_PROMETHEUS_PORT (+ RANK)"
     assert cfg(**node1, OTEL_EXPORTER_PROMETHEUS_PORT="10000").prometheus_port == 10005
     with pytest.raises(ConfigError, match=r"after adding RANK"):
         cfg(**node1, OTEL_EXPORTER_PROMETHEUS_PORT="65534")
@@ -634,3 +635,75 @@ def test_peak_flops_takes_decimals_with_an_exponent(raw: str, expected: float) -
 def test_excluded_metrics_with_closed_sets_are_accepted(patterns: str) -> None:
     config = TelemetryConfig.from_env({"OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS": patterns})
     assert ",".join(config.host_metrics_excluded) == patterns
+
+
+# -- the table of variables ------------------------------------------------------------------------
+
+
+def test_every_field_default_is_the_tables_default() -> None:
+    """Each default is written once, in the table: the config's field defaults are its values."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(TelemetryConfig)}
+    filled = [v for v in VARIABLES if v.field]
+    assert len(filled) >= 20, filled
+    for variable in filled:
+        assert variable.read is not None, variable.name
+        assert fields[variable.field].default == variable.field_value(variable.default), variable.name
+    # ... and from_env of an empty environment gives exactly the defaults of a config built in code,
+    # but for the port's provenance (not set) and the OTLP endpoint's (not set).
+    assert TelemetryConfig.from_env({}) == TelemetryConfig(
+        prometheus_port_explicit=False, otlp=TelemetryConfig().otlp.__class__(endpoint_set=False)
+    )
+
+
+# A valid value other than the default for each variable that fills a field, and what the field holds.
+NON_DEFAULT = {
+    "OTEL_SDK_DISABLED": ("true", True),
+    "OTEL_METRICS_EXPORTER": ("otlp,console", ("otlp", "console")),
+    "OTEL_METRIC_EXPORT_INTERVAL": ("1500", 1500.0),
+    "OTEL_METRIC_EXPORT_TIMEOUT": ("2500", 2500.0),
+    "OTEL_EXPORTER_PROMETHEUS_HOST": ("127.0.0.1", "127.0.0.1"),
+    "OPENLORA_PROMETHEUS_FILE_SD_DIR": ("/tmp/sd", "/tmp/sd"),
+    "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT": ("0", 0.0),
+    "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": ("true", True),
+    "OPENLORA_RUN_NAME": (" lr sweep ", "lr sweep"),
+    "OPENLORA_HISTORY_DIR": ("/tmp/history", "/tmp/history"),
+    "OPENLORA_HISTORY_INTERVAL": ("250", 250.0),
+    "OPENLORA_HISTORY_MAX_BYTES": ("2097152", 2097152),
+    "OPENLORA_GPU_METRICS": ("OFF", "off"),
+    "OPENLORA_GPU_DEVICES": ("all", "all"),
+    "OPENLORA_GPU_TIMEOUT": ("250", 0.25),
+    "OPENLORA_HOST_METRICS": ("false", False),
+    "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS": ("system.network.*, process.*", ("system.network.*", "process.*")),
+    "OPENLORA_PEAK_FLOPS": ("989e12", 989e12),
+    "CUDA_VISIBLE_DEVICES": ("", ""),
+    "OPENLORA_INFERENCE_MAX_ADAPTERS": ("4", 4),
+    "OPENLORA_SHUTDOWN_TIMEOUT": ("500", 0.5),
+    "OPENLORA_HANDLE_SIGTERM": ("false", False),
+    "OPENLORA_QUIET": ("true", True),
+}
+
+
+def test_each_variable_that_fills_a_field_is_read_by_the_table_loop() -> None:
+    """A value in the environment reaches its field through the table's reader, in the field's unit."""
+    filled = {v.name: v for v in VARIABLES if v.field}
+    assert set(filled) == set(NON_DEFAULT), set(filled) ^ set(NON_DEFAULT)
+    for name, (raw, expected) in NON_DEFAULT.items():
+        variable = filled[name]
+        got = getattr(TelemetryConfig.from_env({name: raw}), variable.field)
+        assert got == expected != variable.field_value(variable.default), (name, got)
+
+
+def test_every_variable_is_in_one_known_group_and_the_groups_in_order() -> None:
+    assert {v.group for v in VARIABLES} == set(GROUPS)
+    seen = [v.group for v in VARIABLES]
+    assert [g for i, g in enumerate(seen) if i == 0 or seen[i - 1] != g] == list(GROUPS)
+
+
+def test_the_port_comes_with_its_origin_as_data() -> None:
+    assert cfg().prometheus_port_offset is None and not cfg().prometheus_port_explicit
+    assert cfg(LOCAL_RANK="2").prometheus_port_offset == PortOffset("LOCAL_RANK", 2)
+    assert cfg(LOCAL_RANK="0").prometheus_port_offset is None  # nothing added
+    assert cfg(LOCAL_RANK="2", OTEL_EXPORTER_PROMETHEUS_PORT="0").prometheus_port_offset is None
+    assert cfg(OTEL_EXPORTER_PROMETHEUS_PORT="9500").prometheus_port_explicit

@@ -9,6 +9,7 @@ from typing import Any
 
 from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
+from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 from openlora_otel.demo.train import DemoOptions
 
 
@@ -18,7 +19,7 @@ def register(commands: Any) -> None:
         help="fine-tune a small LoRA model (CUDA when there is one, else CPU) with live metrics (needs the demo extra)",
         description="Fine-tune a small Llama built from a config with LoRA (PEFT) on a generated corpus, on "
         "the first CUDA device when torch sees one, else on CPU (--device), with setup_telemetry() on: by "
-        "default metrics are served at http://localhost:9464/metrics while it runs. Nothing is downloaded. "
+        f"default metrics are served at http://localhost:{DEFAULT_PROMETHEUS_PORT}/metrics while it runs. Nothing is downloaded. "
         "Under torchrun (torchrun --standalone --nproc_per_node=N -m openlora_otel demo) it trains "
         "data-parallel on CPU (DDP, gloo): each rank on its own data, with its "
         "own endpoint (port + LOCAL_RANK); only rank 0 prints, and all ranks stop at the same step on "

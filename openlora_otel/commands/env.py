@@ -1,18 +1,18 @@
-"""``openlora-otel env``: the table of environment variables, as Markdown (the README carries the same)."""
+"""``openlora-otel env``: the tables of environment variables by group, as Markdown (the README carries the same)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from openlora_otel.config import VARIABLES
+from openlora_otel.config import GROUPS, VARIABLES
 
 
 def register(commands: Any) -> None:
     env = commands.add_parser(
         "env",
         help="list every environment variable with its default and meaning",
-        description="Print the table of environment variables openlora-otel reads, as Markdown.",
+        description="Print the tables of environment variables openlora-otel reads, by group, as Markdown.",
     )
     env.set_defaults(func=run)
 
@@ -23,9 +23,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def variables_markdown() -> str:
-    """The environment table as Markdown; the README carries the same table."""
-    rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
-    for variable in VARIABLES:
-        names = ", ".join(f"`{name.strip()}`" for name in variable.name.split(","))
-        rows.append(f"| {names} | {variable.default} | {variable.meaning} |")
-    return "\n".join(rows)
+    """The environment tables as Markdown, one per group of :data:`~openlora_otel.config.GROUPS`; the
+    README carries the same."""
+    blocks = []
+    for group in GROUPS:
+        rows = [f"**{group}**", "", "| Variable | Default | Meaning |", "| --- | --- | --- |"]
+        for variable in VARIABLES:
+            if variable.group == group:
+                names = ", ".join(f"`{name.strip()}`" for name in variable.name.split(","))
+                rows.append(f"| {names} | {variable.default_text} | {variable.meaning} |")
+        blocks.append("\n".join(rows))
+    return "\n\n".join(blocks)

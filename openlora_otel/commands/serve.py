@@ -8,6 +8,7 @@ from typing import Any
 
 from openlora_otel._args import fail, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
+from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 
 
 def register(commands: Any) -> None:
@@ -23,7 +24,7 @@ def register(commands: Any) -> None:
         "GET /v1/models, GET /health. At most --max-concurrency requests generate at once, --max-queue "
         "more wait, the rest get 503. Every request is measured (gen_ai.server.* and openlora.inference.*, "
         "per adapter) and served with the HTTP server metrics at the telemetry's endpoint (Prometheus "
-        "on OTEL_EXPORTER_PROMETHEUS_PORT, 9464 by default). SIGINT / SIGTERM: stop accepting, let "
+        f"on OTEL_EXPORTER_PROMETHEUS_PORT, {DEFAULT_PROMETHEUS_PORT} by default). SIGINT / SIGTERM: stop accepting, let "
         "in-flight requests finish within --shutdown-timeout (then cancel them), deliver the final "
         "metrics. Exit status: 0 stopped, 2 usage or configuration error.",
     )

@@ -1,9 +1,9 @@
 """Configuration: the one place that reads the environment.
 
-Every variable openlora-otel understands is listed in :data:`VARIABLES` with its
-default and meaning (the README's table is checked against it by a test).
-:meth:`TelemetryConfig.from_env` turns an environment into one frozen
-:class:`TelemetryConfig`; nothing else in the package reads ``os.environ``.
+Every variable openlora-otel understands is a row of :data:`VARIABLES` (:mod:`.variables`) with its
+group, default, meaning and reader; :meth:`TelemetryConfig.from_env` reads them into one frozen
+:class:`TelemetryConfig`, whose field defaults come from the same rows, and the README's table and
+``openlora-otel env`` are printed from them. Nothing else in the package reads ``os.environ``.
 
 The standard ``OTEL_*`` variables are parsed as the OpenTelemetry specification
 defines them, which differs from what the Python SDK does on its own in three
@@ -13,365 +13,109 @@ gRPC), and ``OTEL_METRICS_EXPORTER`` is honoured without
 ``opentelemetry-instrument``. Values are handed to the SDK explicitly so that its
 own environment parsing never decides anything.
 
-Invalid values raise :class:`ConfigError`, which names the variable, the value
-and what is accepted. Durations and numbers are read as ASCII decimal digits
-only (no underscore, sign or ``nan``; no exponent but in ``OPENLORA_PEAK_FLOPS``,
-whose values are like ``989e12``), within documented ranges, so a
-value that would stall or kill a thread later is refused here. Credentials (URL
-``user:password@`` and header values) never appear in an error or a repr.
+Invalid values raise :class:`ConfigError` (:mod:`.checks`), which names the variable, the value and
+what is accepted; credentials (URL ``user:password@`` and header values) never appear in an error or
+a repr.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import math
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
-from urllib.parse import SplitResult, unquote, urlsplit
+from typing import Any, Literal
 
-from openlora_otel.redaction import REDACTED, redact, redact_url, secret_forms, url_secrets
+from openlora_otel.config.checks import (
+    _ANY_SCHEME,
+    _GLOB_RE,
+    _GLOBS_ACCEPTED,
+    _HEADERS_ACCEPTED,
+    _HOST_ACCEPTED,
+    _HTTP_SCHEMES,
+    COMPRESSIONS,
+    DIRECTORY_ACCEPTED,
+    EXPORT_INTERVAL_RANGE_MS,
+    EXPORT_TIMEOUT_RANGE_MS,
+    EXPORTERS,
+    FILE_SD_ACCEPTED,
+    FINAL_SCRAPE_TIMEOUT_RANGE_MS,
+    GPU_DEVICE_MODES,
+    GPU_MODES,
+    GPU_TIMEOUT_RANGE_MS,
+    HISTORY_INTERVAL_RANGE_MS,
+    HISTORY_MAX_BYTES_ACCEPTED,
+    INFERENCE_MAX_ADAPTERS_RANGE,
+    MAX_RANK,
+    MAX_RUN_ID_LENGTH,
+    MAX_RUN_NAME_LENGTH,
+    MIN_HISTORY_MAX_BYTES,
+    OTLP_TIMEOUT_RANGE_MS,
+    PEAK_FLOPS_ACCEPTED,
+    PEAK_FLOPS_RANGE,
+    PORT_OFFSETS,
+    PROTOCOLS,
+    RUN_ID_ACCEPTED,
+    RUN_NAME_ACCEPTED,
+    SHUTDOWN_TIMEOUT_RANGE_MS,
+    TEMPORALITIES,
+    ConfigError,
+    _brackets_closed,
+    _check_endpoint,
+    _choices,
+    _header_problem,
+    _host_problem,
+    _in_range,
+    _ms_accepted,
+    _s_accepted,
+    _seconds,
+    run_id_problem,
+    run_name_problem,
+)
+from openlora_otel.config.env import Env, secrets_in_env
+from openlora_otel.config.variables import GROUPS, OTLP_DEFAULT_ENDPOINTS, VARIABLES, Variable, default
+from openlora_otel.redaction import REDACTED, redact_url, secret_forms, url_secrets
 
 __all__ = [
+    "DEFAULT_PROMETHEUS_PORT",
     "DEFAULT_SERVICE_NAME",
+    "GROUPS",
     "VARIABLES",
     "ConfigError",
     "OTLPConfig",
+    "PortOffset",
     "TelemetryConfig",
     "Variable",
+    "secrets_in_env",
 ]
 
-DEFAULT_SERVICE_NAME = "openlora-training"
+# Re-exported for the modules that check values set in code the way the environment's are checked.
+__all__ += [
+    "DIRECTORY_ACCEPTED",
+    "FILE_SD_ACCEPTED",
+    "MAX_RUN_ID_LENGTH",
+    "MAX_RUN_NAME_LENGTH",
+    "MIN_HISTORY_MAX_BYTES",
+    "RUN_ID_ACCEPTED",
+    "RUN_NAME_ACCEPTED",
+    "SHUTDOWN_TIMEOUT_RANGE_MS",
+    "run_id_problem",
+    "run_name_problem",
+]
 
-EXPORTERS = ("prometheus", "otlp", "console", "none")
-PROTOCOLS = ("http/protobuf", "grpc")
-COMPRESSIONS = ("none", "gzip")
-TEMPORALITIES = ("cumulative", "delta", "lowmemory")
-PORT_OFFSETS = ("local_rank", "rank", "none")
-GPU_MODES = ("auto", "on", "off")
-GPU_DEVICE_MODES = ("process", "all")
+
+
+def _default(name: str) -> Any:
+    """A field default, from the table."""
+    return default(name)
+
+
+DEFAULT_SERVICE_NAME: str = _default("OTEL_SERVICE_NAME")
+DEFAULT_PROMETHEUS_PORT: int = _default("OTEL_EXPORTER_PROMETHEUS_PORT")
+PROMETHEUS_PORT_VARIABLE = "OTEL_EXPORTER_PROMETHEUS_PORT"
 
 Protocol = Literal["http/protobuf", "grpc"]
 
-# Accepted ranges, in milliseconds. Below the minimum an interval spins a core or
-# an export cannot finish; above the maximum the SDK's waits overflow or the
-# value cannot be meant (a day between pushes, ten minutes to shut down).
-EXPORT_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
-EXPORT_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
-OTLP_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
-SHUTDOWN_TIMEOUT_RANGE_MS = (1.0, 600_000.0)
-GPU_TIMEOUT_RANGE_MS = (1.0, 60_000.0)
-FINAL_SCRAPE_TIMEOUT_RANGE_MS = (0.0, 600_000.0)
-HISTORY_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
-DEFAULT_HISTORY_MAX_BYTES = 64 * 1024 * 1024
-MIN_HISTORY_MAX_BYTES = 1024 * 1024
-INFERENCE_MAX_ADAPTERS_RANGE = (1, 1000)
-MAX_RUN_NAME_LENGTH = 100
-# A run id names the history file (with a rank suffix, under the 255-byte limit of a file name) and
-# labels every series of the run.
-MAX_RUN_ID_LENGTH = 128
-RUN_ID_ACCEPTED = f"a run id of 1 to {MAX_RUN_ID_LENGTH} printable characters"
-# Ranks are exported as integers: keep them far inside int64.
-MAX_RANK = 2**31 - 1
-
-
-def _ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
-    """``100 to 86400000 (1 day)``: an accepted range as the README table and errors say it."""
-    low, high = bounds
-    human = {86_400_000: "1 day", 600_000: "10 min", 60_000: "1 min"}.get(int(high), f"{high / 1000:g} s")
-    return f"{low * scale:.15g} to {high * scale:.15g} ({human})"
-
-
-def _ms_accepted(bounds: tuple[float, float]) -> str:
-    return f"a number of milliseconds from {_ms_range(bounds)}, in ASCII digits"
-
-
-_MAX_SHOWN = 200
-
-
-class ConfigError(ValueError):
-    """A configuration value that openlora-otel cannot use.
-
-    ``variable`` is the environment variable (or argument) at fault, ``value``
-    what it held and ``accepted`` a short description of valid values.
-    ``scheme://user:password@`` credentials are redacted, in the message and in
-    ``value`` alike; callers pass header values and scheme-less endpoints
-    already redacted (only they know which part is secret).
-    """
-
-    def __init__(self, variable: str, value: object, accepted: str, detail: str = "") -> None:
-        if isinstance(value, str):
-            value = redact(value)
-        self.variable = variable
-        self.value = value
-        self.accepted = accepted
-        shown = repr(value)
-        if len(shown) > _MAX_SHOWN:  # a 100k-character host should not make a 100k-character error
-            shown = f"{shown[: _MAX_SHOWN // 2]}...{shown[-16:]} ({len(str(value))} characters)"
-        message = f"{variable}={shown} is not valid: expected {accepted}"
-        if detail:
-            detail = redact(detail)  # before cutting, so a cut never splits a credential out of view
-            message += f" ({detail if len(detail) <= _MAX_SHOWN else detail[:_MAX_SHOWN] + '...'})"
-        super().__init__(redact(message))
-
-
-@dataclass(frozen=True)
-class Variable:
-    """One environment variable: its name, default (as text) and meaning."""
-
-    name: str
-    default: str
-    meaning: str
-
-
-VARIABLES: tuple[Variable, ...] = (
-    Variable(
-        "OTEL_SDK_DISABLED",
-        "false",
-        "`true` gives a working no-op `Telemetry`: nothing is exported, no port is bound.",
-    ),
-    Variable(
-        "OTEL_SERVICE_NAME",
-        DEFAULT_SERVICE_NAME,
-        "`service.name` of the Resource; wins over `service.name` in `OTEL_RESOURCE_ATTRIBUTES`.",
-    ),
-    Variable(
-        "OTEL_RESOURCE_ATTRIBUTES",
-        "(empty)",
-        "Extra Resource attributes, `key=value,key2=value2`, values percent-encoded.",
-    ),
-    Variable(
-        "OTEL_METRICS_EXPORTER",
-        "prometheus",
-        "Comma list of `prometheus`, `otlp`, `console`, or `none` alone.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_PROMETHEUS_HOST",
-        "localhost",
-        "Address the Prometheus `/metrics` endpoint binds to: a host name (at most 253 characters) or an IP address.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_PROMETHEUS_PORT",
-        "9464",
-        "Port of the Prometheus endpoint (0 picks a free port); see `OPENLORA_PROMETHEUS_PORT_OFFSET`.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "http://localhost:4318 (http/protobuf), http://localhost:4317 (grpc)",
-        "Base OTLP endpoint; `/v1/metrics` is appended for http/protobuf. Validated even when the per-signal one wins.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-        "(unset)",
-        "Metrics endpoint, used as is (no path appended); wins over the base endpoint.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-        "http/protobuf",
-        "`http/protobuf` or `grpc` (`http/json` has no Python exporter).",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-        "(unset)",
-        "Per-signal protocol; wins over `OTEL_EXPORTER_OTLP_PROTOCOL`.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_HEADERS",
-        "(empty)",
-        "Headers sent with every export, `key=value,...`, values percent-encoded; names are HTTP tokens, decoded values printable ASCII (a control character such as an encoded CR/LF is refused). Values are never printed.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
-        "(unset)",
-        "Per-signal headers; win over `OTEL_EXPORTER_OTLP_HEADERS`.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_TIMEOUT",
-        "10000",
-        "Time limit of one OTLP export with its retries, in milliseconds (as the spec says; the Python SDK alone reads seconds), "
-        + _ms_range(OTLP_TIMEOUT_RANGE_MS)
-        + "; capped at `OTEL_METRIC_EXPORT_INTERVAL`.",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "(unset)", "Per-signal export time limit in milliseconds."
-    ),
-    Variable("OTEL_EXPORTER_OTLP_COMPRESSION", "none", "`gzip` or `none`."),
-    Variable("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "(unset)", "Per-signal compression."),
-    Variable(
-        "OTEL_EXPORTER_OTLP_INSECURE",
-        "false",
-        "gRPC only, for an endpoint without scheme: `true` for plaintext.",
-    ),
-    Variable("OTEL_EXPORTER_OTLP_METRICS_INSECURE", "(unset)", "Per-signal `INSECURE`."),
-    Variable(
-        "OTEL_EXPORTER_OTLP_CERTIFICATE",
-        "(unset)",
-        "PEM file of trusted CA certificates for TLS to the endpoint.",
-    ),
-    Variable("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "(unset)", "Per-signal CA certificate file."),
-    Variable(
-        "OTEL_EXPORTER_OTLP_CLIENT_KEY",
-        "(unset)",
-        "PEM private key for mTLS (needs the client certificate too).",
-    ),
-    Variable("OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", "(unset)", "Per-signal client key file."),
-    Variable(
-        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
-        "(unset)",
-        "PEM client certificate chain for mTLS (needs the client key too).",
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE", "(unset)", "Per-signal client certificate file."
-    ),
-    Variable(
-        "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE",
-        "cumulative",
-        "`cumulative`, `delta` or `lowmemory` (Prometheus needs cumulative).",
-    ),
-    Variable(
-        "OTEL_METRIC_EXPORT_INTERVAL",
-        "60000",
-        "Milliseconds between pushes for `otlp` and `console` (pull is scrape-driven), "
-        + _ms_range(EXPORT_INTERVAL_RANGE_MS)
-        + ".",
-    ),
-    Variable(
-        "OTEL_METRIC_EXPORT_TIMEOUT",
-        "30000",
-        "Milliseconds allowed for one collect-and-export cycle, " + _ms_range(EXPORT_TIMEOUT_RANGE_MS) + ".",
-    ),
-    Variable(
-        "OPENLORA_RUN_ID",
-        "shared by the launcher, else random",
-        "Run id in the Resource (`openlora.run.id`), 1 to 128 printable characters (it names the history file). Unset, every rank of one job gets the same id anyway: torchrun's `TORCHELASTIC_RUN_ID`, torchrun's store (static rendezvous), the initialized process group's store, or Slurm's job and step ids (see Distributed training).",
-    ),
-    Variable(
-        "OPENLORA_RUN_NAME",
-        "(unset: the run id)",
-        "A name for the run, at most 100 characters: the Resource attribute `openlora.run.name` and the name on `openlora_run_info` (legends, alerts, reports). `setup_telemetry(run_name=...)` wins over it.",
-    ),
-    Variable(
-        "OPENLORA_HISTORY_DIR",
-        "(unset: no file)",
-        "A directory (created if missing) where the run's history is written as OTLP JSON Lines, one line per collection: `<run id>.jsonl`, or `<run id>.rank<RANK>.jsonl` under a launcher. Read by `openlora-otel report`. Works next to any exporter.",
-    ),
-    Variable(
-        "OPENLORA_HISTORY_INTERVAL",
-        "5000",
-        "Milliseconds between two lines of the history file, "
-        + _ms_range(HISTORY_INTERVAL_RANGE_MS)
-        + "; the final values are written at shutdown and on SIGTERM.",
-    ),
-    Variable(
-        "OPENLORA_HISTORY_MAX_BYTES",
-        str(DEFAULT_HISTORY_MAX_BYTES),
-        f"Size bound of one history file, from {MIN_HISTORY_MAX_BYTES} bytes (1 MiB): when a line would pass it, every other line is dropped and from then on every other collection is written (then every 4th, ...), so the whole run stays at a lower resolution.",
-    ),
-    Variable(
-        "OPENLORA_INFERENCE_MAX_ADAPTERS",
-        "32",
-        f"Distinct adapter names the serving metrics (`telemetry.inference`) record per process, {INFERENCE_MAX_ADAPTERS_RANGE[0]} to {INFERENCE_MAX_ADAPTERS_RANGE[1]}; names take slots in the order they are first seen, loaded or requested (load adapters before serving, and record names you do not serve as `other`, so the slots go to loaded adapters); later names are recorded as `other`. Each adapter adds about 90 series.",
-    ),
-    Variable(
-        "OPENLORA_SHUTDOWN_TIMEOUT",
-        "2000",
-        "Milliseconds `shutdown()` may take, final export included, "
-        + _ms_range(SHUTDOWN_TIMEOUT_RANGE_MS)
-        + "; it returns after that even if the endpoint hangs (plus the final-scrape wait, `OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`).",
-    ),
-    Variable(
-        "OPENLORA_PROMETHEUS_PORT_OFFSET",
-        "local_rank",
-        "`local_rank`: the port is `OTEL_EXPORTER_PROMETHEUS_PORT + LOCAL_RANK`, so torchrun ranks on one node do not collide; `rank`: `+ RANK` (global rank: several torchrun nodes on one host); `none`: no offset.",
-    ),
-    Variable(
-        "OPENLORA_PROMETHEUS_FILE_SD_DIR",
-        "(unset)",
-        "A directory (created if missing) where each process registers its pull endpoint for Prometheus `file_sd_configs` while it runs: `openlora-<host>-<port>.json`, removed at shutdown and on SIGTERM; unset: no file.",
-    ),
-    Variable(
-        "OPENLORA_GPU_METRICS",
-        "auto",
-        "`auto`: GPU gauges when NVML initializes, else one info line and none; `on`: NVML must work (else a setup error); `off`.",
-    ),
-    Variable(
-        "OPENLORA_GPU_DEVICES",
-        "process",
-        "`process`: the GPUs this process uses (torch's devices once CUDA is up, else `CUDA_VISIBLE_DEVICES` narrowed by `LOCAL_RANK`); `all`: every GPU on the host.",
-    ),
-    Variable(
-        "OPENLORA_GPU_TIMEOUT",
-        "1000",
-        "Milliseconds one NVML snapshot may take, "
-        + _ms_range(GPU_TIMEOUT_RANGE_MS)
-        + "; past that the collection serves the last good one (up to 60 s old) and says how old.",
-    ),
-    Variable(
-        "OPENLORA_HOST_METRICS",
-        "true",
-        "`true`: host and process metrics (CPU, memory, disk and network I/O) through `opentelemetry-instrumentation-system-metrics`, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
-    ),
-    Variable(
-        "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
-        "(empty)",
-        "The instrumentation package's own variable: comma list of glob patterns (`system.network.*`, `process.disk.io`) of host metrics to leave out.",
-    ),
-    Variable(
-        "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
-        "15000",
-        "Milliseconds `shutdown()` keeps the Prometheus endpoint open for one more scrape, so the run's final values are collected; only when the endpoint was scraped before, and no longer than about 1.5 observed scrape intervals; "
-        + _ms_range(FINAL_SCRAPE_TIMEOUT_RANGE_MS)
-        + "; 0 turns the wait off.",
-    ),
-    Variable(
-        "OPENLORA_PROMETHEUS_EXPECT_SCRAPE",
-        "false",
-        "`true`: a Prometheus is known to scrape this endpoint, so `shutdown()` also waits (up to `OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`) for a scrape when none came yet: a run shorter than one scrape interval still reaches Prometheus. `false`: a run never scraped ends at once (nothing may be watching).",
-    ),
-    Variable(
-        "OPENLORA_HANDLE_SIGTERM",
-        "true",
-        "`true`: on SIGTERM (when the application has no SIGTERM handler of its own) do the bounded final export, then exit with status 143; `false`: leave SIGTERM alone.",
-    ),
-    Variable(
-        "OPENLORA_PEAK_FLOPS",
-        "(unset)",
-        "Peak FLOP/s of one device of this process (for example `989e12`), used for model FLOPs utilization instead of the datasheet table; a number from 1 to 1e21 in ASCII digits, an exponent allowed. Set it on CPUs or GPUs the table does not know.",
-    ),
-    Variable(
-        "OPENLORA_QUIET",
-        "false",
-        "`true` silences the one line on standard error that says where the metrics go (shown when logging does not show INFO).",
-    ),
-    Variable(
-        "CUDA_VISIBLE_DEVICES",
-        "(unset)",
-        "Read to pick this process's GPUs (indices, `GPU-` or `MIG-` UUIDs).",
-    ),
-    Variable(
-        "TORCHELASTIC_RUN_ID", "(set by torchrun)", "Read for the run id when `OPENLORA_RUN_ID` is unset."
-    ),
-    Variable(
-        "RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK",
-        "(set by torchrun)",
-        f"Integers from 0 to {MAX_RANK}, copied into the Resource as `openlora.rank`, `openlora.local_rank`, `openlora.world_size`, `openlora.group_rank`.",
-    ),
-)
-
-_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_DIGITS_RE = re.compile(r"[0-9]+")
-_DECIMAL_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
-_HEADERS_ACCEPTED = (
-    "headers as `key=value` pairs separated by commas, values percent-encoded; "
-    "names are HTTP tokens, decoded values printable ASCII"
-)
-_HOST_ACCEPTED = "a host name (at most 253 characters, labels of letters, digits, `-`, `_`) or an IP address"
-_HTTP_SCHEMES = ("http", "https")
-_ANY_SCHEME = ("", "http", "https")
-_T = TypeVar("_T")
 _RANK_VARIABLES = (
     ("RANK", "openlora.rank"),
     ("LOCAL_RANK", "openlora.local_rank"),
@@ -381,19 +125,35 @@ _RANK_VARIABLES = (
 
 
 @dataclass(frozen=True)
+class PortOffset:
+    """The rank added to the Prometheus port (``OPENLORA_PROMETHEUS_PORT_OFFSET``): which launcher
+    variable it came from and its value."""
+
+    variable: Literal["LOCAL_RANK", "RANK"]
+    value: int
+
+    @property
+    def setting(self) -> str:
+        """How messages name the port's setting: ``OTEL_EXPORTER_PROMETHEUS_PORT (+ RANK)``."""
+        return f"{PROMETHEUS_PORT_VARIABLE} (+ {self.variable})"
+
+
+@dataclass(frozen=True)
 class OTLPConfig:
     """Resolved OTLP exporter settings (per-signal variables already applied)."""
 
-    endpoint: str = "http://localhost:4318/v1/metrics"
-    protocol: Protocol = "http/protobuf"
+    endpoint: str = OTLP_DEFAULT_ENDPOINTS["http/protobuf"] + "/v1/metrics"
+    protocol: Protocol = _default("OTEL_EXPORTER_OTLP_PROTOCOL")  # noqa: RUF009 (an immutable value from the table)
     headers: tuple[tuple[str, str], ...] = ()
-    timeout_s: float = 10.0
-    compression: Literal["none", "gzip"] = "none"
-    insecure: bool = False
+    timeout_s: float = _default("OTEL_EXPORTER_OTLP_TIMEOUT")
+    compression: Literal["none", "gzip"] = _default("OTEL_EXPORTER_OTLP_COMPRESSION")
+    insecure: bool = _default("OTEL_EXPORTER_OTLP_INSECURE")
     certificate: str | None = None
     client_key: str | None = None
     client_certificate: str | None = None
-    temporality: Literal["cumulative", "delta", "lowmemory"] = "cumulative"
+    temporality: Literal["cumulative", "delta", "lowmemory"] = _default(
+        "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
+    )
     endpoint_variable: str = "OTEL_EXPORTER_OTLP_ENDPOINT"
     # False when neither endpoint variable was set and the protocol's default is used.
     endpoint_set: bool = True
@@ -448,36 +208,38 @@ class TelemetryConfig:
     ``run_id=None`` means "generate one at setup".
     """
 
-    sdk_disabled: bool = False
+    sdk_disabled: bool = _default("OTEL_SDK_DISABLED")
     service_name: str = DEFAULT_SERVICE_NAME
     resource_attributes: Mapping[str, str | int] = field(default_factory=dict)
-    exporters: tuple[str, ...] = ("prometheus",)
-    prometheus_host: str = "localhost"
-    prometheus_port: int = 9464
-    prometheus_port_variable: str = "OTEL_EXPORTER_PROMETHEUS_PORT"
+    exporters: tuple[str, ...] = _default("OTEL_METRICS_EXPORTER")
+    prometheus_host: str = _default("OTEL_EXPORTER_PROMETHEUS_HOST")
+    prometheus_port: int = DEFAULT_PROMETHEUS_PORT
+    # The rank added to the port by OPENLORA_PROMETHEUS_PORT_OFFSET (already in prometheus_port), if any.
+    prometheus_port_offset: PortOffset | None = None
     otlp: OTLPConfig = field(default_factory=OTLPConfig)
-    export_interval_ms: float = 60000.0
-    export_timeout_ms: float = 30000.0
+    export_interval_ms: float = _default("OTEL_METRIC_EXPORT_INTERVAL")
+    export_timeout_ms: float = _default("OTEL_METRIC_EXPORT_TIMEOUT")
     run_id: str | None = None
-    shutdown_timeout_s: float = 2.0
-    gpu_metrics: Literal["auto", "on", "off"] = "auto"
-    gpu_devices: Literal["process", "all"] = "process"
-    gpu_timeout_s: float = 1.0
-    cuda_visible_devices: str | None = None
-    host_metrics: bool = True
-    host_metrics_excluded: tuple[str, ...] = ()
+    shutdown_timeout_s: float = _default("OPENLORA_SHUTDOWN_TIMEOUT")
+    gpu_metrics: Literal["auto", "on", "off"] = _default("OPENLORA_GPU_METRICS")
+    gpu_devices: Literal["process", "all"] = _default("OPENLORA_GPU_DEVICES")
+    gpu_timeout_s: float = _default("OPENLORA_GPU_TIMEOUT")
+    cuda_visible_devices: str | None = _default("CUDA_VISIBLE_DEVICES")
+    host_metrics: bool = _default("OPENLORA_HOST_METRICS")
+    host_metrics_excluded: tuple[str, ...] = _default("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
+    # False when OTEL_EXPORTER_PROMETHEUS_PORT was not set and the default port (plus any offset) is used.
     prometheus_port_explicit: bool = True
-    final_scrape_timeout_s: float = 15.0
-    expect_scrape: bool = False
-    handle_sigterm: bool = True
-    quiet: bool = False
-    file_sd_dir: str | None = None
-    peak_flops: float | None = None
-    run_name: str | None = None
-    history_dir: str | None = None
-    history_interval_ms: float = 5000.0
-    history_max_bytes: int = DEFAULT_HISTORY_MAX_BYTES
-    inference_max_adapters: int = 32
+    final_scrape_timeout_s: float = _default("OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT")
+    expect_scrape: bool = _default("OPENLORA_PROMETHEUS_EXPECT_SCRAPE")
+    handle_sigterm: bool = _default("OPENLORA_HANDLE_SIGTERM")
+    quiet: bool = _default("OPENLORA_QUIET")
+    file_sd_dir: str | None = _default("OPENLORA_PROMETHEUS_FILE_SD_DIR")
+    peak_flops: float | None = _default("OPENLORA_PEAK_FLOPS")
+    run_name: str | None = _default("OPENLORA_RUN_NAME")
+    history_dir: str | None = _default("OPENLORA_HISTORY_DIR")
+    history_interval_ms: float = _default("OPENLORA_HISTORY_INTERVAL")
+    history_max_bytes: int = _default("OPENLORA_HISTORY_MAX_BYTES")
+    inference_max_adapters: int = _default("OPENLORA_INFERENCE_MAX_ADAPTERS")
 
     def __post_init__(self) -> None:
         for name in self.exporters:
@@ -563,9 +325,16 @@ class TelemetryConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TelemetryConfig:
         """Read and validate every variable in :data:`VARIABLES` from ``environ`` (default ``os.environ``)."""
-        env = _Env(os.environ if environ is None else environ)
+        env = Env(os.environ if environ is None else environ)
 
-        sdk_disabled = env.boolean("OTEL_SDK_DISABLED")
+        # The variables that fill one field each, in the table's order; unset ones keep the default.
+        values: dict[str, Any] = {}
+        for variable in VARIABLES:
+            if variable.read is not None:
+                value = variable.read(env, variable.name)
+                if value is not None:
+                    values[variable.field] = variable.field_value(value)
+
         resource_attributes: dict[str, str | int] = dict(
             env.key_values("OTEL_RESOURCE_ATTRIBUTES", what="resource attributes")
         )
@@ -573,420 +342,63 @@ class TelemetryConfig:
             resource_attributes.pop("service.name", "") or DEFAULT_SERVICE_NAME
         )
         resource_attributes.pop("service.name", None)
-
-        for variable, attribute in _RANK_VARIABLES:
-            value = env.integer(variable, minimum=0, maximum=MAX_RANK)
-            if value is not None:
-                resource_attributes.setdefault(attribute, value)
-
-        exporters = env.exporters("OTEL_METRICS_EXPORTER")
-
-        prometheus_host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or "localhost"
-        host_problem = _host_problem(prometheus_host)
-        if host_problem:
-            raise ConfigError("OTEL_EXPORTER_PROMETHEUS_HOST", prometheus_host, _HOST_ACCEPTED, host_problem)
-        prometheus_port = env.integer("OTEL_EXPORTER_PROMETHEUS_PORT", minimum=0, maximum=65535)
-        if prometheus_port is None:
-            prometheus_port = 9464
-        offset_mode = env.choice("OPENLORA_PROMETHEUS_PORT_OFFSET", PORT_OFFSETS) or "local_rank"
-        port_variable = "OTEL_EXPORTER_PROMETHEUS_PORT"
-        offset_variable = {"local_rank": "LOCAL_RANK", "rank": "RANK"}.get(offset_mode)
-        offset = resource_attributes.get(f"openlora.{offset_mode}") if offset_variable else None
-        if prometheus_port != 0 and isinstance(offset, int) and offset:
-            prometheus_port += offset
-            port_variable = f"OTEL_EXPORTER_PROMETHEUS_PORT (+ {offset_variable})"
-            if prometheus_port > 65535:
-                raise ConfigError(
-                    port_variable,
-                    prometheus_port,
-                    f"a port of at most 65535 after adding {offset_variable}",
-                    "lower OTEL_EXPORTER_PROMETHEUS_PORT or set OPENLORA_PROMETHEUS_PORT_OFFSET",
-                )
-
-        export_interval = env.milliseconds("OTEL_METRIC_EXPORT_INTERVAL", bounds=EXPORT_INTERVAL_RANGE_MS)
-        export_timeout = env.milliseconds("OTEL_METRIC_EXPORT_TIMEOUT", bounds=EXPORT_TIMEOUT_RANGE_MS)
-        shutdown_timeout = env.milliseconds("OPENLORA_SHUTDOWN_TIMEOUT", bounds=SHUTDOWN_TIMEOUT_RANGE_MS)
-
-        run_id = env.get("OPENLORA_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None
-        # torchrun sets TORCHELASTIC_RUN_ID=none when no rendezvous id was given.
-        if run_id == "none" and not env.get("OPENLORA_RUN_ID"):
-            run_id = None
-        if run_id is not None and run_id_problem(run_id):
-            source = "OPENLORA_RUN_ID" if env.get("OPENLORA_RUN_ID") else "TORCHELASTIC_RUN_ID"
-            raise ConfigError(source, run_id, RUN_ID_ACCEPTED, run_id_problem(run_id) or "")
-
-        gpu_timeout = env.milliseconds("OPENLORA_GPU_TIMEOUT", bounds=GPU_TIMEOUT_RANGE_MS)
-        final_scrape = env.milliseconds(
-            "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT", bounds=FINAL_SCRAPE_TIMEOUT_RANGE_MS
-        )
-        visible = env.get("CUDA_VISIBLE_DEVICES") if "CUDA_VISIBLE_DEVICES" in env else None
-        history_interval = env.milliseconds("OPENLORA_HISTORY_INTERVAL", bounds=HISTORY_INTERVAL_RANGE_MS)
+        for name, attribute in _RANK_VARIABLES:
+            rank = env.integer(name, minimum=0, maximum=MAX_RANK)
+            if rank is not None:
+                resource_attributes.setdefault(attribute, rank)
 
         # Validated whether or not `otlp` is selected: a bad value is caught now,
         # not when someone later adds `otlp` to the exporter list.
         otlp = _read_otlp(env)
 
         return cls(
-            sdk_disabled=sdk_disabled,
             service_name=service_name,
             resource_attributes=resource_attributes,
-            exporters=exporters,
-            prometheus_host=prometheus_host,
-            prometheus_port=prometheus_port,
-            prometheus_port_variable=port_variable,
             otlp=otlp,
-            export_interval_ms=60000.0 if export_interval is None else export_interval,
-            export_timeout_ms=30000.0 if export_timeout is None else export_timeout,
-            run_id=run_id,
-            shutdown_timeout_s=2.0 if shutdown_timeout is None else shutdown_timeout / 1000.0,
-            gpu_metrics=env.choice("OPENLORA_GPU_METRICS", GPU_MODES) or "auto",  # type: ignore[arg-type]
-            gpu_devices=env.choice("OPENLORA_GPU_DEVICES", GPU_DEVICE_MODES) or "process",  # type: ignore[arg-type]
-            gpu_timeout_s=1.0 if gpu_timeout is None else gpu_timeout / 1000.0,
-            cuda_visible_devices=visible,
-            host_metrics=env.boolean("OPENLORA_HOST_METRICS", default=True),
-            host_metrics_excluded=_excluded_metrics(env),
-            prometheus_port_explicit=bool(env.get("OTEL_EXPORTER_PROMETHEUS_PORT")),
-            final_scrape_timeout_s=15.0 if final_scrape is None else final_scrape / 1000.0,
-            expect_scrape=env.boolean("OPENLORA_PROMETHEUS_EXPECT_SCRAPE"),
-            handle_sigterm=env.boolean("OPENLORA_HANDLE_SIGTERM", default=True),
-            quiet=env.boolean("OPENLORA_QUIET"),
-            file_sd_dir=_file_sd_dir(env),
-            peak_flops=_peak_flops(env),
-            run_name=_run_name(env),
-            history_dir=_directory(env, "OPENLORA_HISTORY_DIR"),
-            history_interval_ms=5000.0 if history_interval is None else history_interval,
-            history_max_bytes=_history_max_bytes(env),
-            inference_max_adapters=_inference_max_adapters(env),
+            run_id=_run_id(env),
+            **_prometheus_port(env, resource_attributes),
+            **values,
         )
 
 
-PEAK_FLOPS_RANGE = (1.0, 1e21)
-PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21 in ASCII digits, with an optional exponent, such as 989e12"
-# A decimal with an optional exponent, ASCII only: float() would also take "1_000", a sign,
-# "nan", "infinity" and non-ASCII (fullwidth) digits.
-_EXPONENT_DECIMAL_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
-
-
-def _peak_flops(env: _Env) -> float | None:
-    """``OPENLORA_PEAK_FLOPS``: unset, or a plain positive decimal (the one number here with an exponent)."""
-    raw = env.get("OPENLORA_PEAK_FLOPS")
-    if not raw:
-        return None
-    if not _EXPONENT_DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
-        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
-    number = float(raw)
-    if not _in_range(number, PEAK_FLOPS_RANGE):
-        raise ConfigError("OPENLORA_PEAK_FLOPS", raw, PEAK_FLOPS_ACCEPTED)
-    return number
-
-
-# The instrumentation matches these with fnmatch against metric names: a pattern with
-# any other character (a space, a slash) can never match, so it is a typo to report.
-_GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
-_GLOBS_ACCEPTED = "glob patterns over metric names (letters, digits, `.`, `_`, `-`, `*`, `?`, `[...]`), e.g. `system.network.*`"
-
-
-def _excluded_metrics(env: _Env) -> tuple[str, ...]:
-    """``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS`` split as the instrumentation splits it (commas, blanks dropped)."""
-    raw = env.get("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
-    patterns = tuple(part.strip() for part in raw.split(",") if part.strip())
-    for pattern in patterns:
-        # fnmatch reads a `[` without its `]` as a literal character, which no metric name has.
-        if not _GLOB_RE.fullmatch(pattern) or not _brackets_closed(pattern):
-            raise ConfigError(
-                "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
-                raw,
-                "a comma list of " + _GLOBS_ACCEPTED,
-                f"{pattern!r} can match no metric name",
-            )
-    return patterns
-
-
-def _brackets_closed(pattern: str) -> bool:
-    """Every `[` of a glob opens a set that a later `]` closes (fnmatch's reading)."""
-    index = 0
-    while (index := pattern.find("[", index)) >= 0:
-        start = index + 1
-        start += pattern[start : start + 1] == "!"  # a negated set
-        start += pattern[start : start + 1] == "]"  # a `]` first in the set is one of its characters
-        close = pattern.find("]", start)
-        if close < 0:
-            return False
-        index = close + 1
-    return True
-
-
-DIRECTORY_ACCEPTED = "a directory, or a path where one can be created"
-FILE_SD_ACCEPTED = DIRECTORY_ACCEPTED
-
-
-def _directory(env: _Env, variable: str) -> str | None:
-    """A directory variable: unset, or a path that is (or can become) a directory, made absolute."""
-    value = env.get(variable)
-    if not value:
-        return None
-    if "\0" in value:
-        raise ConfigError(variable, value, DIRECTORY_ACCEPTED, "it contains a NUL character")
-    path = os.path.abspath(os.path.expanduser(value))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(variable, value, DIRECTORY_ACCEPTED, "it is not a directory")
-    return path
-
-
-def _file_sd_dir(env: _Env) -> str | None:
-    """``OPENLORA_PROMETHEUS_FILE_SD_DIR``."""
-    return _directory(env, "OPENLORA_PROMETHEUS_FILE_SD_DIR")
-
-
-RUN_NAME_ACCEPTED = f"a name of 1 to {MAX_RUN_NAME_LENGTH} printable characters"
-
-
-def run_name_problem(name: object) -> str | None:
-    if not isinstance(name, str) or not name.strip():
-        return "it is empty"
-    return _label_text_problem(name, MAX_RUN_NAME_LENGTH)
-
-
-def run_id_problem(run_id: object) -> str | None:
-    """Why ``run_id`` cannot be a run id, if it cannot."""
-    if not isinstance(run_id, str):
-        return f"it is a {type(run_id).__name__}, not a string"
-    if not run_id:
-        return "it is empty"
-    return _label_text_problem(run_id, MAX_RUN_ID_LENGTH)
-
-
-def _label_text_problem(text: str, max_length: int) -> str | None:
-    """What rules a non-empty run name or id out as a label value: its length, a control character."""
-    if len(text) > max_length:
-        return f"it has {len(text)} characters"
-    if not text.isprintable():
-        return "it contains a control character"
-    return None
-
-
-def _run_name(env: _Env) -> str | None:
-    value = env.get("OPENLORA_RUN_NAME")
-    if not value:
-        return None
-    problem = run_name_problem(value)
-    if problem:
-        raise ConfigError("OPENLORA_RUN_NAME", value, RUN_NAME_ACCEPTED, problem)
-    return value.strip()
-
-
-HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTORY_MAX_BYTES} (1 MiB)"
-
-
-def _history_max_bytes(env: _Env) -> int:
-    value = env.integer("OPENLORA_HISTORY_MAX_BYTES", minimum=MIN_HISTORY_MAX_BYTES)
-    return DEFAULT_HISTORY_MAX_BYTES if value is None else value
-
-
-def _inference_max_adapters(env: _Env) -> int:
-    low, high = INFERENCE_MAX_ADAPTERS_RANGE
-    value = env.integer("OPENLORA_INFERENCE_MAX_ADAPTERS", minimum=low, maximum=high)
-    return 32 if value is None else value
-
-
-def _choices(values: tuple[str, ...]) -> str:
-    return "one of " + ", ".join(f"`{v}`" for v in values)
-
-
-def _in_range(value: object, bounds: tuple[float, float]) -> bool:
-    """A real number (not a bool), finite, within ``bounds`` inclusive."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
-    return bounds[0] <= value <= bounds[1]
-
-
-def _seconds(bounds_ms: tuple[float, float]) -> tuple[float, float]:
-    return bounds_ms[0] / 1000.0, bounds_ms[1] / 1000.0
-
-
-def _s_accepted(bounds_ms: tuple[float, float]) -> str:
-    return f"a number of seconds from {_ms_range(bounds_ms, scale=0.001)}"
-
-
-class _Env:
-    """Typed readers over an environment mapping; each error names its variable."""
-
-    def __init__(self, environ: Mapping[str, str]) -> None:
-        self._environ = environ
-
-    def get(self, name: str) -> str:
-        return self._environ.get(name, "").strip()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._environ
-
-    def first(self, *names: str) -> tuple[str, str]:
-        """The first of ``names`` that is set and non-empty, as (name, value); else (last name, "")."""
-        for name in names:
-            value = self.get(name)
-            if value:
-                return name, value
-        return names[-1], ""
-
-    def winner(self, read: Callable[[str], _T], *names: str) -> tuple[str, _T | None]:
-        """``read`` every one of ``names`` (so each set one is validated); the first set one wins.
-
-        The per-signal variable overrides the base one, but the base one is still
-        checked: the README promises that every variable is validated.
-        """
-        results = [(name, read(name)) for name in names if self.get(name)]
-        if results:
-            return results[0]
-        return names[-1], None
-
-    def boolean(self, name: str, *names: str, default: bool = False) -> bool:
-        _, value = self.winner(self._boolean, name, *names)
-        return default if value is None else value
-
-    def _boolean(self, name: str) -> bool:
-        raw = self.get(name)
-        lowered = raw.lower()
-        if lowered in ("", "false"):
-            return False
-        if lowered == "true":
-            return True
-        # The spec reads anything but "true" as false; we refuse instead, because
-        # OTEL_SDK_DISABLED=1 silently meaning "enabled" is the worse surprise.
-        raise ConfigError(name, raw, "`true` or `false` (case-insensitive)")
-
-    def integer(self, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
-        raw = self.get(name)
-        if not raw:
-            return None
-        accepted = "an integer"
-        if minimum is not None and maximum is not None:
-            accepted = f"an integer from {minimum} to {maximum}"
-        elif minimum is not None:
-            accepted = f"an integer >= {minimum}"
-        # int() also takes "1_000", "+5" and non-ASCII digits (fullwidth ones): refuse
-        # them, so the value means what it looks like to every other tool.
-        if not _DIGITS_RE.fullmatch(raw) or len(raw) > 20:
-            raise ConfigError(name, raw, accepted + ", in ASCII digits")
-        value = int(raw, 10)
-        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            raise ConfigError(name, raw, accepted)
-        return value
-
-    def milliseconds(self, *names: str, bounds: tuple[float, float] = (1.0, 86_400_000.0)) -> float | None:
-        """A duration in milliseconds within ``bounds`` (integers per the spec; decimals tolerated).
-
-        Only plain ASCII decimals: float() would also take "1e308", "nan",
-        "infinity", "1_000" and non-ASCII digits, which either overflow a wait
-        later or do not mean what they look like.
-        """
-
-        def read(name: str) -> float:
-            raw = self.get(name)
-            accepted = _ms_accepted(bounds)
-            if not _DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
-                raise ConfigError(name, raw, accepted)
-            value = float(raw)
-            if not bounds[0] <= value <= bounds[1]:
-                raise ConfigError(name, raw, accepted)
-            return value
-
-        return self.winner(read, *names)[1]
-
-    def choice(self, name: str, choices: tuple[str, ...], *names: str) -> str | None:
-        def read(variable: str) -> str:
-            raw = self.get(variable)
-            lowered = raw.lower()
-            if lowered not in choices:
-                raise ConfigError(variable, raw, _choices(choices))
-            return lowered
-
-        return self.winner(read, name, *names)[1]
-
-    def exporters(self, name: str) -> tuple[str, ...]:
-        raw = self.get(name)
-        if not raw:
-            return ("prometheus",)
-        names: list[str] = []
-        for part in raw.split(","):
-            item = part.strip().lower()
-            if item not in EXPORTERS:
-                detail = f"unknown exporter {part.strip()!r}"
-                raise ConfigError(
-                    name, raw, "a comma list of " + ", ".join(f"`{e}`" for e in EXPORTERS), detail
-                )
-            if item not in names:
-                names.append(item)
-        if "none" in names and len(names) > 1:
-            raise ConfigError(name, raw, "`none` alone, or a list without `none`")
-        return tuple(names)
-
-    def key_values(self, *names: str, what: str) -> list[tuple[str, str]]:
-        """Parse the W3C-baggage-like ``k=v,k2=v2`` list used for headers and resource attributes."""
-        return self.winner(lambda name: self._key_values(name, what), *names)[1] or []
-
-    def _key_values(self, variable: str, what: str) -> list[tuple[str, str]]:
-        raw = self.get(variable)
-        pairs: list[tuple[str, str]] = []
-        headers = what == "headers"
-        accepted = (
-            _HEADERS_ACCEPTED
-            if headers
-            else f"{what} as `key=value` pairs separated by commas, values percent-encoded"
-        )
-        # Header values are usually credentials: never echo them in an error.
-        shown = _redact_key_values(raw) if headers else raw
-        for item in raw.split(","):
-            if not item.strip():
-                continue
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                entry = "an entry" if headers else f"entry {item.strip()!r}"
-                raise ConfigError(variable, shown, accepted, f"{entry} has no `key=`")
-            try:
-                decoded = unquote(value.strip(), errors="strict")
-            except UnicodeDecodeError:
-                raise ConfigError(
-                    variable, shown, accepted, f"value of {key!r} is not valid percent-encoding"
-                ) from None
-            name = unquote(key)
-            if headers:
-                # HTTP drops leading/trailing spaces of a field value; requests refuses them.
-                decoded = decoded.strip(" ")
-                problem = _header_problem(name, decoded)
-                if problem:
-                    raise ConfigError(variable, shown, accepted, problem)
-            pairs.append((name, decoded))
-        return pairs
-
-
-def secrets_in_env(environ: Mapping[str, str]) -> frozenset[str]:
-    """Every credential in ``environ`` (OTLP header values, endpoint user info), for redaction.
-
-    Read leniently, without validation: it must also work on the environment
-    that just failed to parse, so that the error about it can be scrubbed.
-    """
-    found: set[str] = set()
-    for name in ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS"):
-        for item in environ.get(name, "").split(","):
-            key, sep, value = item.partition("=")
-            raw = (value if sep else key).strip()  # an entry without "=" may be a pasted token
-            found |= secret_forms(raw) | secret_forms(unquote(raw).strip())
-    for name in ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        found |= url_secrets(environ.get(name, "").strip())
-    return frozenset(found)
-
-
-def _redact_key_values(raw: str) -> str:
-    return ",".join(
-        f"{item.partition('=')[0].strip()}=<redacted>" if "=" in item else "<redacted>"
-        for item in raw.split(",")
+def _prometheus_port(env: Env, resource_attributes: Mapping[str, str | int]) -> dict[str, Any]:
+    """``OTEL_EXPORTER_PROMETHEUS_PORT`` plus the rank ``OPENLORA_PROMETHEUS_PORT_OFFSET`` names: the
+    config's port, its offset and whether the port was set."""
+    port = env.integer(PROMETHEUS_PORT_VARIABLE, minimum=0, maximum=65535)
+    explicit = port is not None
+    if port is None:
+        port = DEFAULT_PROMETHEUS_PORT
+    mode = env.choice("OPENLORA_PROMETHEUS_PORT_OFFSET", PORT_OFFSETS) or _default(
+        "OPENLORA_PROMETHEUS_PORT_OFFSET"
     )
+    offset = None
+    rank = resource_attributes.get(f"openlora.{mode}") if mode != "none" else None
+    if port != 0 and isinstance(rank, int) and rank:
+        offset = PortOffset("LOCAL_RANK" if mode == "local_rank" else "RANK", rank)
+        port += rank
+        if port > 65535:
+            raise ConfigError(
+                offset.setting,
+                port,
+                f"a port of at most 65535 after adding {offset.variable}",
+                f"lower {PROMETHEUS_PORT_VARIABLE} or set OPENLORA_PROMETHEUS_PORT_OFFSET",
+            )
+    return {"prometheus_port": port, "prometheus_port_offset": offset, "prometheus_port_explicit": explicit}
 
 
-def _read_otlp(env: _Env) -> OTLPConfig:
+def _run_id(env: Env) -> str | None:
+    """``OPENLORA_RUN_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``; None: one is made at setup."""
+    run_id = env.get("OPENLORA_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None
+    # torchrun sets TORCHELASTIC_RUN_ID=none when no rendezvous id was given.
+    if run_id == "none" and not env.get("OPENLORA_RUN_ID"):
+        run_id = None
+    if run_id is not None and run_id_problem(run_id):
+        source = "OPENLORA_RUN_ID" if env.get("OPENLORA_RUN_ID") else "TORCHELASTIC_RUN_ID"
+        raise ConfigError(source, run_id, RUN_ID_ACCEPTED, run_id_problem(run_id) or "")
+    return run_id
+
+
+def _read_otlp(env: Env) -> OTLPConfig:
     def read_protocol(variable: str) -> str:
         raw = env.get(variable)
         if raw.lower() not in PROTOCOLS:
@@ -997,7 +409,7 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     _, raw_protocol = env.winner(
         read_protocol, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"
     )
-    resolved_protocol: Protocol = "grpc" if raw_protocol == "grpc" else "http/protobuf"
+    resolved_protocol: Protocol = raw_protocol or _default("OTEL_EXPORTER_OTLP_PROTOCOL")
 
     # The base endpoint is checked even when the per-signal one wins; as the loser
     # it may serve other signals over another protocol, so only its form is checked.
@@ -1009,23 +421,25 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     )
     per_signal = endpoint_variable == "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" and bool(endpoint)
     endpoint_set = bool(endpoint)
-    insecure = env.boolean("OTEL_EXPORTER_OTLP_METRICS_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
+    insecure = env.boolean(
+        "OTEL_EXPORTER_OTLP_METRICS_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE", default=_default("OTEL_EXPORTER_OTLP_INSECURE")
+    )
 
     if resolved_protocol == "http/protobuf":
         if not endpoint:
-            endpoint = "http://localhost:4318"
+            endpoint = OTLP_DEFAULT_ENDPOINTS["http/protobuf"]
         _check_endpoint(
             endpoint_variable,
             endpoint,
             schemes=_HTTP_SCHEMES,
-            accepted="an http:// or https:// URL for protocol http/protobuf, e.g. http://localhost:4318",
+            accepted="an http:// or https:// URL for protocol http/protobuf, e.g. " + OTLP_DEFAULT_ENDPOINTS["http/protobuf"],
         )
         if not per_signal:
             # The spec: the signal path is appended to the base endpoint only.
             endpoint = endpoint.rstrip("/") + "/v1/metrics"
     else:
         if not endpoint:
-            endpoint = "http://localhost:4317"
+            endpoint = OTLP_DEFAULT_ENDPOINTS["grpc"]
         parts = _check_endpoint(
             endpoint_variable,
             endpoint,
@@ -1043,10 +457,11 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     )
     compression = (
         env.choice("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", COMPRESSIONS, "OTEL_EXPORTER_OTLP_COMPRESSION")
-        or "none"
+        or _default("OTEL_EXPORTER_OTLP_COMPRESSION")
     )
     temporality = (
-        env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITIES) or "cumulative"
+        env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITIES)
+        or _default("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
     )
 
     def pem_file(variable: str) -> str:
@@ -1077,7 +492,7 @@ def _read_otlp(env: _Env) -> OTLPConfig:
         endpoint=endpoint,
         protocol=resolved_protocol,
         headers=headers,
-        timeout_s=10.0 if timeout is None else timeout / 1000.0,
+        timeout_s=_default("OTEL_EXPORTER_OTLP_TIMEOUT") if timeout is None else timeout / 1000.0,
         compression=compression,  # type: ignore[arg-type]
         insecure=insecure,
         certificate=files["certificate"],
@@ -1089,93 +504,3 @@ def _read_otlp(env: _Env) -> OTLPConfig:
     )
 
 
-def _check_endpoint(
-    variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = ""
-) -> SplitResult:
-    """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted.
-
-    ``schemes`` containing ``""`` allows gRPC's scheme-less ``host:port``.
-    """
-    shown = redact_url(endpoint)
-    accepted = accepted or ("an http:// or https:// URL" + (", or host:port" if "" in schemes else ""))
-    # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
-    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):
-        raise ConfigError(variable, shown, accepted, "it contains a space or a control character")
-    text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
-    try:
-        parts = urlsplit(text)
-    except ValueError as exc:  # "Invalid IPv6 URL"
-        raise ConfigError(variable, shown, accepted, str(exc)) from None
-    if parts.scheme not in schemes:
-        raise ConfigError(variable, shown, accepted)
-    hostport = parts.netloc.rpartition("@")[2]
-    match = _HOSTPORT_RE.fullmatch(hostport)
-    if not match or not match["host"]:
-        raise ConfigError(variable, shown, accepted, "no host")
-    host = match["host"]
-    problem = _ip_problem(host[1:-1]) if host.startswith("[") else _host_problem(host)
-    if problem:
-        raise ConfigError(variable, shown, accepted, problem)
-    port = match["port"]
-    if (
-        port is not None
-        and port != ""
-        and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
-    ):
-        raise ConfigError(variable, shown, "a URL whose port is an integer from 1 to 65535")
-    return parts
-
-
-# host, then an optional ":port" (empty allowed, as in "http://h:/"); IPv6 in brackets.
-_HOSTPORT_RE = re.compile(r"(?P<host>\[[^\[\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?")
-_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
-
-
-def _ip_problem(text: str) -> str | None:
-    try:
-        ipaddress.ip_address(unquote(text))  # a zone id may be percent-encoded: fe80::1%25eth0
-    except ValueError:
-        return "not a valid IP address in brackets"
-    return None
-
-
-def _host_problem(host: str) -> str | None:
-    """Why ``host`` is not a usable host name or IP address, or None.
-
-    Checked here because the resolver fails late and with the wrong error type:
-    a label over 63 characters raises UnicodeError from the idna codec.
-    """
-    if not isinstance(host, str) or not host:
-        return "empty"
-    if len(host) > 253:
-        return f"{len(host)} characters, at most 253"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F or c.isspace() for c in host):
-        return "it contains a space or a control character"
-    try:
-        ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
-    try:
-        ascii_host = host.encode("idna").decode("ascii")
-    except UnicodeError:
-        return "not a valid host name"
-    labels = ascii_host.removesuffix(".").split(".")
-    if len(ascii_host) > 253 or not all(len(label) <= 63 and _LABEL_RE.fullmatch(label) for label in labels):
-        return "not a valid host name"
-    return None
-
-
-def _header_problem(name: str, value: str) -> str | None:
-    """Why a header cannot be sent as is, or None; never quotes the value."""
-    if not _TOKEN_RE.fullmatch(name):
-        if name.isascii() and name.isprintable():
-            return f"{name!r} is not a valid header name"
-        return "a header name contains a control or non-ASCII character"
-    # An encoded CR/LF would let a value inject headers; other control bytes
-    # make requests or gRPC refuse every export and print the value while doing so.
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        return f"the value of {name!r} contains a control character (such as CR, LF or NUL)"
-    if not value.isascii():
-        return f"the value of {name!r} is not ASCII (gRPC metadata and HTTP headers need ASCII)"
-    return None

@@ -38,7 +38,12 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.config import (
+    DEFAULT_PROMETHEUS_PORT,
+    PROMETHEUS_PORT_VARIABLE,
+    ConfigError,
+    TelemetryConfig,
+)
 
 if TYPE_CHECKING:
     from openlora_otel.discovery import FileSdRegistration
@@ -63,13 +68,16 @@ class PortInUseError(ConfigError):
 
     def __init__(self, config: TelemetryConfig, error: OSError) -> None:
         host, port = config.prometheus_host, config.prometheus_port
+        offset = config.prometheus_port_offset
         if config.prometheus_port_explicit:
-            origin = f"{config.prometheus_port_variable}={port}"
-        elif config.prometheus_port_variable != "OTEL_EXPORTER_PROMETHEUS_PORT":
-            offset = config.prometheus_port_variable.rpartition("+ ")[2].rstrip(")")
-            origin = f"port {port}, the default 9464 + {offset} (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
+            origin = f"{offset.setting if offset else PROMETHEUS_PORT_VARIABLE}={port}"
+        elif offset:
+            origin = (
+                f"port {port}, the default {DEFAULT_PROMETHEUS_PORT} + {offset.variable} "
+                f"({PROMETHEUS_PORT_VARIABLE} is not set)"
+            )
         else:
-            origin = f"the default port {port} (OTEL_EXPORTER_PROMETHEUS_PORT is not set)"
+            origin = f"the default port {port} ({PROMETHEUS_PORT_VARIABLE} is not set)"
         super().__init__("OTEL_EXPORTER_PROMETHEUS_PORT", port, "a port that is free on " + host)
         message = f"cannot serve metrics on {host}:{port}, chosen by {origin}: {error.strerror or error}. "
         if error.errno == errno.EADDRINUSE:
@@ -78,11 +86,12 @@ class PortInUseError(ConfigError):
                 "on this host). "
             )
             under_torchrun = "openlora.local_rank" in config.resource_attributes
-            if under_torchrun and not config.prometheus_port_variable.endswith("(+ RANK)"):
+            if under_torchrun and not (offset and offset.variable == "RANK"):
                 message += (
                     "Several torchrun nodes on one host repeat the same LOCAL_RANK numbers: give each node "
-                    "its own base port (OTEL_EXPORTER_PROMETHEUS_PORT=9464 on node 0, 9472 on node 1, ...: "
-                    "9464 + 8 x node rank with up to 8 ranks a node) or set OPENLORA_PROMETHEUS_PORT_OFFSET=rank (base port + global "
+                    f"its own base port ({PROMETHEUS_PORT_VARIABLE}={DEFAULT_PROMETHEUS_PORT} on node 0, "
+                    f"{DEFAULT_PROMETHEUS_PORT + 8} on node 1, ...: {DEFAULT_PROMETHEUS_PORT} + 8 x node rank with up to 8 "
+                    "ranks a node) or set OPENLORA_PROMETHEUS_PORT_OFFSET=rank (base port + global "
                     "RANK). "
                 )
         elif error.errno == errno.EACCES:

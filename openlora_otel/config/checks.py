@@ -1,0 +1,273 @@
+"""What a valid value is: :class:`ConfigError`, the accepted choices and ranges, and the checks that
+values from the environment (:mod:`.env`) and values set in code (:class:`~openlora_otel.config.TelemetryConfig`)
+share.
+
+Durations and numbers are ASCII decimal digits only (no underscore, sign or ``nan``; no exponent but in
+``OPENLORA_PEAK_FLOPS``, whose values are like ``989e12``), within documented ranges, so a value that
+would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@`` and header
+values) never appear in an error.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from urllib.parse import SplitResult, unquote, urlsplit
+
+from openlora_otel.redaction import redact, redact_url
+
+EXPORTERS = ("prometheus", "otlp", "console", "none")
+PROTOCOLS = ("http/protobuf", "grpc")
+COMPRESSIONS = ("none", "gzip")
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+PORT_OFFSETS = ("local_rank", "rank", "none")
+GPU_MODES = ("auto", "on", "off")
+GPU_DEVICE_MODES = ("process", "all")
+
+# Accepted ranges, in milliseconds. Below the minimum an interval spins a core or
+# an export cannot finish; above the maximum the SDK's waits overflow or the
+# value cannot be meant (a day between pushes, ten minutes to shut down).
+EXPORT_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
+EXPORT_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
+OTLP_TIMEOUT_RANGE_MS = (100.0, 86_400_000.0)
+SHUTDOWN_TIMEOUT_RANGE_MS = (1.0, 600_000.0)
+GPU_TIMEOUT_RANGE_MS = (1.0, 60_000.0)
+FINAL_SCRAPE_TIMEOUT_RANGE_MS = (0.0, 600_000.0)
+HISTORY_INTERVAL_RANGE_MS = (100.0, 86_400_000.0)
+DEFAULT_HISTORY_MAX_BYTES = 64 * 1024 * 1024
+MIN_HISTORY_MAX_BYTES = 1024 * 1024
+INFERENCE_MAX_ADAPTERS_RANGE = (1, 1000)
+MAX_RUN_NAME_LENGTH = 100
+# A run id names the history file (with a rank suffix, under the 255-byte limit of a file name) and
+# labels every series of the run.
+MAX_RUN_ID_LENGTH = 128
+RUN_ID_ACCEPTED = f"a run id of 1 to {MAX_RUN_ID_LENGTH} printable characters"
+# Ranks are exported as integers: keep them far inside int64.
+MAX_RANK = 2**31 - 1
+
+
+def _ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
+    """``100 to 86400000 (1 day)``: an accepted range as the README table and errors say it."""
+    low, high = bounds
+    human = {86_400_000: "1 day", 600_000: "10 min", 60_000: "1 min"}.get(int(high), f"{high / 1000:g} s")
+    return f"{low * scale:.15g} to {high * scale:.15g} ({human})"
+
+
+def _ms_accepted(bounds: tuple[float, float]) -> str:
+    return f"a number of milliseconds from {_ms_range(bounds)}, in ASCII digits"
+
+
+_MAX_SHOWN = 200
+
+
+class ConfigError(ValueError):
+    """A configuration value that openlora-otel cannot use.
+
+    ``variable`` is the environment variable (or argument) at fault, ``value``
+    what it held and ``accepted`` a short description of valid values.
+    ``scheme://user:password@`` credentials are redacted, in the message and in
+    ``value`` alike; callers pass header values and scheme-less endpoints
+    already redacted (only they know which part is secret).
+    """
+
+    def __init__(self, variable: str, value: object, accepted: str, detail: str = "") -> None:
+        if isinstance(value, str):
+            value = redact(value)
+        self.variable = variable
+        self.value = value
+        self.accepted = accepted
+        shown = repr(value)
+        if len(shown) > _MAX_SHOWN:  # a 100k-character host should not make a 100k-character error
+            shown = f"{shown[: _MAX_SHOWN // 2]}...{shown[-16:]} ({len(str(value))} characters)"
+        message = f"{variable}={shown} is not valid: expected {accepted}"
+        if detail:
+            detail = redact(detail)  # before cutting, so a cut never splits a credential out of view
+            message += f" ({detail if len(detail) <= _MAX_SHOWN else detail[:_MAX_SHOWN] + '...'})"
+        super().__init__(redact(message))
+
+
+
+_TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_DIGITS_RE = re.compile(r"[0-9]+")
+_DECIMAL_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+_HEADERS_ACCEPTED = (
+    "headers as `key=value` pairs separated by commas, values percent-encoded; "
+    "names are HTTP tokens, decoded values printable ASCII"
+)
+_HOST_ACCEPTED = "a host name (at most 253 characters, labels of letters, digits, `-`, `_`) or an IP address"
+_HTTP_SCHEMES = ("http", "https")
+_ANY_SCHEME = ("", "http", "https")
+
+PEAK_FLOPS_RANGE = (1.0, 1e21)
+PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21 in ASCII digits, with an optional exponent, such as 989e12"
+# A decimal with an optional exponent, ASCII only: float() would also take "1_000", a sign,
+# "nan", "infinity" and non-ASCII (fullwidth) digits.
+_EXPONENT_DECIMAL_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+_GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
+_GLOBS_ACCEPTED = "glob patterns over metric names (letters, digits, `.`, `_`, `-`, `*`, `?`, `[...]`), e.g. `system.network.*`"
+
+
+def _brackets_closed(pattern: str) -> bool:
+    """Every `[` of a glob opens a set that a later `]` closes (fnmatch's reading)."""
+    index = 0
+    while (index := pattern.find("[", index)) >= 0:
+        start = index + 1
+        start += pattern[start : start + 1] == "!"  # a negated set
+        start += pattern[start : start + 1] == "]"  # a `]` first in the set is one of its characters
+        close = pattern.find("]", start)
+        if close < 0:
+            return False
+        index = close + 1
+    return True
+
+
+DIRECTORY_ACCEPTED = "a directory, or a path where one can be created"
+FILE_SD_ACCEPTED = DIRECTORY_ACCEPTED
+
+
+RUN_NAME_ACCEPTED = f"a name of 1 to {MAX_RUN_NAME_LENGTH} printable characters"
+
+
+def run_name_problem(name: object) -> str | None:
+    if not isinstance(name, str) or not name.strip():
+        return "it is empty"
+    return _label_text_problem(name, MAX_RUN_NAME_LENGTH)
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """Why ``run_id`` cannot be a run id, if it cannot."""
+    if not isinstance(run_id, str):
+        return f"it is a {type(run_id).__name__}, not a string"
+    if not run_id:
+        return "it is empty"
+    return _label_text_problem(run_id, MAX_RUN_ID_LENGTH)
+
+
+def _label_text_problem(text: str, max_length: int) -> str | None:
+    """What rules a non-empty run name or id out as a label value: its length, a control character."""
+    if len(text) > max_length:
+        return f"it has {len(text)} characters"
+    if not text.isprintable():
+        return "it contains a control character"
+    return None
+
+
+HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTORY_MAX_BYTES} (1 MiB)"
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return "one of " + ", ".join(f"`{v}`" for v in values)
+
+
+def _in_range(value: object, bounds: tuple[float, float]) -> bool:
+    """A real number (not a bool), finite, within ``bounds`` inclusive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return bounds[0] <= value <= bounds[1]
+
+
+def _seconds(bounds_ms: tuple[float, float]) -> tuple[float, float]:
+    return bounds_ms[0] / 1000.0, bounds_ms[1] / 1000.0
+
+
+def _s_accepted(bounds_ms: tuple[float, float]) -> str:
+    return f"a number of seconds from {_ms_range(bounds_ms, scale=0.001)}"
+
+
+
+def _check_endpoint(
+    variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = ""
+) -> SplitResult:
+    """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted.
+
+    ``schemes`` containing ``""`` allows gRPC's scheme-less ``host:port``.
+    """
+    shown = redact_url(endpoint)
+    accepted = accepted or ("an http:// or https:// URL" + (", or host:port" if "" in schemes else ""))
+    # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):
+        raise ConfigError(variable, shown, accepted, "it contains a space or a control character")
+    text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
+    try:
+        parts = urlsplit(text)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ConfigError(variable, shown, accepted, str(exc)) from None
+    if parts.scheme not in schemes:
+        raise ConfigError(variable, shown, accepted)
+    hostport = parts.netloc.rpartition("@")[2]
+    match = _HOSTPORT_RE.fullmatch(hostport)
+    if not match or not match["host"]:
+        raise ConfigError(variable, shown, accepted, "no host")
+    host = match["host"]
+    problem = _ip_problem(host[1:-1]) if host.startswith("[") else _host_problem(host)
+    if problem:
+        raise ConfigError(variable, shown, accepted, problem)
+    port = match["port"]
+    if (
+        port is not None
+        and port != ""
+        and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
+    ):
+        raise ConfigError(variable, shown, "a URL whose port is an integer from 1 to 65535")
+    return parts
+
+
+# host, then an optional ":port" (empty allowed, as in "http://h:/"); IPv6 in brackets.
+_HOSTPORT_RE = re.compile(r"(?P<host>\[[^\[\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?")
+_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
+
+
+def _ip_problem(text: str) -> str | None:
+    try:
+        ipaddress.ip_address(unquote(text))  # a zone id may be percent-encoded: fe80::1%25eth0
+    except ValueError:
+        return "not a valid IP address in brackets"
+    return None
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` is not a usable host name or IP address, or None.
+
+    Checked here because the resolver fails late and with the wrong error type:
+    a label over 63 characters raises UnicodeError from the idna codec.
+    """
+    if not isinstance(host, str) or not host:
+        return "empty"
+    if len(host) > 253:
+        return f"{len(host)} characters, at most 253"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or c.isspace() for c in host):
+        return "it contains a space or a control character"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        ascii_host = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        return "not a valid host name"
+    labels = ascii_host.removesuffix(".").split(".")
+    if len(ascii_host) > 253 or not all(len(label) <= 63 and _LABEL_RE.fullmatch(label) for label in labels):
+        return "not a valid host name"
+    return None
+
+
+def _header_problem(name: str, value: str) -> str | None:
+    """Why a header cannot be sent as is, or None; never quotes the value."""
+    if not _TOKEN_RE.fullmatch(name):
+        if name.isascii() and name.isprintable():
+            return f"{name!r} is not a valid header name"
+        return "a header name contains a control or non-ASCII character"
+    # An encoded CR/LF would let a value inject headers; other control bytes
+    # make requests or gRPC refuse every export and print the value while doing so.
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return f"the value of {name!r} contains a control character (such as CR, LF or NUL)"
+    if not value.isascii():
+        return f"the value of {name!r} is not ASCII (gRPC metadata and HTTP headers need ASCII)"
+    return None
+
