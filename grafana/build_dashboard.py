@@ -29,10 +29,18 @@ query refIds unless set by hand. Not worth an alpha dependency whose versions ar
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-DASHBOARDS = Path(__file__).resolve().parent / "dashboards"
+HERE = Path(__file__).resolve().parent
+# Loaded by path (the tests) or run as a script from any directory: dashboard_builder sits beside this file.
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from dashboard_builder.layout import Grid, GridPos  # noqa: E402
+
+DASHBOARDS = HERE / "dashboards"
 OUT = DASHBOARDS / "openlora-training.json"
 CLUSTER_OUT = DASHBOARDS / "openlora-cluster.json"
 INFERENCE_OUT = DASHBOARDS / "openlora-inference.json"
@@ -66,10 +74,7 @@ def panel(
     description: str,
     unit: str,
     targets: list[dict],
-    x: int,
-    y: int,
-    w: int,
-    h: int,
+    at: GridPos,
     defaults: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
@@ -81,7 +86,7 @@ def panel(
         "title": title,
         "description": description,
         "datasource": DS,
-        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "gridPos": at,
         "fieldConfig": {"defaults": {"unit": unit, **(defaults or {})}, "overrides": []},
         "targets": targets,
     }
@@ -113,13 +118,14 @@ def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"value": value, "color": color} for value, color in steps]}
 
 
-def row(title: str, y: int) -> dict[str, Any]:
+def row(title: str, at: GridPos) -> dict[str, Any]:
+    """A row header at ``at`` (a grid's :meth:`~dashboard_builder.layout.Grid.header`)."""
     return {
         "id": next(_ids),
         "type": "row",
         "title": title,
         "collapsed": False,
-        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+        "gridPos": at,
         "panels": [],
     }
 
@@ -267,11 +273,10 @@ def dashboard(
 INPUT_BOUND_THRESHOLD = 0.25
 
 
-def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
-    """Is the run waiting for its data, and how much of the device's peak does it use: the row, from y."""
+def input_and_compute(grid: Grid) -> list[dict[str, Any]]:
+    """Is the run waiting for its data, and how much of the device's peak does it use: the row, next on the grid."""
     legend = LEGEND
-    panels.append(row("Input and compute", y))
-    y += 1
+    panels: list[dict[str, Any]] = [row("Input and compute", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -282,10 +287,7 @@ def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
             "minutes while steps advance, OpenloraInputBound fires.",
             "percentunit",
             [target(f"openlora_training_data_wait_fraction{{{SEL}}}{RUN}", legend)],
-            x=0,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={
                 "min": 0,
                 "max": 1,
@@ -300,10 +302,7 @@ def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
             "(openlora_training_data_wait_duration_seconds): compare it with the step time quantiles.",
             "s",
             [target(f"openlora_training_data_wait_duration_seconds{{{SEL}}}{RUN}", legend)],
-            x=6,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
         ),
         panel(
             "timeseries",
@@ -317,10 +316,7 @@ def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
                 target(f"openlora_training_throughput_flops_per_second{{{SEL}}}{RUN}", f"achieved {legend}"),
                 target(f"openlora_training_peak_flops_per_second{{{SEL}}}{RUN}", f"peak {legend}"),
             ],
-            x=12,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
         ),
         panel(
             "timeseries",
@@ -330,21 +326,17 @@ def input_and_compute(panels: list[dict[str, Any]], y: int) -> int:
             "OPENLORA_PEAK_FLOPS gives the peak; absent too until set_model_flops() was called.",
             "percentunit",
             [target(f"openlora_training_model_flops_utilization{{{SEL}}}{RUN}", legend)],
-            x=18,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0},
         ),
     ]
-    return y + 8
+    return panels
 
 
-def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
-    """Evaluation metrics beyond the loss, non-finite evaluations, divergence guard trips: the row, from y."""
+def evaluation_and_divergence(grid: Grid) -> list[dict[str, Any]]:
+    """Evaluation metrics beyond the loss, non-finite evaluations, divergence guard trips: the row, next on the grid."""
     legend = LEGEND
-    panels.append(row("Evaluation and divergence", y))
-    y += 1
+    panels: list[dict[str, Any]] = [row("Evaluation and divergence", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -354,10 +346,7 @@ def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
             "its series has a gap, and the non-finite panel counts it.",
             "none",
             [target(f"openlora_training_eval_value{{{SEL}}}{RUN}", "{{openlora_eval_metric}} " + legend)],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -372,10 +361,7 @@ def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
                     "{{openlora_eval_metric}} " + legend,
                 )
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -390,14 +376,11 @@ def evaluation_and_divergence(panels: list[dict[str, Any]], y: int) -> int:
                     "{{openlora_guard_reason}} " + legend,
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
     ]
-    return y + 8
+    return panels
 
 
 # Whole disks only: a partition's bytes are also its disk's, and loop or RAM devices are not
@@ -407,8 +390,8 @@ WHOLE_DISKS = 'device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
 NODE_LINKS = 'device!~"lo|veth.*|docker.*|br-.*|ifb.*"'
 
 
-def host(panels: list[dict[str, Any]], y: int) -> int:
-    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/hardware/host.py): the row, from y.
+def host(grid: Grid) -> list[dict[str, Any]]:
+    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/hardware/host.py): the row, next on the grid.
 
     process.* come from every process, system.* from one process per node (LOCAL_RANK 0),
     so a node's system series are under its rank-0 instance. system.cpu.utilization has
@@ -417,8 +400,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
     """
     legend = LEGEND
     cpu = '__name__=~"system_cpu_utilization(_ratio)?"'
-    panels.append(row("Host", y))
-    y += 1
+    panels: list[dict[str, Any]] = [row("Host", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -433,10 +415,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     "{{type}} " + legend,
                 )
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -445,10 +424,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
             "Resident memory of the training process (process_memory_usage_bytes): host RAM, not GPU memory.",
             "bytes",
             [target(f"process_memory_usage_bytes{{{SEL}}}{RUN}", legend)],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -463,14 +439,10 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     "{{direction}} " + legend,
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -491,10 +463,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     f"busiest CPU {legend}",
                 ),
             ],
-            x=0,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0, "max": 1},
         ),
         panel(
@@ -509,10 +478,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     "{{state}} " + legend,
                 )
             ],
-            x=6,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -529,10 +495,7 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     "{{direction}} " + legend,
                 )
             ],
-            x=12,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -550,20 +513,16 @@ def host(panels: list[dict[str, Any]], y: int) -> int:
                     "{{direction}} " + legend,
                 )
             ],
-            x=18,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0},
         ),
     ]
-    return y + 8
+    return panels
 
 
-def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
+def gpu_activity(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
     """The row of what the GPU's units and links do: GPM activity, PCIe and NVLink bytes per second."""
-    panels.append(row("GPU activity and interconnect", y))
-    y += 1
+    panels: list[dict[str, Any]] = [row("GPU activity and interconnect", grid.header())]
     gpm = (
         ("openlora_gpu_sm_activity", "SM active"),
         ("openlora_gpu_sm_occupancy", "SM occupancy"),
@@ -581,10 +540,7 @@ def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
             "Utilization says a kernel ran; these say how much of the GPU it used.",
             "percentunit",
             [target(f"{name}{{{GPU}}}{RUN}", f"{label} {gpu_legend}") for name, label in gpm],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0, "max": 1},
         ),
         panel(
@@ -599,10 +555,7 @@ def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                     "{{network_io_direction}} " + gpu_legend,
                 )
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -616,13 +569,10 @@ def gpu_activity(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                     "{{network_io_direction}} " + gpu_legend,
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    return y + 8
+    return panels
 
 
 # hw.status as one number per GPU for the state timeline: 0 ok, 1 degraded, 2 failed (the current
@@ -639,11 +589,10 @@ GPU_STATE_MAPPINGS = [
 GPU_STATE_THRESHOLDS = thresholds((None, "green"), (1, "orange"), (2, "red"))
 
 
-def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
+def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
     """The row of the GPU's health: hw.status, XID errors, row remapping, the PCIe link and its errors
     (what the openlora-gpu alerts read)."""
-    panels.append(row("GPU health", y))
-    y += 1
+    panels: list[dict[str, Any]] = [row("GPU health", grid.header())]
     status = " or ".join(
         f'(hw_status{{hw_type="gpu", hw_state="{state}", {GPU}}} == 1) * {value}' for state, value, _ in GPU_STATES
     )
@@ -657,10 +606,7 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
             "for any other recovery, a GPU or bus reset or a drain (alerts OpenloraGpuFailed, OpenloraGpuDegraded).",
             "none",
             [target(f"max without (hw_state) ({status}){RUN}", gpu_legend)],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={
                 "mappings": GPU_STATE_MAPPINGS,
                 "color": {"mode": "thresholds"},
@@ -682,10 +628,7 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                     "XID {{openlora_gpu_xid_code}} " + gpu_legend,
                 )
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"custom": {"drawStyle": "line", "lineInterpolation": "stepAfter", "showPoints": "always"}},
         ),
         panel(
@@ -703,13 +646,9 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                 target(f"openlora_gpu_remap_pending{{{GPU}}}{RUN}", "pending " + gpu_legend),
                 target(f"openlora_gpu_remap_failed{{{GPU}}}{RUN}", "failed " + gpu_legend),
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -726,10 +665,7 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                 target(f"openlora_gpu_pcie_link_generation{{{GPU}}}{RUN}", "generation " + gpu_legend),
                 target(f"openlora_gpu_pcie_link_generation_max{{{GPU}}}{RUN}", "generation max " + gpu_legend),
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
         panel(
             "timeseries",
@@ -744,21 +680,16 @@ def gpu_health(panels: list[dict[str, Any]], y: int, gpu_legend: str) -> int:
                     "{{error_type}} " + gpu_legend,
                 )
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
     ]
-    return y + 8
-
+    return panels
 
 
 def build() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
-    y = 0
-    panels.append(row("Run overview", y))
-    y += 1
+    grid = Grid()
+    panels.append(row("Run overview", grid.header()))
     stats = [
         (
             "Optimizer steps",
@@ -798,14 +729,12 @@ def build() -> dict[str, Any]:
             f"max by ({BY_RUN}) (openlora_adapter_trainable_ratio{{{SEL}}}{RUN})",
         ),
     ]
-    for index, (title, description, unit, expr) in enumerate(stats):
+    for title, description, unit, expr in stats:
         panels.append(
-            panel("stat", title, description, unit, [target(expr, RUN_LEGEND)], x=index * 4, y=y, w=4, h=4)
+            panel("stat", title, description, unit, [target(expr, RUN_LEGEND)], at=grid.cell(4, 4))
         )
-    y += 4
 
-    panels.append(row("Training", y))
-    y += 1
+    panels.append(row("Training", grid.header()))
     legend = LEGEND
     panels += [
         panel(
@@ -821,10 +750,7 @@ def build() -> dict[str, Any]:
                 target(f"openlora_training_loss_min{{{SEL}}}{RUN}", f"min {legend}"),
                 target(f"openlora_training_eval_loss{{{SEL}}}{RUN}", f"eval {legend}"),
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
         panel(
             "timeseries",
@@ -836,13 +762,9 @@ def build() -> dict[str, Any]:
                 target(f"openlora_training_gradient_norm{{{SEL}}}{RUN}", f"mean {legend}"),
                 target(f"openlora_training_gradient_norm_max{{{SEL}}}{RUN}", f"max {legend}"),
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -850,10 +772,7 @@ def build() -> dict[str, Any]:
             "Learning rate of the latest step (openlora_training_learning_rate).",
             "none",
             [target(f"openlora_training_learning_rate{{{SEL}}}{RUN}", legend)],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -867,10 +786,7 @@ def build() -> dict[str, Any]:
                 )
                 for q in (0.5, 0.9, 0.99)
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -883,13 +799,9 @@ def build() -> dict[str, Any]:
                     f"openlora_training_throughput_samples_per_second{{{SEL}}}{RUN}", f"samples/s {legend}"
                 ),
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -906,10 +818,7 @@ def build() -> dict[str, Any]:
                     f"grad norm {legend}",
                 ),
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -923,10 +832,7 @@ def build() -> dict[str, Any]:
                 ),
                 target(f"openlora_training_epoch{{{SEL}}}{RUN}", f"epoch {legend}"),
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "table",
@@ -945,20 +851,15 @@ def build() -> dict[str, Any]:
                     "openlora_model_flops_per_token",
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             transformations=[{"id": "merge", "options": {}}],
         ),
     ]
-    y += 8
 
-    y = input_and_compute(panels, y)
-    y = evaluation_and_divergence(panels, y)
+    panels += input_and_compute(grid)
+    panels += evaluation_and_divergence(grid)
 
-    panels.append(row("GPU", y))
-    y += 1
+    panels.append(row("GPU", grid.header()))
     gpu_legend = LEGEND + " {{hw_id}}"
     panels += [
         panel(
@@ -972,10 +873,7 @@ def build() -> dict[str, Any]:
                     gpu_legend,
                 )
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -986,10 +884,7 @@ def build() -> dict[str, Any]:
                 target(f"hw_gpu_memory_usage_bytes{{{GPU}}}{RUN}", f"used {gpu_legend}"),
                 target(f"hw_gpu_memory_limit_bytes{{{GPU}}}{RUN}", f"limit {gpu_legend}"),
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -1001,13 +896,9 @@ def build() -> dict[str, Any]:
                 target(f"openlora_torch_memory_reserved_bytes{{{GPU}}}{RUN}", f"reserved {gpu_legend}"),
                 target(f"openlora_torch_memory_peak_bytes{{{GPU}}}{RUN}", f"peak {gpu_legend}"),
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -1021,10 +912,7 @@ def build() -> dict[str, Any]:
                     f"from energy {gpu_legend}",
                 ),
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -1032,10 +920,7 @@ def build() -> dict[str, Any]:
             "GPU core temperature (hw_temperature_celsius, hw_type=gpu).",
             "celsius",
             [target(f'hw_temperature_celsius{{hw_type="gpu", {GPU}}}{RUN}', gpu_legend)],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -1048,13 +933,9 @@ def build() -> dict[str, Any]:
                     "{{error_type}} " + gpu_legend,
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -1062,10 +943,7 @@ def build() -> dict[str, Any]:
             "Current SM clock per GPU (openlora_gpu_clock_sm_hertz).",
             "hertz",
             [target(f"openlora_gpu_clock_sm_hertz{{{GPU}}}{RUN}", gpu_legend)],
-            x=0,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
         ),
         panel(
             "timeseries",
@@ -1081,10 +959,7 @@ def build() -> dict[str, Any]:
                     "{{openlora_gpu_throttle_reason}} " + gpu_legend,
                 )
             ],
-            x=6,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
             defaults={"min": 0, "max": 1},
         ),
         panel(
@@ -1093,10 +968,7 @@ def build() -> dict[str, Any]:
             "GPU memory the driver accounts to the training process (openlora_process_gpu_memory_usage_bytes).",
             "bytes",
             [target(f"openlora_process_gpu_memory_usage_bytes{{{GPU}}}{RUN}", gpu_legend)],
-            x=12,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
         ),
         panel(
             "timeseries",
@@ -1104,16 +976,12 @@ def build() -> dict[str, Any]:
             "Age of the NVML snapshot behind the GPU values; above a second means NVML was slow and older values were served (openlora_gpu_snapshot_age_seconds).",
             "s",
             [target(f"openlora_gpu_snapshot_age_seconds{{{SEL}}}{RUN}", legend)],
-            x=18,
-            y=y,
-            w=6,
-            h=8,
+            at=grid.cell(6, 8),
         ),
     ]
-    y += 8
-    y = gpu_activity(panels, y, gpu_legend)
-    y = gpu_health(panels, y, gpu_legend)
-    y = host(panels, y)
+    panels += gpu_activity(grid, gpu_legend)
+    panels += gpu_health(grid, gpu_legend)
+    panels += host(grid)
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
@@ -1150,9 +1018,8 @@ HUNG_AFTER_S = 300  # OpenloraRankHung: a rank's last step older than 5 minutes
 
 def build_cluster() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
-    y = 0
-    panels.append(row("Cluster: the ranks of a run side by side", y))
-    y += 1
+    grid = Grid()
+    panels.append(row("Cluster: the ranks of a run side by side", grid.header()))
     rank_legend = "rank {{openlora_rank}} ({{instance}})"
     straggler_colors = thresholds((None, "green"), (1.2, "orange"), (STRAGGLER_THRESHOLD, "red"))
     age_colors = thresholds((None, "green"), (60, "orange"), (HUNG_AFTER_S, "red"))
@@ -1168,10 +1035,7 @@ def build_cluster() -> dict[str, Any]:
                 target(f"run:openlora_ranks_reporting:count{{{RUN_ONLY}}}", "reporting {{openlora_run_id}}"),
                 target(f"run:openlora_world_size:max{{{RUN_ONLY}}}", "world size {{openlora_run_id}}"),
             ],
-            x=0,
-            y=y,
-            w=6,
-            h=4,
+            at=grid.cell(6, 4),
         ),
         panel(
             "stat",
@@ -1184,10 +1048,7 @@ def build_cluster() -> dict[str, Any]:
                     "{{openlora_run_id}}",
                 )
             ],
-            x=6,
-            y=y,
-            w=6,
-            h=4,
+            at=grid.cell(6, 4),
         ),
         panel(
             "stat",
@@ -1202,10 +1063,7 @@ def build_cluster() -> dict[str, Any]:
                     "{{openlora_run_id}}",
                 )
             ],
-            x=12,
-            y=y,
-            w=6,
-            h=4,
+            at=grid.cell(6, 4),
             defaults={"decimals": 2, "thresholds": straggler_colors},
         ),
         panel(
@@ -1220,14 +1078,10 @@ def build_cluster() -> dict[str, Any]:
                     "{{openlora_run_id}}",
                 )
             ],
-            x=18,
-            y=y,
-            w=6,
-            h=4,
+            at=grid.cell(6, 4),
             defaults={"thresholds": age_colors},
         ),
     ]
-    y += 4
     panels += [
         panel(
             "bargauge",
@@ -1242,10 +1096,7 @@ def build_cluster() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "bargauge",
@@ -1260,10 +1111,7 @@ def build_cluster() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"decimals": 2, "min": 0, "thresholds": straggler_colors},
         ),
         panel(
@@ -1279,14 +1127,10 @@ def build_cluster() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0, "thresholds": age_colors},
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -1306,10 +1150,7 @@ def build_cluster() -> dict[str, Any]:
                     "max {{openlora_run_id}}",
                 ),
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
         panel(
             "timeseries",
@@ -1318,10 +1159,7 @@ def build_cluster() -> dict[str, Any]:
             f"the line is the alert threshold {STRAGGLER_THRESHOLD}.",
             "none",
             [target(f"rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}}", rank_legend)],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={
                 "min": 0,
                 "thresholds": thresholds((None, "green"), (STRAGGLER_THRESHOLD, "red")),
@@ -1329,7 +1167,6 @@ def build_cluster() -> dict[str, Any]:
             },
         ),
     ]
-    y += 8
     panels += [
         panel(
             "timeseries",
@@ -1345,10 +1182,7 @@ def build_cluster() -> dict[str, Any]:
                     "{{host_name}}",
                 )
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0, "max": 1},
         ),
         panel(
@@ -1368,13 +1202,9 @@ def build_cluster() -> dict[str, Any]:
                     rank_legend,
                 ),
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
     ]
-    y += 8
     # An input-bound rank is a classic straggler: its own loader or storage is slow, and under
     # synchronous data parallelism every other rank waits for it.
     panels += [
@@ -1393,10 +1223,7 @@ def build_cluster() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={
                 "min": 0,
                 "max": 1,
@@ -1418,18 +1245,13 @@ def build_cluster() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0},
         ),
     ]
-    y += 8
     # A straggler with a low data wait is slow at computing: its GPU may be held down or failing.
     # The raw GPU series stay with the training dashboard; these records are one value per rank.
-    panels.append(row("GPUs behind the ranks", y))
-    y += 1
+    panels.append(row("GPUs behind the ranks", grid.header()))
     panels += [
         panel(
             "bargauge",
@@ -1440,10 +1262,7 @@ def build_cluster() -> dict[str, Any]:
             "and why; alerts OpenloraGpuDegraded and OpenloraGpuFailed.",
             "none",
             [target(f"sort_desc(rank:openlora_gpu_status:max{{{RANK_SEL}}})", rank_legend, instant=True)],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={
                 "min": 0,
                 "max": 2,
@@ -1459,10 +1278,7 @@ def build_cluster() -> dict[str, Any]:
             "dashboard's XID panel (79 and the bad-GPU codes alert, the program's own do not).",
             "short",
             [target(f"sort_desc(rank:openlora_gpu_xid_errors:sum{{{RANK_SEL}}})", rank_legend, instant=True)],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0, "decimals": 0},
         ),
         panel(
@@ -1478,10 +1294,7 @@ def build_cluster() -> dict[str, Any]:
                     "rank {{openlora_rank}} {{openlora_gpu_throttle_reason}} ({{instance}})",
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0, "max": 1},
         ),
     ]
@@ -1547,9 +1360,8 @@ def build_inference() -> dict[str, Any]:
     failed = f'{sel}, error_type!=""'
     all_requests = f"sum({rate(REQUESTS + '_count', sel)}{SERVING})"
     server_errors = f"sum({rate(REQUESTS + '_count', f'{sel}, {SERVER_ERRORS}')}{SERVING})"
-    y = 0
-    panels.append(row("Serving overview", y))
-    y += 1
+    grid = Grid()
+    panels.append(row("Serving overview", grid.header()))
     stats = [
         (
             "Requests/s",
@@ -1598,14 +1410,12 @@ def build_inference() -> dict[str, Any]:
             {},
         ),
     ]
-    for index, (title, description, unit, expr, defaults) in enumerate(stats):
+    for title, description, unit, expr, defaults in stats:
         panels.append(
-            panel("stat", title, description, unit, [target(expr, title)], x=index * 4, y=y, w=4, h=4, defaults=defaults)
+            panel("stat", title, description, unit, [target(expr, title)], at=grid.cell(4, 4), defaults=defaults)
         )
-    y += 4
 
-    panels.append(row("Requests", y))
-    y += 1
+    panels.append(row("Requests", grid.header()))
     panels += [
         panel(
             "timeseries",
@@ -1620,10 +1430,7 @@ def build_inference() -> dict[str, Any]:
                     "{{openlora_adapter_name}}",
                 )
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -1643,17 +1450,12 @@ def build_inference() -> dict[str, Any]:
                 ),
                 target(f"{server_errors} / ({all_requests} > 0)", "server's errors together"),
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0, **objective_line(ERROR_RATIO_THRESHOLD)},
         ),
     ]
-    y += 8
 
-    panels.append(row("Latency", y))
-    y += 1
+    panels.append(row("Latency", grid.header()))
     panels += [
         panel(
             "timeseries",
@@ -1664,10 +1466,7 @@ def build_inference() -> dict[str, Any]:
             "percentile is exact to within its bucket.",
             "s",
             quantiles(REQUESTS, ok),
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults=objective_line(LATENCY_OBJECTIVE_S),
         ),
         panel(
@@ -1677,10 +1476,7 @@ def build_inference() -> dict[str, Any]:
             "(gen_ai_server_time_to_first_token_seconds): what a streaming client waits before text appears.",
             "s",
             quantiles("gen_ai_server_time_to_first_token_seconds", sel),
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
@@ -1689,13 +1485,9 @@ def build_inference() -> dict[str, Any]:
             "(gen_ai_server_time_per_output_token_seconds): the decoding speed a client sees.",
             "s",
             quantiles("gen_ai_server_time_per_output_token_seconds", sel),
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
         ),
     ]
-    y += 8
     by_adapter = "le, openlora_adapter_name"
     panels += [
         panel(
@@ -1710,10 +1502,7 @@ def build_inference() -> dict[str, Any]:
                     "{{openlora_adapter_name}}",
                 )
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults=objective_line(LATENCY_OBJECTIVE_S),
         ),
         panel(
@@ -1728,16 +1517,11 @@ def build_inference() -> dict[str, Any]:
                     "{{openlora_adapter_name}}",
                 )
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
         ),
     ]
-    y += 8
 
-    panels.append(row("Tokens and load", y))
-    y += 1
+    panels.append(row("Tokens and load", grid.header()))
     tokens = "openlora_inference_token_usage_sum"
     output, prompt = f'{sel}, gen_ai_token_type="output"', f'{sel}, gen_ai_token_type="input"'
     panels += [
@@ -1757,10 +1541,7 @@ def build_inference() -> dict[str, Any]:
                     "input {{openlora_adapter_name}}",
                 ),
             ],
-            x=0,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -1780,17 +1561,12 @@ def build_inference() -> dict[str, Any]:
                     "waiting {{instance}}",
                 ),
             ],
-            x=12,
-            y=y,
-            w=12,
-            h=8,
+            at=grid.cell(12, 8),
             defaults={"min": 0},
         ),
     ]
-    y += 8
 
-    panels.append(row("Adapters", y))
-    y += 1
+    panels.append(row("Adapters", grid.header()))
     loads = "openlora_inference_adapter_load_duration_seconds"
     panels += [
         panel(
@@ -1805,10 +1581,7 @@ def build_inference() -> dict[str, Any]:
                     "{{openlora_adapter_name}} {{instance}}",
                 )
             ],
-            x=0,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"mappings": [{"type": "value", "options": {"1": {"text": "loaded", "color": "green"}}}]},
             options={"mergeValues": True, "showValue": "never", "rowHeight": 0.8},
         ),
@@ -1827,10 +1600,7 @@ def build_inference() -> dict[str, Any]:
                     instant=True,
                 )
             ],
-            x=8,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
         panel(
@@ -1846,10 +1616,7 @@ def build_inference() -> dict[str, Any]:
                     "{{openlora_adapter_name}} {{error_type}} {{instance}}",
                 )
             ],
-            x=16,
-            y=y,
-            w=8,
-            h=8,
+            at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
     ]
