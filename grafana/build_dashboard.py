@@ -61,9 +61,6 @@ LEGEND = RUN_LEGEND + " {{instance}}"
 SEL = 'job=~"$job", instance=~"$instance"'
 GPU = f'{SEL}, hw_id=~"$gpu"'
 
-_ids = iter(range(1, 1000))
-
-
 def target(expr: str, legend: str, ref: str = "A", **extra: Any) -> dict[str, Any]:
     return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
 
@@ -81,7 +78,7 @@ def panel(
     for index, item in enumerate(targets):
         item["refId"] = chr(ord("A") + index)
     body: dict[str, Any] = {
-        "id": next(_ids),
+        "id": 0,  # numbered by dashboard()
         "type": kind,
         "title": title,
         "description": description,
@@ -121,7 +118,7 @@ def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
 def row(title: str, at: GridPos) -> dict[str, Any]:
     """A row header at ``at`` (a grid's :meth:`~dashboard_builder.layout.Grid.header`)."""
     return {
-        "id": next(_ids),
+        "id": 0,  # numbered by dashboard()
         "type": "row",
         "title": title,
         "collapsed": False,
@@ -248,7 +245,10 @@ def dashboard(
     templating: list[dict[str, Any]],
     panels: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The settings every openlora dashboard shares around its own variables and panels."""
+    """The settings every openlora dashboard shares around its own variables and panels; numbers the
+    panels (their ids) 1, 2, ... in their order."""
+    for number, item in enumerate(panels, start=1):
+        item["id"] = number
     return {
         "uid": uid,
         "title": title,
@@ -1652,20 +1652,14 @@ def build_inference() -> dict[str, Any]:
 
 
 def render() -> str:
-    global _ids
-    _ids = iter(range(1, 1000))
     return json.dumps(build(), indent=2) + "\n"
 
 
 def render_cluster() -> str:
-    global _ids
-    _ids = iter(range(1, 1000))
     return json.dumps(build_cluster(), indent=2) + "\n"
 
 
 def render_inference() -> str:
-    global _ids
-    _ids = iter(range(1, 1000))
     return json.dumps(build_inference(), indent=2) + "\n"
 
 
