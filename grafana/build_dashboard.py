@@ -686,10 +686,9 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
     return panels
 
 
-def build() -> dict[str, Any]:
-    panels: list[dict[str, Any]] = []
-    grid = Grid()
-    panels.append(row("Run overview", grid.header()))
+def run_overview(grid: Grid) -> list[dict[str, Any]]:
+    """Where each selected run stands: one stat per run and quantity, the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Run overview", grid.header())]
     stats = [
         (
             "Optimizer steps",
@@ -733,9 +732,13 @@ def build() -> dict[str, Any]:
         panels.append(
             panel("stat", title, description, unit, [target(expr, RUN_LEGEND)], at=grid.cell(4, 4))
         )
+    return panels
 
-    panels.append(row("Training", grid.header()))
+
+def training_metrics(grid: Grid) -> list[dict[str, Any]]:
+    """Loss, gradient norm, learning rate, step time, throughput, the adapter: the row, next on the grid."""
     legend = LEGEND
+    panels: list[dict[str, Any]] = [row("Training", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -855,12 +858,13 @@ def build() -> dict[str, Any]:
             transformations=[{"id": "merge", "options": {}}],
         ),
     ]
+    return panels
 
-    panels += input_and_compute(grid)
-    panels += evaluation_and_divergence(grid)
 
-    panels.append(row("GPU", grid.header()))
-    gpu_legend = LEGEND + " {{hw_id}}"
+def gpu(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
+    """Utilization, memory, power, temperature, ECC, clocks of each GPU: the row, next on the grid."""
+    legend = LEGEND
+    panels: list[dict[str, Any]] = [row("GPU", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -979,9 +983,23 @@ def build() -> dict[str, Any]:
             at=grid.cell(6, 8),
         ),
     ]
-    panels += gpu_activity(grid, gpu_legend)
-    panels += gpu_health(grid, gpu_legend)
-    panels += host(grid)
+    return panels
+
+
+def build() -> dict[str, Any]:
+    """The training dashboard: one run or several, each rank's training, GPUs and host."""
+    grid = Grid()
+    gpu_legend = LEGEND + " {{hw_id}}"
+    panels = [
+        *run_overview(grid),
+        *training_metrics(grid),
+        *input_and_compute(grid),
+        *evaluation_and_divergence(grid),
+        *gpu(grid, gpu_legend),
+        *gpu_activity(grid, gpu_legend),
+        *gpu_health(grid, gpu_legend),
+        *host(grid),
+    ]
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),
