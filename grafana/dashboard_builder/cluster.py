@@ -31,15 +31,14 @@ RUN_ONLY = 'openlora_run_id=~"$run"'
 RANK_SEL = f'job=~"$job", {RUN_ONLY}'
 STRAGGLER_THRESHOLD = 1.5  # OpenloraRankStraggling fires above this ratio (openlora_otel/rules/openlora.yml)
 HUNG_AFTER_S = 300  # OpenloraRankHung: a rank's last step older than 5 minutes
+RANK_LEGEND = "rank {{openlora_rank}} ({{instance}})"
+STRAGGLER_COLORS = thresholds((None, "green"), (1.2, "orange"), (STRAGGLER_THRESHOLD, "red"))
+AGE_COLORS = thresholds((None, "green"), (60, "orange"), (HUNG_AFTER_S, "red"))
 
 
-def build() -> dict[str, Any]:
-    panels: list[dict[str, Any]] = []
-    grid = Grid()
-    panels.append(row("Cluster: the ranks of a run side by side", grid.header()))
-    rank_legend = "rank {{openlora_rank}} ({{instance}})"
-    straggler_colors = thresholds((None, "green"), (1.2, "orange"), (STRAGGLER_THRESHOLD, "red"))
-    age_colors = thresholds((None, "green"), (60, "orange"), (HUNG_AFTER_S, "red"))
+def ranks(grid: Grid) -> list[dict[str, Any]]:
+    """Who reports, who is slow and why, who stopped stepping: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Cluster: the ranks of a run side by side", grid.header())]
     panels += [
         panel(
             "stat",
@@ -81,7 +80,7 @@ def build() -> dict[str, Any]:
                 )
             ],
             at=grid.cell(6, 4),
-            defaults={"decimals": 2, "thresholds": straggler_colors},
+            defaults={"decimals": 2, "thresholds": STRAGGLER_COLORS},
         ),
         panel(
             "stat",
@@ -96,7 +95,7 @@ def build() -> dict[str, Any]:
                 )
             ],
             at=grid.cell(6, 4),
-            defaults={"thresholds": age_colors},
+            defaults={"thresholds": AGE_COLORS},
         ),
     ]
     panels += [
@@ -109,7 +108,7 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sort_desc(rank:openlora_training_step_duration_seconds:mean2m{{{RANK_SEL}}})",
-                    rank_legend,
+                    RANK_LEGEND,
                     instant=True,
                 )
             ],
@@ -124,12 +123,12 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sort_desc(rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}})",
-                    rank_legend,
+                    RANK_LEGEND,
                     instant=True,
                 )
             ],
             at=grid.cell(8, 8),
-            defaults={"decimals": 2, "min": 0, "thresholds": straggler_colors},
+            defaults={"decimals": 2, "min": 0, "thresholds": STRAGGLER_COLORS},
         ),
         panel(
             "bargauge",
@@ -140,12 +139,12 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sort_desc(rank:openlora_training_last_step_age_seconds{{{RANK_SEL}}})",
-                    rank_legend,
+                    RANK_LEGEND,
                     instant=True,
                 )
             ],
             at=grid.cell(8, 8),
-            defaults={"min": 0, "thresholds": age_colors},
+            defaults={"min": 0, "thresholds": AGE_COLORS},
         ),
     ]
     panels += [
@@ -157,7 +156,7 @@ def build() -> dict[str, Any]:
             "run:openlora_training_step_duration_seconds:max2m).",
             "s",
             [
-                target(f"rank:openlora_training_step_duration_seconds:mean2m{{{RANK_SEL}}}", rank_legend),
+                target(f"rank:openlora_training_step_duration_seconds:mean2m{{{RANK_SEL}}}", RANK_LEGEND),
                 target(
                     f"run:openlora_training_step_duration_seconds:median2m{{{RUN_ONLY}}}",
                     "median {{openlora_run_id}}",
@@ -175,7 +174,7 @@ def build() -> dict[str, Any]:
             f"Each rank's mean step time / the run's median over time (rank:openlora_training_straggler_ratio:2m); "
             f"the line is the alert threshold {STRAGGLER_THRESHOLD}.",
             "none",
-            [target(f"rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}}", rank_legend)],
+            [target(f"rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}}", RANK_LEGEND)],
             at=grid.cell(12, 8),
             defaults={
                 "min": 0,
@@ -216,7 +215,7 @@ def build() -> dict[str, Any]:
                 target(
                     'openlora_training_throughput_tokens_per_second{job=~"$job"}'
                     f" * on (job, instance) group_left (openlora_run_id, openlora_rank) target_info{{{RUN_ONLY}}}",
-                    rank_legend,
+                    RANK_LEGEND,
                 ),
             ],
             at=grid.cell(12, 8),
@@ -236,7 +235,7 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sort_desc(rank:openlora_training_data_wait_fraction:avg2m{{{RANK_SEL}}})",
-                    rank_legend,
+                    RANK_LEGEND,
                     instant=True,
                 )
             ],
@@ -258,7 +257,7 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sort(rank:openlora_training_model_flops_utilization:avg2m{{{RANK_SEL}}})",
-                    rank_legend,
+                    RANK_LEGEND,
                     instant=True,
                 )
             ],
@@ -266,9 +265,14 @@ def build() -> dict[str, Any]:
             defaults={"min": 0},
         ),
     ]
-    # A straggler with a low data wait is slow at computing: its GPU may be held down or failing.
-    # The raw GPU series stay with the training dashboard; these records are one value per rank.
-    panels.append(row("GPUs behind the ranks", grid.header()))
+    return panels
+
+
+# A straggler with a low data wait is slow at computing: its GPU may be held down or failing.
+# The raw GPU series stay with the training dashboard; these records are one value per rank.
+def gpus_behind_ranks(grid: Grid) -> list[dict[str, Any]]:
+    """Each rank's GPUs, worst first: status, XID errors, throttling: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("GPUs behind the ranks", grid.header())]
     panels += [
         panel(
             "bargauge",
@@ -278,7 +282,7 @@ def build() -> dict[str, Any]:
             "row remap, a reboot the driver asks for). The training dashboard's GPU health row says which GPU "
             "and why; alerts OpenloraGpuDegraded and OpenloraGpuFailed.",
             "none",
-            [target(f"sort_desc(rank:openlora_gpu_status:max{{{RANK_SEL}}})", rank_legend, instant=True)],
+            [target(f"sort_desc(rank:openlora_gpu_status:max{{{RANK_SEL}}})", RANK_LEGEND, instant=True)],
             at=grid.cell(8, 8),
             defaults={
                 "min": 0,
@@ -294,7 +298,7 @@ def build() -> dict[str, Any]:
             "(rank:openlora_gpu_xid_errors:sum); a rank appears with its first. Which codes: the training "
             "dashboard's XID panel (79 and the bad-GPU codes alert, the program's own do not).",
             "short",
-            [target(f"sort_desc(rank:openlora_gpu_xid_errors:sum{{{RANK_SEL}}})", rank_legend, instant=True)],
+            [target(f"sort_desc(rank:openlora_gpu_xid_errors:sum{{{RANK_SEL}}})", RANK_LEGEND, instant=True)],
             at=grid.cell(8, 8),
             defaults={"min": 0, "decimals": 0},
         ),
@@ -315,6 +319,13 @@ def build() -> dict[str, Any]:
             defaults={"min": 0, "max": 1},
         ),
     ]
+    return panels
+
+
+def build() -> dict[str, Any]:
+    """The cluster dashboard: the ranks of the selected run side by side."""
+    grid = Grid()
+    panels = [*ranks(grid), *gpus_behind_ranks(grid)]
     templating = [
         DATASOURCE_VARIABLE,
         variable("job", "Job", "label_values(target_info, job)"),

@@ -65,22 +65,24 @@ def objective_line(threshold: float) -> dict[str, Any]:
     }
 
 
-def build() -> dict[str, Any]:
-    panels: list[dict[str, Any]] = []
-    sel = ADAPTER_SEL
-    ok = f'{sel}, error_type=""'
-    failed = f'{sel}, error_type!=""'
-    all_requests = f"sum({rate(REQUESTS + '_count', sel)}{SERVING})"
-    server_errors = f"sum({rate(REQUESTS + '_count', f'{sel}, {SERVER_ERRORS}')}{SERVING})"
-    grid = Grid()
-    panels.append(row("Serving overview", grid.header()))
+# The selected servers' and adapters' requests that succeeded, that failed; all requests per
+# second, and those per second that failed through the server's fault.
+SUCCEEDED = f'{ADAPTER_SEL}, error_type=""'
+FAILED = f'{ADAPTER_SEL}, error_type!=""'
+REQUEST_RATE = f"sum({rate(REQUESTS + '_count', ADAPTER_SEL)}{SERVING})"
+SERVER_ERROR_RATE = f"sum({rate(REQUESTS + '_count', f'{ADAPTER_SEL}, {SERVER_ERRORS}')}{SERVING})"
+
+
+def serving_overview(grid: Grid) -> list[dict[str, Any]]:
+    """Traffic, server errors, latency, queue and adapters now, one stat each: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Serving overview", grid.header())]
     stats = [
         (
             "Requests/s",
             f"Requests finished per second, every outcome, over the selected servers and adapters "
             f"(rate of {REQUESTS}_count).",
             "reqps",
-            all_requests,
+            REQUEST_RATE,
             {},
         ),
         (
@@ -89,7 +91,7 @@ def build() -> dict[str, Any]:
             f"clients' {CLIENT_ERRORS.replace('|', ', ')} (rate of {REQUESTS}_count). 0 with no such error; "
             f"above {ERROR_RATIO_THRESHOLD:.0%} for 5 minutes OpenloraInferenceErrorRatioHigh fires.",
             "percentunit",
-            f"({server_errors} or vector(0)) / ({all_requests} > 0)",
+            f"({SERVER_ERROR_RATE} or vector(0)) / ({REQUEST_RATE} > 0)",
             {"thresholds": thresholds((None, "green"), (ERROR_RATIO_THRESHOLD, "red"))},
         ),
         (
@@ -97,28 +99,28 @@ def build() -> dict[str, Any]:
             f"95th percentile of the successful requests' duration ({REQUESTS}); red above the "
             f"{LATENCY_OBJECTIVE_S} s objective of OpenloraInferenceLatencyHigh.",
             "s",
-            f"histogram_quantile(0.95, sum by (le) ({rate(REQUESTS + '_bucket', ok)}{SERVING}))",
+            f"histogram_quantile(0.95, sum by (le) ({rate(REQUESTS + '_bucket', SUCCEEDED)}{SERVING}))",
             {"thresholds": thresholds((None, "green"), (LATENCY_OBJECTIVE_S, "red"))},
         ),
         (
             "Running requests",
             "Requests being generated now (openlora_inference_requests_running).",
             "short",
-            f"sum(openlora_inference_requests_running{{{sel}}}{SERVING})",
+            f"sum(openlora_inference_requests_running{{{ADAPTER_SEL}}}{SERVING})",
             {},
         ),
         (
             "Waiting requests",
             "Requests in the servers' queues now (openlora_inference_requests_waiting).",
             "short",
-            f"sum(openlora_inference_requests_waiting{{{sel}}}{SERVING})",
+            f"sum(openlora_inference_requests_waiting{{{ADAPTER_SEL}}}{SERVING})",
             {},
         ),
         (
             "Adapters loaded",
             "Adapters loaded now, counted once per server (openlora_inference_adapter_loaded == 1).",
             "short",
-            f"count((openlora_inference_adapter_loaded{{{sel}}} == 1){SERVING})",
+            f"count((openlora_inference_adapter_loaded{{{ADAPTER_SEL}}} == 1){SERVING})",
             {},
         ),
     ]
@@ -126,8 +128,12 @@ def build() -> dict[str, Any]:
         panels.append(
             panel("stat", title, description, unit, [target(expr, title)], at=grid.cell(4, 4), defaults=defaults)
         )
+    return panels
 
-    panels.append(row("Requests", grid.header()))
+
+def requests(grid: Grid) -> list[dict[str, Any]]:
+    """Requests per second by adapter, error ratios by error type: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Requests", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -138,7 +144,7 @@ def build() -> dict[str, Any]:
             "reqps",
             [
                 target(
-                    f"sum by (openlora_adapter_name) ({rate(REQUESTS + '_count', sel)}{SERVING})",
+                    f"sum by (openlora_adapter_name) ({rate(REQUESTS + '_count', ADAPTER_SEL)}{SERVING})",
                     "{{openlora_adapter_name}}",
                 )
             ],
@@ -156,18 +162,22 @@ def build() -> dict[str, Any]:
             "percentunit",
             [
                 target(
-                    f"sum by (error_type) ({rate(REQUESTS + '_count', failed)}{SERVING})"
-                    f" / on () group_left () ({all_requests} > 0)",
+                    f"sum by (error_type) ({rate(REQUESTS + '_count', FAILED)}{SERVING})"
+                    f" / on () group_left () ({REQUEST_RATE} > 0)",
                     "{{error_type}}",
                 ),
-                target(f"{server_errors} / ({all_requests} > 0)", "server's errors together"),
+                target(f"{SERVER_ERROR_RATE} / ({REQUEST_RATE} > 0)", "server's errors together"),
             ],
             at=grid.cell(12, 8),
             defaults={"min": 0, **objective_line(ERROR_RATIO_THRESHOLD)},
         ),
     ]
+    return panels
 
-    panels.append(row("Latency", grid.header()))
+
+def latency(grid: Grid) -> list[dict[str, Any]]:
+    """Request duration, time to first token, time per output token: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Latency", grid.header())]
     panels += [
         panel(
             "timeseries",
@@ -177,7 +187,7 @@ def build() -> dict[str, Any]:
             "for 10 minutes, fires OpenloraInferenceLatencyHigh. Buckets double from 10 ms: a "
             "percentile is exact to within its bucket.",
             "s",
-            quantiles(REQUESTS, ok),
+            quantiles(REQUESTS, SUCCEEDED),
             at=grid.cell(8, 8),
             defaults=objective_line(LATENCY_OBJECTIVE_S),
         ),
@@ -187,7 +197,7 @@ def build() -> dict[str, Any]:
             "From the request's arrival to its first output token, queue time included, successful requests "
             "(gen_ai_server_time_to_first_token_seconds): what a streaming client waits before text appears.",
             "s",
-            quantiles("gen_ai_server_time_to_first_token_seconds", sel),
+            quantiles("gen_ai_server_time_to_first_token_seconds", ADAPTER_SEL),
             at=grid.cell(8, 8),
         ),
         panel(
@@ -196,7 +206,7 @@ def build() -> dict[str, Any]:
             "Time per output token after the first, successful requests with at least two output tokens "
             "(gen_ai_server_time_per_output_token_seconds): the decoding speed a client sees.",
             "s",
-            quantiles("gen_ai_server_time_per_output_token_seconds", sel),
+            quantiles("gen_ai_server_time_per_output_token_seconds", ADAPTER_SEL),
             at=grid.cell(8, 8),
         ),
     ]
@@ -210,7 +220,7 @@ def build() -> dict[str, Any]:
             "s",
             [
                 target(
-                    f"histogram_quantile(0.95, sum by ({by_adapter}) ({rate(REQUESTS + '_bucket', ok)}{SERVING}))",
+                    f"histogram_quantile(0.95, sum by ({by_adapter}) ({rate(REQUESTS + '_bucket', SUCCEEDED)}{SERVING}))",
                     "{{openlora_adapter_name}}",
                 )
             ],
@@ -225,17 +235,21 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"histogram_quantile(0.95, sum by ({by_adapter}) "
-                    f"({rate('gen_ai_server_time_to_first_token_seconds_bucket', sel)}{SERVING}))",
+                    f"({rate('gen_ai_server_time_to_first_token_seconds_bucket', ADAPTER_SEL)}{SERVING}))",
                     "{{openlora_adapter_name}}",
                 )
             ],
             at=grid.cell(12, 8),
         ),
     ]
+    return panels
 
-    panels.append(row("Tokens and load", grid.header()))
+
+def tokens_and_load(grid: Grid) -> list[dict[str, Any]]:
+    """Tokens per second by adapter, running and waiting requests: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Tokens and load", grid.header())]
     tokens = "openlora_inference_token_usage_sum"
-    output, prompt = f'{sel}, gen_ai_token_type="output"', f'{sel}, gen_ai_token_type="input"'
+    output, prompt = f'{ADAPTER_SEL}, gen_ai_token_type="output"', f'{ADAPTER_SEL}, gen_ai_token_type="input"'
     panels += [
         panel(
             "timeseries",
@@ -265,11 +279,11 @@ def build() -> dict[str, Any]:
             "short",
             [
                 target(
-                    f"sum by (instance) (openlora_inference_requests_running{{{sel}}}{SERVING})",
+                    f"sum by (instance) (openlora_inference_requests_running{{{ADAPTER_SEL}}}{SERVING})",
                     "running {{instance}}",
                 ),
                 target(
-                    f"sum by (instance) (openlora_inference_requests_waiting{{{sel}}}{SERVING})",
+                    f"sum by (instance) (openlora_inference_requests_waiting{{{ADAPTER_SEL}}}{SERVING})",
                     "waiting {{instance}}",
                 ),
             ],
@@ -277,8 +291,12 @@ def build() -> dict[str, Any]:
             defaults={"min": 0},
         ),
     ]
+    return panels
 
-    panels.append(row("Adapters", grid.header()))
+
+def adapters(grid: Grid) -> list[dict[str, Any]]:
+    """When adapters were loaded, how long loads took, which failed: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Adapters", grid.header())]
     loads = "openlora_inference_adapter_load_duration_seconds"
     panels += [
         panel(
@@ -289,7 +307,7 @@ def build() -> dict[str, Any]:
             "short",
             [
                 target(
-                    f"(openlora_inference_adapter_loaded{{{sel}}} == 1){SERVING}",
+                    f"(openlora_inference_adapter_loaded{{{ADAPTER_SEL}}} == 1){SERVING}",
                     "{{openlora_adapter_name}} {{instance}}",
                 )
             ],
@@ -305,8 +323,8 @@ def build() -> dict[str, Any]:
             "s",
             [
                 target(
-                    f"sort_desc((sum by (job, instance, openlora_adapter_name) ({loads}_sum{{{ok}}})"
-                    f" / (sum by (job, instance, openlora_adapter_name) ({loads}_count{{{ok}}}) > 0))"
+                    f"sort_desc((sum by (job, instance, openlora_adapter_name) ({loads}_sum{{{SUCCEEDED}}})"
+                    f" / (sum by (job, instance, openlora_adapter_name) ({loads}_count{{{SUCCEEDED}}}) > 0))"
                     f"{SERVING})",
                     "{{openlora_adapter_name}} {{instance}}",
                     instant=True,
@@ -324,13 +342,26 @@ def build() -> dict[str, Any]:
             [
                 target(
                     f"sum by (instance, openlora_adapter_name, error_type) "
-                    f"({loads}_count{{{failed}}}{SERVING})",
+                    f"({loads}_count{{{FAILED}}}{SERVING})",
                     "{{openlora_adapter_name}} {{error_type}} {{instance}}",
                 )
             ],
             at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
+    ]
+    return panels
+
+
+def build() -> dict[str, Any]:
+    """The inference dashboard: the selected services' servers, per adapter."""
+    grid = Grid()
+    panels = [
+        *serving_overview(grid),
+        *requests(grid),
+        *latency(grid),
+        *tokens_and_load(grid),
+        *adapters(grid),
     ]
     serving_runs = run_names('job=~"$job"', by_service=True)
     templating = [
