@@ -160,6 +160,26 @@ class Telemetry:
         """``http://host:port/metrics`` of the pull endpoint, or None when it is not enabled."""
         return self._prometheus.url if self._prometheus is not None else None
 
+    def where_metrics_go(self) -> str:
+        """Where the metrics go, in one phrase: ``served at http://localhost:9464/metrics and written to
+        PATH every 5 s``. The one answer that setup's announcement, the demo and the server print."""
+        config = self._config
+        if not self.enabled:
+            return "off (OTEL_SDK_DISABLED=true)"
+        if not self._owns_provider:
+            return "to the readers of the MeterProvider the application set up before (reused)"
+        every = f"every {config.export_interval_ms / 1000:g} s"
+        places = []
+        if self.prometheus_url:
+            places.append(f"served at {self.prometheus_url}")
+        if "otlp" in config.enabled_exporters:
+            places.append(f"pushed to {config.otlp.redacted_endpoint()} (OTLP {config.otlp.protocol}) {every}")
+        if "console" in config.enabled_exporters:
+            places.append(f"printed {every}")
+        if self.history_path is not None:
+            places.append(f"written to {self.history_path} every {config.history_interval_ms / 1000:g} s")
+        return " and ".join(places) or "not exported (OTEL_METRICS_EXPORTER=none)"
+
     @property
     def training(self) -> TrainingMetrics:
         """The run's :class:`~openlora_otel.training.metrics.TrainingMetrics` (created on first use, one per handle)."""
@@ -602,18 +622,7 @@ def _install_sigterm(telemetry: Telemetry) -> None:
 def _announce(telemetry: Telemetry) -> None:
     """Say once where the metrics go: through logging when it shows INFO, else on standard error."""
     config = telemetry.config
-    where = []
-    if telemetry.prometheus_url:
-        where.append(f"served at {telemetry.prometheus_url}")
-    if "otlp" in config.enabled_exporters:
-        where.append(
-            f"pushed to {config.otlp.redacted_endpoint()} every {config.export_interval_ms / 1000:g} s"
-        )
-    if "console" in config.enabled_exporters:
-        where.append(f"printed every {config.export_interval_ms / 1000:g} s")
-    if telemetry.history_path is not None:
-        where.append(f"written to {telemetry.history_path} every {config.history_interval_ms / 1000:g} s")
-    message = f"openlora-otel: run {telemetry.run_id}: metrics {' and '.join(where) or 'not exported (none)'}"
+    message = f"openlora-otel: run {telemetry.run_id}: metrics {telemetry.where_metrics_go()}"
     if _logger.isEnabledFor(logging.INFO) and _logger.hasHandlers():
         _logger.info("%s", message)
     elif not config.quiet:

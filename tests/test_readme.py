@@ -61,7 +61,7 @@ def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert re.search(r"metrics: http://localhost:\d+/metrics", result.stderr)
+    assert re.search(r"metrics: served at http://localhost:\d+/metrics", result.stderr)
     assert "3 steps" in result.stdout
 
 

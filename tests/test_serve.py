@@ -615,20 +615,6 @@ def test_a_replaced_directory_is_never_deleted_while_it_is_the_one_in_place(
     assert sorted(p.name for p in target.parent.iterdir()) == ["a1"]
 
 
-@pytest.mark.parametrize(
-    ("exporters", "expected"),
-    [(("none",), "not exported (OTEL_METRICS_EXPORTER=none)"), (("console",), "pushed (console)")],
-)
-def test_the_ready_line_says_where_metrics_go(exporters: tuple[str, ...], expected: str) -> None:
-    from openlora_otel.serving.server import _metrics_where
-
-    telemetry = setup_telemetry(config=TelemetryConfig(exporters=exporters, export_interval_ms=600000))
-    try:
-        assert _metrics_where(telemetry) == expected
-    finally:
-        telemetry.shutdown()
-
-
 def test_connections_accepted_by_serve_have_nagle_off() -> None:
     """A kept-alive client's first streamed event must not wait for the previous response's ACK."""
     import socket

@@ -281,3 +281,44 @@ def test_console_exporter_prints_on_shutdown(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert '"name": "openlora.console.steps"' in out
     assert telemetry.run_id in out
+
+
+def test_where_metrics_go_is_one_phrase_for_every_exporter(tmp_path) -> None:
+    """The one answer the setup line, the demo and the server's ready line print; credentials redacted."""
+    cases = [
+        (TelemetryConfig(exporters=("none",)), "not exported (OTEL_METRICS_EXPORTER=none)"),
+        (TelemetryConfig(sdk_disabled=True), "off (OTEL_SDK_DISABLED=true)"),
+        (TelemetryConfig(exporters=("console",), export_interval_ms=600000), "printed every 600 s"),
+        (
+            TelemetryConfig.from_env(
+                {
+                    "OTEL_METRICS_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://user:s3cret@127.0.0.1:1",
+                    "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+                }
+            ),
+            "pushed to http://<redacted>@127.0.0.1:1/v1/metrics (OTLP http/protobuf) every 600 s",
+        ),
+    ]
+    for config, expected in cases:
+        telemetry = setup_telemetry(config=config.replace(quiet=True, gpu_metrics="off", host_metrics=False))
+        try:
+            assert telemetry.where_metrics_go() == expected
+        finally:
+            telemetry.shutdown(timeout_s=1)
+    both = TelemetryConfig(
+        prometheus_host="127.0.0.1",
+        prometheus_port=0,
+        history_dir=str(tmp_path),
+        history_interval_ms=600000,
+        quiet=True,
+        gpu_metrics="off",
+        host_metrics=False,
+    )
+    telemetry = setup_telemetry(config=both, run_id="where")
+    try:
+        assert telemetry.where_metrics_go() == (
+            f"served at {telemetry.prometheus_url} and written to {tmp_path / 'where.jsonl'} every 600 s"
+        )
+    finally:
+        telemetry.shutdown(timeout_s=1)

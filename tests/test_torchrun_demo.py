@@ -227,7 +227,7 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
         stopped = re.search(r"stopped by SIGTERM after (\d+) steps; telemetry flushed", output)
         assert stopped, output[-3000:]
         assert output.count("stopped by SIGTERM") == 1, "only rank 0 prints its summary"
-        where = "metrics: OTLP http/protobuf to http://" if metrics.push else "metrics: http://"
+        where = "metrics: pushed to http://" if metrics.push else "metrics: served at http://"
         assert output.count(where) == 1, "only rank 0 says where its metrics are"
         steps = int(stopped.group(1))
         assert re.search(rf"run {re.escape(run_id)}: {steps} steps in", output), output[-3000:]

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, MissingDependencyError) as exc:
         return fail("demo", exc)
-    where = _where(telemetry)
+    where = telemetry.where_metrics_go()
     if not options.quiet:
         print(f"metrics: {where}", file=sys.stderr)
         if telemetry.enabled and {"prometheus", "otlp"} & set(config.enabled_exporters):
@@ -300,23 +300,6 @@ def _save_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _where(telemetry: object) -> str:
-    from openlora_otel.telemetry import Telemetry
-
-    assert isinstance(telemetry, Telemetry)
-    places = []
-    if telemetry.prometheus_url:
-        places.append(telemetry.prometheus_url)
-    config = telemetry.config
-    if "otlp" in config.enabled_exporters:
-        places.append(f"OTLP {config.otlp.protocol} to {config.otlp.redacted_endpoint()}")
-    if "console" in config.enabled_exporters:
-        places.append("the console")
-    if telemetry.history_path is not None:
-        places.append(telemetry.history_path)
-    return ", ".join(places) or "nowhere (exporter none or OTEL_SDK_DISABLED)"
-
-
 def _summary(
     result: object, where: str, flushed: bool, *, run_id: str, run_name: str | None = None, world_size: int = 1
 ) -> None:
@@ -340,7 +323,7 @@ def _summary(
         f"run {run_id}{f' ({run_name})' if run_name and run_name != run_id else ''}: {result.steps} steps in {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s",
         evaluation
         + (f", last train loss {result.last_train_loss:.3f}" if result.last_train_loss is not None else ""),
-        f"metrics went to {where}",
+        f"metrics were {where}",
     ]
     if result.saved:
         lines.append(f"adapter saved to {result.saved}")

@@ -595,18 +595,6 @@ class _Server:
         return self.server.stopped_by
 
 
-def _metrics_where(telemetry: Telemetry) -> str:
-    """Where the serving metrics go, for the ready line."""
-    if telemetry.prometheus_url:
-        return telemetry.prometheus_url
-    if not telemetry.enabled:
-        return "off (OTEL_SDK_DISABLED)"
-    exporters = [name for name in telemetry.config.enabled_exporters if name != "none"]
-    if not exporters:
-        return "not exported (OTEL_METRICS_EXPORTER=none)"
-    return "pushed (" + ", ".join(exporters) + ")"
-
-
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket (bound before the models load, so a busy port fails fast); OSError as it comes."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -665,7 +653,7 @@ def serve(
         f"({models.placement.precision}); loaded in "
         f"{time.perf_counter() - started:.1f} s; listening on http://{where}:{port} "
         f"(POST /v1/completions, GET /v1/models, GET /health); metrics: "
-        f"{_metrics_where(telemetry)}; Ctrl-C or SIGTERM stops",
+        f"{telemetry.where_metrics_go()}; Ctrl-C or SIGTERM stops",
         file=out,
         flush=True,
     )
