@@ -23,9 +23,9 @@ from opentelemetry.sdk.metrics import MeterProvider as SDKMeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 
-from openlora_otel._deps import require
 from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
+from openlora_otel.exporters.readers import build_readers, check_packages
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
@@ -675,52 +675,16 @@ def _build_provider(
     Returns the provider, the pull endpoint (or None) and every reader, each made to
     collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
     """
-    exporters = config.enabled_exporters
-    # Fail on a missing package before binding a port or starting a thread.
-    if "otlp" in exporters:
-        module = "grpc" if config.otlp.protocol == "grpc" else "http"
-        require(
-            f"opentelemetry.exporter.otlp.proto.{module}",
-            f"OTEL_METRICS_EXPORTER=otlp ({config.otlp.protocol})",
-        )
-
+    # Fail on a missing package before the resource is built, a port bound or a thread started.
+    check_packages(config)
     assert config.run_id is not None
     resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
     if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
         raise AssertionError("run id missing from the resource")
 
-    history = None
-    if config.history_dir:
-        from openlora_otel.exporters.history import build_history_exporter, history_reader
-
-        # Checked before a port is bound or a thread started (ConfigError / MissingDependencyError).
-        history = build_history_exporter(config, resource)
-
-    readers: list[MetricReader] = []
-    prometheus = None
+    built = build_readers(config, resource)
+    readers, prometheus = built.readers, built.prometheus
     try:
-        if "prometheus" in exporters:
-            from openlora_otel.exporters.prometheus import build_prometheus
-
-            prometheus = build_prometheus(config)
-            readers.append(prometheus.reader)
-            if config.file_sd_dir:
-                prometheus.register_file_sd(config.file_sd_dir)
-        elif config.file_sd_dir:
-            _logger.info(
-                "OPENLORA_PROMETHEUS_FILE_SD_DIR is set but the prometheus exporter is not: nothing to register"
-            )
-        if "otlp" in exporters:
-            from openlora_otel.exporters.otlp import build_otlp_reader
-
-            readers.append(build_otlp_reader(config))
-        if "console" in exporters:
-            from openlora_otel.exporters.console import build_console_reader
-
-            readers.append(build_console_reader(config))
-        if history is not None:
-            # First in line at shutdown: the file's final line never waits behind a slow push export.
-            readers.insert(0, history_reader(history, config))
         # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
         # the SDK's would wait for its full export timeout on a dead endpoint.
         provider = SDKMeterProvider(
@@ -730,13 +694,7 @@ def _build_provider(
             views=[step_duration_view(), *inference_views(), *observed_total_views()],
         )
     except BaseException:
-        for reader in readers:
-            try:
-                reader.shutdown(timeout_millis=500)
-            except Exception:  # pragma: no cover - best effort cleanup
-                _logger.debug("reader cleanup failed", exc_info=True)
-        if prometheus is not None:
-            prometheus.close()
+        built.close()
         raise
     provider._openlora_otel = True  # type: ignore[attr-defined]
     every = [*readers, *extra_readers]

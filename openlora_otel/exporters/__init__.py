@@ -2,5 +2,6 @@
 
 Each module exposes one builder that turns the resolved
 :class:`~openlora_otel.config.TelemetryConfig` into a ``MetricReader`` (and, for
-the pull endpoint, the server that serves it).
+the pull endpoint, the server that serves it); :mod:`.readers` is the one place that says which
+builders a configuration selects.
 """
