@@ -368,7 +368,6 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
         "1s",
         "--evaluation-interval",
         "1s",
-        cli=True,
     )
     try:
         run_id = f"nan-{os.getpid()}-{metrics_port}"

@@ -23,7 +23,8 @@ from google.protobuf.json_format import MessageToJson
 from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel import TelemetryConfig, report, setup_telemetry
+from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel.commands import report as report_command
 from openlora_otel.hardware import nvml
 from openlora_otel.report.history import read_history
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
@@ -101,8 +102,8 @@ def otlp_json_line(reader: InMemoryMetricReader) -> str:
 def run_report(*argv: str) -> int:
     """``openlora-otel report ARGV`` through the command's own parser (SystemExit on a usage error)."""
     parser = argparse.ArgumentParser(prog="openlora-otel")
-    report.add_parser(parser.add_subparsers(dest="command"))
-    return report.main(parser.parse_args(["report", *argv]))
+    report_command.add_parser(parser.add_subparsers(dest="command"))
+    return report_command.run(parser.parse_args(["report", *argv]))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from openlora_otel import stack
+from openlora_otel.commands import stack as stack_command
 from tests.conftest import child_env, free_port, reap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +46,8 @@ def tool(name: str) -> str:
 def run_stack(*argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     parser = argparse.ArgumentParser(prog="openlora-otel")
-    stack.add_parser(parser.add_subparsers(dest="command"))
-    code = stack.run(parser.parse_args(["stack", *argv]), out=out, err=err)
+    stack_command.add_parser(parser.add_subparsers(dest="command"))
+    code = stack_command.run(parser.parse_args(["stack", *argv]), out=out, err=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -300,7 +301,7 @@ def test_start_says_it_runs_only_once_prometheus_scrapes_the_targets(
     )
     out, err = io.StringIO(), io.StringIO()
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(stack._start(plan, err, out)), daemon=True)
+    thread = threading.Thread(target=lambda: result.append(stack.start(plan, err, out)), daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 10
@@ -335,7 +336,7 @@ def test_start_fails_when_prometheus_never_scrapes_the_targets(
     api.listed.set()
     out, err = io.StringIO(), io.StringIO()
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(stack._start(plan, err, out)), daemon=True)
+    thread = threading.Thread(target=lambda: result.append(stack.start(plan, err, out)), daemon=True)
     thread.start()
     thread.join(10)
     type(fake_servers[0]).exited_flag = True  # ends it, had it gone on to run
@@ -428,14 +429,13 @@ def _refused(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def start_stack(directory: Path, *argv: str, cli: bool = False) -> tuple[subprocess.Popen, list[str]]:
-    """The stack with ``--start``, as ``python -m openlora_otel stack`` (``cli``) or ``python -m
-    openlora_otel.stack``; returns the process and its lines up to the one saying it runs."""
+def start_stack(directory: Path, *argv: str) -> tuple[subprocess.Popen, list[str]]:
+    """The stack with ``--start``, as ``python -m openlora_otel stack``; returns the process and its lines
+    up to the one saying it runs."""
     tool("prometheus")
     stack.find_binary(stack.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
-    command = ["-m", "openlora_otel", "stack"] if cli else ["-m", "openlora_otel.stack"]
     process = subprocess.Popen(
-        [sys.executable, *command, "--dir", str(directory), "--start", *argv],
+        [sys.executable, "-m", "openlora_otel", "stack", "--dir", str(directory), "--start", *argv],
         cwd=ROOT,
         env=child_env(PYTHONPATH=str(ROOT)),
         stdout=subprocess.PIPE,
@@ -498,7 +498,7 @@ def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.
 def test_receiver_only_prints_alerts_until_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "openlora_otel.stack", "--receiver-only", "--receiver-port", str(port)],
+        [sys.executable, "-m", "openlora_otel", "stack", "--receiver-only", "--receiver-port", str(port)],
         cwd=ROOT,
         env=child_env(PYTHONPATH=str(ROOT)),
         stdout=subprocess.PIPE,

@@ -1,11 +1,157 @@
-"""``openlora-otel report``: curves of runs, from history files or a Prometheus (openlora_otel.report)."""
+"""``openlora-otel report``: its parser, the runs it reads (history files, a Prometheus) and where it
+writes the picture (:mod:`openlora_otel.report` reads and draws)."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
-from openlora_otel import report
+from openlora_otel._args import fail
+from openlora_otel.report.model import ReportError, Run
+
+FORMATS = ("png", "html")
+DEFAULT_STEM = "openlora-report"
 
 
 def register(commands: Any) -> None:
-    report.add_parser(commands).set_defaults(func=report.main)
+    add_parser(commands).set_defaults(func=run)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``report`` command to the CLI's subcommands."""
+    parser = subparsers.add_parser(
+        "report",
+        help="draw runs (loss, eval loss, gradient norm, learning rate, throughput, step time, GPU) as PNG and HTML",
+        description="Draw one or more runs against the optimizer step: loss and eval loss, gradient norm (mean "
+        "and max), learning rate, throughput, step time, and GPU utilization and memory when the run had GPUs. "
+        "Runs come from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files; every run in them is "
+        "drawn, or those --run names) or from a Prometheus server (--prometheus URL --run ID_OR_NAME ...). Several "
+        "runs are overlaid, each labelled with its name and the hyperparameters that differ between them. "
+        "Writes openlora-report.png and openlora-report.html in the current directory unless --out says "
+        "otherwise; the HTML page is self-contained (inline SVG, no network). "
+        "Exit status: 0 written, 2 usage error, unknown run, unreadable input or unreachable server.",
+    )
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="history files (*.jsonl) or directories holding them",
+    )
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="read the --run runs from this Prometheus server (for example http://127.0.0.1:9090)",
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="ID_OR_NAME",
+        help="a run id (openlora_run_id) or run name; repeat to compare runs. With --prometheus: the runs to read "
+        "from it; without: the runs to keep from the files",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE_OR_DIR",
+        help="where to write: a directory (gets openlora-report.png and .html; created when written with a "
+        "trailing /), or a file name whose suffix is replaced per format (report.png -> report.png and "
+        "report.html); default: ./openlora-report.*",
+    )
+    parser.add_argument(
+        "--format",
+        default="png,html",
+        metavar="LIST",
+        help="png, html, or both comma-separated (default %(default)s)",
+    )
+    parser.set_defaults(report_parser=parser)
+    return parser
+
+
+def output_paths(out: str | None, formats: tuple[str, ...]) -> dict[str, Path]:
+    """Where each format goes: ``out`` a directory (existing, or written with a trailing ``/``) or a file stem."""
+    if out is None:
+        base = Path.cwd() / DEFAULT_STEM
+    elif out.endswith(("/", "\\")) or Path(out).is_dir():
+        base = Path(out) / DEFAULT_STEM
+    else:
+        path = Path(out)
+        base = path.with_suffix("") if path.suffix.lower() in (".png", ".html", ".htm") else path
+    return {fmt: base.with_name(f"{base.name}.{fmt}") for fmt in formats}
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(part.strip().lower() for part in text.split(",") if part.strip()))
+    unknown = [fmt for fmt in chosen if fmt not in FORMATS]
+    if not chosen or unknown:
+        raise ValueError(f"{text!r} is not valid: expected png, html or png,html")
+    return chosen
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``openlora-otel report`` with parsed ``args``; the exit status."""
+    parser: argparse.ArgumentParser = args.report_parser
+    try:
+        formats = _formats(args.format)
+    except ValueError as exc:
+        parser.error(f"argument --format: {exc}")
+    if not args.paths and not args.prometheus:
+        parser.error(
+            "nothing to draw: give history files or directories, or --prometheus URL --run ID_OR_NAME"
+        )
+    if args.prometheus and not args.run:
+        parser.error(
+            "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it to compare runs)"
+        )
+    try:
+        runs = _runs(args)
+        targets = output_paths(args.out, formats)
+        if args.out and args.out.endswith(("/", "\\")):  # a directory by its spelling: made if missing
+            _make_directory(Path(args.out))
+        for path in targets.values():
+            if not path.parent.is_dir():
+                raise ReportError(f"--out: the directory {path.parent} does not exist")
+        from openlora_otel.report.render import render
+
+        drawing = render(runs, png=targets.get("png"), html_path=targets.get("html"))
+    except ReportError as exc:
+        return fail("report", exc)
+    for run, summary in zip(runs, drawing.summaries, strict=True):
+        print(
+            f"run {run.run_id}{f' ({run.name})' if run.name != run.run_id else ''}: {summary.steps} steps, "
+            f"from {run.source}"
+        )
+    print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")
+    for path in targets.values():
+        print(f"wrote {path}")
+    return 0
+
+
+def _make_directory(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"--out: cannot create the directory {path}: {exc.strerror or exc}") from None
+
+
+def _runs(args: argparse.Namespace) -> list[Run]:
+    runs: list[Run] = []
+    if args.paths:
+        from openlora_otel.report.history import read_history
+
+        found = read_history(args.paths)
+        if args.run and not args.prometheus:
+            kept = [run for run in found if run.run_id in args.run or run.name in args.run]
+            missing = [w for w in args.run if not any(w in (run.run_id, run.name) for run in found)]
+            if missing:
+                known = ", ".join(f"{run.run_id} ({run.name})" for run in found)
+                raise ReportError(
+                    f"no run {', '.join(map(repr, missing))} in {', '.join(args.paths)}; the runs there are: {known}"
+                )
+            found = kept
+        runs += found
+    if args.prometheus:
+        from openlora_otel.report.prometheus import read_prometheus
+
+        runs += read_prometheus(args.prometheus, args.run)
+    return runs
