@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
-from openlora_otel.hardware import gpu, nvml
+from openlora_otel.hardware import gpu, gpu_snapshot, nvml
 from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
@@ -43,7 +43,7 @@ class SteppedTime:
 @pytest.fixture(autouse=True)
 def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
     clock = SteppedTime()
-    monkeypatch.setattr(gpu, "time", clock)
+    monkeypatch.setattr(gpu_snapshot, "time", clock)
     return clock
 
 
@@ -288,7 +288,7 @@ def test_slow_nvml_serves_the_last_good_snapshot_and_never_piles_up_threads(
     for _ in range(5):
         collect(reader)
     assert sum(t.name == "openlora-otel-nvml" for t in threading.enumerate()) <= 1
-    monkeypatch.setattr(gpu, "_MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
+    monkeypatch.setattr(gpu_snapshot, "_MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
     assert series(collect(reader), "hw.gpu.memory.usage") == []
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel.hardware import gpu, nvml
+from openlora_otel.hardware import gpu_snapshot, nvml
 from openlora_otel.hardware.gpu import FIELDS, GpuCollector
 from openlora_otel.hardware.nvml import (
     FI,
@@ -174,7 +174,7 @@ def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_s
     times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
     assert times["hw_thermal_slowdown"] == 7.0 and times["hw_power_brake_slowdown"] == 3e-6
     fake.fields_asked.clear()
-    monkeypatch.setattr(gpu, "_FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
+    monkeypatch.setattr(gpu_snapshot, "_FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
     collect(reader)
     later = [{fid for fid, _ in call} & {252, 253, 270, 271} for call in fake.fields_asked]
     assert later and all(ids == {270, 271} for ids in later)  # one call a snapshot, 252/253 not asked again
@@ -256,7 +256,7 @@ def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:  #
     for _ in range(300):
         fake.inject_xid(card, 94)
     first = by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code")
-    assert first == {"94": gpu._XID_PER_SNAPSHOT}
+    assert first == {"94": gpu_snapshot._XID_PER_SNAPSHOT}
     assert by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code") == {"94": 300}
 
 
@@ -368,7 +368,7 @@ def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
     card.link = (8, 4)  # the link retrains narrower and slower
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 16  # not re-read yet
-    stepped_time.offset += gpu._LINK_EVERY_S
+    stepped_time.offset += gpu_snapshot._LINK_EVERY_S
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 8
     assert series(data, "openlora.gpu.pcie.link.generation")[0][1] == 4

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.training import metrics as training_module
+from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
 from tests.conftest import value
 
@@ -148,14 +148,14 @@ def test_guard_check_with_a_read_back_slower_than_the_poll(monkeypatch) -> None:
     check_interval_s plus one device read-back. Simulated on CPU: a read-back takes 0.3 s to land."""
     import time
 
-    real_init = training_module._HostRead.__init__
+    real_init = readback._HostRead.__init__
 
     def init(self, tensor):
         real_init(self, tensor)
         self._landed = time.monotonic() + 0.3
 
-    monkeypatch.setattr(training_module._HostRead, "__init__", init)
-    monkeypatch.setattr(training_module._HostRead, "ready", lambda self: time.monotonic() >= self._landed)
+    monkeypatch.setattr(readback._HostRead, "__init__", init)
+    monkeypatch.setattr(readback._HostRead, "ready", lambda self: time.monotonic() >= self._landed)
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     try:
         tripped = threading.Event()
@@ -176,7 +176,7 @@ def test_a_guard_check_waiting_on_the_device_is_gone_when_shutdown_returns(monke
     import time
 
     started = threading.Event()
-    monkeypatch.setattr(training_module._HostRead, "ready", lambda self: started.set() or False)  # never lands
+    monkeypatch.setattr(readback._HostRead, "ready", lambda self: started.set() or False)  # never lands
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     telemetry.training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05))
     telemetry.training.record_step(loss=torch.tensor(1.0))

@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
 from openlora_otel.training import metrics as training_module
+from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.training.metrics import TrainingMetrics
 from tests.conftest import WALL_OFFSET, FakeClock, points, value
@@ -303,7 +304,7 @@ def test_stand_in_with_several_elements_is_refused(setup) -> None:
 
 
 def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(training_module, "_READBACK_WAIT_S", 0.0)
+    monkeypatch.setattr(readback, "_READBACK_WAIT_S", 0.0)
 
     class Slow:
         def __init__(self, polls_until_ready: int, values: list[float]) -> None:
@@ -319,11 +320,11 @@ def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: 
 
     carry: list = []
     slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0, 3.0, 1.0, 0])
-    assert training_module._poll_readbacks([("loss", [slow])], carry) == []
+    assert readback._poll_readbacks([("loss", [slow])], carry) == []
     assert carry == [("loss", [slow])]
     later: list = []
-    assert training_module._poll_readbacks(carry, later) == [
-        ("loss", training_module._Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
+    assert readback._poll_readbacks(carry, later) == [
+        ("loss", readback._Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
     ]
     assert later == []
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 
 from openlora_otel.training import metrics as training_module  # noqa: E402
+from openlora_otel.training import readback  # noqa: E402
 from tests.conftest import value  # noqa: E402
 
 FOLD_EVERY = training_module._FOLD_EVERY
@@ -110,7 +111,7 @@ def test_a_collection_that_cannot_fold_either_drops_with_a_warning_and_no_stale_
         calls += 1
         raise RuntimeError("device lost (injected)")
 
-    monkeypatch.setattr(training_module, "_fold", broken)
+    monkeypatch.setattr(readback, "_fold", broken)
     for _ in range(3 * FOLD_EVERY):
         training.record_step(loss=torch.tensor(9.0))
     assert calls == 1
@@ -127,12 +128,12 @@ def test_a_collection_that_cannot_fold_either_drops_with_a_warning_and_no_stale_
     [("cpu", torch.float64), ("cuda", torch.float64), ("xpu", torch.float64), ("mps", torch.float32)],
 )
 def test_reduction_dtype_by_device_type(device_type: str, dtype: Any) -> None:
-    assert training_module._reduce_dtype(device_type, torch) is dtype
+    assert readback._reduce_dtype(device_type, torch) is dtype
 
 
 def test_a_device_without_float64_folds_in_float32(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     # Stand in for MPS on the CPU: the fold's partials must never be float64 there.
-    monkeypatch.setattr(training_module, "_NO_FLOAT64", frozenset({"cpu"}))
+    monkeypatch.setattr(readback, "_NO_FLOAT64", frozenset({"cpu"}))
     training, reader = setup
     steps = 2 * FOLD_EVERY + 10
     for step in range(steps):

@@ -13,6 +13,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.training import metrics as training_module
+from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.metrics import TrainingMetrics
 from tests.conftest import FakeClock, points, value
@@ -87,8 +88,8 @@ def test_fold_and_combine_match_a_plain_python_reduction(seed: int) -> None:
         size = rng.randint(1, 12)
         chunks.append(values[start : start + size])
         start += size
-    partials = [training_module._fold([torch.tensor(v, dtype=torch.float64) for v in chunk], torch) for chunk in chunks]
-    got = training_module._Folded.from_values(training_module._combine(partials, torch).tolist())
+    partials = [readback._fold([torch.tensor(v, dtype=torch.float64) for v in chunk], torch) for chunk in chunks]
+    got = readback._Folded.from_values(readback._combine(partials, torch).tolist())
     total, count, nonfinite, last, highest, lowest, trailing = _python_fold(values)
     assert got.total == pytest.approx(total)
     assert (got.count, got.nonfinite, got.trailing) == (count, nonfinite, trailing)

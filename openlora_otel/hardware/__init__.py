@@ -1,6 +1,8 @@
 """The machine a run is on: GPU gauges, the NVML access they go through, and host and process metrics.
 
 - :mod:`openlora_otel.hardware.gpu`: the GPU instruments, fed by one NVML snapshot per collection.
+- :mod:`openlora_otel.hardware.gpu_snapshot`: those snapshots: which GPUs and values, read on a
+  helper thread, bounded in time.
 - :mod:`openlora_otel.hardware.nvml`: the one object NVML is reached through, so tests can hand in a fake.
 - :mod:`openlora_otel.hardware.host`: host and process metrics through
   ``opentelemetry-instrumentation-system-metrics``.

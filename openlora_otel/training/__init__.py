@@ -1,7 +1,11 @@
 """Training-run metrics: the step metrics, the divergence guard and the FLOPs for MFU.
 
 - :mod:`openlora_otel.training.metrics`: :class:`TrainingMetrics`, one cheap call per
-  optimizer step, read when metrics are collected, and :func:`step_duration_view`.
+  optimizer step, read when metrics are collected, and :func:`step_duration_view`. Beneath it:
+  :mod:`~openlora_otel.training.arguments` (what the record calls accept),
+  :mod:`~openlora_otel.training.window` (the window of steps and each metric reader's span,
+  with :func:`collecting_for`) and :mod:`~openlora_otel.training.readback` (kept tensors folded
+  on their device and read back without a sync).
 - :mod:`openlora_otel.training.guard`: :class:`DivergenceGuard`, which notices a diverged
   run (NaN losses, a loss spike) without adding a sync to the step.
 - :mod:`openlora_otel.training.flops`: training FLOPs per token from a model's weights
@@ -24,7 +28,8 @@ from openlora_otel.training.flops import (
     training_flops_per_token,
 )
 from openlora_otel.training.guard import DivergenceGuard, Trip
-from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
+from openlora_otel.training.metrics import TrainingMetrics, step_duration_view
+from openlora_otel.training.window import collecting_for
 
 __all__ = [
     "GPU_PEAKS",

@@ -18,10 +18,9 @@ exporter's or the scrape's thread:
   latest ``record_step``: the step path stores the ``perf_counter()`` reading it
   takes anyway, and the collection converts it. It lets PromQL compare ranks'
   progress (``time() - ...``) without any communication between them.
-- tensors are reduced on their own device and read back there; for CUDA
-  tensors the copy to the host is asynchronous and is only polled, never
-  waited on with a synchronizing call, so ``torch.cuda.set_sync_debug_mode("error")``
-  holds. Values a GPU has not produced yet are carried into the next collection.
+- tensors are reduced on their own device and read back there without a
+  sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
+  yet are carried into the next collection.
 - the window's counts go into synchronous SDK counters and its step durations
   into the ``openlora.training.step.duration`` histogram when the window is
   taken. Measurements of synchronous instruments stay in the SDK until a
@@ -33,33 +32,49 @@ exporter's or the scrape's thread:
   the same after ten steps or ten million; on any other meter the window is
   replayed, one ``record`` per step (exact, about 5 us per step).
 
-Each reader of the provider ``setup_telemetry`` builds has its own window: with
-two readers (say Prometheus and the history file), each reports the steps since
-its own previous collection, spikes included, whatever the other collected in
-between. A window is still taken, read back and judged by the guard once; what
-it held is then added to every reader's pending span. Readers the provider was
-not built with (someone else's provider) share one window.
+Each reader of the provider ``setup_telemetry`` builds reports the steps since
+its own previous collection (:mod:`openlora_otel.training.window`). Here: the
+instruments, the step path (the record calls, on the caller's thread; their
+argument checks are :mod:`openlora_otel.training.arguments`), the guard's
+thread, and the collection that takes the window and judges it once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import operator
 import sys
 import threading
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
-from openlora_otel.training.guard import DivergenceGuard, LossWindow, Trip
-from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
+from openlora_otel.training.arguments import (
+    _INT64_MAX,
+    _adapter_values,
+    _count,
+    _Foreign,
+    _host_number,
+    _positive,
+    _prepare,
+    _seconds,
+)
+from openlora_otel.training.guard import DivergenceGuard, Trip
+from openlora_otel.training.readback import _fold_by_device, _fold_partials, _poll_readbacks, _start_readback
+from openlora_otel.training.window import (
+    _loss_window,
+    _Readers,
+    _Series,
+    _Snapshot,
+    _span_snapshot,
+    _Window,
+    collecting_for,
+)
+from openlora_otel.windows import replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
@@ -72,189 +87,13 @@ _FOLD_EVERY = 512
 # list on every step, under the lock) and keeps at most this many tensors until its
 # collection; beyond it they are dropped and counted.
 _MAX_UNFOLDED = 16384
-# Devices without float64 support: the fold reduces in float32 there (decided by
-# device type, not by trying float64 on every fold; counts stay exact to 2**24 a window).
-_NO_FLOAT64 = frozenset({"mps"})
 # Tensor-like objects that are not torch tensors (duck-typed test doubles, other
 # frameworks) cannot be folded without reading them; beyond this they are dropped.
 _MAX_FOREIGN = 65536
-# How long a collection polls for a GPU read-back before carrying it to the next one.
-_READBACK_WAIT_S = 0.2
 # How long the guard's own check polls (its thread has nothing else to do).
 _GUARD_READBACK_WAIT_S = 5.0
-# An empty window shorter than this keeps the previous throughput (two readers back to back).
-_MIN_EMPTY_WINDOW_S = 1.0
 _MAX_EVAL_METRICS = 64
-# OTLP carries integer points as int64: a larger count fails the whole export, every time.
-_INT64_MAX = 2**63 - 1
 _DURATION = "openlora.training.step.duration"
-
-
-class _Series:
-    """One scalar over a window: sum, count, extremes and last value, host values plus deferred tensors.
-
-    ``trailing`` is how many values at the end of the window were non-finite in a
-    row (what the divergence guard counts). Values merged from a device read-back
-    count as coming after the host values of the same window.
-    """
-
-    __slots__ = (
-        "count", "deferred", "fold_failed", "foreign", "highest", "last", "lowest", "nonfinite",
-        "partials", "total", "trailing",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.count = 0
-        self.nonfinite = 0
-        self.last: float | None = None
-        self.highest = -math.inf  # of the finite values; -inf while there is none
-        self.lowest = math.inf
-        self.trailing = 0
-        self.deferred: list[Any] = []  # torch tensors, detached, not yet folded
-        # folded vectors on device: [sum_finite, n_finite, n_nonfinite, last, max, min, trailing]
-        self.partials: list[Any] = []
-        self.foreign: list[Any] = []  # tensor-likes that are not torch tensors
-        # A fold failed in this window: no more folds until the window is collected
-        # (a new window, with a new series, folds again).
-        self.fold_failed = False
-
-    def add_host(self, value: float) -> None:
-        if value - value == 0.0:  # finite (NaN and inf give NaN)
-            self.total += value
-            self.count += 1
-            self.trailing = 0
-            if value > self.highest:
-                self.highest = value
-            if value < self.lowest:
-                self.lowest = value
-        else:
-            self.nonfinite += 1
-            self.trailing += 1
-        self.last = value
-
-    def merge(self, values: _Folded) -> None:
-        self.total += values.total
-        self.count += values.count
-        self.nonfinite += values.nonfinite
-        if values.last is not None:
-            self.last = values.last
-        self.highest = max(self.highest, values.highest)
-        self.lowest = min(self.lowest, values.lowest)
-        # Values merged here came after this series' own: their run continues ours only
-        # when none of them was finite.
-        self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
-
-    def folded(self) -> _Folded:
-        """The host-side values as one fold (what a reader's span adds up)."""
-        return _Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
-
-    def copy(self) -> _Series:
-        """A copy whose lists can be read while the step path appends to the original's."""
-        twin = _Series()
-        for name in self.__slots__:
-            value = getattr(self, name)
-            setattr(twin, name, list(value) if type(value) is list else value)
-        return twin
-
-
-@dataclass(frozen=True)
-class _Folded:
-    """What a device read-back gives for one series (see `_fold`)."""
-
-    total: float
-    count: int
-    nonfinite: int
-    last: float | None
-    highest: float
-    lowest: float
-    trailing: int
-
-    @classmethod
-    def from_values(cls, values: list[float]) -> _Folded:
-        total, count, nonfinite, last, highest, lowest, trailing = values
-        return cls(total, int(count), int(nonfinite), last, highest, lowest, int(trailing))
-
-
-@dataclass
-class _Window:
-    started: float
-    steps: int = 0
-    tokens: int = 0
-    samples: int = 0
-    loss: _Series = field(default_factory=_Series)
-    grad: _Series = field(default_factory=_Series)
-    lr: _Series = field(default_factory=_Series)
-    durations: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
-    # perf_counter() of the window's latest step: the step path stores the clock reading it
-    # already took; the wall-clock conversion waits for the collection.
-    last_step: float | None = None
-    # Steps that gave data_time_s: how many, their data waits, and (for those that also
-    # had a previous call) their waits and the wall time since the previous record_step.
-    data_steps: int = 0
-    data_total: float = 0.0
-    data_timed: float = 0.0
-    data_wall: float = 0.0
-
-    def absorb(self, window: _Window) -> None:
-        """Add a taken, read-back window to this span (a reader's steps since its last collection)."""
-        self.steps += window.steps
-        self.tokens += window.tokens
-        self.samples += window.samples
-        self.loss.merge(window.loss.folded())
-        self.grad.merge(window.grad.folded())
-        self.lr.merge(window.lr.folded())
-        if window.last_step is not None:
-            self.last_step = window.last_step
-        self.data_steps += window.data_steps
-        self.data_total += window.data_total
-        self.data_timed += window.data_timed
-        self.data_wall += window.data_wall
-
-
-class _Reader:
-    """One reader's view: the span it has not reported yet and what its gauges show."""
-
-    __slots__ = ("snapshot", "span")
-
-    def __init__(self, started: float) -> None:
-        self.span = _Window(started=started)
-        self.snapshot = _Snapshot()
-
-
-# Which reader the current thread collects for (set around a reader's collection by
-# setup_telemetry; None: the shared window of readers it did not build).
-_collecting = threading.local()
-
-
-@contextmanager
-def collecting_for(key: Hashable) -> Iterator[None]:
-    """Mark the collection this thread runs as ``key``'s: its gauges report ``key``'s own window."""
-    previous = getattr(_collecting, "key", None)
-    _collecting.key = key
-    try:
-        yield
-    finally:
-        _collecting.key = previous
-
-
-@dataclass
-class _Snapshot:
-    """What the gauges report until the next collection."""
-
-    loss: float | None = None
-    grad: float | None = None
-    lr: float | None = None
-    loss_max: float | None = None
-    loss_min: float | None = None
-    grad_max: float | None = None
-    grad_min: float | None = None
-    data_wait: float | None = None
-    data_fraction: float | None = None
-    window_steps: int = 0
-    tokens_per_s: float | None = None
-    samples_per_s: float | None = None
-    last_step_time: float | None = None  # seconds since the epoch
 
 
 class _Total:
@@ -329,7 +168,7 @@ class TrainingMetrics:
         self._window = _Window(started=time.monotonic())
         self._last_call: float | None = None
         started = time.monotonic()
-        self._readers: dict[Hashable, _Reader] = {key: _Reader(started) for key in (None, *readers)}
+        self._readers = _Readers(readers, started)
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
         self._epoch: float | None = None
         self._eval_loss: float | None = None
@@ -592,42 +431,9 @@ class TrainingMetrics:
         > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
         module name (a string, as PEFT also takes a regex), or an iterable of names.
         """
-        rank = _count(r, "r")
-        if rank == 0:
-            raise ValueError("r must be > 0")
-        alpha_value = _host_number(alpha, "alpha")
-        if not (alpha_value > 0 and math.isfinite(alpha_value)):
-            raise ValueError(f"alpha must be finite and > 0, got {alpha!r}")
-        dropout_value = _host_number(dropout, "dropout")
-        if not 0.0 <= dropout_value < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-        if isinstance(target_modules, str):
-            modules: Any = 1  # one name or pattern, not its characters
-        elif isinstance(target_modules, bytes):
-            raise TypeError("target_modules must be a count, a module name or module names, got bytes")
-        elif isinstance(target_modules, (list, tuple, set, frozenset, dict)):
-            modules = len(target_modules)
-        elif isinstance(target_modules, Iterable):
-            modules = len(list(target_modules))
-        else:
-            modules = target_modules
-        adapter: dict[str, float] = {
-            "openlora.adapter.rank": rank,
-            "openlora.adapter.alpha": alpha_value,
-            "openlora.adapter.dropout": dropout_value,
-            "openlora.adapter.target_modules": _count(modules, "target_modules"),
-        }
-        trainable = None if trainable_params is None else _count(trainable_params, "trainable_params")
-        if trainable is not None:
-            adapter["openlora.adapter.parameters.trainable"] = trainable
-        if total_params is not None:
-            total = _count(total_params, "total_params")
-            adapter["openlora.model.parameters"] = total
-            if trainable is not None:
-                if trainable > total:
-                    raise ValueError("trainable_params cannot exceed total_params")
-                adapter["openlora.adapter.trainable.ratio"] = trainable / total if total else 0.0
-        self._adapter = adapter
+        self._adapter = _adapter_values(
+            r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
+        )
 
     def set_model_flops(self, per_token: float, *, peak_flops: float | None = None) -> None:
         """Set the model's training FLOPs per token, and the peak FLOP/s of this process's device.
@@ -699,7 +505,9 @@ class TrainingMetrics:
             loss.add_host(float(item))
         if loss.deferred or loss.partials:
             failed: list[str] = []
-            handles = _start_readback(loss, sys.modules.get("torch"), lambda: failed.append("loss"))
+            handles = _start_readback(
+                loss.partials, loss.deferred, sys.modules.get("torch"), lambda: failed.append("loss")
+            )
             waiting: list[tuple[str, list[Any]]] = []
             # This thread has nothing else to do: it waits for a device that runs far behind
             # the host as long as the window lasts, rather than giving up and starting over.
@@ -746,8 +554,7 @@ class TrainingMetrics:
     @property
     def _snapshot(self) -> _Snapshot:
         """What the gauges of the collection on this thread report."""
-        reader = self._readers.get(getattr(_collecting, "key", None))
-        return reader.snapshot if reader is not None else self._readers[None].snapshot
+        return self._readers.snapshot()
 
     @staticmethod
     def _one(value: float | int | None) -> list[Observation]:
@@ -802,7 +609,9 @@ class TrainingMetrics:
                 else:
                     series.add_host(number)
             if series.deferred or series.partials:
-                handles = _start_readback(series, torch, lambda label=label: self._fail_read(label, failed))
+                handles = _start_readback(
+                    series.partials, series.deferred, torch, lambda label=label: self._fail_read(label, failed)
+                )
                 if handles:
                     pending.append((label, handles))
         ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
@@ -820,40 +629,13 @@ class TrainingMetrics:
         ):
             self._warn_saturated()
         # The window goes to every reader's span; the collecting reader reports its span.
-        key = getattr(_collecting, "key", None)
-        reader = self._readers.get(key)
-        if reader is None:
-            reader = self._readers[key] = _Reader(window.started)
-        for each in self._readers.values():
-            each.span.absorb(window)
-        window, reader.span = reader.span, _Window(started=now)
-        elapsed = now - window.started
-        previous = reader.snapshot
-        snapshot = _Snapshot(
-            loss=_window_value(window.loss, previous.loss, "loss" in failed, mean=True),
-            grad=_window_value(window.grad, previous.grad, "grad" in failed, mean=True),
-            lr=_window_value(window.lr, previous.lr, "lr" in failed, mean=False),
-            loss_max=_window_extreme(window.loss, previous.loss_max, "loss" in failed, highest=True),
-            loss_min=_window_extreme(window.loss, previous.loss_min, "loss" in failed, highest=False),
-            grad_max=_window_extreme(window.grad, previous.grad_max, "grad" in failed, highest=True),
-            grad_min=_window_extreme(window.grad, previous.grad_min, "grad" in failed, highest=False),
-            data_wait=window.data_total / window.data_steps if window.data_steps else previous.data_wait,
-            data_fraction=(
-                min(window.data_timed / window.data_wall, 1.0) if window.data_wall > 0 else previous.data_fraction
-            ),
-            window_steps=window.loss.count or window.grad.count,
-            last_step_time=previous.last_step_time,
-        )
-        if window.last_step is not None:
+        reader, span = self._readers.take(window, now)
+        snapshot = _span_snapshot(span, reader.snapshot, now, failed)
+        if span.last_step is not None:
             # The step's perf_counter() reading, placed on the wall clock as it reads now: an age
             # computed against the current wall clock (Prometheus's time()) stays right even if
             # the wall clock was stepped since, and the step path pays no time.time() call.
-            snapshot.last_step_time = time.time() - (time.perf_counter() - window.last_step)
-        if window.steps or elapsed >= _MIN_EMPTY_WINDOW_S:
-            snapshot.tokens_per_s = window.tokens / elapsed if elapsed > 0 else previous.tokens_per_s
-            snapshot.samples_per_s = window.samples / elapsed if elapsed > 0 else previous.samples_per_s
-        else:
-            snapshot.tokens_per_s, snapshot.samples_per_s = previous.tokens_per_s, previous.samples_per_s
+            snapshot.last_step_time = time.time() - (time.perf_counter() - span.last_step)
         reader.snapshot = snapshot
         if self._dropped_foreign:
             self._warn_once(
@@ -915,49 +697,6 @@ class TrainingMetrics:
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
 
 
-def _window_value(series: _Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
-    """The window's mean (or latest) finite value; else the previous one, unless its values could not be read."""
-    if series.count:
-        if mean:
-            return series.total / series.count
-        if series.last is not None and series.last - series.last == 0:
-            return series.last
-    if failed and not series.nonfinite:
-        return None  # repeating the previous value would hide that nothing could be read
-    return previous
-
-
-def _loss_window(series: _Series, steps: int) -> LossWindow:
-    return LossWindow(series.count, series.nonfinite, series.trailing, series.highest, series.total, steps)
-
-
-def _window_extreme(series: _Series, previous: float | None, failed: bool, *, highest: bool) -> float | None:
-    """The window's largest (smallest) finite value, with the same fallbacks as `_window_value`."""
-    if series.count:
-        return series.highest if highest else series.lowest
-    if failed and not series.nonfinite:
-        return None
-    return previous
-
-
-def _seconds(value: Any, what: str) -> float:
-    """A duration argument: a finite host number >= 0 (a tensor is refused, as for counts)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} must be a Python number (reading a tensor here would sync the device)")
-    number = _host_number(value, what)
-    if not 0.0 <= number < math.inf:
-        raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
-    return number
-
-
-def _positive(value: Any, what: str) -> float:
-    number = _host_number(value, what)
-    if not (number > 0 and math.isfinite(number)):
-        raise ValueError(f"{what} must be finite and > 0, got {value!r}")
-    return number
-
-
 def step_duration_view() -> Any:
     """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
 
@@ -967,264 +706,3 @@ def step_duration_view() -> Any:
     internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
     """
     return window_view(_DURATION, STEP_DURATION_BUCKETS)
-
-
-# -- helpers -------------------------------------------------------------------------
-class _Foreign:
-    """A tensor-like that is not a torch tensor: kept as is and read with ``float()`` at collection."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _prepare(value: Any, what: str) -> Any:
-    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `_Foreign`."""
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
-    if isinstance(value, (int, float)):
-        number = _host_number(value, what)
-        if what != "loss" and number < 0:
-            raise ValueError(f"{what} must be >= 0, got {value!r}")
-        return number
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        if not (value.is_cpu or value.is_cuda):  # two cheap flags first: the usual cases
-            _check_device(value, what, torch)
-        if value.numel() != 1:
-            raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
-        if value.requires_grad:
-            value = value.detach()
-        if value.dim():
-            value = value.reshape(())  # shape metadata only; folding then stacks without per-item work
-        return value
-    numel = getattr(value, "numel", None)
-    if callable(numel):  # a tensor-like from elsewhere: keep the reference, read it at collection
-        if numel() != 1:
-            raise ValueError(f"{what} must have exactly one element")
-        return _Foreign(value)
-    if hasattr(value, "__float__") and not hasattr(value, "__len__"):
-        number = _host_number(value, what)  # NumPy scalars, Decimal: host values, no device involved
-        if what != "loss" and number < 0:
-            raise ValueError(f"{what} must be >= 0, got {number!r}")
-        return number
-    raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
-
-
-def _check_device(tensor: Any, what: str, torch: Any) -> None:
-    """Refuse, at the call, a tensor whose value could never be read back without a sync."""
-    device = tensor.device
-    if device.type == "meta":
-        raise ValueError(f"{what} is a meta tensor, which has no data to report; pass a real tensor or a number")
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    if current is None or current.type != device.type or not hasattr(torch, "Event"):
-        raise ValueError(
-            f"{what} is on device {str(device)!r}, which openlora-otel cannot read back asynchronously "
-            "(CPU, CUDA and the current torch.accelerator are supported); pass a number instead"
-        )
-
-
-def _host_number(value: Any, what: str) -> float:
-    if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{what} is too large for a float: {value!r}") from None
-    except (TypeError, ValueError):
-        raise TypeError(f"{what} must be a number, got {type(value).__name__}") from None
-
-
-def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a non-negative integer, got bool")
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} must be a Python int (reading a tensor here would sync the device)")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a non-negative integer, got {type(value).__name__}") from None
-    if number < 0:
-        raise ValueError(f"{what} must be >= 0, got {number}")
-    if number > _INT64_MAX:
-        raise ValueError(f"{what} must be <= 2**63 - 1 (the largest integer OTLP carries), got {number}")
-    return number
-
-
-def _fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
-    """One partial per device the tensors live on (almost always one)."""
-    device = tensors[0].device
-    if all(t.device == device for t in tensors):
-        return [_fold(tensors, torch)]
-    groups: dict[Any, list[Any]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device, []).append(tensor)
-    return [_fold(group, torch) for group in groups.values()]
-
-
-def _fold_partials(partials: list[Any], torch: Any) -> list[Any]:
-    """Combine partial results into one per device."""
-    groups: dict[Any, list[Any]] = {}
-    for partial in partials:
-        groups.setdefault(partial.device, []).append(partial)
-    return [group[0] if len(group) == 1 else _combine(group, torch) for group in groups.values()]
-
-
-def _reduce_dtype(device_type: str, torch: Any) -> Any:
-    """float64 for the sums, except on a device that has none (MPS): float32 there."""
-    return torch.float32 if device_type in _NO_FLOAT64 else torch.float64
-
-
-def _fold(tensors: list[Any], torch: Any) -> Any:
-    """Reduce 0-d tensors of one device to [sum of finite, n finite, n non-finite, last, max, min, trailing]; no sync.
-
-    max and min are of the finite values (-inf and inf when there is none);
-    trailing is how many values at the end are non-finite in a row.
-    """
-    dtype = _reduce_dtype(tensors[0].device.type, torch)
-    stacked = (
-        torch.stack([t.to(dtype) for t in tensors])
-        if len({t.dtype for t in tensors}) > 1
-        else torch.stack(tensors)
-    )
-    stacked = stacked.to(dtype)
-    size = stacked.shape[0]
-    finite = torch.isfinite(stacked)
-    count = finite.sum().to(dtype)
-    # Python scalars, not filled tensors: fewer kernels per fold.
-    index = torch.arange(size, device=stacked.device, dtype=dtype)
-    last_finite = torch.where(finite, index, -1.0).max()
-    return torch.stack(
-        (
-            torch.where(finite, stacked, 0.0).sum(),
-            count,
-            size - count,
-            stacked[-1],
-            torch.where(finite, stacked, -math.inf).max(),
-            torch.where(finite, stacked, math.inf).min(),
-            (size - 1) - last_finite,
-        )
-    )
-
-
-def _combine(partials: list[Any], torch: Any) -> Any:
-    """Partials in the order they were folded, combined into one; no sync."""
-    stacked = torch.stack(partials)
-    index = torch.arange(stacked.shape[0], device=stacked.device, dtype=stacked.dtype)
-    # The trailing run of the whole: the trailing runs from the last partial that had a
-    # finite value onwards (the partials after it were non-finite throughout).
-    has_finite = stacked[:, 1] > 0
-    start = torch.where(has_finite, index, torch.full_like(index, -1.0)).max()
-    trailing = torch.where(index >= start, stacked[:, 6], torch.zeros_like(index)).sum()
-    return torch.cat(
-        (
-            stacked[:, :3].sum(dim=0),
-            stacked[-1, 3:4],
-            stacked[:, 4].max().reshape(1),
-            stacked[:, 5].min().reshape(1),
-            trailing.reshape(1),
-        )
-    )
-
-
-def _start_readback(series: _Series, torch: Any, on_failure: Any) -> list[Any]:
-    """Reduce a series' tensors to one partial per device and start copying each to the host.
-
-    Each device is handled apart: one that fails (calls ``on_failure``) costs only its own values.
-    """
-    groups: dict[Any, tuple[list[Any], list[Any]]] = {}
-    for partial in series.partials:
-        groups.setdefault(partial.device, ([], []))[0].append(partial)
-    for tensor in series.deferred:
-        groups.setdefault(tensor.device, ([], []))[1].append(tensor)
-    handles = []
-    for device, (partials, deferred) in groups.items():
-        try:
-            parts = partials + ([_fold(deferred, torch)] if deferred else [])
-            partial = parts[0] if len(parts) == 1 else _combine(parts, torch)
-            handles.append(_HostRead(partial) if device.type == "cpu" else _DeviceRead.start(partial, torch))
-        except Exception:
-            on_failure()
-    return handles
-
-
-class _HostRead:
-    """A CPU tensor: readable right away."""
-
-    def __init__(self, tensor: Any) -> None:
-        self._tensor = tensor
-
-    def ready(self) -> bool:
-        return True
-
-    def values(self) -> list[float]:
-        return self._tensor.tolist()
-
-
-class _DeviceRead:
-    """An asynchronous device-to-host copy into pinned memory, completed by polling an event."""
-
-    def __init__(self, host: Any, event: Any) -> None:
-        self._host = host
-        self._event = event
-
-    @classmethod
-    def start(cls, tensor: Any, torch: Any) -> _DeviceRead:
-        device = tensor.device
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                host.copy_(tensor, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            return cls(host, event)
-        # Another accelerator (XPU, MPS, HPU, ...): the same steps through torch's
-        # device-generic API, on that device's current stream.
-        with torch.accelerator.device_index(device.index):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            event = torch.Event(device=device)
-            event.record(torch.accelerator.current_stream(device))
-        return cls(host, event)
-
-    def ready(self) -> bool:
-        return bool(self._event.query())
-
-    def values(self) -> list[float]:
-        return self._host.tolist()
-
-
-def _poll_readbacks(
-    pending: list[tuple[str, list[Any]]],
-    carry: list[tuple[str, list[Any]]],
-    on_failure: Any = None,
-    wait_s: float | None = None,
-    stop: threading.Event | None = None,
-) -> list[tuple[str, _Folded]]:
-    """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
-
-    A read-back that raises is dropped alone (``on_failure(label)`` is called). The wait ends
-    early when ``stop`` is set.
-    """
-    deadline = time.monotonic() + (_READBACK_WAIT_S if wait_s is None else wait_s)
-    ready: list[tuple[str, _Folded]] = []
-    for label, handles in pending:
-        waiting = []
-        for handle in handles:
-            try:
-                while not handle.ready() and time.monotonic() < deadline and not (stop and stop.is_set()):
-                    time.sleep(0.001)
-                if handle.ready():
-                    ready.append((label, _Folded.from_values(handle.values())))
-                else:
-                    waiting.append(handle)
-            except Exception:
-                if on_failure is None:
-                    raise
-                on_failure(label)
-        if waiting:
-            carry.append((label, waiting))
-    return ready

@@ -1,0 +1,271 @@
+"""Windows of steps, and what each metric reader's gauges report from them.
+
+The step path fills one :class:`_Window` at a time (step, token and sample
+counts, step durations, data waits, and a :class:`_Series` each for loss,
+gradient norm and learning rate). A collection takes it whole, reads back its
+tensors (:mod:`openlora_otel.training.readback`) and hands it to
+:class:`_Readers`, which adds it to every reader's span.
+
+Each reader of the provider ``setup_telemetry`` builds has its own span: with
+two readers (say Prometheus and the history file), each reports the steps since
+its own previous collection, spikes included, whatever the other collected in
+between. A window is still taken, read back and judged by the guard once; what
+it held is then added to every reader's pending span. Readers the provider was
+not built with (someone else's provider) share one span. The collecting
+reader's span becomes its :class:`_Snapshot` (:func:`_span_snapshot`): what its
+gauges report until its next collection.
+
+Nothing here reads a clock: the collection passes the times in.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from openlora_otel.names import STEP_DURATION_BUCKETS
+from openlora_otel.training.guard import LossWindow
+from openlora_otel.training.readback import _Folded
+from openlora_otel.windows import BucketCounts
+
+__all__ = ["collecting_for"]
+
+# An empty window shorter than this keeps the previous throughput (two readers back to back).
+_MIN_EMPTY_WINDOW_S = 1.0
+
+
+class _Series:
+    """One scalar over a window: sum, count, extremes and last value, host values plus deferred tensors.
+
+    ``trailing`` is how many values at the end of the window were non-finite in a
+    row (what the divergence guard counts). Values merged from a device read-back
+    count as coming after the host values of the same window.
+    """
+
+    __slots__ = (
+        "count", "deferred", "fold_failed", "foreign", "highest", "last", "lowest", "nonfinite",
+        "partials", "total", "trailing",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+        self.nonfinite = 0
+        self.last: float | None = None
+        self.highest = -math.inf  # of the finite values; -inf while there is none
+        self.lowest = math.inf
+        self.trailing = 0
+        self.deferred: list[Any] = []  # torch tensors, detached, not yet folded
+        # folded vectors on device: [sum_finite, n_finite, n_nonfinite, last, max, min, trailing]
+        self.partials: list[Any] = []
+        self.foreign: list[Any] = []  # tensor-likes that are not torch tensors
+        # A fold failed in this window: no more folds until the window is collected
+        # (a new window, with a new series, folds again).
+        self.fold_failed = False
+
+    def add_host(self, value: float) -> None:
+        if value - value == 0.0:  # finite (NaN and inf give NaN)
+            self.total += value
+            self.count += 1
+            self.trailing = 0
+            if value > self.highest:
+                self.highest = value
+            if value < self.lowest:
+                self.lowest = value
+        else:
+            self.nonfinite += 1
+            self.trailing += 1
+        self.last = value
+
+    def merge(self, values: _Folded) -> None:
+        self.total += values.total
+        self.count += values.count
+        self.nonfinite += values.nonfinite
+        if values.last is not None:
+            self.last = values.last
+        self.highest = max(self.highest, values.highest)
+        self.lowest = min(self.lowest, values.lowest)
+        # Values merged here came after this series' own: their run continues ours only
+        # when none of them was finite.
+        self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
+
+    def folded(self) -> _Folded:
+        """The host-side values as one fold (what a reader's span adds up)."""
+        return _Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
+
+    def copy(self) -> _Series:
+        """A copy whose lists can be read while the step path appends to the original's."""
+        twin = _Series()
+        for name in self.__slots__:
+            value = getattr(self, name)
+            setattr(twin, name, list(value) if type(value) is list else value)
+        return twin
+
+
+@dataclass
+class _Window:
+    started: float
+    steps: int = 0
+    tokens: int = 0
+    samples: int = 0
+    loss: _Series = field(default_factory=_Series)
+    grad: _Series = field(default_factory=_Series)
+    lr: _Series = field(default_factory=_Series)
+    durations: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
+    # perf_counter() of the window's latest step: the step path stores the clock reading it
+    # already took; the wall-clock conversion waits for the collection.
+    last_step: float | None = None
+    # Steps that gave data_time_s: how many, their data waits, and (for those that also
+    # had a previous call) their waits and the wall time since the previous record_step.
+    data_steps: int = 0
+    data_total: float = 0.0
+    data_timed: float = 0.0
+    data_wall: float = 0.0
+
+    def absorb(self, window: _Window) -> None:
+        """Add a taken, read-back window to this span (a reader's steps since its last collection)."""
+        self.steps += window.steps
+        self.tokens += window.tokens
+        self.samples += window.samples
+        self.loss.merge(window.loss.folded())
+        self.grad.merge(window.grad.folded())
+        self.lr.merge(window.lr.folded())
+        if window.last_step is not None:
+            self.last_step = window.last_step
+        self.data_steps += window.data_steps
+        self.data_total += window.data_total
+        self.data_timed += window.data_timed
+        self.data_wall += window.data_wall
+
+
+class _Reader:
+    """One reader's view: the span it has not reported yet and what its gauges show."""
+
+    __slots__ = ("snapshot", "span")
+
+    def __init__(self, started: float) -> None:
+        self.span = _Window(started=started)
+        self.snapshot = _Snapshot()
+
+
+# Which reader the current thread collects for (set around a reader's collection by
+# setup_telemetry; None: the shared window of readers it did not build).
+_collecting = threading.local()
+
+
+@contextmanager
+def collecting_for(key: Hashable) -> Iterator[None]:
+    """Mark the collection this thread runs as ``key``'s: its gauges report ``key``'s own window."""
+    previous = getattr(_collecting, "key", None)
+    _collecting.key = key
+    try:
+        yield
+    finally:
+        _collecting.key = previous
+
+
+@dataclass
+class _Snapshot:
+    """What the gauges report until the next collection."""
+
+    loss: float | None = None
+    grad: float | None = None
+    lr: float | None = None
+    loss_max: float | None = None
+    loss_min: float | None = None
+    grad_max: float | None = None
+    grad_min: float | None = None
+    data_wait: float | None = None
+    data_fraction: float | None = None
+    window_steps: int = 0
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    last_step_time: float | None = None  # seconds since the epoch
+
+
+class _Readers:
+    """Every reader's span and snapshot, by the key its collection runs under (:func:`collecting_for`).
+
+    ``None`` is the shared span of readers that were not named; a key first seen at a
+    collection starts from the window that collection took.
+    """
+
+    __slots__ = ("_readers",)
+
+    def __init__(self, keys: Iterable[Hashable], started: float) -> None:
+        self._readers: dict[Hashable, _Reader] = {key: _Reader(started) for key in (None, *keys)}
+
+    def snapshot(self) -> _Snapshot:
+        """What the gauges of the collection on this thread report."""
+        reader = self._readers.get(getattr(_collecting, "key", None))
+        return reader.snapshot if reader is not None else self._readers[None].snapshot
+
+    def take(self, window: _Window, now: float) -> tuple[_Reader, _Window]:
+        """Add a taken, read-back window to every reader's span; the collecting reader and its span, now ended."""
+        key = getattr(_collecting, "key", None)
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = _Reader(window.started)
+        for each in self._readers.values():
+            each.span.absorb(window)
+        span, reader.span = reader.span, _Window(started=now)
+        return reader, span
+
+
+def _span_snapshot(span: _Window, previous: _Snapshot, now: float, failed: set[str]) -> _Snapshot:
+    """What a reader's gauges report after its span ending ``now`` (``failed``: series that could not be read).
+
+    ``last_step_time`` stays the previous one: placing the span's last step on the wall
+    clock is the caller's (it reads the clocks).
+    """
+    elapsed = now - span.started
+    snapshot = _Snapshot(
+        loss=_window_value(span.loss, previous.loss, "loss" in failed, mean=True),
+        grad=_window_value(span.grad, previous.grad, "grad" in failed, mean=True),
+        lr=_window_value(span.lr, previous.lr, "lr" in failed, mean=False),
+        loss_max=_window_extreme(span.loss, previous.loss_max, "loss" in failed, highest=True),
+        loss_min=_window_extreme(span.loss, previous.loss_min, "loss" in failed, highest=False),
+        grad_max=_window_extreme(span.grad, previous.grad_max, "grad" in failed, highest=True),
+        grad_min=_window_extreme(span.grad, previous.grad_min, "grad" in failed, highest=False),
+        data_wait=span.data_total / span.data_steps if span.data_steps else previous.data_wait,
+        data_fraction=(
+            min(span.data_timed / span.data_wall, 1.0) if span.data_wall > 0 else previous.data_fraction
+        ),
+        window_steps=span.loss.count or span.grad.count,
+        last_step_time=previous.last_step_time,
+    )
+    if span.steps or elapsed >= _MIN_EMPTY_WINDOW_S:
+        snapshot.tokens_per_s = span.tokens / elapsed if elapsed > 0 else previous.tokens_per_s
+        snapshot.samples_per_s = span.samples / elapsed if elapsed > 0 else previous.samples_per_s
+    else:
+        snapshot.tokens_per_s, snapshot.samples_per_s = previous.tokens_per_s, previous.samples_per_s
+    return snapshot
+
+
+def _window_value(series: _Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
+    """The window's mean (or latest) finite value; else the previous one, unless its values could not be read."""
+    if series.count:
+        if mean:
+            return series.total / series.count
+        if series.last is not None and series.last - series.last == 0:
+            return series.last
+    if failed and not series.nonfinite:
+        return None  # repeating the previous value would hide that nothing could be read
+    return previous
+
+
+def _loss_window(series: _Series, steps: int) -> LossWindow:
+    return LossWindow(series.count, series.nonfinite, series.trailing, series.highest, series.total, steps)
+
+
+def _window_extreme(series: _Series, previous: float | None, failed: bool, *, highest: bool) -> float | None:
+    """The window's largest (smallest) finite value, with the same fallbacks as `_window_value`."""
+    if series.count:
+        return series.highest if highest else series.lowest
+    if failed and not series.nonfinite:
+        return None
+    return previous
