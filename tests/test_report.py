@@ -26,7 +26,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.hardware import nvml
-from openlora_otel.report.history import read_history
+from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
 from openlora_otel.report.render import png_figure, prepare
@@ -123,7 +123,7 @@ def two_runs(tmp_path: Path) -> Path:
 
 # -- history files -----------------------------------------------------------------------------
 def test_history_file_curves_are_the_recorded_values_against_the_step(two_runs: Path) -> None:
-    runs = read_history([str(two_runs / "aaaa1111.jsonl")])
+    runs = read_runs([str(two_runs / "aaaa1111.jsonl")])
     (run,) = runs
     assert (run.run_id, run.name) == ("aaaa1111", "a")
     assert run.hyperparameters == {
@@ -165,7 +165,7 @@ def test_two_runs_overlaid_legend_names_them_with_the_learning_rate_that_differs
     png = (out / "openlora-report.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 50_000
 
-    runs = read_history([str(two_runs)])
+    runs = read_runs([str(two_runs)])
     assert [run.name for run in runs] == ["a", "b"]
     assert legend_labels(runs) == ["a (lr=0.003)", "b (lr=0.001)"]
     figure = png_figure(prepare(runs))
@@ -200,7 +200,7 @@ def test_gpu_panels_appear_when_the_run_had_gpus(tmp_path: Path, monkeypatch: py
         exporters=("none",), host_metrics=False, quiet=True, gpu_metrics="on", gpu_devices="all"
     )
     write_history(tmp_path, run_id="gpu1", run_name="on-gpu", hyperparameters=HPARAMS, config=config)
-    (run,) = read_history([str(tmp_path)])
+    (run,) = read_runs([str(tmp_path)])
     c = curves(run.rows)
     assert [v for _, v in c["gpu_utilization"]] == [0.5] * 12  # mean of the two GPUs, every collection
     assert [v for _, v in c["gpu_memory"]] == [30 * 2**30] * 12  # the fuller GPU
@@ -227,7 +227,7 @@ def test_ranks_lowest_drawn_and_lines_that_are_not_otlp_skipped(
     with (tmp_path / "ddp1.rank0.jsonl").open("a") as handle:
         handle.write("not json at all\n")
         handle.write('{"resourceMetrics": [{"resource": {"attri')  # killed mid-write
-    (run,) = read_history([str(tmp_path)])
+    (run,) = read_runs([str(tmp_path)])
     assert (run.rank, run.ranks) == (0, 2)
     assert len(run.rows) == 13  # 12 collections and the final line
     assert curves(run.rows)["learning_rate"][-1][1] == pytest.approx(3e-3)  # rank 0's values
@@ -472,7 +472,7 @@ def test_report_from_the_history_files_of_two_real_demo_runs(
             if demo.poll() is None:
                 demo.kill()
             reap(demo, 10)
-    runs = {run.name: run for run in read_history([str(history)])}
+    runs = {run.name: run for run in read_runs([str(history)])}
     assert set(runs) == {"a", "b"}
     for name, stdout in printed.items():
         run = runs[name]
@@ -568,7 +568,7 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
         final_b = prometheus.query(f'openlora_training_eval_loss{{instance="127.0.0.1:{ports[1]}"}}')
         assert curves(runs[1].rows)["eval_loss"][-1][1] == pytest.approx(float(final_b[0]["value"][1]))
         # The same runs read from their history files say the same.
-        from_files = {run.run_id: run for run in read_history([str(history)])}
+        from_files = {run.run_id: run for run in read_runs([str(history)])}
         assert set(from_files) == {run.run_id for run in runs}
         for run in runs:
             twin = from_files[run.run_id]

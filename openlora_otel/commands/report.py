@@ -137,9 +137,9 @@ def _make_directory(path: Path) -> None:
 def _runs(args: argparse.Namespace) -> list[Run]:
     runs: list[Run] = []
     if args.paths:
-        from openlora_otel.report.history import read_history
+        from openlora_otel.report.history import read_runs
 
-        found = read_history(args.paths)
+        found = read_runs(args.paths)
         if args.run and not args.prometheus:
             kept = [run for run in found if run.run_id in args.run or run.name in args.run]
             missing = [w for w in args.run if not any(w in (run.run_id, run.name) for run in found)]

@@ -22,7 +22,7 @@ from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
 from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
 from openlora_otel.run import hyperparameters_from
 
-__all__ = ["history_files", "read_history"]
+__all__ = ["history_files", "read_runs"]
 
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
 (_RUN_INFO,) = (spec.name for spec in RUN_METRICS)
@@ -57,7 +57,7 @@ class _Process:
     info: tuple[float, dict[str, Any]] | None = None  # (time, attributes) of the latest run.info point
 
 
-def read_history(paths: Sequence[str]) -> list[Run]:
+def read_runs(paths: Sequence[str]) -> list[Run]:
     """The runs in the history files ``paths`` name, oldest first."""
     processes: dict[tuple[str, int | None], _Process] = {}
     for path in history_files(paths):
