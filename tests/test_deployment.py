@@ -316,7 +316,7 @@ def test_rules_fit_the_shipped_timings() -> None:
 def test_dashboards_draw_the_input_bound_threshold_the_alert_uses() -> None:
     threshold = float(
         re.search(
-            r"avg_over_time\(openlora_training_data_wait_fraction\[\w+\]\) > ([\d.]+)",
+            r"avg_over_time\(run:openlora_training_data_wait_fraction:by_run\[\w+\]\) > ([\d.]+)",
             _alert("OpenloraInputBound")["expr"],
         ).group(1)
     )
