@@ -260,7 +260,7 @@ def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
     """A real OTLP receiver on loopback, once per protocol (``receiver.protocol`` says which)."""
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
-    from tests.otlp_receiver import GrpcReceiver, HttpReceiver
+    from tests.support.otlp_receiver import GrpcReceiver, HttpReceiver
 
     server = HttpReceiver() if request.param == "http/protobuf" else GrpcReceiver()
     server.protocol = request.param  # type: ignore[attr-defined]

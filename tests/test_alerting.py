@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.built import built
 from tests.conftest import free_port
+from tests.support.built import built
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
@@ -258,7 +258,7 @@ def webhook() -> Iterator[Webhook]:
 def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_warnings(
     tmp_path: Path, webhook: Webhook, release: str
 ) -> None:
-    from tests.prometheus_server import ServerProcess
+    from tests.support.prometheus_server import ServerProcess
 
     binary = alertmanager_tool("alertmanager", release)
     config = tmp_path / "alertmanager.yml"

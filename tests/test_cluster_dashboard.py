@@ -34,7 +34,7 @@ import yaml
 
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.conftest import child_env, reap
-from tests.metrics_paths import METRIC_PATHS
+from tests.support.metrics_paths import METRIC_PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -98,7 +98,7 @@ import os, sys, time
 from openlora_otel import setup_telemetry
 from openlora_otel.hardware import gpu, nvml
 from openlora_otel.training.guard import DivergenceGuard
-from tests.fake_nvml import FakeNvml, h100s
+from tests.support.fake_nvml import FakeNvml, h100s
 
 step_s, data_s, lifetime_s = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 flops_per_token, peak_flops = float(sys.argv[4]), float(sys.argv[5])
@@ -180,7 +180,7 @@ class Ranks:
     """``len(step_seconds)`` rank processes of one run on this host, on base_port + LOCAL_RANK.
 
     ``data_seconds``: how much of each rank's step is spent waiting for its batch (none by default).
-    ``push_env``: push the metrics this way (tests/metrics_paths.py) instead of serving them; each rank's
+    ``push_env``: push the metrics this way (tests/support/metrics_paths.py) instead of serving them; each rank's
     service.instance.id, its ``instance`` label then, is ``<run_id>-rank<RANK>``, and ``targets`` lists those.
     """
 
@@ -577,9 +577,9 @@ def _by_rank(result: list[dict]) -> dict[str, float]:
 @pytest.mark.e2e
 @METRIC_PATHS
 def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, path: str, major: int) -> None:
-    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    """On each path of tests/support/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
     (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
-    from tests.metrics_paths import MetricsPath
+    from tests.support.metrics_paths import MetricsPath
 
     rules = write_rules(tmp_path / "rules")
     with (

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prometheus_server import PROMETHEUS_MAJORS
+from tests.support.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
@@ -135,7 +135,7 @@ PHASE_S = 7.0
 def test_runs_by_name_across_a_rename_a_reused_endpoint_and_a_run_without_run_info(
     tmp_path, major: int
 ) -> None:
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary(major)
     with endpoints(3) as served:

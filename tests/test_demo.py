@@ -23,8 +23,8 @@ from openlora_otel.cli import main
 from openlora_otel.commands.demo import _summary
 from openlora_otel.demo.train import DemoOptions, run_demo
 from tests.conftest import child_env, free_port, value
-from tests.otlp_receiver import HttpReceiver
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.otlp_receiver import HttpReceiver
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 
 def demo_process(*args: str, env: dict[str, str]) -> subprocess.Popen:

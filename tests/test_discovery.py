@@ -17,7 +17,7 @@ from openlora_otel import discovery, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.discovery import FileSdRegistration, _host_label, scrape_address
 from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,8 +22,8 @@ import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.conftest import child_env, free_port
-from tests.otlp_receiver import HangingEndpoint, HttpReceiver
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.otlp_receiver import HangingEndpoint, HttpReceiver
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,8 @@ from openlora_otel.hardware.nvml import (
     PynvmlBackend,
 )
 from openlora_otel.names import XID_CODES
-from tests import fake_nvml
-from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
+from tests.support import fake_nvml
+from tests.support.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
 from tests.test_gpu import SteppedTime, build, collect, series, stepped_time  # noqa: F401 (fixtures)
 
 OLD_CALLS_PER_GPU = 12  # before batching: one NVML call per value (see git history of openlora_otel/hardware/gpu.py)

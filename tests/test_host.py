@@ -454,7 +454,7 @@ os._exit(0)
 
 @pytest.mark.e2e
 def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_data(tmp_path: Path) -> None:
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()
     ports = {0: free_port(), 1: free_port()}

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
-from tests.metrics_paths import METRIC_PATHS
+from tests.support.metrics_paths import METRIC_PATHS
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
@@ -36,7 +36,7 @@ from tests.test_cluster_dashboard import (
 
 if TYPE_CHECKING:
     from openlora_otel import TelemetryConfig
-    from tests.metrics_paths import MetricsPath
+    from tests.support.metrics_paths import MetricsPath
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -270,10 +270,10 @@ def value(result: list[dict]) -> float:
 @pytest.mark.e2e
 @METRIC_PATHS
 def test_every_inference_query_on_recorded_requests(tmp_path, path: str, major: int) -> None:
-    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    """On each path of tests/support/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
     (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
     from openlora_otel import TelemetryConfig
-    from tests.metrics_paths import MetricsPath
+    from tests.support.metrics_paths import MetricsPath
 
     rules_dir = tmp_path / "rules"
     rules_dir.mkdir()

@@ -19,8 +19,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.integrations.lightning import TelemetryCallback  # noqa: E402
 from tests.conftest import points, value  # noqa: E402
+from tests.support.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
 from tests.test_training_torch import HOST_READS  # noqa: E402
-from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
 
 
 class LoraModule(pl.LightningModule):

@@ -9,7 +9,7 @@ import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.conftest import child_env, free_port
-from tests.otlp_receiver import GrpcReceiver, HangingEndpoint, HttpReceiver, Receiver
+from tests.support.otlp_receiver import GrpcReceiver, HangingEndpoint, HttpReceiver, Receiver
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")

@@ -6,7 +6,7 @@ import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.conftest import free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 pytestmark = pytest.mark.e2e
 

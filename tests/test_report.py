@@ -30,8 +30,8 @@ from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labe
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
 from openlora_otel.report.render import png_figure, prepare
 from tests.conftest import child_env, free_port, reap
-from tests.fake_nvml import FakeNvml, h100s
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.fake_nvml import FakeNvml, h100s
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 CHROMIUM = "/usr/bin/chromium"
 CPU_PANELS = ["Loss", "Gradient norm", "Learning rate", "Throughput", "Step time"]

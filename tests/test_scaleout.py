@@ -32,7 +32,7 @@ import yaml
 
 from openlora_otel.discovery import _host_label
 from tests.conftest import free_port
-from tests.prometheus_server import ServerProcess as Server
+from tests.support.prometheus_server import ServerProcess as Server
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,
     FAST_S,

@@ -28,7 +28,7 @@ from openlora_otel.demo.layout import LayoutError, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
-from tests.serving import ServeProcess, has, requests_by, save_demo, total, wait_until
+from tests.support.serving import ServeProcess, has, requests_by, save_demo, total, wait_until
 
 PROMPT = "the engineer trains "
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus
+from tests.support.prometheus_server import Prometheus
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -133,8 +133,8 @@ def test_the_threshold_is_the_rules_threshold() -> None:
 )
 def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path: str, major: int) -> None:
     """Pulled from each rank, and pushed over OTLP through our Collector, through the agent and gateway
-    tiers, and straight into Prometheus 3's receiver (tests/metrics_paths.py)."""
-    from tests.metrics_paths import MetricsPath
+    tiers, and straight into Prometheus 3's receiver (tests/support/metrics_paths.py)."""
+    from tests.support.metrics_paths import MetricsPath
 
     base = two_free_ports()
     rules = tmp_path / "rules"

@@ -13,7 +13,7 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import gpu, nvml
 from openlora_otel.views import observed_total_views
 from tests.conftest import SlowOnce, value
-from tests.fake_nvml import FakeNvml, h100s
+from tests.support.fake_nvml import FakeNvml, h100s
 
 
 def _totals(meter) -> dict[str, float]:

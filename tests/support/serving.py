@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import child_env, free_port, reap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def save_demo(directory: Path, name: str, *, seed: int = 0, steps: int = 4, timeout: float = 300) -> str:

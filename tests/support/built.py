@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 # binary -> the tools/build.sh target that builds it
 TARGETS = {
     "otelcol-openlora": "collector",
