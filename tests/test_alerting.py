@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port
 from tests.support.built import built
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
@@ -347,7 +347,7 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
     """
     import sys
 
-    from tests.conftest import child_env, reap
+    from tests.support.processes import child_env, reap
     from tests.test_stack import start_stack
 
     pytest.importorskip("torch")

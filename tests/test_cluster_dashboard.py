@@ -33,8 +33,8 @@ import pytest
 import yaml
 
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, RUN_METRICS, TRAINING_METRICS
-from tests.conftest import child_env, reap
 from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.processes import child_env, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"

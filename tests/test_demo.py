@@ -22,9 +22,10 @@ from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.commands.demo import _summary
 from openlora_otel.demo.train import DemoOptions, run_demo
-from tests.conftest import child_env, free_port, value
 from tests.support.otlp_receiver import HttpReceiver
+from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
+from tests.support.readings import value
 
 
 def demo_process(*args: str, env: dict[str, str]) -> subprocess.Popen:

@@ -23,9 +23,9 @@ import yaml
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
-from tests.conftest import child_env, free_port, reap
 from tests.support.built import built
 from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import PROMETHEUS_MAJORS
 from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute, wait_until
 
@@ -362,7 +362,7 @@ def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) 
 @pytest.mark.e2e
 def test_unresponsive_alert_tells_a_frozen_endpoint_from_a_closed_port(tmp_path) -> None:
     """The premise of OpenloraTrainingEndpointUnresponsive, on a real Prometheus with the shipped timing."""
-    from tests.conftest import free_port
+    from tests.support.processes import free_port
     from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()

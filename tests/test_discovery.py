@@ -16,7 +16,7 @@ import pytest
 from openlora_otel import discovery, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.discovery import FileSdRegistration, _host_label, scrape_address
-from tests.conftest import child_env, free_port
+from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parents[1]

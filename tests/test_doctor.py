@@ -11,8 +11,8 @@ import pytest
 from openlora_otel.cli import main
 from openlora_otel.commands.env import variables_markdown
 from openlora_otel.doctor import run_doctor
-from tests.conftest import free_port
 from tests.support.otlp_receiver import HttpReceiver
+from tests.support.processes import free_port
 
 
 def doctor(env: dict[str, str]) -> tuple[int, str]:

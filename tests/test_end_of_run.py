@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import child_env, free_port
 from tests.support.otlp_receiver import HangingEndpoint, HttpReceiver
+from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parent.parent

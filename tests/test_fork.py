@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import (
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.exporters.guard import GuardedExporter
-from tests.conftest import wait_for_child
+from tests.support.processes import wait_for_child
 
 
 class PidFileExporter(MetricExporter):

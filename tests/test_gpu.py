@@ -15,8 +15,8 @@ from openlora_otel.hardware import gpu, nvml
 from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
-from tests.conftest import points, served_series
 from tests.support.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
+from tests.support.readings import points, served_series
 
 # Per GPU and snapshot: the plain queries, one field-values call, and two GPM calls (Hopper).
 PER_DEVICE_CALLS = len(GpuCollector._QUERIES) + 1 + 2

@@ -38,8 +38,8 @@ from openlora_otel._deps import MissingDependencyError
 from openlora_otel.config import MIN_HISTORY_MAX_BYTES
 from openlora_otel.exporters.history import HistoryExporter, encode_line, history_path
 from openlora_otel.history import read_history
-from tests.conftest import child_env
 from tests.support.otlp_receiver import HangingEndpoint
+from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = "openlora.training.steps"

@@ -21,7 +21,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
 from openlora_otel.hardware.host import HOST_METRICS, PROCESS_SELECTION, SCOPE_NAME, SYSTEM_SELECTION
-from tests.conftest import child_env, free_port, points
+from tests.support.processes import child_env, free_port
+from tests.support.readings import points
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -17,8 +17,8 @@ import pytest
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.exporters import prometheus as prometheus_module
-from tests.conftest import child_env, wait_for_child
 from tests.support.otlp_receiver import HangingEndpoint
+from tests.support.processes import child_env, wait_for_child
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,8 +29,8 @@ from openlora_otel.report.history import read_history
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
 from openlora_otel.report.render import png_figure, prepare
-from tests.conftest import child_env, free_port, reap
 from tests.support.fake_nvml import FakeNvml, h100s
+from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 CHROMIUM = "/usr/bin/chromium"

@@ -9,7 +9,7 @@ import pytest
 
 from openlora_otel.report.model import curves
 from openlora_otel.report.prometheus import read_prometheus
-from tests.conftest import free_port, reap
+from tests.support.processes import free_port, reap
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 from tests.test_report import _demo, _needs_the_demo, _wait_for_line
 

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from openlora_otel.discovery import _host_label
-from tests.conftest import free_port
+from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess as Server
 from tests.test_cluster_dashboard import (
     CLUSTER_DASHBOARD,

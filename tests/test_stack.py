@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from openlora_otel import stack
-from tests.conftest import child_env, free_port, reap
+from tests.support.processes import child_env, free_port, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from tests.conftest import child_env, free_port, reap
+from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import Prometheus
 
 SAMPLES = 3000

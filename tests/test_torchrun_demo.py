@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env, free_port
+from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus
 
 pytest.importorskip("torch")

@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # no
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
-from tests.conftest import value  # noqa: E402
+from tests.support.readings import value  # noqa: E402
 from tests.test_fork import PidFileExporter, exporter_pids  # noqa: E402
 
 HOST_READS = {"item", "__float__", "__int__", "__index__", "__bool__", "cpu", "tolist", "numpy"}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import free_port
 from tests.support.built import built
+from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import child_env, free_port, reap
+from tests.support.processes import child_env, free_port, reap
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
