@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.prometheus_server import PROMETHEUS_MAJORS
-from tests.test_cluster_dashboard import (
+from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
     apply_variable_regex,
@@ -28,8 +27,9 @@ from tests.test_cluster_dashboard import (
     http_variable_options,
     panels,
     substitute,
-    wait_until,
 )
+from tests.support.polling import wait_until
+from tests.support.prometheus_server import PROMETHEUS_MAJORS
 
 
 def variables(path: Path) -> dict[str, dict]:

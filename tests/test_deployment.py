@@ -24,10 +24,11 @@ from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.support.built import built
+from tests.support.dashboards import http_variable_options, run_every_query, substitute
 from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.polling import wait_until
 from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import PROMETHEUS_MAJORS
-from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute, wait_until
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry

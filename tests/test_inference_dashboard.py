@@ -22,8 +22,7 @@ import pytest
 import yaml
 
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
-from tests.support.metrics_paths import METRIC_PATHS
-from tests.test_cluster_dashboard import (
+from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
     dashboard,
@@ -31,8 +30,9 @@ from tests.test_cluster_dashboard import (
     panels,
     run_every_query,
     substitute,
-    wait_until,
 )
+from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.polling import wait_until
 
 if TYPE_CHECKING:
     from openlora_otel import TelemetryConfig

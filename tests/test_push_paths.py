@@ -29,9 +29,9 @@ import yaml
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.support.collector_server import Collector
 from tests.support.metrics_paths import MetricsPath, push_env
+from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.prometheus_server import Prometheus
-from tests.test_cluster_dashboard import wait_until
 from tests.test_end_of_run import _CHILD_PRELUDE, _RECORD_5000, _run_child
 
 pytestmark = pytest.mark.e2e

@@ -373,7 +373,7 @@ def test_server_histograms_hold_what_the_clients_measured(scraped: Scraped) -> N
 
 
 def test_every_inference_dashboard_query_returns_data(scraped: Scraped) -> None:
-    from tests.test_cluster_dashboard import http_variable_options, run_every_query
+    from tests.support.dashboards import http_variable_options, run_every_query
 
     # At a time within 15 s of the traffic: the panels' rates are over [$__rate_interval] = 15 s.
     problems = run_every_query(
@@ -459,8 +459,9 @@ def test_the_same_counts_through_otlp(saved: Path, tmp_path: Path) -> None:
 def test_serve_under_load_on_the_push_paths(saved: Path, tmp_path: Path, path: str) -> None:
     """``serve`` pushing OTLP (every second) through our Collector, through the agent and gateway tiers, and
     straight into Prometheus 3.16: per adapter the counts the load saw, and every inference query has data."""
+    from tests.support.dashboards import http_variable_options, run_every_query
     from tests.support.metrics_paths import MetricsPath
-    from tests.test_cluster_dashboard import http_variable_options, run_every_query, wait_until
+    from tests.support.polling import wait_until
 
     broken = tmp_path / "broken"  # as for the scraped server: a failed load and 503s, so every panel has data
     shutil.copytree(saved / "adapters" / "a1", broken)
