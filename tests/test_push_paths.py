@@ -32,7 +32,7 @@ from tests.support.metrics_paths import MetricsPath, push_env
 from tests.support.polling import wait_until
 from tests.support.processes import child_env
 from tests.support.prometheus_server import Prometheus
-from tests.test_end_of_run import _CHILD_PRELUDE, _RECORD_5000, _run_child
+from tests.support.sigterm import CHILD_PRELUDE, RECORD_5000, run_child
 
 pytestmark = pytest.mark.e2e
 
@@ -83,11 +83,11 @@ def test_the_end_of_a_run_reaches_prometheus_on_the_push_paths(tmp_path: Path, p
             **{**metrics.push_env(instance), "OTEL_METRIC_EXPORT_INTERVAL": "60000"},
         )
         if end == "sigterm":
-            result, _ = _run_child(_RECORD_5000, env)
+            result, _ = run_child(RECORD_5000, env)
             assert result.returncode == 143, result.stderr[-2000:]
             expected = 5000
         else:
-            script = _CHILD_PRELUDE + textwrap.dedent(_RECORD_3000_AND_END)
+            script = CHILD_PRELUDE + textwrap.dedent(_RECORD_3000_AND_END)
             result = subprocess.run(
                 [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
             )
