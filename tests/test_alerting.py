@@ -348,7 +348,7 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
     import sys
 
     from tests.support.processes import child_env, reap
-    from tests.test_stack import start_stack
+    from tests.support.stack import start_stack
 
     pytest.importorskip("torch")
     pytest.importorskip("peft")
