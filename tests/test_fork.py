@@ -8,37 +8,13 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
     PeriodicExportingMetricReader,
 )
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.exporters.guard import GuardedExporter
+from tests.support.exporters import PidFileExporter, exporter_pids
 from tests.support.processes import wait_for_child
-
-
-class PidFileExporter(MetricExporter):
-    """Appends the exporting process's pid to a file: shows who exported."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self.path = path
-
-    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
-        with self.path.open("a") as handle:
-            handle.write(f"{os.getpid()}\n")
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        pass
-
-
-def exporter_pids(path: Path) -> set[int]:
-    return {int(line) for line in path.read_text().split()} if path.exists() else set()
 
 
 def run_with_fork(tmp_path: Path, child_body) -> tuple[int, set[int]]:
