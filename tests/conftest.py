@@ -13,8 +13,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
+from openlora_otel.hardware import gpu
 from openlora_otel.training import metrics as training_module
 from tests.support.clock import FakeClock
+from tests.support.gpu import SteppedTime
 from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES
 
 # One OpenMP thread for torch here and in every child: on a loaded 2-core machine two spinning
@@ -145,3 +147,23 @@ def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
     server.protocol = request.param  # type: ignore[attr-defined]
     yield server
     server.close()
+
+
+# -- shared by the GPU tests ------------------------------------------------------------
+@pytest.fixture
+def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
+    """gpu.py's clock, stepped by ``collect`` (test_gpu and test_gpu_depth use it in every test)."""
+    clock = SteppedTime()
+    monkeypatch.setattr(gpu, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def collect(stepped_time: SteppedTime):
+    """Collect as a reader would a scrape interval later (so a new snapshot is due)."""
+
+    def run(reader: InMemoryMetricReader):
+        stepped_time.offset += 1.0
+        return reader.get_metrics_data()
+
+    return run
