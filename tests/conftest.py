@@ -3,6 +3,7 @@ helpers they share with the tests are in tests/support/."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import subprocess
 from collections.abc import Iterator
@@ -26,14 +27,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # -- tiers -------------------------------------------------------------------------------------
-# `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, Chromium).
+# `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, our
+# Collector, Chromium).
 # `process`: it starts any other child process (the demo, serve, torchrun, a fresh interpreter,
-# promtool, amtool). What is left is the fast tier, in-process only: pytest -m "not e2e and not process".
-# The marks hold: a test (or a fixture it uses) whose own code, or this package's, starts a process
-# without the mark it needs fails, naming the mark. Processes libraries start for themselves are not
-# counted.
+# promtool, amtool, a forked child, DataLoader workers). What is left is the fast tier, in-process
+# only: pytest -m "not e2e and not process".
+# The marks hold: a test (or a fixture it uses) that starts a process without the mark it needs fails,
+# naming the mark. Counted: every subprocess.Popen whose caller is our code (this package's or the
+# tests'), every os.fork, and every multiprocessing child (forked or spawned), whoever asks for it.
+# Not counted: programs a library runs for itself through subprocess (a compiler probe, say).
 _SERVERS = frozenset(
-    {"prometheus", "prometheus-alertmanager", "alertmanager", "victoria-metrics", "vmalert", "chromium"}
+    {
+        "prometheus",
+        "prometheus-alertmanager",
+        "alertmanager",
+        "victoria-metrics",
+        "vmalert",
+        "otelcol-openlora",
+        "chromium",
+    }
 )
 _OURS = tuple(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
@@ -41,6 +53,8 @@ _OURS = tuple(
 )
 _running: list[pytest.Item | None] = [None]
 _popen_init = subprocess.Popen.__init__
+_fork = os.fork
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
 
 
 def _launcher() -> str | None:
@@ -54,21 +68,39 @@ def _launcher() -> str | None:
     return filename if filename.startswith(_OURS) else None
 
 
-def _checked_popen_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+def _require_mark(program: str) -> None:
+    """Fail the running test if starting ``program`` needs a mark it does not have."""
     item = _running[0]
-    if item is not None and _launcher() is not None:
+    if item is None:
+        return
+    marks = {mark.name for mark in item.iter_markers()}
+    needed = "e2e" if program in _SERVERS else "process"
+    if needed not in marks and not (needed == "process" and "e2e" in marks):
+        raise RuntimeError(
+            f"{item.nodeid} starts {program!r} without the `{needed}` mark (tests/conftest.py, tiers)"
+        )
+
+
+def _checked_popen_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+    if _running[0] is not None and _launcher() is not None:
         first = args[0] if isinstance(args, (list, tuple)) and args else args
-        program = os.path.basename(os.fspath(first)).split()[0] if first else ""
-        marks = {mark.name for mark in item.iter_markers()}
-        needed = "e2e" if program in _SERVERS else "process"
-        if needed not in marks and not (needed == "process" and "e2e" in marks):
-            raise RuntimeError(
-                f"{item.nodeid} starts {program!r} without the `{needed}` mark (tests/conftest.py, tiers)"
-            )
+        _require_mark(os.path.basename(os.fspath(first)).split()[0] if first else "")
     _popen_init(self, args, *rest, **kwargs)
 
 
+def _checked_fork() -> int:
+    _require_mark("a forked child")
+    return _fork()
+
+
+def _checked_spawnv_passfds(path, args, passfds):  # type: ignore[no-untyped-def]
+    _require_mark("a multiprocessing child")
+    return _spawnv_passfds(path, args, passfds)
+
+
 subprocess.Popen.__init__ = _checked_popen_init  # type: ignore[method-assign]
+os.fork = _checked_fork
+multiprocessing.util.spawnv_passfds = _checked_spawnv_passfds
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -140,6 +140,7 @@ def test_a_file_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path: Pa
             telemetry.shutdown()
 
 
+@pytest.mark.process  # a forked child
 def test_a_forked_child_leaves_the_parents_file(tmp_path: Path) -> None:
     path = tmp_path / "openlora-x-1.json"
     path.write_text("[]")

@@ -35,6 +35,7 @@ def run_with_fork(tmp_path: Path, child_body) -> tuple[int, set[int]]:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_forked_child_runs_for_several_intervals_and_exports_nothing(tmp_path: Path) -> None:
     child, pids = run_with_fork(tmp_path, lambda telemetry: time.sleep(0.5))
     assert os.getpid() in pids
@@ -42,6 +43,7 @@ def test_forked_child_runs_for_several_intervals_and_exports_nothing(tmp_path: P
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_shutdown_in_forked_child_returns_and_exports_nothing(tmp_path: Path) -> None:
     # A child that shuts down (or runs atexit) must not hang on the parent's
     # Prometheus server thread, which does not exist in the child.
@@ -56,6 +58,7 @@ def test_shutdown_in_forked_child_returns_and_exports_nothing(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_forked_child_with_prometheus_endpoint_can_shut_down(tmp_path: Path) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0))
     child = os.fork()

@@ -80,6 +80,7 @@ def test_idle_connections_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_a_forked_child_does_not_keep_the_port() -> None:
     telemetry = setup_telemetry(config=_config())
     port = _port(telemetry)
@@ -230,6 +231,7 @@ def test_closing_the_endpoint_does_not_wait_for_a_poll_interval() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_fork_while_a_scrape_holds_the_server_lock_does_not_hang_the_child() -> None:
     endpoint = prometheus_module.build_prometheus(_config())
     server = endpoint._server

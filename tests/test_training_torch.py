@@ -82,6 +82,7 @@ class SlowDataset(torch.utils.data.Dataset):
         return torch.tensor([float(index), float(os.getpid())])
 
 
+@pytest.mark.process  # a forked child
 def test_forked_dataloader_workers_export_nothing(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     reader = PeriodicExportingMetricReader(GuardedExporter(PidFileExporter(pids), describe="test"), 20)
