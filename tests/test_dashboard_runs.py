@@ -5,7 +5,7 @@ text, changed while Prometheus scrapes them, for the cases a demo does not make 
 renamed while it runs (the callbacks name it at train start), a second run on an endpoint the first
 one used (two learning rates one after the other on localhost:9464), and a run without
 openlora_run_info (an older openlora-otel). The variables are resolved as Grafana's Prometheus
-datasource does (tests/test_cluster_dashboard.py); the regex handling is checked on its own first.
+datasource does (tests/support/dashboards.py); the regex handling is checked on its own first.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The server side here is InferenceMetrics itself (``telemetry.inference`` of an i
 ``setup_telemetry``), driven by a thread that plays requests the way a server does: queued, started,
 first token, token counts; some failing through the server's fault, some through the client's. The
 variables are resolved and the panels run as Grafana's Prometheus datasource does
-(tests/test_cluster_dashboard.py).
+(tests/support/dashboards.py).
 """
 
 from __future__ import annotations
