@@ -16,6 +16,7 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
 from openlora_otel.hardware import gpu
 from openlora_otel.training import metrics as training_module
+from tests.support import built  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
 from tests.support.clock import FakeClock
 from tests.support.gpu import SteppedTime
 from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES
