@@ -4,7 +4,7 @@ Run by the benchmark, never by hand: the rank's identity (RANK, LOCAL_RANK,
 WORLD_SIZE, GROUP_RANK, OPENLORA_RUN_ID) and its port arrive in the environment
 as torchrun and the user would set them. The process
 
-- hands openlora-otel a fake NVML with the node's 8 GPUs (tests/fake_nvml.py),
+- hands openlora-otel a fake NVML with the node's 8 GPUs (tests/support/fake_nvml.py),
   put where ``setup_telemetry()`` looks for the real one, so the GPU series
   are exactly those a rank on an 8-GPU node exports;
 - calls ``setup_telemetry()`` (configuration from the environment, as in a job);
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from openlora_otel import setup_telemetry  # noqa: E402
 from openlora_otel.hardware import nvml  # noqa: E402
-from tests.fake_nvml import FakeNvml, h100s  # noqa: E402
+from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
 
 GPUS_PER_NODE = 8
 EVAL_EVERY = 40

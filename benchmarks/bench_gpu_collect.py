@@ -34,7 +34,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel.hardware import gpu_snapshot
 from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 from openlora_otel.training.metrics import TrainingMetrics
-from tests.fake_nvml import FakeNvml, h100s
+from tests.support.fake_nvml import FakeNvml, h100s
 
 OLD_CALLS_PER_GPU = 12  # the snapshot before batching: one call per value
 

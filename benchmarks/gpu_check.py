@@ -24,7 +24,7 @@ Stages, each timed, each failing on its own (one stage's failure never stops the
 
 Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` after every stage, so a run cut short
 keeps what it measured. ``--dry-run`` (forced without CUDA) runs ``values``, ``fields`` and
-``snapshot`` against the fake NVML of ``tests/fake_nvml.py`` with an nvidia-smi made from the
+``snapshot`` against the fake NVML of ``tests/support/fake_nvml.py`` with an nvidia-smi made from the
 same fake, and the demo and serve stages on the CPU at a small size; ``pcie`` and
 ``cuda_tests`` need hardware and say so. The dry run is a test (``tests/test_gpu_check.py``).
 
@@ -383,7 +383,7 @@ class Context:
         self.dry = args.dry_run or not self.cuda
         self.fake_module: Any = None
         if self.dry:
-            from tests.fake_nvml import fake_pynvml_module
+            from tests.support.fake_nvml import fake_pynvml_module
 
             self.fake_module = fake_pynvml_module()
             sys.modules["pynvml"] = self.fake_module  # what setup_telemetry's NVML backend imports
@@ -424,7 +424,7 @@ def stage_env(ctx: Context, stage: dict[str, Any]) -> str:
         facts["NVML devices"] = backend.device_count()
     finally:
         backend.shutdown()
-    facts["nvidia-ml-py"] = "fake (tests/fake_nvml.py)" if ctx.dry else _version("nvidia-ml-py")
+    facts["nvidia-ml-py"] = "fake (tests/support/fake_nvml.py)" if ctx.dry else _version("nvidia-ml-py")
     facts["nvidia-smi"] = ctx.smi.binary
     facts["nvidia-smi query fields offered"] = len(ctx.smi.fields)
     for package in ("opentelemetry-sdk", "transformers", "peft"):

@@ -1,51 +1,52 @@
-"""Shared fixtures: a clean environment and OpenTelemetry globals per test, free ports, helpers."""
+"""Shared fixtures: a clean environment and OpenTelemetry globals per test, the tiers' check; the
+helpers they share with the tests are in tests/support/."""
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 from opentelemetry.metrics import _internal as metrics_internal
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
+from openlora_otel.hardware import gpu_snapshot
 from openlora_otel.training import metrics as training_module
+from tests.support import built  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
+from tests.support.clock import FakeClock
+from tests.support.gpu import SteppedTime
+from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES
 
 # One OpenMP thread for torch here and in every child: on a loaded 2-core machine two spinning
 # OpenMP threads made the demo about 100 times slower (141 tokens/s) and tests ran past their bounds.
 # Set before any test imports torch; child_env() copies it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-_OWN_PREFIXES = ("OTEL_", "OPENLORA_")
-# Launcher variables (torchrun, torch.distributed's env://, Slurm) that decide ranks, ports and the run id.
-_TORCHRUN = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "GROUP_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_JOB_ID",
-    "SLURM_STEP_ID",
-)
-
 
 # -- tiers -------------------------------------------------------------------------------------
-# `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, Chromium).
+# `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, our
+# Collector, Chromium).
 # `process`: it starts any other child process (the demo, serve, torchrun, a fresh interpreter,
-# promtool, amtool). What is left is the fast tier, in-process only: pytest -m "not e2e and not process".
-# The marks hold: a test (or a fixture it uses) whose own code, or this package's, starts a process
-# without the mark it needs fails, naming the mark. Processes libraries start for themselves are not
-# counted.
+# promtool, amtool, a forked child, DataLoader workers). What is left is the fast tier, in-process
+# only: pytest -m "not e2e and not process".
+# The marks hold: a test (or a fixture it uses) that starts a process without the mark it needs fails,
+# naming the mark. Counted: every subprocess.Popen whose caller is our code (this package's or the
+# tests'), every os.fork, and every multiprocessing child (forked or spawned), whoever asks for it.
+# Not counted: programs a library runs for itself through subprocess (a compiler probe, say).
 _SERVERS = frozenset(
-    {"prometheus", "prometheus-alertmanager", "alertmanager", "victoria-metrics", "vmalert", "chromium"}
+    {
+        "prometheus",
+        "prometheus-alertmanager",
+        "alertmanager",
+        "victoria-metrics",
+        "vmalert",
+        "otelcol-openlora",
+        "chromium",
+    }
 )
 _OURS = tuple(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
@@ -53,6 +54,8 @@ _OURS = tuple(
 )
 _running: list[pytest.Item | None] = [None]
 _popen_init = subprocess.Popen.__init__
+_fork = os.fork
+_spawnv_passfds = multiprocessing.util.spawnv_passfds
 
 
 def _launcher() -> str | None:
@@ -66,21 +69,39 @@ def _launcher() -> str | None:
     return filename if filename.startswith(_OURS) else None
 
 
-def _checked_popen_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+def _require_mark(program: str) -> None:
+    """Fail the running test if starting ``program`` needs a mark it does not have."""
     item = _running[0]
-    if item is not None and _launcher() is not None:
+    if item is None:
+        return
+    marks = {mark.name for mark in item.iter_markers()}
+    needed = "e2e" if program in _SERVERS else "process"
+    if needed not in marks and not (needed == "process" and "e2e" in marks):
+        raise RuntimeError(
+            f"{item.nodeid} starts {program!r} without the `{needed}` mark (tests/conftest.py, tiers)"
+        )
+
+
+def _checked_popen_init(self, args, *rest, **kwargs):  # type: ignore[no-untyped-def]
+    if _running[0] is not None and _launcher() is not None:
         first = args[0] if isinstance(args, (list, tuple)) and args else args
-        program = os.path.basename(os.fspath(first)).split()[0] if first else ""
-        marks = {mark.name for mark in item.iter_markers()}
-        needed = "e2e" if program in _SERVERS else "process"
-        if needed not in marks and not (needed == "process" and "e2e" in marks):
-            raise RuntimeError(
-                f"{item.nodeid} starts {program!r} without the `{needed}` mark (tests/conftest.py, tiers)"
-            )
+        _require_mark(os.path.basename(os.fspath(first)).split()[0] if first else "")
     _popen_init(self, args, *rest, **kwargs)
 
 
+def _checked_fork() -> int:
+    _require_mark("a forked child")
+    return _fork()
+
+
+def _checked_spawnv_passfds(path, args, passfds):  # type: ignore[no-untyped-def]
+    _require_mark("a multiprocessing child")
+    return _spawnv_passfds(path, args, passfds)
+
+
 subprocess.Popen.__init__ = _checked_popen_init  # type: ignore[method-assign]
+os.fork = _checked_fork
+multiprocessing.util.spawnv_passfds = _checked_spawnv_passfds
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -96,7 +117,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test starts with no OTEL_*/OPENLORA_*/torchrun variable set."""
     for name in list(os.environ):
-        if name.startswith(_OWN_PREFIXES) or name in _TORCHRUN:
+        if name.startswith(OWN_PREFIXES) or name in LAUNCHER_VARIABLES:
             monkeypatch.delenv(name, raising=False)
 
 
@@ -128,50 +149,6 @@ def _reset() -> None:
     telemetry_module._global_owner = None
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment without our variables, plus ``extra``: for subprocesses under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_OWN_PREFIXES) and k not in _TORCHRUN}
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def points(data: MetricsData | None, name: str) -> list:
-    """All data points of the metric called ``name`` in ``data``."""
-    found = []
-    if data is None:
-        return found
-    for resource_metrics in data.resource_metrics:
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                if metric.name == name:
-                    found.extend(metric.data.data_points)
-    return found
-
-
-def value(data: MetricsData | None, name: str, **attributes: object) -> float | None:
-    """The value of the one point of ``name`` whose attributes are exactly ``attributes`` (None if absent)."""
-    found = [p for p in points(data, name) if dict(p.attributes) == attributes]
-    return found[0].value if found else None
-
-
-def served_series(url: str) -> set[str]:
-    """Names of the series a Prometheus /metrics endpoint serves right now."""
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = response.read().decode()
-    return {
-        line.split("{")[0].split(" ")[0] for line in body.splitlines() if line and not line.startswith("#")
-    }
-
-
 @pytest.fixture
 def memory_reader() -> InMemoryMetricReader:
     return InMemoryMetricReader()
@@ -185,26 +162,6 @@ def setup(memory_reader: InMemoryMetricReader):
     telemetry.shutdown()
 
 
-WALL_OFFSET = 1_700_000_000.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def time(self) -> float:  # the wall clock: the same clock, some epoch seconds ahead
-        return self.now + WALL_OFFSET
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
@@ -212,57 +169,34 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     return fake
 
 
-class SlowOnce:
-    """An observable gauge whose first callback is slow, registered after the instruments under test.
-
-    The SDK checks its collect deadline before each instrument's callback, so the
-    instrument after it raises MetricsTimeoutError: the collection is aborted after
-    the earlier callbacks ran, as a slow NVML call or a user's slow callback would do.
-    """
-
-    def __init__(self, meter, seconds: float = 0.3) -> None:
-        self.left = 1
-        self.seconds = seconds
-        meter.create_observable_gauge("test.slow", callbacks=[self])
-        meter.create_observable_gauge("test.after", callbacks=[lambda options: []])
-
-    def __call__(self, options):
-        if self.left:
-            self.left -= 1
-            time.sleep(self.seconds)
-        return []
-
-
-def reap(process: subprocess.Popen, timeout: float) -> None:
-    """Wait up to ``timeout`` for a child to end, then kill it (bounded either way)."""
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=5)
-
-
-def wait_for_child(pid: int, timeout: float, what: str) -> int:
-    """The exit code of forked child ``pid``; kills it and fails the test with ``what`` if it is still running after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail(what)
-
-
 @pytest.fixture(params=["http/protobuf", "grpc"])
 def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
     """A real OTLP receiver on loopback, once per protocol (``receiver.protocol`` says which)."""
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
     pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
-    from tests.otlp_receiver import GrpcReceiver, HttpReceiver
+    from tests.support.otlp_receiver import GrpcReceiver, HttpReceiver
 
     server = HttpReceiver() if request.param == "http/protobuf" else GrpcReceiver()
     server.protocol = request.param  # type: ignore[attr-defined]
     yield server
     server.close()
+
+
+# -- shared by the GPU tests ------------------------------------------------------------
+@pytest.fixture
+def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
+    """gpu_snapshot.py's clock, stepped by ``collect`` (test_gpu and test_gpu_depth use it in every test)."""
+    clock = SteppedTime()
+    monkeypatch.setattr(gpu_snapshot, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def collect(stepped_time: SteppedTime):
+    """Collect as a reader would a scrape interval later (so a new snapshot is due)."""
+
+    def run(reader: InMemoryMetricReader):
+        stepped_time.offset += 1.0
+        return reader.get_metrics_data()
+
+    return run

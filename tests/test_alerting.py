@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.built import built
-from tests.conftest import free_port
+from tests.support.built import built
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
@@ -258,7 +258,7 @@ def webhook() -> Iterator[Webhook]:
 def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_warnings(
     tmp_path: Path, webhook: Webhook, release: str
 ) -> None:
-    from tests.prometheus_server import ServerProcess
+    from tests.support.prometheus_server import ServerProcess
 
     binary = alertmanager_tool("alertmanager", release)
     config = tmp_path / "alertmanager.yml"
@@ -347,8 +347,8 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
     """
     import sys
 
-    from tests.conftest import child_env, reap
-    from tests.test_stack import start_stack
+    from tests.support.processes import child_env, reap
+    from tests.support.stack import start_stack
 
     pytest.importorskip("torch")
     pytest.importorskip("peft")

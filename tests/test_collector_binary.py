@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.built import built
-from tests.collector_server import Collector
+from tests.support.built import built
+from tests.support.collector_server import Collector
 
 pytestmark = pytest.mark.e2e
 

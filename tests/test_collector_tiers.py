@@ -3,7 +3,7 @@
 The agent takes OTLP from the ranks of one node and forwards it to the gateway; the gateway
 remote-writes to a central store. That they are valid, and start without a warning, the real
 Collector checks (tests/test_collector_binary.py). Here they are held to the policy of
-collector/otelcol.yaml (see tests/collector_checks.py), to each other (the agent's exporter reaches
+collector/otelcol.yaml (see tests/support/collector_checks.py), to each other (the agent's exporter reaches
 the gateway's receiver), to what setup_telemetry() sends by default, and to the series names of the
 collector path.
 """
@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from openlora_otel.config import TelemetryConfig
-from tests import collector_checks as checks
+from tests.support import collector_checks as checks
 
 DEPLOY = checks.ROOT / "deploy" / "collector"
 AGENT = DEPLOY / "agent.yaml"

@@ -5,7 +5,7 @@ text, changed while Prometheus scrapes them, for the cases a demo does not make 
 renamed while it runs (the callbacks name it at train start), a second run on an endpoint the first
 one used (two learning rates one after the other on localhost:9464), and a run without
 openlora_run_info (an older openlora-otel). The variables are resolved as Grafana's Prometheus
-datasource does (tests/test_cluster_dashboard.py); the regex handling is checked on its own first.
+datasource does (tests/support/dashboards.py); the regex handling is checked on its own first.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prometheus_server import PROMETHEUS_MAJORS
-from tests.test_cluster_dashboard import (
+from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
     apply_variable_regex,
@@ -28,8 +27,9 @@ from tests.test_cluster_dashboard import (
     http_variable_options,
     panels,
     substitute,
-    wait_until,
 )
+from tests.support.polling import wait_until
+from tests.support.prometheus_server import PROMETHEUS_MAJORS
 
 
 def variables(path: Path) -> dict[str, dict]:
@@ -135,7 +135,7 @@ PHASE_S = 7.0
 def test_runs_by_name_across_a_rename_a_reused_endpoint_and_a_run_without_run_info(
     tmp_path, major: int
 ) -> None:
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary(major)
     with endpoints(3) as served:

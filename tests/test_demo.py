@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,11 @@ from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.commands.demo import _summary
 from openlora_otel.demo.train import DemoOptions, run_demo
-from tests.conftest import child_env, free_port, value
-from tests.otlp_receiver import HttpReceiver
-from tests.prometheus_server import Prometheus, prometheus_binary
-
-
-def demo_process(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    # One torch thread: two OpenMP threads on a loaded 2-core machine ran the demo 100 times slower.
-    return subprocess.Popen(
-        [sys.executable, "-m", "openlora_otel", "demo", *args],
-        env=child_env(**{"OMP_NUM_THREADS": "1", **env}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_for_line(stream, needle: str, timeout: float) -> str:
-    """Read lines (bounded in time) until one contains ``needle``."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return line
-    raise AssertionError(f"{needle!r} not seen in: {''.join(seen)[-2000:]}")
+from tests.support.demo import demo_process, wait_for_line
+from tests.support.otlp_receiver import HttpReceiver
+from tests.support.processes import child_env, free_port
+from tests.support.prometheus_server import Prometheus, prometheus_binary
+from tests.support.readings import value
 
 
 @pytest.mark.e2e

@@ -23,16 +23,17 @@ import yaml
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
-from tests.built import built
-from tests.conftest import child_env, free_port, reap
-from tests.metrics_paths import METRIC_PATHS
-from tests.prometheus_server import PROMETHEUS_MAJORS
-from tests.test_cluster_dashboard import http_variable_options, run_every_query, substitute, wait_until
+from tests.support.built import built
+from tests.support.dashboards import http_variable_options, run_every_query, substitute
+from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, free_port, reap
+from tests.support.prometheus_server import PROMETHEUS_MAJORS
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
-    from tests.fake_nvml import FakeGpu, FakeNvml
-    from tests.prometheus_server import Prometheus
+    from tests.support.fake_nvml import FakeGpu, FakeNvml
+    from tests.support.prometheus_server import Prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
@@ -336,7 +337,7 @@ def test_dashboards_draw_the_input_bound_threshold_the_alert_uses() -> None:
 def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) -> None:
     """A real Prometheus, with the shipped job's target host and timing, scrapes the default bind."""
     from openlora_otel import setup_telemetry
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()
     settings = prometheus_config()["global"]
@@ -362,8 +363,8 @@ def test_shipped_prometheus_config_scrapes_a_process_with_nothing_set(tmp_path) 
 @pytest.mark.e2e
 def test_unresponsive_alert_tells_a_frozen_endpoint_from_a_closed_port(tmp_path) -> None:
     """The premise of OpenloraTrainingEndpointUnresponsive, on a real Prometheus with the shipped timing."""
-    from tests.conftest import free_port
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.processes import free_port
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()
     settings = prometheus_config()["global"]
@@ -590,14 +591,14 @@ DIVERGED_INSTANCE = "diverged-run-instance"  # its service.instance.id on the pu
 def test_every_dashboard_and_rule_query_on_a_real_demo_run(
     tmp_path, monkeypatch: pytest.MonkeyPatch, path: str, major: int
 ) -> None:
-    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    """On each path of tests/support/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
     (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
     pytest.importorskip("torch")
     pytest.importorskip("peft")
     from openlora_otel import setup_telemetry
     from openlora_otel.hardware import gpu, nvml
-    from tests.fake_nvml import FakeNvml, h100s
-    from tests.metrics_paths import MetricsPath
+    from tests.support.fake_nvml import FakeNvml, h100s
+    from tests.support.metrics_paths import MetricsPath
 
     # GPU series from a fake NVML and allocator, so the GPU panels have data on a machine without one.
     cards = h100s(1, processes={os.getpid(): 2 * 2**30})

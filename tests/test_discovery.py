@@ -16,8 +16,8 @@ import pytest
 from openlora_otel import discovery, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.discovery import FileSdRegistration, _host_label, scrape_address
-from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.processes import child_env, free_port
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,6 +140,7 @@ def test_a_file_left_by_a_killed_process_is_removed_by_the_next_one(tmp_path: Pa
             telemetry.shutdown()
 
 
+@pytest.mark.process  # a forked child
 def test_a_forked_child_leaves_the_parents_file(tmp_path: Path) -> None:
     path = tmp_path / "openlora-x-1.json"
     path.write_text("[]")

@@ -19,8 +19,8 @@ import pytest
 
 from openlora_otel import distributed, setup_telemetry
 from openlora_otel.config import TelemetryConfig
-from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.processes import child_env, free_port
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 pytest.importorskip("torch")
 

@@ -11,8 +11,8 @@ import pytest
 from openlora_otel.cli import main
 from openlora_otel.commands.env import variables_markdown
 from openlora_otel.doctor import run_doctor
-from tests.conftest import free_port
-from tests.otlp_receiver import HttpReceiver
+from tests.support.otlp_receiver import HttpReceiver
+from tests.support.processes import free_port
 
 
 def doctor(env: dict[str, str]) -> tuple[int, str]:
@@ -132,7 +132,7 @@ def test_module_entry_point_and_help() -> None:
 
 def test_gpu_check_with_and_without_nvml(monkeypatch) -> None:
     from openlora_otel.hardware import nvml
-    from tests.fake_nvml import FakeNvml, h100s
+    from tests.support.fake_nvml import FakeNvml, h100s
 
     fake = FakeNvml(h100s(2))
     monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: fake)

@@ -10,9 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import urllib.request
@@ -21,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import child_env, free_port
-from tests.otlp_receiver import HangingEndpoint, HttpReceiver
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.otlp_receiver import HangingEndpoint, HttpReceiver
+from tests.support.processes import child_env, free_port
+from tests.support.prometheus_server import Prometheus, prometheus_binary
+from tests.support.sigterm import RECORD_5000, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -287,48 +285,6 @@ def test_a_failing_shutdown_still_releases_port_and_threads(monkeypatch: pytest.
 
 
 # -- 2. SIGTERM -------------------------------------------------------------------------
-_CHILD_PRELUDE = """
-import os, signal, sys, time
-from openlora_otel import setup_telemetry
-"""
-
-
-def _run_child(
-    body: str, env: dict[str, str], *, sigterms: int = 1, timeout: float = 60.0
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Start ``body``; once it prints READY send ``sigterms`` SIGTERMs; return the result and the seconds it took to end."""
-    script = _CHILD_PRELUDE + textwrap.dedent(body)
-    process = subprocess.Popen(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = ""
-    before: list[str] = []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line or line.strip() == "READY":
-            break
-        before.append(line)
-    assert line.strip() == "READY", process.communicate(timeout=30)
-    sent = time.monotonic()
-    for _ in range(sigterms):
-        process.send_signal(signal.SIGTERM)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, stderr = process.communicate(timeout=10)
-        pytest.fail(f"child did not end after SIGTERM: {stderr[-2000:]}")
-    took = time.monotonic() - sent
-    return subprocess.CompletedProcess(process.args, process.returncode, "".join(before) + stdout, stderr), took
-
-
 def _otlp_env(receiver: HttpReceiver, **extra: str) -> dict[str, str]:
     return child_env(
         OTEL_METRICS_EXPORTER="otlp",
@@ -345,21 +301,11 @@ def _steps_received(receiver: HttpReceiver) -> float:
     return max((point.as_double or point.as_int for _, point in points), default=0)
 
 
-_RECORD_5000 = """
-telemetry = setup_telemetry()
-for _ in range(5000):
-    telemetry.training.record_step(loss=1.0, tokens=7)
-print("READY", flush=True)
-time.sleep(60)
-print("NOT KILLED", flush=True)
-"""
-
-
 @pytest.mark.process
 def test_sigterm_exports_every_recorded_step_and_exits_143() -> None:
     receiver = HttpReceiver()
     try:
-        result, took = _run_child(_RECORD_5000, _otlp_env(receiver))
+        result, took = run_child(RECORD_5000, _otlp_env(receiver))
         assert result.returncode == 143, result.stderr[-2000:]
         assert "NOT KILLED" not in result.stdout
         assert _steps_received(receiver) == 5000
@@ -374,7 +320,7 @@ def test_sigterm_exports_every_recorded_step_and_exits_143() -> None:
 def test_sigterm_handling_can_be_turned_off() -> None:
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(_RECORD_5000, _otlp_env(receiver, OPENLORA_HANDLE_SIGTERM="false"))
+        result, _ = run_child(RECORD_5000, _otlp_env(receiver, OPENLORA_HANDLE_SIGTERM="false"))
         assert result.returncode == -signal.SIGTERM  # Python's default: killed, nothing exported
         assert receiver.received == []
     finally:
@@ -400,7 +346,7 @@ time.sleep(60)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver))
+        result, _ = run_child(body, _otlp_env(receiver))
         assert "APP HANDLER RAN" in result.stdout
         assert result.returncode == 3, result.stderr[-2000:]
         # The application's sys.exit ran atexit, and with it the final export.
@@ -424,7 +370,7 @@ print("NOT KILLED", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, took = _run_child(body, _otlp_env(receiver))
+        result, took = run_child(body, _otlp_env(receiver))
         assert result.returncode == 143, result.stderr[-2000:]
         assert _steps_received(receiver) == 5000
         assert took < 10
@@ -445,7 +391,7 @@ while True:  # still recording when the signal comes
 """
     receiver = HttpReceiver()
     try:
-        result, took = _run_child(body, _otlp_env(receiver))
+        result, took = run_child(body, _otlp_env(receiver))
         assert result.returncode == 143, result.stderr[-2000:]
         assert _steps_received(receiver) >= 1000
         assert took < 10
@@ -473,7 +419,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
+        result, _ = run_child(body, _otlp_env(receiver), sigterms=0)
         assert f"CHILD {-signal.SIGTERM}" in result.stdout, result.stderr[-2000:]
         assert "PARENT ALIVE" in result.stdout
         assert result.returncode == 0, result.stderr[-2000:]
@@ -532,7 +478,7 @@ sys.exit(0)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver))
+        result, _ = run_child(body, _otlp_env(receiver))
         assert "CHECKPOINT WRITTEN" in result.stdout, result.stderr[-2000:]
         assert result.returncode == 0, result.stderr[-2000:]
         assert _steps_received(receiver) == 5000
@@ -575,7 +521,7 @@ sys.exit(5)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver, OPENLORA_SHUTDOWN_TIMEOUT="10000"))
+        result, _ = run_child(body, _otlp_env(receiver, OPENLORA_SHUTDOWN_TIMEOUT="10000"))
         assert "SHUTDOWN RETURNED" in result.stdout, result.stderr[-2000:]
         assert result.returncode == 5, result.stderr[-2000:]
         assert _steps_received(receiver) == 5000
@@ -587,7 +533,7 @@ sys.exit(5)
 def test_two_sigterms_in_a_row_still_export_once_and_exit_143() -> None:
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(_RECORD_5000, _otlp_env(receiver), sigterms=2)
+        result, _ = run_child(RECORD_5000, _otlp_env(receiver), sigterms=2)
         assert result.returncode == 143, result.stderr[-2000:]
         assert _steps_received(receiver) == 5000
     finally:
@@ -616,7 +562,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
+        result, _ = run_child(body, _otlp_env(receiver), sigterms=0)
         assert result.returncode == 0, result.stderr[-2000:]
         for index in range(4):
             assert (tmp_path / f"file{index}").read_bytes() == b"CKPT"
@@ -644,7 +590,7 @@ print("READY", flush=True)
 """
     receiver = HttpReceiver()
     try:
-        result, _ = _run_child(body, _otlp_env(receiver), sigterms=0)
+        result, _ = run_child(body, _otlp_env(receiver), sigterms=0)
         assert "ASYNCIO GOT IT" in result.stdout, result.stderr[-2000:]
         assert result.returncode == 0
     finally:

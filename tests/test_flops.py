@@ -16,7 +16,7 @@ from openlora_otel.training.flops import (
     peak_table_markdown,
     training_flops_per_token,
 )
-from tests.conftest import child_env
+from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

@@ -8,37 +8,13 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
     PeriodicExportingMetricReader,
 )
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.exporters.guard import GuardedExporter
-from tests.conftest import wait_for_child
-
-
-class PidFileExporter(MetricExporter):
-    """Appends the exporting process's pid to a file: shows who exported."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self.path = path
-
-    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
-        with self.path.open("a") as handle:
-            handle.write(f"{os.getpid()}\n")
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        pass
-
-
-def exporter_pids(path: Path) -> set[int]:
-    return {int(line) for line in path.read_text().split()} if path.exists() else set()
+from tests.support.exporters import PidFileExporter, exporter_pids
+from tests.support.processes import wait_for_child
 
 
 def run_with_fork(tmp_path: Path, child_body) -> tuple[int, set[int]]:
@@ -59,6 +35,7 @@ def run_with_fork(tmp_path: Path, child_body) -> tuple[int, set[int]]:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_forked_child_runs_for_several_intervals_and_exports_nothing(tmp_path: Path) -> None:
     child, pids = run_with_fork(tmp_path, lambda telemetry: time.sleep(0.5))
     assert os.getpid() in pids
@@ -66,6 +43,7 @@ def test_forked_child_runs_for_several_intervals_and_exports_nothing(tmp_path: P
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_shutdown_in_forked_child_returns_and_exports_nothing(tmp_path: Path) -> None:
     # A child that shuts down (or runs atexit) must not hang on the parent's
     # Prometheus server thread, which does not exist in the child.
@@ -80,6 +58,7 @@ def test_shutdown_in_forked_child_returns_and_exports_nothing(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_forked_child_with_prometheus_endpoint_can_shut_down(tmp_path: Path) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0))
     child = os.fork()

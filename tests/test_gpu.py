@@ -7,16 +7,19 @@ import threading
 import time
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import gpu, gpu_snapshot, nvml
-from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
+from openlora_otel.hardware.gpu import GpuCollector
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
-from tests.conftest import points, served_series
-from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
+from tests.support.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s
+from tests.support.gpu import SteppedTime, build, series
+from tests.support.readings import served_series
+
+# gpu.py's clock is stepped in every test here (tests/conftest.py's stepped_time).
+pytestmark = pytest.mark.usefixtures("stepped_time")
 
 # Per GPU and snapshot: the plain queries, one field-values call, and two GPM calls (Hopper).
 PER_DEVICE_CALLS = len(GpuCollector._QUERIES) + 1 + 2
@@ -28,49 +31,6 @@ LATER = {
     "openlora.gpu.dram.activity",
     "openlora.gpu.xid.errors",
 }
-
-
-class SteppedTime:
-    """gpu.py's clock, moved on by the tests: each collect() starts a new collection period."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset
-
-
-@pytest.fixture(autouse=True)
-def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
-    clock = SteppedTime()
-    monkeypatch.setattr(gpu_snapshot, "time", clock)
-    return clock
-
-
-@pytest.fixture
-def collect(stepped_time: SteppedTime):
-    """Collect as a reader would a scrape interval later (so a new snapshot is due)."""
-
-    def run(reader: InMemoryMetricReader):
-        stepped_time.offset += 1.0
-        return reader.get_metrics_data()
-
-    return run
-
-
-def build(fake: FakeNvml, **kwargs):
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    kwargs.setdefault("devices", "all")
-    allocator = kwargs.pop("allocator", list)
-    collector = GpuCollector(fake, pid=42, torch_devices=lambda: None, **kwargs)
-    metrics = GpuMetrics(provider.get_meter("test"), collector, allocator_stats=allocator)
-    metrics._pid = 42
-    return reader, metrics
-
-
-def series(data, name: str) -> list[tuple[dict, float]]:
-    return [(dict(p.attributes), p.value) for p in points(data, name)]
 
 
 def test_every_metric_name_unit_attribute_and_exact_value(collect) -> None:

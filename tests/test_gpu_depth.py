@@ -22,9 +22,12 @@ from openlora_otel.hardware.nvml import (
     PynvmlBackend,
 )
 from openlora_otel.names import XID_CODES
-from tests import fake_nvml
-from tests.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
-from tests.test_gpu import SteppedTime, build, collect, series, stepped_time  # noqa: F401 (fixtures)
+from tests.support import fake_nvml
+from tests.support.fake_nvml import FakeGpu, FakeNvml, fake_pynvml_module, h100s, older_gpu
+from tests.support.gpu import SteppedTime, build, series
+
+# gpu.py's clock is stepped in every test here (tests/conftest.py's stepped_time).
+pytestmark = pytest.mark.usefixtures("stepped_time")
 
 OLD_CALLS_PER_GPU = 12  # before batching: one NVML call per value (see git history of openlora_otel/hardware/gpu.py)
 
@@ -46,7 +49,7 @@ def status(data) -> dict[str, str]:
 # -- calls per snapshot ------------------------------------------------------------------------
 
 
-def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: F811
+def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:
     fake = FakeNvml(h100s(8), driver="580.82.07")
     reader, _ = build(fake)
     collect(reader)  # discovery, link maximum, GPM sample allocation, event registration
@@ -79,7 +82,7 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:  # noqa: 
     assert oldest.total_calls - oldest.calls["wait_xid"] == OLD_CALLS_PER_GPU
 
 
-def test_an_unsupported_field_falls_back_to_its_own_call_and_is_not_asked_again(collect) -> None:  # noqa: F811
+def test_an_unsupported_field_falls_back_to_its_own_call_and_is_not_asked_again(collect) -> None:
     card = older_gpu()
     fake = FakeNvml([card], driver="535.104.05")
     reader, _ = build(fake)
@@ -107,7 +110,7 @@ def test_an_unsupported_field_falls_back_to_its_own_call_and_is_not_asked_again(
     assert fake.calls["violation_s"] == 3 and fake.calls["power_w"] == 1  # the fallbacks that answer
 
 
-def test_field_values_call_itself_unsupported_reads_each_value_alone(collect) -> None:  # noqa: F811
+def test_field_values_call_itself_unsupported_reads_each_value_alone(collect) -> None:
     [card] = h100s(1, unsupported={"field_values"})
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -124,7 +127,7 @@ def test_field_values_call_itself_unsupported_reads_each_value_alone(collect) ->
     assert fake.calls["field_values"] == 1  # asked once, remembered
 
 
-def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_so(collect) -> None:  # noqa: F811
+def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_so(collect) -> None:
     fake = FakeNvml(h100s(1), driver="550.54.15")
     reader, _ = build(fake)
     data = collect(reader)
@@ -147,7 +150,7 @@ def test_renumbered_throttle_fields_are_asked_only_of_drivers_that_number_them_s
         ("590.44.01", {FI.CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN, FI.CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN}),
     ],
 )
-def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, driver, ids) -> None:  # noqa: F811
+def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, driver, ids) -> None:
     [card] = h100s(1)
     card.throttle_ns.update(hw_thermal=7_000_000_000, hw_power_brake=3_000)
     fake = FakeNvml([card], driver=driver)
@@ -160,7 +163,7 @@ def test_hw_throttle_times_are_read_at_the_ids_the_driver_numbers_them(collect, 
     assert times["hw_power_brake_slowdown"] == 3e-6
 
 
-def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_snapshot(collect, monkeypatch) -> None:  # noqa: F811
+def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_snapshot(collect, monkeypatch) -> None:
     """580.159.04 on an H200: 252/253 NotSupported, the hw_* throttle times at 270/271 (nvidia-smi
     showed the same 0 us as those fields). Early R580 drivers keep 252/253 and are never asked 270/271,
     which hold power-smoothing settings there."""
@@ -185,7 +188,7 @@ def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_s
     assert all(not {fid for fid, _ in call} & {270, 271} for call in early.fields_asked)
 
 
-def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:  # noqa: F811
+def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect) -> None:
     cards = h100s(2)
     cards[1].nvlink_links = 0
     fake = FakeNvml(cards)
@@ -200,7 +203,7 @@ def test_nvlink_bytes_are_asked_for_all_links_and_absent_without_nvlink(collect)
     }
 
 
-def test_a_field_failing_in_passing_is_skipped_this_time_only(collect, monkeypatch) -> None:  # noqa: F811
+def test_a_field_failing_in_passing_is_skipped_this_time_only(collect, monkeypatch) -> None:
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -224,7 +227,7 @@ def test_a_field_failing_in_passing_is_skipped_this_time_only(collect, monkeypat
 # -- XID events ------------------------------------------------------------------------------
 
 
-def test_xid_codes_are_counted_per_gpu_with_a_bounded_set_of_values(collect) -> None:  # noqa: F811
+def test_xid_codes_are_counted_per_gpu_with_a_bounded_set_of_values(collect) -> None:
     cards = h100s(2)
     fake = FakeNvml(cards)
     reader, _ = build(fake)
@@ -248,7 +251,7 @@ def test_xid_codes_are_counted_per_gpu_with_a_bounded_set_of_values(collect) -> 
     assert len(XID_CODES) + 1 <= 25  # the attribute's values are bounded
 
 
-def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:  # noqa: F811
+def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -260,7 +263,7 @@ def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:  #
     assert by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code") == {"94": 300}
 
 
-def test_xid_events_unsupported_means_no_series_and_no_retries(collect) -> None:  # noqa: F811
+def test_xid_events_unsupported_means_no_series_and_no_retries(collect) -> None:
     fake = FakeNvml(h100s(2))
     fake.events_supported = False
     reader, _ = build(fake)
@@ -271,7 +274,7 @@ def test_xid_events_unsupported_means_no_series_and_no_retries(collect) -> None:
     assert set(status(data).values()) == {"ok"}
 
 
-def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:  # noqa: F811
+def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:
     parent = FakeGpu(uuid="GPU-aaaa", name="NVIDIA H100 80GB HBM3")
     parent.mig = [
         FakeGpu(uuid="MIG-1111", unsupported={"utilization"}, gpm=None),
@@ -317,7 +320,7 @@ def test_xid_on_a_mig_gpu_is_counted_once_on_the_parent(collect) -> None:  # noq
         ({"xid": 79}, "failed"),
     ],
 )
-def test_hw_status_from_remaps_recovery_action_and_xids(collect, change, expected) -> None:  # noqa: F811
+def test_hw_status_from_remaps_recovery_action_and_xids(collect, change, expected) -> None:
     cards = h100s(2)
     fake = FakeNvml(cards)
     xid = change.pop("xid", None)
@@ -330,7 +333,7 @@ def test_hw_status_from_remaps_recovery_action_and_xids(collect, change, expecte
     assert status(collect(reader)) == {cards[0].uuid: "ok", cards[1].uuid: expected}
 
 
-def test_a_lost_gpu_is_failed_and_the_others_keep_reporting(collect) -> None:  # noqa: F811
+def test_a_lost_gpu_is_failed_and_the_others_keep_reporting(collect) -> None:
     cards = h100s(3)
     fake = FakeNvml(cards)
     reader, _ = build(fake)
@@ -358,8 +361,8 @@ def test_a_lost_gpu_is_failed_and_the_others_keep_reporting(collect) -> None:  #
 
 
 def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
-    collect,  # noqa: F811
-    stepped_time: SteppedTime,  # noqa: F811
+    collect,
+    stepped_time: SteppedTime,
 ) -> None:
     [card] = h100s(1, link=(16, 5), link_max=(16, 5))
     fake = FakeNvml([card])
@@ -382,7 +385,7 @@ def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
 GPM_SERIES = ("openlora.gpu.sm.activity", "openlora.gpu.sm.occupancy", "openlora.gpu.tensor.activity")
 
 
-def test_gpm_needs_two_snapshots_and_always_passes_the_older_sample_first(collect) -> None:  # noqa: F811
+def test_gpm_needs_two_snapshots_and_always_passes_the_older_sample_first(collect) -> None:
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -395,7 +398,7 @@ def test_gpm_needs_two_snapshots_and_always_passes_the_older_sample_first(collec
     assert fake.calls["gpm_sample_alloc"] == 2  # two buffers, reused
 
 
-def test_gpm_absent_before_hopper_and_not_asked_again(collect) -> None:  # noqa: F811
+def test_gpm_absent_before_hopper_and_not_asked_again(collect) -> None:
     fake = FakeNvml([older_gpu()])
     reader, _ = build(fake)
     for _ in range(3):
@@ -404,7 +407,7 @@ def test_gpm_absent_before_hopper_and_not_asked_again(collect) -> None:  # noqa:
     assert fake.calls["gpm_supported"] == 1 and fake.calls["gpm_sample_get"] == 0
 
 
-def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:  # noqa: F811
+def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -420,7 +423,7 @@ def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:  # 
     assert series(collect(reader), "openlora.gpu.sm.activity")
 
 
-def test_a_failed_second_gpm_allocation_frees_the_first(collect, monkeypatch) -> None:  # noqa: F811
+def test_a_failed_second_gpm_allocation_frees_the_first(collect, monkeypatch) -> None:
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
@@ -441,7 +444,7 @@ def test_a_failed_second_gpm_allocation_frees_the_first(collect, monkeypatch) ->
 # -- threads, shutdown -------------------------------------------------------------------------
 
 
-def test_every_nvml_call_of_a_collection_runs_on_the_helper_thread(collect) -> None:  # noqa: F811
+def test_every_nvml_call_of_a_collection_runs_on_the_helper_thread(collect) -> None:
     fake = FakeNvml(h100s(2))
     reader, _ = build(fake)
     collect(reader)
@@ -451,7 +454,7 @@ def test_every_nvml_call_of_a_collection_runs_on_the_helper_thread(collect) -> N
     assert threading.current_thread().name not in fake.threads
 
 
-def test_close_frees_the_event_set_and_samples_once_the_snapshot_in_flight_ends(collect) -> None:  # noqa: F811
+def test_close_frees_the_event_set_and_samples_once_the_snapshot_in_flight_ends(collect) -> None:
     fake = FakeNvml(h100s(1))
     reader, metrics = build(fake, timeout_s=0.05)
     collect(reader)
@@ -542,7 +545,7 @@ def test_real_backend_gpm_metrics() -> None:
         unsupported.gpm_supported("handle0")
 
 
-def test_an_older_driver_lacking_an_nvml_entry_point_is_not_a_lost_gpu(collect) -> None:  # noqa: F811
+def test_an_older_driver_lacking_an_nvml_entry_point_is_not_a_lost_gpu(collect) -> None:
     # A driver older than GPM (R520) or the row remapper (R450) has no such symbol in libnvidia-ml;
     # a current nvidia-ml-py then raises FunctionNotFound: the capability is absent, the GPU is fine.
     module = fake_pynvml_module(

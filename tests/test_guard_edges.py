@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
-from tests.conftest import value
+from tests.support.readings import value
 
 torch = pytest.importorskip("torch")
 

@@ -22,9 +22,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, default_da
 import openlora_otel.integrations  # noqa: E402
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.integrations.hf import TelemetryCallback  # noqa: E402
-from tests.conftest import points, value  # noqa: E402
-from tests.test_training_torch import HOST_READS  # noqa: E402
-from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+from tests.support.host_reads import HOST_READS  # noqa: E402
+from tests.support.readings import points, value  # noqa: E402
+from tests.support.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
 
 # Tensor methods that bring a value to the host (and so wait for the device that computes it).
 READS = HOST_READS | {"__repr__", "__str__", "__format__", "__array__", "to", "copy_"}

@@ -38,8 +38,8 @@ from openlora_otel._deps import MissingDependencyError
 from openlora_otel.config import MIN_HISTORY_MAX_BYTES
 from openlora_otel.exporters.history import HistoryExporter, encode_line, history_path
 from openlora_otel.history import read_history
-from tests.conftest import child_env
-from tests.otlp_receiver import HangingEndpoint
+from tests.support.otlp_receiver import HangingEndpoint
+from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = "openlora.training.steps"
@@ -361,6 +361,7 @@ def test_the_final_line_goes_out_behind_a_hanging_otlp_collector(tmp_path: Path)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_a_forked_worker_writes_nothing_to_the_file(tmp_path: Path) -> None:
     """A DataLoader worker forked from the training process gets a copy of the reader (the SDK restarts its
     thread there); its frozen copy of the metrics must not be appended to the run's file."""

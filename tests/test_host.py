@@ -21,7 +21,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
 from openlora_otel.hardware.host import HOST_METRICS, PROCESS_SELECTION, SCOPE_NAME, SYSTEM_SELECTION
-from tests.conftest import child_env, free_port, points
+from tests.support.processes import child_env, free_port
+from tests.support.readings import points
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -454,7 +455,7 @@ os._exit(0)
 
 @pytest.mark.e2e
 def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_data(tmp_path: Path) -> None:
-    from tests.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()
     ports = {0: free_port(), 1: free_port()}

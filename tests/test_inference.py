@@ -16,7 +16,8 @@ from openlora_otel import names, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.inference import ADAPTER_BASE, ADAPTER_OTHER, InferenceMetrics, inference_views
 from openlora_otel.views import observed_total_views
-from tests.conftest import FakeClock, points
+from tests.support.clock import FakeClock
+from tests.support.readings import points
 
 DURATION = "gen_ai.server.request.duration"
 TTFT = "gen_ai.server.time_to_first_token"
@@ -356,7 +357,7 @@ def test_the_adapter_cap_variable_reaches_telemetry_inference(monkeypatch: pytes
 
 def test_an_aborted_collection_loses_no_request() -> None:
     """A collection that times out after the windows were handed over keeps them for the next one."""
-    from tests.conftest import SlowOnce
+    from tests.support.readings import SlowOnce
 
     rig = Rig(True)
     SlowOnce(rig.provider.get_meter("slow"), seconds=0.3)

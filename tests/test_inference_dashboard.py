@@ -5,7 +5,7 @@ The server side here is InferenceMetrics itself (``telemetry.inference`` of an i
 ``setup_telemetry``), driven by a thread that plays requests the way a server does: queued, started,
 first token, token counts; some failing through the server's fault, some through the client's. The
 variables are resolved and the panels run as Grafana's Prometheus datasource does
-(tests/test_cluster_dashboard.py).
+(tests/support/dashboards.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import pytest
 import yaml
 
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
-from tests.metrics_paths import METRIC_PATHS
-from tests.test_cluster_dashboard import (
+from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,
     dashboard,
@@ -31,12 +30,13 @@ from tests.test_cluster_dashboard import (
     panels,
     run_every_query,
     substitute,
-    wait_until,
 )
+from tests.support.metrics_paths import METRIC_PATHS
+from tests.support.polling import wait_until
 
 if TYPE_CHECKING:
     from openlora_otel import TelemetryConfig
-    from tests.metrics_paths import MetricsPath
+    from tests.support.metrics_paths import MetricsPath
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "grafana"
@@ -270,10 +270,10 @@ def value(result: list[dict]) -> float:
 @pytest.mark.e2e
 @METRIC_PATHS
 def test_every_inference_query_on_recorded_requests(tmp_path, path: str, major: int) -> None:
-    """On each path of tests/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
+    """On each path of tests/support/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
     (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
     from openlora_otel import TelemetryConfig
-    from tests.metrics_paths import MetricsPath
+    from tests.support.metrics_paths import MetricsPath
 
     rules_dir = tmp_path / "rules"
     rules_dir.mkdir()

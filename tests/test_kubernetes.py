@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from openlora_otel.config import TelemetryConfig
-from tests import collector_checks as checks
+from tests.support import collector_checks as checks
 
 K8S = checks.ROOT / "deploy" / "kubernetes"
 COLLECTOR_CONFIGS = checks.ROOT / "deploy" / "collector"

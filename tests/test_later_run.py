@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import free_port
-from tests.metrics_paths import MetricsPath
+from tests.support.metrics_paths import MetricsPath
+from tests.support.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"

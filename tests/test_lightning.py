@@ -18,9 +18,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.integrations.lightning import TelemetryCallback  # noqa: E402
-from tests.conftest import points, value  # noqa: E402
-from tests.test_training_torch import HOST_READS  # noqa: E402
-from tests.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+from tests.support.host_reads import HOST_READS  # noqa: E402
+from tests.support.readings import points, value  # noqa: E402
+from tests.support.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
 
 
 class LoraModule(pl.LightningModule):
@@ -108,7 +108,7 @@ def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) ->
 
 def test_no_host_read_of_the_loss_in_the_callback(memory_reader: InMemoryMetricReader) -> None:
     """The callback hands the loss tensor over without reading it (Lightning itself may read others)."""
-    from tests.test_training_torch import NoHostRead
+    from tests.support.host_reads import NoHostRead
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     callback = TelemetryCallback(telemetry, grad_norm=False)
@@ -410,7 +410,7 @@ def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path) -> None:
     from pathlib import Path
 
     from openlora_otel.integrations._common import GUARD_SYNC_EVERY
-    from tests.conftest import child_env
+    from tests.support.processes import child_env
 
     script = tmp_path / "ddp_guard.py"
     script.write_text(_DDP_SCRIPT)

@@ -32,7 +32,7 @@ from openlora_otel.serving.load import (
     run_load,
     summarize,
 )
-from tests.conftest import free_port
+from tests.support.processes import free_port
 
 
 class FakeServe:

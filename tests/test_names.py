@@ -9,7 +9,7 @@ import pytest
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, RUN_METRICS, TRAINING_METRICS, prometheus_name
 from openlora_otel.training.guard import DivergenceGuard
-from tests.conftest import served_series
+from tests.support.readings import served_series
 
 ALL = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS)
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import child_env, free_port
-from tests.otlp_receiver import GrpcReceiver, HangingEndpoint, HttpReceiver, Receiver
+from tests.support.otlp_receiver import GrpcReceiver, HangingEndpoint, HttpReceiver, Receiver
+from tests.support.processes import child_env, free_port
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")

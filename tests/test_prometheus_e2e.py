@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.conftest import free_port
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.processes import free_port
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 pytestmark = pytest.mark.e2e
 

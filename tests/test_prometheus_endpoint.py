@@ -17,8 +17,9 @@ import pytest
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.exporters import prometheus as prometheus_module
-from tests.conftest import child_env, wait_for_child
-from tests.otlp_receiver import HangingEndpoint
+from tests.support.otlp_receiver import HangingEndpoint
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, wait_for_child
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,21 +46,12 @@ def _connect_idle(port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
-def _wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_idle_connections_hold_a_bounded_number_of_threads_and_none_after_shutdown() -> None:
     telemetry = setup_telemetry(config=_config())
     idle = _connect_idle(_port(telemetry), 300)
     try:
         # Every connection is accepted (by the kernel) at once; the server serves at most MAX_CONNECTIONS.
-        _wait_until(lambda: len(_endpoint_threads()) >= prometheus_module.MAX_CONNECTIONS, 5)
+        wait_until(lambda: len(_endpoint_threads()) >= prometheus_module.MAX_CONNECTIONS, 5, interval=0.05)
         assert len(_endpoint_threads()) <= prometheus_module.MAX_CONNECTIONS + 1  # + the accept loop
         started = time.monotonic()
         telemetry.shutdown()
@@ -76,9 +68,9 @@ def test_idle_connections_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
     idle = _connect_idle(_port(telemetry), 10)
     try:
         # Each idle connection holds a thread for a while...
-        assert _wait_until(lambda: len(_endpoint_threads()) > 1, 5)
+        assert wait_until(lambda: len(_endpoint_threads()) > 1, 5, interval=0.05)
         # Without a request they are dropped after the connection timeout, thread and all.
-        assert _wait_until(lambda: len(_endpoint_threads()) == 1, 5)
+        assert wait_until(lambda: len(_endpoint_threads()) == 1, 5, interval=0.05)
         with urllib.request.urlopen(telemetry.prometheus_url, timeout=5) as response:
             assert response.status == 200
     finally:
@@ -88,6 +80,7 @@ def test_idle_connections_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_a_forked_child_does_not_keep_the_port() -> None:
     telemetry = setup_telemetry(config=_config())
     port = _port(telemetry)
@@ -238,6 +231,7 @@ def test_closing_the_endpoint_does_not_wait_for_a_poll_interval() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.process  # a forked child
 def test_fork_while_a_scrape_holds_the_server_lock_does_not_hang_the_child() -> None:
     endpoint = prometheus_module.build_prometheus(_config())
     server = endpoint._server

@@ -27,12 +27,12 @@ import pytest
 import yaml
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.collector_server import Collector
-from tests.conftest import child_env
-from tests.metrics_paths import MetricsPath, push_env
-from tests.prometheus_server import Prometheus
-from tests.test_cluster_dashboard import wait_until
-from tests.test_end_of_run import _CHILD_PRELUDE, _RECORD_5000, _run_child
+from tests.support.collector_server import Collector
+from tests.support.metrics_paths import MetricsPath, push_env
+from tests.support.polling import wait_until
+from tests.support.processes import child_env
+from tests.support.prometheus_server import Prometheus
+from tests.support.sigterm import CHILD_PRELUDE, RECORD_5000, run_child
 
 pytestmark = pytest.mark.e2e
 
@@ -83,11 +83,11 @@ def test_the_end_of_a_run_reaches_prometheus_on_the_push_paths(tmp_path: Path, p
             **{**metrics.push_env(instance), "OTEL_METRIC_EXPORT_INTERVAL": "60000"},
         )
         if end == "sigterm":
-            result, _ = _run_child(_RECORD_5000, env)
+            result, _ = run_child(RECORD_5000, env)
             assert result.returncode == 143, result.stderr[-2000:]
             expected = 5000
         else:
-            script = _CHILD_PRELUDE + textwrap.dedent(_RECORD_3000_AND_END)
+            script = CHILD_PRELUDE + textwrap.dedent(_RECORD_3000_AND_END)
             result = subprocess.run(
                 [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
             )
@@ -247,7 +247,7 @@ def test_a_collector_over_its_memory_limit_refuses_points_and_nothing_is_lost_af
 def test_victoriametrics_otlp_ingestion_labels_every_series_and_makes_no_target_info(tmp_path: Path) -> None:
     """Why the dashboards do not run on VictoriaMetrics' own OTLP ingestion (README): no target_info, no
     job or instance; the Resource is on every series instead. Send to it through the gateway's remote
-    write (tests/metrics_paths.py, ``gateway``) and they do."""
+    write (tests/support/metrics_paths.py, ``gateway``) and they do."""
     with MetricsPath("otlp", 0, tmp_path) as metrics:
         telemetry = setup_telemetry(
             "openlora-demo", run_id="vm-otlp", config=TelemetryConfig.from_env(metrics.push_env("vm-otlp-instance"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from openlora_otel.commands.env import variables_markdown
-from tests.conftest import child_env
+from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

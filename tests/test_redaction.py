@@ -22,8 +22,8 @@ import pytest
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.config import ConfigError, OTLPConfig, secrets_in_env
 from openlora_otel.redaction import REDACTED, redact, redact_url, secret_forms, url_secrets
-from tests.conftest import child_env, free_port
-from tests.otlp_receiver import HttpReceiver
+from tests.support.otlp_receiver import HttpReceiver
+from tests.support.processes import child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-pw"

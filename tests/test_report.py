@@ -30,9 +30,10 @@ from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
 from openlora_otel.report.render import png_figure, prepare
-from tests.conftest import child_env, free_port, reap
-from tests.fake_nvml import FakeNvml, h100s
-from tests.prometheus_server import Prometheus, prometheus_binary
+from tests.support.demo import demo_process, needs_the_demo, wait_for_line
+from tests.support.fake_nvml import FakeNvml, h100s
+from tests.support.processes import child_env, free_port, reap
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 CHROMIUM = "/usr/bin/chromium"
 CPU_PANELS = ["Loss", "Gradient norm", "Learning rate", "Throughput", "Step time"]
@@ -416,40 +417,12 @@ def test_html_page_in_headless_chromium(two_runs: Path, tmp_path: Path) -> None:
 
 
 # -- a real Prometheus scraping real demo runs ---------------------------------------------------
-def _demo(*args: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "openlora_otel", "demo", *args],
-        env=child_env(OMP_NUM_THREADS="1", **env),  # two demos on a small machine: one core each
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for_line(process: subprocess.Popen[str], needle: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        if needle in line:
-            return
-    raise AssertionError(f"{needle!r} not seen in: {''.join(seen)[-2000:]}")
-
-
-def _needs_the_demo() -> None:
-    for module in ("torch", "transformers", "peft"):
-        pytest.importorskip(module)
-
-
 @pytest.mark.process
 def test_report_from_the_history_files_of_two_real_demo_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The README's commands: two demo runs with another learning rate each, no server, then the report."""
-    _needs_the_demo()
+    needs_the_demo()
     history = tmp_path / "runs"
     env = {
         "OPENLORA_HISTORY_DIR": str(history),
@@ -458,7 +431,7 @@ def test_report_from_the_history_files_of_two_real_demo_runs(
     }
     common = ("--steps", "60", "--eval-every", "20", "--quiet")
     demos = {
-        name: _demo(*common, "--run-name", name, "--lr", lr, **env)
+        name: demo_process(*common, "--run-name", name, "--lr", lr, env=env)
         for name, lr in (("a", "3e-3"), ("b", "1e-3"))
     }
     printed = {}
@@ -507,7 +480,7 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prometheus_binary()
-    _needs_the_demo()
+    needs_the_demo()
     ports = free_port(), free_port()
     # Small steps, each at least 50 ms long (the data delay): a few seconds of training on any machine,
     # so Prometheus takes a dozen scrapes or more of each run.
@@ -525,15 +498,17 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
     )
     history = tmp_path / "runs"
     demos = [
-        _demo(
+        demo_process(
             *common,
             "--run-name",
             name,
             "--lr",
             lr,
-            OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
-            OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
-            OPENLORA_HISTORY_DIR=str(history),  # the same runs in files too
+            env={
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+                "OPENLORA_HISTORY_DIR": str(history),  # the same runs in files too
+            },
         )
         for port, name, lr in ((ports[0], "a", "3e-3"), (ports[1], "b", "1e-3"))
     ]
@@ -541,7 +516,7 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
     try:
         prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in ports], scrape_interval="250ms")
         for demo in demos:
-            _wait_for_line(demo, "serving the final values", timeout=300)
+            wait_for_line(demo.stderr, "serving the final values", timeout=300)
         done = time.time()
         for port in ports:
             # Scrapes a second after the final evaluation: the last values are in Prometheus.

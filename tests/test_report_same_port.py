@@ -9,9 +9,9 @@ import pytest
 
 from openlora_otel.report.model import curves
 from openlora_otel.report.prometheus import read_prometheus
-from tests.conftest import free_port, reap
-from tests.prometheus_server import Prometheus, prometheus_binary
-from tests.test_report import _demo, _needs_the_demo, _wait_for_line
+from tests.support.demo import demo_process, needs_the_demo, wait_for_line
+from tests.support.processes import free_port, reap
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 
 @pytest.mark.e2e
@@ -19,7 +19,7 @@ def test_two_runs_one_after_the_other_on_the_same_port_are_read_apart(tmp_path: 
     """The README's case: `demo --run-name a`, then `demo --run-name b`, both on the default port,
     one Prometheus scraping it. Each run's curves are its own: run a does not get b's steps."""
     prometheus_binary()
-    _needs_the_demo()
+    needs_the_demo()
     port = free_port()
     common = ("--steps", "30", "--batch-size", "2", "--data-delay-ms", "50", "--linger", "2")
     env = {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port)}
@@ -27,9 +27,9 @@ def test_two_runs_one_after_the_other_on_the_same_port_are_read_apart(tmp_path: 
     ended: dict[str, float] = {}
     try:
         for name, lr, steps in (("a", "3e-3", "30"), ("b", "1e-3", "20")):
-            demo = _demo(*common[:1], steps, *common[2:], "--run-name", name, "--lr", lr, **env)
+            demo = demo_process(*common[:1], steps, *common[2:], "--run-name", name, "--lr", lr, env=env)
             try:
-                _wait_for_line(demo, "serving the final values", timeout=300)
+                wait_for_line(demo.stderr, "serving the final values", timeout=300)
                 assert demo.wait(timeout=60) == 0
             finally:
                 demo.terminate()

@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.run import MAX_HYPERPARAMETERS, MAX_VALUE_LENGTH, hyperparameter_key, hyperparameter_value
-from tests.conftest import points
+from tests.support.readings import points
 
 
 def _info(reader: InMemoryMetricReader) -> dict[str, object]:

@@ -31,19 +31,16 @@ import pytest
 import yaml
 
 from openlora_otel.discovery import _host_label
-from tests.conftest import free_port
-from tests.prometheus_server import ServerProcess as Server
-from tests.test_cluster_dashboard import (
+from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
-    FAST_S,
-    SLOW_S,
     TRAINING_DASHBOARD,
-    Ranks,
     http_variable_options,
     run_every_query,
-    wait_until,
-    write_rules,
 )
+from tests.support.polling import wait_until
+from tests.support.processes import free_port
+from tests.support.prometheus_server import ServerProcess as Server
+from tests.support.ranks import FAST_S, SLOW_S, Ranks, write_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "prometheus"

@@ -28,7 +28,8 @@ from openlora_otel.demo.layout import LayoutError, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
-from tests.serving import ServeProcess, has, requests_by, save_demo, total, wait_until
+from tests.support.polling import wait_until
+from tests.support.serving import ServeProcess, has, requests_by, save_demo, total
 
 PROMPT = "the engineer trains "
 
@@ -310,6 +311,7 @@ def test_an_unknown_adapter_is_404_and_counted_as_other(server: ServeProcess) ->
         and m,
         10,
         "the 404 counted",
+        interval=0.1,
     )
     assert after[("other", "unknown_adapter")] == before.get(("other", "unknown_adapter"), 0) + 1
     assert not any(adapter == "no-such-adapter" for adapter, _ in after)
@@ -351,7 +353,10 @@ def test_bad_input_is_counted_under_its_adapter_or_other(server: ServeProcess) -
         ("other", "invalid_request"): before.get(("other", "invalid_request"), 0) + 1,
     }
     wait_until(
-        lambda: all(requests_by(server.metrics()).get(k, 0) == v for k, v in expected.items()), 10, str(expected)
+        lambda: all(requests_by(server.metrics()).get(k, 0) == v for k, v in expected.items()),
+        10,
+        str(expected),
+        interval=0.1,
     )
 
 
@@ -369,6 +374,7 @@ def test_past_the_queue_503_and_a_disconnected_stream_is_cancelled(server: Serve
             lambda: total(server.metrics(), "openlora_inference_requests_waiting", openlora_adapter_name="a2") == 1,
             10,
             "a2 waiting",
+            interval=0.1,
         )
         status, headers, body = server.complete({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1})
         assert status == 503
@@ -389,6 +395,7 @@ def test_past_the_queue_503_and_a_disconnected_stream_is_cancelled(server: Serve
         lambda: all(requests_by(server.metrics()).get(k, 0) == v for k, v in expected.items()),
         30,
         f"{expected} in {requests_by(server.metrics())}",
+        interval=0.1,
     )
     text = server.metrics()
     assert total(text, "openlora_inference_requests_running") == 0
@@ -415,7 +422,7 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
         text = server.metrics()
         return text if ok(text, "a2") == ok(before, "a2") + 2 else None
 
-    after = wait_until(counted, 10, "a2's requests")
+    after = wait_until(counted, 10, "a2's requests", interval=0.1)
     assert ok(after, "a1") == ok(before, "a1") + 2
     assert ok(after, "base") == ok(before, "base") + 1
     ttft = "gen_ai_server_time_to_first_token_seconds_count"
@@ -469,7 +476,7 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
         assert stream.next()["choices"][0]["finish_reason"] is None
         serve.process.send_signal(signal.SIGTERM)
         # New connections are refused once the server stops listening.
-        wait_until(lambda: not _accepts(serve.port), 20, "the listening socket closed")
+        wait_until(lambda: not _accepts(serve.port), 20, "the listening socket closed", interval=0.1)
         scrapes: list[str] = []
 
         def scrape_until_exit() -> bool:

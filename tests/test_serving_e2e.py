@@ -51,8 +51,8 @@ import pytest
 
 from openlora_otel.cli import main as cli_main
 from openlora_otel.names import REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
-from tests.prometheus_server import Prometheus
-from tests.serving import ServeProcess, save_demo
+from tests.support.prometheus_server import Prometheus
+from tests.support.serving import ServeProcess, save_demo
 
 pytestmark = pytest.mark.e2e
 # What the serve process needs (the serve extra), as in tests/test_serve.py.
@@ -373,7 +373,7 @@ def test_server_histograms_hold_what_the_clients_measured(scraped: Scraped) -> N
 
 
 def test_every_inference_dashboard_query_returns_data(scraped: Scraped) -> None:
-    from tests.test_cluster_dashboard import http_variable_options, run_every_query
+    from tests.support.dashboards import http_variable_options, run_every_query
 
     # At a time within 15 s of the traffic: the panels' rates are over [$__rate_interval] = 15 s.
     problems = run_every_query(
@@ -389,7 +389,7 @@ def test_every_inference_dashboard_query_returns_data(scraped: Scraped) -> None:
 
 
 def test_the_same_counts_through_otlp(saved: Path, tmp_path: Path) -> None:
-    from tests.otlp_receiver import HttpReceiver
+    from tests.support.otlp_receiver import HttpReceiver
 
     receiver = HttpReceiver()
 
@@ -459,8 +459,9 @@ def test_the_same_counts_through_otlp(saved: Path, tmp_path: Path) -> None:
 def test_serve_under_load_on_the_push_paths(saved: Path, tmp_path: Path, path: str) -> None:
     """``serve`` pushing OTLP (every second) through our Collector, through the agent and gateway tiers, and
     straight into Prometheus 3.16: per adapter the counts the load saw, and every inference query has data."""
-    from tests.metrics_paths import MetricsPath
-    from tests.test_cluster_dashboard import http_variable_options, run_every_query, wait_until
+    from tests.support.dashboards import http_variable_options, run_every_query
+    from tests.support.metrics_paths import MetricsPath
+    from tests.support.polling import wait_until
 
     broken = tmp_path / "broken"  # as for the scraped server: a failed load and 503s, so every panel has data
     shutil.copytree(saved / "adapters" / "a1", broken)

@@ -15,7 +15,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import openlora_otel
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, _deps, setup_telemetry
-from tests.conftest import free_port, points
+from tests.support.processes import free_port
+from tests.support.readings import points
 
 NO_EXPORT = {"OTEL_METRICS_EXPORTER": "none"}
 

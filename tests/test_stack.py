@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import shutil
 import signal
 import socket
@@ -25,22 +24,12 @@ import yaml
 
 from openlora_otel import stack
 from openlora_otel.commands import stack as stack_command
-from tests.conftest import child_env, free_port, reap
+from tests.support.processes import child_env, free_port, reap
+from tests.support.stack import start_stack, tool, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 COLLECTOR_ALERTMANAGER = ROOT / "collector" / "alertmanager.yml"
-
-
-def tool(name: str) -> str:
-    binary = shutil.which(name)
-    if binary is None:
-        package = "prometheus-alertmanager" if name == "amtool" else "prometheus"
-        message = f"{name} is not installed (Debian package `{package}`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
-    return binary
 
 
 def run_stack(*argv: str) -> tuple[int, str, str]:
@@ -399,55 +388,9 @@ def test_the_alert_printer_shows_each_alert_with_its_run() -> None:
 # -- the servers themselves -----------------------------------------------------------------------------
 
 
-def wait_for_line(process: subprocess.Popen, needle: str, timeout: float) -> list[str]:
-    """Lines of ``process``'s stdout up to the one containing ``needle`` (bounded)."""
-    import selectors
-
-    lines: list[str] = []
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    buffer = b""
-    while time.monotonic() < deadline:
-        if not selector.select(timeout=0.5):
-            if process.poll() is not None:
-                break
-            continue
-        chunk = os.read(process.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        buffer += chunk
-        *done, buffer = buffer.split(b"\n")
-        lines += [line.decode() for line in done]
-        if any(needle in line for line in lines):
-            return lines
-    raise AssertionError(f"no {needle!r} from the stack in {timeout} s: {lines} {buffer!r}")
-
-
 def _refused(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def start_stack(directory: Path, *argv: str) -> tuple[subprocess.Popen, list[str]]:
-    """The stack with ``--start``, as ``python -m openlora_otel stack``; returns the process and its lines
-    up to the one saying it runs."""
-    tool("prometheus")
-    stack.find_binary(stack.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "openlora_otel", "stack", "--dir", str(directory), "--start", *argv],
-        cwd=ROOT,
-        env=child_env(PYTHONPATH=str(ROOT)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        lines = wait_for_line(process, "Ctrl-C stops both", 90)
-    except BaseException:
-        process.kill()
-        reap(process, 10)
-        raise
-    return process, lines
 
 
 @pytest.mark.e2e

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
-from tests.conftest import child_env, free_port, reap
-from tests.prometheus_server import Prometheus
+from tests.support.processes import child_env, free_port, reap
+from tests.support.prometheus_server import Prometheus
 
 SAMPLES = 3000
 QUANTILES = (0.5, 0.9, 0.99)

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import child_env, free_port
-from tests.prometheus_server import Prometheus
+from tests.support.polling import wait_until
+from tests.support.processes import child_env, free_port
+from tests.support.prometheus_server import Prometheus
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -111,14 +112,17 @@ def by_rank(prometheus: Prometheus, expr: str, info: str = "target_info") -> dic
     return {r["metric"]["openlora_rank"]: float(r["value"][1]) for r in prometheus.query(joined)}
 
 
-def wait_until(condition, timeout: float, what: str, launch: Launch) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_while_running(condition, timeout: float, what: str, launch: Launch) -> None:
+    """wait_until ``condition``, failing at once if torchrun ends first; either failure shows its output."""
+
+    def done() -> bool:
         if condition():
-            return
+            return True
         assert launch.process.poll() is None, f"torchrun ended early:\n{launch.output[-3000:]}"
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; output:\n{launch.output[-3000:]}")
+        return False
+
+    if not wait_until(done, timeout):
+        raise AssertionError(f"timed out waiting for {what}; output:\n{launch.output[-3000:]}")
 
 
 def test_the_threshold_is_the_rules_threshold() -> None:
@@ -133,8 +137,8 @@ def test_the_threshold_is_the_rules_threshold() -> None:
 )
 def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path: str, major: int) -> None:
     """Pulled from each rank, and pushed over OTLP through our Collector, through the agent and gateway
-    tiers, and straight into Prometheus 3's receiver (tests/metrics_paths.py)."""
-    from tests.metrics_paths import MetricsPath
+    tiers, and straight into Prometheus 3's receiver (tests/support/metrics_paths.py)."""
+    from tests.support.metrics_paths import MetricsPath
 
     base = two_free_ports()
     rules = tmp_path / "rules"
@@ -168,13 +172,13 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
     )
     try:
         # Both ranks step and the rules have a ratio for each.
-        wait_until(
+        wait_while_running(
             lambda: len(by_rank(prometheus, RATIO)) == 2, timeout=150, what="both ranks' ratios", launch=launch
         )
         launch.note_workers()
         # The ratio is the mean since the start (the run is younger than the 2 m window):
         # the first steps may still sway it; give it a few seconds to settle.
-        wait_until(
+        wait_while_running(
             lambda: (r := by_rank(prometheus, RATIO)).get("1", 0) > THRESHOLD and r.get("0", 9) < THRESHOLD,
             timeout=60,
             what="rank 1's ratio above the threshold and rank 0's below",

@@ -18,7 +18,8 @@ from openlora_otel.training import metrics as training_module
 from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.training.metrics import TrainingMetrics
-from tests.conftest import WALL_OFFSET, FakeClock, points, value
+from tests.support.clock import WALL_OFFSET, FakeClock
+from tests.support.readings import points, value
 
 
 def test_every_documented_instrument_is_exported(setup) -> None:

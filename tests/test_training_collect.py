@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.metrics import TrainingMetrics, step_duration_view
-from tests.conftest import SlowOnce, points, value
+from tests.support.readings import SlowOnce, points, value
 
 # Dyadic step times (exact in binary, so every sum below is exact), spread over
 # the first, middle and overflow buckets and over both sides of bucket edges.

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from tests.otlp_receiver import Receiver
+from tests.support.otlp_receiver import Receiver
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")

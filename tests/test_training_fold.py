@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from openlora_otel.training import metrics as training_module  # noqa: E402
 from openlora_otel.training import readback  # noqa: E402
-from tests.conftest import value  # noqa: E402
+from tests.support.readings import value  # noqa: E402
 
 FOLD_EVERY = training_module._FOLD_EVERY
 

@@ -16,7 +16,8 @@ from openlora_otel.training import metrics as training_module
 from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.metrics import TrainingMetrics
-from tests.conftest import FakeClock, points, value
+from tests.support.clock import FakeClock
+from tests.support.readings import points, value
 
 torch = pytest.importorskip("torch")
 

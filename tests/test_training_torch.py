@@ -15,25 +15,9 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # no
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
 from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
-from tests.conftest import value  # noqa: E402
-from tests.test_fork import PidFileExporter, exporter_pids  # noqa: E402
-
-HOST_READS = {"item", "__float__", "__int__", "__index__", "__bool__", "cpu", "tolist", "numpy"}
-
-
-class NoHostRead(torch.Tensor):
-    """A tensor whose value cannot reach the host unless ``allow`` is set (as at collection)."""
-
-    allow = False
-    blocked: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS and not cls.allow:
-            cls.blocked.append(name)
-            raise AssertionError(f"host read {name} on the step path")
-        return super().__torch_function__(func, types, args, kwargs or {})
+from tests.support.exporters import PidFileExporter, exporter_pids  # noqa: E402
+from tests.support.host_reads import NoHostRead  # noqa: E402
+from tests.support.readings import value  # noqa: E402
 
 
 def guarded(value: float, requires_grad: bool = False) -> torch.Tensor:
@@ -98,6 +82,7 @@ class SlowDataset(torch.utils.data.Dataset):
         return torch.tensor([float(index), float(os.getpid())])
 
 
+@pytest.mark.process  # a forked child
 def test_forked_dataloader_workers_export_nothing(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     reader = PeriodicExportingMetricReader(GuardedExporter(PidFileExporter(pids), describe="test"), 20)

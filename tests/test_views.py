@@ -12,8 +12,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import gpu_snapshot, nvml
 from openlora_otel.views import observed_total_views
-from tests.conftest import SlowOnce, value
-from tests.fake_nvml import FakeNvml, h100s
+from tests.support.fake_nvml import FakeNvml, h100s
+from tests.support.readings import SlowOnce, value
 
 
 def _totals(meter) -> dict[str, float]:

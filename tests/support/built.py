@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 # binary -> the tools/build.sh target that builds it
 TARGETS = {
     "otelcol-openlora": "collector",
@@ -24,8 +24,13 @@ TARGETS = {
 }
 
 
+# Read once, when the tests are loaded: each test runs without any OPENLORA_* variable
+# (tests/conftest.py's clean_env, which imports this module first).
+_BIN_DIR = os.environ.get("OPENLORA_BIN_DIR")
+
+
 def bin_dir() -> Path:
-    return Path(os.environ.get("OPENLORA_BIN_DIR") or ROOT / "build" / "bin")
+    return Path(_BIN_DIR or ROOT / "build" / "bin")
 
 
 def built(name: str) -> str:

@@ -19,9 +19,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import child_env, free_port, reap
+from tests.support.processes import child_env, free_port, reap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def save_demo(directory: Path, name: str, *, seed: int = 0, steps: int = 4, timeout: float = 300) -> str:
@@ -186,14 +186,3 @@ def requests_by(text: str) -> dict[tuple[str, str], float]:
             key = (labels.get("openlora_adapter_name", ""), labels.get("error_type", ""))
             counts[key] = counts.get(key, 0) + value
     return counts
-
-
-def wait_until(condition: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
-    """Poll ``condition()`` until it returns something truthy (bounded); that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"not within {timeout} s: {what}")

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.built import built
-from tests.collector_server import Collector
-from tests.prometheus_server import Prometheus, VictoriaMetrics, prometheus_binary
+from tests.support.built import built
+from tests.support.collector_server import Collector
+from tests.support.prometheus_server import Prometheus, VictoriaMetrics, prometheus_binary
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 METRIC_PATHS = pytest.mark.parametrize(
     ("path", "major"),
     [

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.built import built
-from tests.conftest import free_port, reap
+from tests.support.built import built
+from tests.support.processes import free_port, reap
 
 # The Prometheus releases the tests run: Debian's 2.42 (the oldest supported) and 3.16, built from the
 # module proxy by tools/build.sh. Tests that hold on both take ``major`` from PROMETHEUS_MAJORS.

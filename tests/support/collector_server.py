@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from tests.built import built
-from tests.conftest import free_port
-from tests.prometheus_server import ServerProcess
+from tests.support.built import built
+from tests.support.processes import free_port
+from tests.support.prometheus_server import ServerProcess
 
 
 class Collector(ServerProcess):
