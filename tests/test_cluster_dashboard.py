@@ -566,7 +566,7 @@ def test_stand_in_rules_are_valid_for_promtool(tmp_path) -> None:
 # -- every query on a real two-rank run ---------------------------------------------------------------
 
 RUN_ID = "cluster-run"
-FAST_S, SLOW_S = 0.02, 0.08  # rank 1 is the straggler: ratio about 1.6 against a median of 0.05
+FAST_S, SLOW_S = 0.02, 0.08  # rank 1 is the straggler: ratio about 4 against rank 0, the median without it
 SLOW_DATA_S = 0.06  # and it is input-bound: three quarters of its step waiting for data
 
 
@@ -618,7 +618,8 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, path: str, major: 
         step = _by_rank(slowest_first)
         assert FAST_S <= step["0"] < 2 * FAST_S and SLOW_S <= step["1"] < 1.5 * SLOW_S, step
         ratio = _by_rank(prometheus.query(straggler))
-        assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+        # The baseline leaves the slowest rank out: with two ranks it is rank 0's own step time.
+        assert ratio["1"] > 1.5 and ratio["0"] == pytest.approx(1.0), ratio
         node = prometheus.query(
             substitute(
                 next(p for p in panels(CLUSTER_DASHBOARD) if "per node" in p["title"])["targets"][0][
