@@ -212,7 +212,11 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, path: str, major: 
         step = _by_rank(slowest_first)
         assert FAST_S <= step["0"] < 2 * FAST_S and SLOW_S <= step["1"] < 1.5 * SLOW_S, step
         ratio = _by_rank(prometheus.query(straggler))
-        assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+        # The baseline leaves the slowest rank out: with two ranks it is rank 0's own step time, so
+        # rank 0 is at 1 (exactly in Prometheus, whose group reads this evaluation's records; vmalert
+        # reads each record back from the store, where the mean and the baseline may be an
+        # evaluation apart: 0.9998 seen).
+        assert ratio["1"] > 1.5 and ratio["0"] == pytest.approx(1.0, abs=0.25), ratio
         node = prometheus.query(
             substitute(
                 next(p for p in panels(CLUSTER_DASHBOARD) if "per node" in p["title"])["targets"][0][

@@ -315,7 +315,11 @@ def check_store(store: Server, ranks: Ranks) -> None:
         s["metric"]["openlora_rank"]: float(s["value"][1])
         for s in store.query("rank:openlora_training_straggler_ratio:2m")
     }
-    assert ratio["1"] > 1.5 > 1.0 > ratio["0"], ratio
+    # The baseline leaves the slowest rank out: with two ranks it is rank 0's own step time, so
+    # rank 0 is at 1 (exactly in Prometheus, whose group reads this evaluation's records; vmalert
+    # reads each record back from the store, where the mean and the baseline may be an
+    # evaluation apart).
+    assert ratio["1"] > 1.5 and ratio["0"] == pytest.approx(1.0, abs=0.25), ratio
     # The records that name an alert's run (its id from target_info, its name from
     # openlora_run_info) for each rank, and for the run (the ranks' alerts).
     names = {

@@ -154,7 +154,8 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
         **(metrics.push_env() if metrics.push else {}),
     )
     # Rank 1 sleeps 400 ms inside each step: several times a small step's own work on two
-    # busy cores, so its ratio is well above 1.5 (2 (C + S) / (2 C + S) with two ranks).
+    # busy cores, so its ratio is well above 1.5 ((C + S) / C: the baseline leaves the slowest
+    # rank out, so with two ranks it is rank 0's step time C, and rank 0's own ratio is 1).
     launch = Launch(
         [
             "--standalone",

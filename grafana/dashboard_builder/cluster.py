@@ -69,9 +69,10 @@ def ranks(grid: Grid) -> list[dict[str, Any]]:
         panel(
             "stat",
             "Worst straggler ratio",
-            f"The highest rank straggler ratio of the run: that rank's mean step time / the run's median "
-            f"(rank:openlora_training_straggler_ratio:2m). 1 is a typical rank; above {STRAGGLER_THRESHOLD} for "
-            f"3 minutes fires OpenloraRankStraggling.",
+            f"The highest rank straggler ratio of the run: that rank's mean step time / the median of the "
+            f"other ranks' (rank:openlora_training_straggler_ratio:2m, whose baseline is the median of the ranks "
+            f"less the slowest). 1 is a typical rank; above {STRAGGLER_THRESHOLD} for 3 minutes fires "
+            f"OpenloraRankStraggling.",
             "none",
             [
                 target(
@@ -117,8 +118,9 @@ def ranks(grid: Grid) -> list[dict[str, Any]]:
         panel(
             "bargauge",
             "Straggler ratio per rank, highest first",
-            f"Each rank's mean step time / the run's median (rank:openlora_training_straggler_ratio:2m); red above "
-            f"{STRAGGLER_THRESHOLD}, where OpenloraRankStraggling fires after 3 minutes.",
+            f"Each rank's mean step time / the median of the run's ranks less the slowest "
+            f"(rank:openlora_training_straggler_ratio:2m; for the slowest rank, the median of the others); red "
+            f"above {STRAGGLER_THRESHOLD}, where OpenloraRankStraggling fires after 3 minutes.",
             "none",
             [
                 target(
@@ -171,8 +173,8 @@ def ranks(grid: Grid) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "Straggler ratio per rank",
-            f"Each rank's mean step time / the run's median over time (rank:openlora_training_straggler_ratio:2m); "
-            f"the line is the alert threshold {STRAGGLER_THRESHOLD}.",
+            f"Each rank's mean step time / the median of the run's ranks less the slowest, over time "
+            f"(rank:openlora_training_straggler_ratio:2m); the line is the alert threshold {STRAGGLER_THRESHOLD}.",
             "none",
             [target(f"rank:openlora_training_straggler_ratio:2m{{{RANK_SEL}}}", RANK_LEGEND)],
             at=grid.cell(12, 8),
