@@ -383,6 +383,26 @@ def test_numpy_scalars_and_0d_arrays_are_read_as_their_value_and_a_day_long_step
     assert duration.count == 2 and duration.sum == pytest.approx(86402.0) and math.isfinite(duration.sum)
 
 
+def test_a_callback_step_that_lasted_days_is_recorded_as_a_day_not_raised_into_the_trainer(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openlora_otel.integrations import _common
+
+    training, reader = setup
+    clock = FakeClock()
+    monkeypatch.setattr(_common.time, "perf_counter", clock.perf_counter)
+    step = _common.StepClock()
+    step.idle()
+    clock.now += 3 * 86400.0  # the machine slept waiting for the batch, then in the step
+    step.batch_started()
+    clock.now += 2 * 86400.0
+    step_time, data_time = step.step_ended()
+    assert (step_time, data_time) == (86400.0, 86400.0)
+    training.record_step(loss=1.0, step_time_s=step_time, data_time_s=data_time)
+    (duration,) = points(reader.get_metrics_data(), "openlora.training.step.duration")
+    assert duration.sum == 86400.0
+
+
 def test_stand_in_with_several_elements_is_refused(setup) -> None:
     training, _ = setup
 
