@@ -404,6 +404,15 @@ def test_a_file_of_bad_lines_names_the_first_few_and_counts_all(
     assert run_report(str(path), "--out", str(tmp_path) + "/", "--format", "png") == 0
     assert f"skipped 2,000 lines of {path}" in capsys.readouterr().err
 
+    # Lines the report refuses (an openlora.rank that is no rank) are named as sparingly.
+    no_rank = CORRUPT_LINES["rank abc"](good_lines[1])
+    path.write_text("".join(line + "\n" for line in [*[no_rank] * 100, *good_lines]))
+    caplog.clear()
+    skipped: dict[str, int] = {}
+    read_runs([str(path)], skipped=skipped)
+    assert skipped == {str(path): 100}
+    assert len(caplog.records) == WARNED_LINES
+
 
 def _with_nan(line: str, names: set[str] | None = None) -> str:
     """``line`` with every double (or those of the metrics ``names``) NaN, as a diverged or foreign writer writes."""

@@ -80,7 +80,8 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                     _add(snapshot, path, processes)
                 except ValueError as exc:  # raised before the snapshot changed anything
                     bad += 1
-                    _logger.warning("%s line %d: %s; skipped", path, snapshot.line, exc)
+                    if bad <= history.WARNED_LINES:  # as the reader: a file of them is counted, not listed
+                        _logger.warning("%s line %d: %s; skipped", path, snapshot.line, exc)
         except OSError as exc:
             raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
         bad += reader.skipped
