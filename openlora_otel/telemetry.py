@@ -419,11 +419,20 @@ MAX_TIMEOUT_S = SHUTDOWN_TIMEOUT_RANGE_MS[1] / 1000.0
 
 
 def _timeout_argument(value: object, default: float) -> float:
-    """``timeout_s`` as given, checked: a real number of seconds in (0, MAX_TIMEOUT_S]; None is ``default``."""
+    """``timeout_s`` as given, checked: a real number of seconds in (0, MAX_TIMEOUT_S]; None is ``default``.
+
+    A Python int or float, or a NumPy integer or float scalar (``np.int64(2)``, what
+    arithmetic on NumPy values gives); a bool, NumPy's included, is refused.
+    """
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds, got {type(value).__name__}")
+        numpy = sys.modules.get("numpy")  # not imported: the value cannot be a NumPy scalar
+        if numpy is None or not isinstance(value, (numpy.integer, numpy.floating)):  # np.bool_ is neither
+            raise TypeError(
+                f"timeout_s must be a number of seconds (a Python or NumPy int or float), got {type(value).__name__}"
+            )
+        value = float(value)
     if not 0.0 < value <= MAX_TIMEOUT_S:  # also refuses NaN
         raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {value!r}")
     return float(value)

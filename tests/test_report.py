@@ -9,14 +9,17 @@ runs with Debian's Prometheus. The page is opened in headless Chromium.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import math
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf.json_format import MessageToJson
@@ -26,6 +29,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.hardware import nvml
+from openlora_otel.history import WARNED_LINES, read_history
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
@@ -233,6 +237,232 @@ def test_ranks_lowest_drawn_and_lines_that_are_not_otlp_skipped(
     assert len(run.rows) == 13  # 12 collections and the final line
     assert curves(run.rows)["learning_rate"][-1][1] == pytest.approx(3e-3)  # rank 0's values
     assert "ddp1.rank0.jsonl line 14 is not OTLP/JSON metrics" in caplog.text
+
+
+# -- corrupt lines: valid JSON, absurd values ------------------------------------------------
+_LOSS, _DURATION, _STEPS = "openlora.training.loss", "openlora.training.step.duration", "openlora.training.steps"
+_RAW = "@raw@"  # a placeholder replaced by JSON text json.dumps would not write (1e400, 400 digits)
+_HUGE = "1" + "0" * 400  # an integer no float holds
+
+
+def _first_point(body: dict[str, Any], name: str) -> dict[str, Any]:
+    for scope in body["resourceMetrics"][0]["scopeMetrics"]:
+        for metric in scope["metrics"]:
+            if metric["name"] == name:
+                return next(v for v in metric.values() if isinstance(v, dict) and "dataPoints" in v)["dataPoints"][0]
+    raise AssertionError(name)
+
+
+def _set(name: str, field: str, value: object, raw: str | None = None) -> Callable[[str], str]:
+    """A good line with one field of the first point of ``name`` replaced (by ``raw`` JSON text if given)."""
+
+    def make(line: str) -> str:
+        body = json.loads(line)
+        _first_point(body, name)[field] = _RAW if raw is not None else value
+        return json.dumps(body).replace(f'"{_RAW}"', raw or "")
+
+    return make
+
+
+def _edit(change: Callable[[dict[str, Any]], object], raw: str | None = None) -> Callable[[str], str]:
+    def make(line: str) -> str:
+        body = json.loads(line)
+        change(body)
+        return json.dumps(body).replace(f'"{_RAW}"', raw or "")
+
+    return make
+
+
+def _resource_attribute(key: object, value: dict[str, object]) -> Callable[[dict[str, Any]], object]:
+    return lambda body: body["resourceMetrics"][0]["resource"]["attributes"].append({"key": key, "value": value})
+
+
+def _metric_named(name: object) -> Callable[[dict[str, Any]], object]:
+    def change(body: dict[str, Any]) -> None:
+        body["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]["name"] = name
+
+    return change
+
+
+def _points_of_the_first_metric(points: object) -> Callable[[dict[str, Any]], object]:
+    def change(body: dict[str, Any]) -> None:
+        metric = body["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]
+        next(v for v in metric.values() if isinstance(v, dict) and "dataPoints" in v)["dataPoints"] = points
+
+    return change
+
+
+# Each makes a bad line out of a good one; the reader skips and counts it (the report, for the ranks).
+CORRUPT_LINES: dict[str, Callable[[str], str]] = {
+    "time 1e400 (inf)": _set(_STEPS, "timeUnixNano", None, "1e400"),
+    "time NaN": _set(_STEPS, "timeUnixNano", None, "NaN"),
+    "time -Infinity": _set(_STEPS, "timeUnixNano", None, "-Infinity"),
+    "time negative": _set(_STEPS, "timeUnixNano", -5),
+    "time fractional": _set(_STEPS, "timeUnixNano", 1.5e9 + 0.5),
+    "time past 2**64": _set(_STEPS, "timeUnixNano", str(2**64)),
+    "time of 400 digits": _set(_STEPS, "timeUnixNano", None, _HUGE),
+    "time a list": _set(_STEPS, "timeUnixNano", [1]),
+    "time abc": _set(_STEPS, "timeUnixNano", "abc"),
+    "time with an underscore": _set(_STEPS, "timeUnixNano", "1_000"),
+    "time true": _set(_STEPS, "timeUnixNano", True),
+    "count 1e999": _set(_DURATION, "count", None, "1e999"),
+    "count negative": _set(_DURATION, "count", -1),
+    "count fractional": _set(_DURATION, "count", 1.5),
+    "bucket count 1e999": _set(_DURATION, "bucketCounts", None, "[1e999]"),
+    "sum of 400 digits": _set(_DURATION, "sum", None, _HUGE),
+    "asDouble a list": _set(_LOSS, "asDouble", [1.0, 2.0]),
+    "asDouble abc": _set(_LOSS, "asDouble", "abc"),
+    "asDouble an object": _set(_LOSS, "asDouble", {"v": 1}),
+    "asDouble of 400 digits": _set(_LOSS, "asDouble", None, _HUGE),
+    "asDouble true": _set(_LOSS, "asDouble", True),
+    "asInt 1e400": _set(_STEPS, "asInt", None, "1e400"),
+    "asInt past int64": _set(_STEPS, "asInt", str(2**63)),
+    "asInt of 400 digits": _set(_STEPS, "asInt", None, _HUGE),
+    "asInt a string of 5000 digits": _set(_STEPS, "asInt", "9" * 5000),
+    "asDouble nested 100000 deep": _set(_LOSS, "asDouble", None, "[" * 100_000 + "]" * 100_000),
+    "a line nested 100000 deep": lambda line: "[" * 100_000 + "]" * 100_000,
+    "a line that is a number": lambda line: "42",
+    "a line that is a string": lambda line: '"resourceMetrics"',
+    "a line that is null": lambda line: "null",
+    "resourceMetrics a number": lambda line: '{"resourceMetrics": 5}',
+    "resourceMetrics null": lambda line: '{"resourceMetrics": null}',
+    "dataPoints an object": _edit(_points_of_the_first_metric({"a": 1})),
+    "metric name a list": _edit(_metric_named([1])),
+    "metric name a number": _edit(_metric_named(5)),
+    "attribute key a number": _edit(_resource_attribute(5, {"stringValue": "x"})),
+    "stringValue a list": _edit(_resource_attribute("x", {"stringValue": ["a"]})),
+    "boolValue a string": _edit(_resource_attribute("x", {"boolValue": "false"})),
+    "intValue of 400 digits": _edit(_resource_attribute("x", {"intValue": _RAW}), _HUGE),
+    "doubleValue of 400 digits": _edit(_resource_attribute("x", {"doubleValue": _RAW}), _HUGE),
+    "rank past int64": _edit(_resource_attribute("openlora.rank", {"intValue": str(2**64)})),
+    # Read as attributes (any value is an attribute), refused by the report: not a rank.
+    "rank abc": _edit(_resource_attribute("openlora.rank", {"stringValue": "abc"})),
+    "rank NaN": _edit(_resource_attribute("openlora.rank", {"doubleValue": "NaN"})),
+    "rank 1e400": _edit(_resource_attribute("openlora.rank", {"doubleValue": _RAW}), "1e400"),
+    "rank negative": _edit(_resource_attribute("openlora.rank", {"intValue": "-1"})),
+}
+_RANKS_THE_READER_KEEPS = {"rank abc", "rank NaN", "rank 1e400", "rank negative"}
+
+
+@pytest.fixture(scope="module")
+def good_lines(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The lines of a 20-step run: a collection every 5 steps and the final one (5 lines)."""
+    directory = tmp_path_factory.mktemp("good")
+    path = write_history(directory, run_id="good1", run_name="good", hyperparameters=HPARAMS, steps=20)
+    return path.read_text().splitlines()
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_LINES))
+def test_corrupt_but_parseable_lines_are_skipped_counted_and_said(
+    case: str,
+    good_lines: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bad = CORRUPT_LINES[case](good_lines[1])
+    if "deep" not in case:  # valid JSON, and for these Python's parser too: what is wrong is the values
+        json.loads(bad)
+    lines = [good_lines[0], bad, *good_lines[1:3], bad, *good_lines[3:]]
+    path = tmp_path / "good1.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    caplog.set_level(logging.WARNING)
+
+    reader = read_history(path)
+    snapshots = list(reader)
+    if case in _RANKS_THE_READER_KEEPS:
+        assert (len(snapshots), reader.skipped) == (7, 0)
+    else:
+        assert [s.line for s in snapshots] == [1, 3, 4, 6, 7]  # the good ones, in order
+        assert reader.skipped == 2
+        assert "good1.jsonl line 2 is not OTLP/JSON metrics" in caplog.text
+
+    skipped: dict[str, int] = {}
+    (run,) = read_runs([str(path)], skipped=skipped)
+    assert skipped == {str(path): 2}
+    assert [step for step, _ in curves(run.rows)["loss"]] == [5, 10, 15, 20]
+
+    capsys.readouterr()
+    assert run_report(str(path), "--out", str(tmp_path) + "/", "--format", "png") == 0
+    out, err = capsys.readouterr()
+    assert (tmp_path / "openlora-report.png").stat().st_size > 0
+    assert "run good1 (good): 20 steps" in out
+    assert f"openlora-otel report: skipped 2 lines of {path} (not OTLP/JSON metrics" in err
+    assert "Traceback" not in out + err
+
+
+def test_a_file_of_bad_lines_names_the_first_few_and_counts_all(
+    good_lines: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "good1.jsonl"
+    bad = ['{"resourceMetrics": 5}'] * 1000
+    path.write_text("".join(line + "\n" for line in [*bad, *good_lines, *bad]))
+    caplog.set_level(logging.WARNING)
+    reader = read_history(path)
+    assert len(list(reader)) == 5 and reader.skipped == 2000
+    assert len(caplog.records) == WARNED_LINES  # not 2,000 warnings
+    assert "without a warning each" in caplog.records[-1].getMessage()
+    assert run_report(str(path), "--out", str(tmp_path) + "/", "--format", "png") == 0
+    assert f"skipped 2,000 lines of {path}" in capsys.readouterr().err
+
+    # Lines the report refuses (an openlora.rank that is no rank) are named as sparingly.
+    no_rank = CORRUPT_LINES["rank abc"](good_lines[1])
+    path.write_text("".join(line + "\n" for line in [*[no_rank] * 100, *good_lines]))
+    caplog.clear()
+    skipped: dict[str, int] = {}
+    read_runs([str(path)], skipped=skipped)
+    assert skipped == {str(path): 100}
+    assert len(caplog.records) == WARNED_LINES
+
+
+def _with_nan(line: str, names: set[str] | None = None) -> str:
+    """``line`` with every double (or those of the metrics ``names``) NaN, as a diverged or foreign writer writes."""
+    body = json.loads(line)
+    for scope in body["resourceMetrics"][0]["scopeMetrics"]:
+        for metric in scope["metrics"]:
+            if names is not None and metric["name"] not in names:
+                continue
+            for data in metric.values():
+                for point in data.get("dataPoints", ()) if isinstance(data, dict) else ():
+                    for key in ("asDouble", "sum", "min", "max"):
+                        if key in point:
+                            point[key] = "NaN"
+                    if "asInt" in point:
+                        point["asDouble"] = "NaN"
+                        del point["asInt"]
+    return json.dumps(body)
+
+
+def test_nan_values_are_data_the_report_draws_a_diverged_run_and_skips_nan_step_counts(
+    good_lines: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A diverged loss from the third line on: kept by the reader, drawn (the line stops there), nothing skipped.
+    path = tmp_path / "good1.jsonl"
+    lines = [*good_lines[:2], *(_with_nan(line, {_LOSS, "openlora.training.loss.max"}) for line in good_lines[2:])]
+    path.write_text("".join(line + "\n" for line in lines))
+    reader = read_history(path)
+    snapshots = list(reader)
+    assert reader.skipped == 0 and len(snapshots) == 5
+    assert math.isnan(snapshots[-1].value(_LOSS) or 0.0) and snapshots[-1].value(_STEPS) == 20
+    (run,) = read_runs([str(path)])
+    loss = curves(run.rows)["loss"]
+    assert [s for s, _ in loss] == [5, 10, 15, 20] and [math.isnan(v) for _, v in loss] == [False] * 2 + [True] * 2
+    assert run_report(str(path), "--out", str(tmp_path) + "/") == 0
+    out, err = capsys.readouterr()
+    assert "20 steps" in out and "skipped" not in err
+    assert "Loss" in out and (tmp_path / "openlora-report.html").read_text().count("<svg") >= 1
+
+    # Every double NaN, the step count too, in one line among good ones: kept, but no step to draw it at.
+    lines = [good_lines[0], _with_nan(good_lines[1]), *good_lines[2:]]
+    path.write_text("".join(line + "\n" for line in lines))
+    assert len(list(read_history(path))) == 5
+    assert run_report(str(path), "--out", str(tmp_path) + "/") == 0
+    assert "run good1 (good): 20 steps" in capsys.readouterr().out
+
+    # Only NaN step counts: nothing to draw against, said as for a run without steps (exit 2, no traceback).
+    path.write_text("".join(_with_nan(line) + "\n" for line in good_lines))
+    assert run_report(str(path), "--out", str(tmp_path) + "/") == 2
+    assert "no training steps in" in capsys.readouterr().err
 
 
 def test_run_selection_output_paths_and_usage_errors(

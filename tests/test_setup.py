@@ -323,3 +323,21 @@ def test_where_metrics_go_is_one_phrase_for_every_exporter(tmp_path) -> None:
         )
     finally:
         telemetry.shutdown(timeout_s=1)
+
+
+def test_timeouts_accept_numpy_integers_and_floats_and_refuse_bools() -> None:
+    np = pytest.importorskip("numpy")
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), host_metrics=False, quiet=True))
+    try:
+        assert telemetry.force_flush(timeout_s=np.int64(2)) is True
+        assert telemetry.force_flush(timeout_s=np.float32(2.5)) is True
+        for bad, error in ((np.bool_(True), TypeError), (np.array(2.0), TypeError), (np.int64(0), ValueError),
+                           (np.float64("nan"), ValueError), (np.int64(10**6), ValueError)):
+            with pytest.raises(error, match="timeout_s must be"):
+                telemetry.force_flush(timeout_s=bad)
+            with pytest.raises(error, match="timeout_s must be"):
+                telemetry.shutdown(timeout_s=bad)
+        assert not telemetry.is_shutdown
+        assert telemetry.shutdown(timeout_s=np.int64(2)) is True
+    finally:
+        telemetry.shutdown()

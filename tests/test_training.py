@@ -293,6 +293,117 @@ def test_tensor_stand_ins_are_only_read_at_collection(setup) -> None:
     assert value(data, "openlora.training.window.steps") == 10_000
 
 
+# -- argument types: NumPy values, odd tensors, absurd step times ------------------------------
+class _NumelRaises:
+    """A tensor-like whose numel() fails (a framework's array in a bad state)."""
+
+    def numel(self) -> int:
+        raise RuntimeError("numel is broken")
+
+
+def _np():
+    return pytest.importorskip("numpy")
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+# (call, the value made lazily so NumPy and torch stay optional, error, text): each refused by that call.
+ODD_ARGUMENTS = {
+    "loss np.bool_": ("loss", lambda: _np().bool_(True), TypeError, "loss must be a real number, got a NumPy bool"),
+    "loss 0-d bool array": ("loss", lambda: _np().array(True), TypeError, "got a NumPy bool"),
+    "loss np.complex128": ("loss", lambda: _np().complex128(1 + 2j), TypeError, "got a NumPy complex128"),
+    "loss 0-d str array": ("loss", lambda: _np().array("1.5"), TypeError, "got a NumPy <U3"),
+    "loss 0-d object array": ("loss", lambda: _np().array(None, dtype=object), TypeError, "got a NumPy object"),
+    "loss array (1,)": ("loss", lambda: _np().array([1.5]), ValueError, r"got a NumPy array of shape \(1,\)"),
+    "loss array (2, 2)": ("loss", lambda: _np().ones((2, 2)), ValueError, r"NumPy array of shape \(2, 2\)"),
+    "grad_norm np.float32 < 0": ("grad_norm", lambda: _np().float32(-1.0), ValueError, "grad_norm must be >= 0"),
+    "grad_norm 0-d array < 0": ("grad_norm", lambda: _np().array(-1.0), ValueError, "grad_norm must be >= 0"),
+    "loss sparse tensor": (
+        "loss", lambda: _torch().tensor([1.5]).to_sparse(), ValueError, "loss is a torch.sparse_coo tensor; pass a dense"
+    ),
+    "loss numel() raises": ("loss", _NumelRaises, TypeError, r"_NumelRaises.numel\(\) raised RuntimeError: numel is b"),
+    "loss meta tensor": ("loss", lambda: _torch().tensor(1.5, device="meta"), ValueError, "loss is a meta tensor"),
+    "eval np.bool_": ("eval", lambda: _np().bool_(False), TypeError, "loss must be a real number, got a NumPy bool"),
+    "eval array (2,)": ("eval", lambda: _np().array([1.0, 2.0]), ValueError, r"NumPy array of shape \(2,\)"),
+    "eval meta tensor": ("eval", lambda: _torch().tensor(1.5, device="meta"), ValueError, "loss is a meta tensor"),
+    "eval tensor (2,)": (
+        "eval", lambda: _torch().tensor([1.0, 2.0]), ValueError, r"loss must be a one-element tensor, got shape \(2,\)"
+    ),
+    "eval complex tensor": ("eval", lambda: _torch().tensor(1 + 1j), TypeError, "got a torch.complex64 tensor"),
+    "epoch np.bool_": ("epoch", lambda: _np().bool_(True), TypeError, "epoch must be a real number"),
+    "step_time_s np.bool_": ("step_time_s", lambda: _np().bool_(True), TypeError, "step_time_s must be a real number"),
+    "step_time_s 1e308": ("step_time_s", lambda: 1e308, ValueError, r"finite and >= 0, at most 86400 s \(one day\)"),
+    "step_time_s a day and a half second": ("step_time_s", lambda: 86400.5, ValueError, "at most 86400 s"),
+    "step_time_s np.float64 1e308": ("step_time_s", lambda: _np().float64(1e308), ValueError, "at most 86400 s"),
+    "step_time_s int 10**6": ("step_time_s", lambda: 10**6, ValueError, "at most 86400 s"),
+    "data_time_s 1e308": ("data_time_s", lambda: 1e308, ValueError, "data_time_s must be finite and >= 0, at most"),
+}
+
+
+def _record(training: TrainingMetrics, call: str, argument: object) -> None:
+    if call == "eval":
+        training.record_eval(loss=argument)
+    elif call == "epoch":
+        training.record_epoch(argument)  # type: ignore[arg-type]
+    else:
+        training.record_step(**{call: argument})
+
+
+@pytest.mark.parametrize("case", list(ODD_ARGUMENTS))
+def test_odd_argument_types_raise_type_or_value_errors_that_say_what_is_accepted(setup, case: str) -> None:
+    training, reader = setup
+    call, make, error, text = ODD_ARGUMENTS[case]
+    with pytest.raises(error, match=text):
+        _record(training, call, make())
+    assert training._window.steps == 0  # a refused call records nothing
+    assert value(reader.get_metrics_data(), "openlora.training.eval.loss") is None
+
+
+def test_numpy_scalars_and_0d_arrays_are_read_as_their_value_and_a_day_long_step_is_fine(setup) -> None:
+    np = pytest.importorskip("numpy")
+    training, reader = setup
+    training.record_step(
+        loss=np.array(2.5),
+        grad_norm=np.array(3, dtype=np.int64),
+        learning_rate=np.float32(0.5),
+        step_time_s=86400.0,
+        data_time_s=np.float64(1.0),
+    )
+    training.record_step(loss=np.float16(1.5), grad_norm=np.uint8(1), step_time_s=np.array(2.0))
+    training.record_eval(loss=np.array(0.75), accuracy=np.float32(0.5))
+    training.record_epoch(np.array(1))
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == pytest.approx(2.0)
+    assert value(data, "openlora.training.gradient_norm") == pytest.approx(2.0)
+    assert value(data, "openlora.training.learning_rate") == pytest.approx(0.5)
+    assert value(data, "openlora.training.eval.loss") == pytest.approx(0.75)
+    assert value(data, "openlora.training.epoch") == 1.0
+    (duration,) = points(data, "openlora.training.step.duration")
+    assert duration.count == 2 and duration.sum == pytest.approx(86402.0) and math.isfinite(duration.sum)
+
+
+def test_a_callback_step_that_lasted_days_is_recorded_as_a_day_not_raised_into_the_trainer(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openlora_otel.integrations import _common
+
+    training, reader = setup
+    clock = FakeClock()
+    monkeypatch.setattr(_common.time, "perf_counter", clock.perf_counter)
+    step = _common.StepClock()
+    step.idle()
+    clock.now += 3 * 86400.0  # the machine slept waiting for the batch, then in the step
+    step.batch_started()
+    clock.now += 2 * 86400.0
+    step_time, data_time = step.step_ended()
+    assert (step_time, data_time) == (86400.0, 86400.0)
+    training.record_step(loss=1.0, step_time_s=step_time, data_time_s=data_time)
+    (duration,) = points(reader.get_metrics_data(), "openlora.training.step.duration")
+    assert duration.sum == 86400.0
+
+
 def test_stand_in_with_several_elements_is_refused(setup) -> None:
     training, _ = setup
 

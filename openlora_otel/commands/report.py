@@ -4,6 +4,7 @@ writes the picture (:mod:`openlora_otel.report` reads and draws)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         parser.error(
             "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it to compare runs)"
         )
+    skipped: dict[str, int] = {}
     try:
-        runs = _runs(args)
+        runs = _runs(args, skipped)
         targets = output_paths(args.out, formats)
         if args.out and args.out.endswith(("/", "\\")):  # a directory by its spelling: made if missing
             _make_directory(Path(args.out))
@@ -124,6 +126,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")
     for path in targets.values():
         print(f"wrote {path}")
+    for source, count in skipped.items():  # drawn without them: say so, after what was drawn
+        lines = "1 line" if count == 1 else f"{count:,} lines"
+        print(
+            f"openlora-otel report: skipped {lines} of {source} (not OTLP/JSON metrics, or values that "
+            "cannot be read; the warnings above name the first)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -134,12 +143,13 @@ def _make_directory(path: Path) -> None:
         raise ReportError(f"--out: cannot create the directory {path}: {exc.strerror or exc}") from None
 
 
-def _runs(args: argparse.Namespace) -> list[Run]:
+def _runs(args: argparse.Namespace, skipped: dict[str, int]) -> list[Run]:
+    """The runs to draw; ``skipped`` gets the bad lines of each history file that had some."""
     runs: list[Run] = []
     if args.paths:
         from openlora_otel.report.history import read_runs
 
-        found = read_runs(args.paths)
+        found = read_runs(args.paths, skipped=skipped)
         if args.run and not args.prometheus:
             kept = [run for run in found if run.run_id in args.run or run.name in args.run]
             missing = [w for w in args.run if not any(w in (run.run_id, run.name) for run in found)]

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from openlora_otel.telemetry import Telemetry, setup_telemetry
+from openlora_otel.training.arguments import MAX_STEP_TIME_S
 from openlora_otel.training.metrics import TrainingMetrics
 
 __all__ = [
@@ -110,10 +111,17 @@ class StepClock:
         self._idle_since = now
 
     def step_ended(self) -> tuple[float | None, float | None]:
-        """``(step_time_s, data_time_s)`` of the step that just ended; either is None when unknown."""
+        """``(step_time_s, data_time_s)`` of the step that just ended; either is None when unknown.
+
+        Each is at most ``MAX_STEP_TIME_S`` (a day): ``record_step`` refuses longer
+        times, and a callback must not raise into the trainer because the machine
+        slept (or sat at a breakpoint) for a day in the middle of a step.
+        """
         now = time.perf_counter()
-        step_time = None if self._started is None else max(now - self._started - self._excluded, 0.0)
-        waited = self._waited
+        step_time = None
+        if self._started is not None:
+            step_time = min(max(now - self._started - self._excluded, 0.0), MAX_STEP_TIME_S)
+        waited = None if self._waited is None else min(self._waited, MAX_STEP_TIME_S)
         self._started = self._waited = None
         self._excluded = 0.0
         return step_time, waited

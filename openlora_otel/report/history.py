@@ -1,7 +1,9 @@
 """Read runs from history files: ``OPENLORA_HISTORY_DIR``'s OTLP JSON Lines.
 
 The lines are read by :func:`openlora_otel.history.read_history` (one snapshot
-per process per line; torn and foreign lines skipped there) and grouped here by
+per process per line; torn, foreign and corrupt lines skipped there, the bad ones
+counted; a line whose ``openlora.rank`` is not a rank is skipped and counted here
+too) and grouped here by
 the Resource's ``openlora.run.id``: ``<run id>.jsonl``, or one
 ``<run id>.rank<N>.jsonl`` per rank under a launcher. A run's curves come from
 its lowest rank (rank 0 when it is there: the ranks of a data-parallel run step
@@ -10,8 +12,10 @@ together, and rank 0 is the one a person reads).
 
 from __future__ import annotations
 
+import logging
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,8 @@ from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_AT
 from openlora_otel.run import hyperparameters_from
 
 __all__ = ["history_files", "read_runs"]
+
+_logger = logging.getLogger(__name__)
 
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
 (_RUN_INFO,) = (spec.name for spec in RUN_METRICS)
@@ -57,15 +63,30 @@ class _Process:
     info: tuple[float, dict[str, Any]] | None = None  # (time, attributes) of the latest run.info point
 
 
-def read_runs(paths: Sequence[str]) -> list[Run]:
-    """The runs in the history files ``paths`` name, oldest first."""
+def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None = None) -> list[Run]:
+    """The runs in the history files ``paths`` name, oldest first.
+
+    ``skipped``, when given, gets the number of bad lines of each file that had
+    some (by the file's path): lines that are not OTLP/JSON metrics or hold values
+    that cannot be used (see :mod:`openlora_otel.history`), each named in a warning.
+    """
     processes: dict[tuple[str, int | None], _Process] = {}
     for path in history_files(paths):
+        bad = 0
         try:
-            for snapshot in history.read_history(path):
-                _add(snapshot, path, processes)
+            reader = history.read_history(path)
+            for snapshot in reader:
+                try:
+                    _add(snapshot, path, processes)
+                except ValueError as exc:  # raised before the snapshot changed anything
+                    bad += 1
+                    if bad <= history.WARNED_LINES:  # as the reader: a file of them is counted, not listed
+                        _logger.warning("%s line %d: %s; skipped", path, snapshot.line, exc)
         except OSError as exc:
             raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
+        bad += reader.skipped
+        if bad and skipped is not None:
+            skipped[str(path)] = skipped.get(str(path), 0) + bad
     by_run: dict[str, list[_Process]] = {}
     for process in processes.values():
         by_run.setdefault(process.run_id, []).append(process)
@@ -73,8 +94,8 @@ def read_runs(paths: Sequence[str]) -> list[Run]:
     for run_id, group in by_run.items():
         group.sort(key=lambda p: (p.rank is None, p.rank or 0))
         lowest = group[0]
-        if not lowest.rows:
-            continue
+        if not any(math.isfinite(row.values.get("steps", math.nan)) for row in lowest.rows):
+            continue  # no step counted, or only NaN / infinite counts (a corrupt file): nothing to draw against
         info = max((p.info for p in group if p.info), default=None, key=lambda i: i[0])
         attributes = info[1] if info else {}
         hyperparameters = hyperparameters_from(attributes)
@@ -94,7 +115,7 @@ def read_runs(paths: Sequence[str]) -> list[Run]:
     if not runs:
         raise ReportError(
             f"no training steps in {', '.join(paths)}: the history files hold no "
-            "openlora.training.steps points (a run that stopped before its first step?)"
+            "openlora.training.steps points, or only NaN ones (a run that stopped before its first step?)"
         )
     return runs
 
@@ -102,10 +123,9 @@ def read_runs(paths: Sequence[str]) -> list[Run]:
 def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int | None], _Process]) -> None:
     resource = snapshot.resource
     run_id = str(resource.get(RUN_ID_ATTRIBUTE) or _RANK_IN_NAME.sub("", path.stem))
-    rank: Any = resource.get(RANK_ATTRIBUTE)
+    rank = _rank(resource.get(RANK_ATTRIBUTE))
     if rank is None and (match := _RANK_IN_NAME.search(path.stem)):
-        rank = match.group(1)
-    rank = int(rank) if rank is not None else None
+        rank = int(match.group(1))
     process = processes.get((run_id, rank))
     if process is None:
         process = processes[(run_id, rank)] = _Process(run_id, rank)
@@ -128,3 +148,16 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
             values[quantity.key] = sum(found) / len(found) if quantity.combine == "mean" else max(found)
     if values and snapshot.time_s:
         process.rows.append(Row(snapshot.time_s, values))
+
+
+def _rank(value: Any) -> int | None:
+    """The ``openlora.rank`` attribute as a rank: an integer >= 0 (or its digits); ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:  # False for NaN and infinities
+        return int(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise ValueError(f"{RANK_ATTRIBUTE} is {value!r:.40}, not a rank (an integer >= 0)")

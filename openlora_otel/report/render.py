@@ -80,7 +80,8 @@ class Summary:
 def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
     """Steps, last train and eval loss, and the wall time from the first to the last step seen."""
     run_curves = curves(run.rows) if run_curves is None else run_curves
-    steps = [v for row in run.rows if (v := row.values.get("steps")) is not None]
+    # A step count that is NaN or infinite (a corrupt or foreign file) counts no steps, as in curves().
+    steps = [v for row in run.rows if (v := row.values.get("steps")) is not None and math.isfinite(v)]
     stamps = [t for _, t in run_curves.get("last_step_time", [])]
 
     def last(key: str) -> float | None:

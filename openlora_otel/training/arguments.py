@@ -18,6 +18,13 @@ from typing import Any
 
 # OTLP carries integer points as int64: a larger count fails the whole export, every time.
 _INT64_MAX = 2**63 - 1
+# The longest step_time_s / data_time_s accepted: one day. Longer is a unit mistake or garbage
+# (1e308 once left the step-duration histogram's _sum at +Inf for the rest of the run).
+MAX_STEP_TIME_S = 86400.0
+# The types _host_number converts without a second look (the others take the slow branch).
+_PLAIN = (int, float)
+# What the refusals say is accepted.
+_ACCEPTED = "a number (a real Python or NumPy scalar, or a 0-d NumPy array) or a one-element tensor"
 
 
 class _Foreign:
@@ -30,9 +37,14 @@ class _Foreign:
 
 
 def _prepare(value: Any, what: str) -> Any:
-    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `_Foreign`."""
+    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `_Foreign`.
+
+    The usual cases (a Python number; a 0-d CPU or CUDA tensor) take the first
+    branches with no check beyond what they always had; anything unusual (NumPy,
+    sparse or meta tensors, foreign tensor-likes) is sorted out on later branches.
+    """
     if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+        raise TypeError(f"{what} must be {_ACCEPTED}, got {type(value).__name__}")
     if isinstance(value, (int, float)):
         number = _host_number(value, what)
         if what != "loss" and number < 0:
@@ -47,19 +59,29 @@ def _prepare(value: Any, what: str) -> Any:
         if value.requires_grad:
             value = value.detach()
         if value.dim():
+            if value.layout is not torch.strided:  # reshape() is not implemented for sparse layouts
+                raise ValueError(f"{what} is a {value.layout} tensor; pass a dense tensor (.to_dense()) or a number")
             value = value.reshape(())  # shape metadata only; folding then stacks without per-item work
         return value
     numel = getattr(value, "numel", None)
     if callable(numel):  # a tensor-like from elsewhere: keep the reference, read it at collection
-        if numel() != 1:
-            raise ValueError(f"{what} must have exactly one element")
+        try:
+            count = numel()
+        except Exception as exc:
+            raise TypeError(
+                f"{what}: {type(value).__name__}.numel() raised {type(exc).__name__}: {exc}; {what} must be {_ACCEPTED}"
+            ) from exc
+        if count != 1:
+            raise ValueError(f"{what} must have exactly one element, got {count!r}")
         return _Foreign(value)
-    if hasattr(value, "__float__") and not hasattr(value, "__len__"):
-        number = _host_number(value, what)  # NumPy scalars, Decimal: host values, no device involved
+    numpy = sys.modules.get("numpy")
+    plain = hasattr(value, "__float__") and not hasattr(value, "__len__")
+    if plain or (numpy is not None and isinstance(value, numpy.ndarray)):
+        number = _host_number(value, what)  # NumPy scalars and 0-d arrays, Decimal: host values, no device
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
-    raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}")
+    raise TypeError(f"{what} must be {_ACCEPTED}, got {type(value).__name__}")
 
 
 def _check_device(tensor: Any, what: str, torch: Any) -> None:
@@ -77,14 +99,50 @@ def _check_device(tensor: Any, what: str, torch: Any) -> None:
 
 
 def _host_number(value: Any, what: str) -> float:
+    """``value`` read as a float on the host: a real number, NumPy's included; TypeError / ValueError otherwise.
+
+    A Python int or float goes straight to ``float()``; any other type first
+    takes :func:`_unusual_number`, which refuses what ``float()`` would take
+    wrongly (a NumPy bool or complex) or fail on with a RuntimeError (a meta
+    tensor, a tensor of several elements).
+    """
     if isinstance(value, (bool, str, bytes)) or value is None:
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    if type(value) not in _PLAIN:
+        value = _unusual_number(value, what)
     try:
         return float(value)
     except OverflowError:
         raise ValueError(f"{what} is too large for a float: {value!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}") from None
+    except RuntimeError as exc:  # a tensor-like that cannot be read (a framework's own refusal)
+        raise ValueError(f"{what} could not be read as a number ({exc}); pass {_ACCEPTED}") from exc
+
+
+def _unusual_number(value: Any, what: str) -> Any:
+    """What ``float()`` should read of a value that is not a Python int or float (the slow branch)."""
+    numpy = sys.modules.get("numpy")  # not imported: nothing can be a NumPy value
+    if numpy is not None and isinstance(value, (numpy.ndarray, numpy.generic)):
+        if value.dtype.kind not in "iuf":  # bool, complex, datetime, str, object: float() would lie or fail
+            raise TypeError(f"{what} must be a real number, got a NumPy {value.dtype} value")
+        if isinstance(value, numpy.ndarray):
+            if value.ndim:
+                raise ValueError(
+                    f"{what} must be a number; got a NumPy array of shape {value.shape} "
+                    "(a 0-d array is read as its scalar: pass array.reshape(()) or a number)"
+                )
+            value = value[()]  # the 0-d array's scalar, of the dtype checked above
+        return value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise ValueError(f"{what} is a meta tensor, which has no data to report; pass a real tensor or a number")
+        if value.numel() != 1:
+            raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{what} must be a real number, got a {value.dtype} tensor")
+    return value
 
 
 def _count(value: Any, what: str) -> int:
@@ -105,13 +163,20 @@ def _count(value: Any, what: str) -> int:
 
 
 def _seconds(value: Any, what: str) -> float:
-    """A duration argument: a finite host number >= 0 (a tensor is refused, as for counts)."""
+    """A step's duration: a host number from 0 to ``MAX_STEP_TIME_S`` (a tensor is refused, as for counts).
+
+    Past a day is refused rather than clamped: it is a unit mistake (milliseconds,
+    nanoseconds) or garbage, and clamping would draw it as a real one-day step.
+    """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         raise TypeError(f"{what} must be a Python number (reading a tensor here would sync the device)")
     number = _host_number(value, what)
-    if not 0.0 <= number < math.inf:
-        raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
+    if not 0.0 <= number <= MAX_STEP_TIME_S:  # also refuses NaN and the infinities
+        raise ValueError(
+            f"{what} must be finite and >= 0, at most {MAX_STEP_TIME_S:g} s (one day), got {value!r}"
+            + (" (milliseconds or nanoseconds?)" if MAX_STEP_TIME_S < number < math.inf else "")
+        )
     return number
 
 

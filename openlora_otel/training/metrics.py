@@ -55,6 +55,7 @@ from openlora_otel import names
 from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
 from openlora_otel.training.arguments import (
     _INT64_MAX,
+    MAX_STEP_TIME_S,
     _adapter_values,
     _count,
     _Foreign,
@@ -133,20 +134,27 @@ class TrainingMetrics:
     Argument rules (checked on every call; a wrong type is a programming error
     and raises at once, a non-finite value is data and is counted):
 
-    - ``loss``, ``grad_norm``: a Python or NumPy number, or a one-element tensor
+    - ``loss``, ``grad_norm``: a Python or NumPy real number, a 0-d NumPy array
+      of an integer or float dtype (read as its scalar), or a one-element tensor
       on the CPU, a CUDA device or the current ``torch.accelerator`` (never read
       on the calling thread). NaN/inf are counted, not averaged. A multi-element
-      tensor, a ``meta`` tensor (it has no data) or a tensor on another kind of
-      device raises ``ValueError``; a string, ``bool`` or ``None``-like raises
-      ``TypeError``. ``grad_norm`` must not be negative.
+      tensor, a NumPy array of one or more dimensions, a sparse tensor of one or
+      more dimensions, a ``meta`` tensor (it has no data) or a tensor on another
+      kind of device raises ``ValueError``; a string, ``bool`` or ``np.bool_``,
+      a complex number, ``None``-like, or a tensor-like whose ``numel()`` raises
+      raises ``TypeError``. ``grad_norm`` must not be negative.
     - ``learning_rate``: the same, and not negative.
     - ``tokens``, ``samples``: integers from 0 to 2**63 - 1 (Python or NumPy); a
       tensor raises ``TypeError`` because counting it would need a device read.
-    - ``step_time_s``: non-negative seconds; when omitted, the time since the
-      previous ``record_step`` call is used (nothing for the first call).
-    - ``data_time_s``: non-negative seconds this step waited for its batch. The
-      wait fraction is measured against the wall time between consecutive
-      ``record_step`` calls, whatever ``step_time_s`` covers.
+    - ``step_time_s``: seconds from 0 to ``MAX_STEP_TIME_S`` (86400, one day);
+      when omitted, the time since the previous ``record_step`` call is used
+      (nothing for the first call). Longer, NaN or infinite raises
+      ``ValueError``: past a day it is a unit mistake or garbage (``1e308`` would
+      leave the step-duration histogram's ``_sum`` at +Inf for the rest of the
+      run), and clamping would record a day-long step that never happened.
+    - ``data_time_s``: seconds this step waited for its batch, within the same
+      bounds. The wait fraction is measured against the wall time between
+      consecutive ``record_step`` calls, whatever ``step_time_s`` covers.
     """
 
     def __init__(
@@ -262,10 +270,12 @@ class TrainingMetrics:
             step_time = None if last is None else now - last
         else:
             # The check inline for the usual float; the call only for anything else.
-            if type(step_time_s) is not float or not 0.0 <= step_time_s < math.inf:
+            if type(step_time_s) is not float or not 0.0 <= step_time_s <= MAX_STEP_TIME_S:
                 step_time_s = _seconds(step_time_s, "step_time_s")
             step_time = step_time_s
-        if data_time_s is not None and (type(data_time_s) is not float or not 0.0 <= data_time_s < math.inf):
+        if data_time_s is not None and (
+            type(data_time_s) is not float or not 0.0 <= data_time_s <= MAX_STEP_TIME_S
+        ):
             data_time_s = _seconds(data_time_s, "data_time_s")
         # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
         if tokens is not None and (type(tokens) is not int or tokens >> 63):
