@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
 from openlora_otel.hardware import gpu_snapshot
+from openlora_otel.training import arguments as arguments_module
 from openlora_otel.training import metrics as training_module
 from tests.support import built  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
 from tests.support.clock import FakeClock
@@ -160,6 +161,13 @@ def setup(memory_reader: InMemoryMetricReader):
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     yield telemetry.training, memory_reader
     telemetry.shutdown()
+
+
+@pytest.fixture
+def defer_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors kept, folded and read back at collection as CUDA tensors are (the path of a GPU run,
+    run where there is none): for the tests of that path and of its promise never to read on the step."""
+    monkeypatch.setattr(arguments_module, "DEFER_CPU_TENSORS", True)
 
 
 @pytest.fixture

@@ -169,6 +169,7 @@ def test_guard_check_with_a_read_back_slower_than_the_poll(monkeypatch) -> None:
         telemetry.shutdown()
 
 
+@pytest.mark.usefixtures("defer_cpu_tensors")  # kept CPU tensors stand in for a device far behind the host
 def test_a_guard_check_waiting_on_the_device_is_gone_when_shutdown_returns(monkeypatch) -> None:
     """A check in the middle of a read-back (the device far behind the host) used to go on polling
     for up to 5 s after shutdown, a daemon thread touching the device while the interpreter exits

@@ -106,6 +106,7 @@ def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) ->
     telemetry.shutdown()
 
 
+@pytest.mark.usefixtures("defer_cpu_tensors")  # the CPU loss stands in for a device tensor: never read
 def test_no_host_read_of_the_loss_in_the_callback(memory_reader: InMemoryMetricReader) -> None:
     """The callback hands the loss tensor over without reading it (Lightning itself may read others)."""
     from tests.support.host_reads import NoHostRead

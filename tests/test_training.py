@@ -738,3 +738,33 @@ def test_each_reader_reports_the_steps_since_its_own_collection(clock: FakeClock
         assert value(data, "openlora.training.throughput.tokens") == 0.0
     finally:
         telemetry.shutdown()
+
+
+def test_cpu_tensors_are_read_at_once_and_never_folded_on_the_step(setup, monkeypatch) -> None:
+    """A CPU tensor's value is ready: it is read as the number it is, nothing is kept, and no fold runs on
+    the training thread (folding 512 kept tensors there stalled every 512th step: bench_step_tail.py)."""
+    torch = pytest.importorskip("torch")
+    from openlora_otel.training import metrics as training_module
+
+    def no_fold(*args, **kwargs):
+        raise AssertionError("a fold on the step path")
+
+    monkeypatch.setattr(training_module, "_fold_by_device", no_fold)
+    training, reader = setup
+    weight = torch.tensor(3.0, requires_grad=True)
+    for _ in range(1200):
+        training.record_step(loss=weight * 0.5, grad_norm=torch.tensor([1.5]), learning_rate=torch.tensor(1e-4))
+    window = training._window
+    assert not window.loss.deferred and not window.grad.deferred and not window.lr.deferred
+    data = reader.get_metrics_data()
+    assert value(data, "openlora.training.loss") == 1.5
+    assert value(data, "openlora.training.gradient_norm") == 1.5
+    # What the number path refuses, the tensor path refuses too.
+    with pytest.raises(TypeError):
+        training.record_step(loss=torch.tensor(True))
+    with pytest.raises(TypeError):
+        training.record_step(loss=torch.tensor(1 + 2j))
+    with pytest.raises(ValueError, match="grad_norm must be >= 0"):
+        training.record_step(loss=1.0, grad_norm=torch.tensor(-1.0))
+    with pytest.raises(ValueError, match="sparse"):
+        training.record_step(loss=torch.tensor([2.0]).to_sparse())

@@ -15,6 +15,9 @@ from openlora_otel.training import metrics as training_module  # noqa: E402
 from openlora_otel.training import readback  # noqa: E402
 from tests.support.readings import value  # noqa: E402
 
+# CPU tensors stand in for device tensors here: kept and folded as on a GPU.
+pytestmark = pytest.mark.usefixtures("defer_cpu_tensors")
+
 FOLD_EVERY = training_module._FOLD_EVERY
 
 

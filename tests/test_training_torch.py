@@ -19,6 +19,9 @@ from tests.support.exporters import PidFileExporter, exporter_pids  # noqa: E402
 from tests.support.host_reads import NoHostRead  # noqa: E402
 from tests.support.readings import value  # noqa: E402
 
+# CPU tensors stand in for device tensors here: kept and folded as on a GPU.
+pytestmark = pytest.mark.usefixtures("defer_cpu_tensors")
+
 
 def guarded(value: float, requires_grad: bool = False) -> torch.Tensor:
     tensor = torch.tensor(value, requires_grad=requires_grad)

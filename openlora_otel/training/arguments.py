@@ -16,6 +16,11 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+# One-element CPU tensors are read at once (see _cpu_number). True keeps them as CUDA tensors are kept,
+# folded on their device and read back at collection: the tests set it to run that path where there
+# is no GPU (CI never has one).
+DEFER_CPU_TENSORS = False
+
 # OTLP carries integer points as int64: a larger count fails the whole export, every time.
 _INT64_MAX = 2**63 - 1
 # The longest step_time_s / data_time_s accepted: one day. Longer is a unit mistake or garbage
@@ -56,6 +61,8 @@ def _prepare(value: Any, what: str) -> Any:
             _check_device(value, what, torch)
         if value.numel() != 1:
             raise ValueError(f"{what} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.is_cpu and not DEFER_CPU_TENSORS:
+            return _cpu_number(value, what, torch)
         if value.requires_grad:
             value = value.detach()
         if value.dim():
@@ -82,6 +89,19 @@ def _prepare(value: Any, what: str) -> Any:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
     raise TypeError(f"{what} must be {_ACCEPTED}, got {type(value).__name__}")
+
+
+def _cpu_number(tensor: Any, what: str, torch: Any) -> float:
+    """A one-element CPU tensor read at once: its value is ready (CPU kernels run before they return), so
+    reading it syncs nothing, costs what the ``.item()`` of the usual recipe costs, and leaves nothing to
+    keep and fold on the training thread (a fold of 512 kept tensors stalled every 512th step by a
+    millisecond or more: ``benchmarks/bench_step_tail.py``)."""
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{what} is a {tensor.layout} tensor; pass a dense tensor (.to_dense()) or a number")
+    number = _host_number(tensor.item(), what)  # a bool or complex tensor: refused as its Python value is
+    if what != "loss" and number < 0:
+        raise ValueError(f"{what} must be >= 0, got {number!r}")
+    return number
 
 
 def _check_device(tensor: Any, what: str, torch: Any) -> None:

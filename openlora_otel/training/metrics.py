@@ -4,7 +4,7 @@ Why not one OpenTelemetry instrument call per value: each SDK call costs a few
 microseconds, and the usual recipe calls ``loss.item()`` every step, which
 stalls the GPU pipeline. Here ``record_step`` only updates plain Python
 accumulators under a lock (about a microsecond for all six values) and keeps
-tensors as references. Everything else happens at collection time, on the
+device tensors as references. Everything else happens at collection time, on the
 exporter's or the scrape's thread:
 
 - gauges report the window since the previous collection: loss and gradient
@@ -18,9 +18,10 @@ exporter's or the scrape's thread:
   latest ``record_step``: the step path stores the ``perf_counter()`` reading it
   takes anyway, and the collection converts it. It lets PromQL compare ranks'
   progress (``time() - ...``) without any communication between them.
-- tensors are reduced on their own device and read back there without a
-  sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
-  yet are carried into the next collection.
+- device tensors are reduced on their own device and read back there without
+  a sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
+  yet are carried into the next collection. A CPU tensor's value is ready, and is
+  read at the call like a number (:func:`~.arguments._cpu_number`).
 - the window's counts go into synchronous SDK counters and its step durations
   into the ``openlora.training.step.duration`` histogram when the window is
   taken. Measurements of synchronous instruments stay in the SDK until a
@@ -136,8 +137,8 @@ class TrainingMetrics:
 
     - ``loss``, ``grad_norm``: a Python or NumPy real number, a 0-d NumPy array
       of an integer or float dtype (read as its scalar), or a one-element tensor
-      on the CPU, a CUDA device or the current ``torch.accelerator`` (never read
-      on the calling thread). NaN/inf are counted, not averaged. A multi-element
+      on the CPU (read at once: its value is ready), a CUDA device or the current
+      ``torch.accelerator`` (never read on the calling thread). NaN/inf are counted, not averaged. A multi-element
       tensor, a NumPy array of one or more dimensions, a sparse tensor of one or
       more dimensions, a ``meta`` tensor (it has no data) or a tensor on another
       kind of device raises ``ValueError``; a string, ``bool`` or ``np.bool_``,
