@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
+from transformers import Trainer, TrainerCallback, default_data_collator  # noqa: E402
 
 import openlora_otel.integrations  # noqa: E402
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
@@ -25,6 +25,7 @@ from openlora_otel.integrations.hf import TelemetryCallback  # noqa: E402
 from tests.support.host_reads import HOST_READS  # noqa: E402
 from tests.support.readings import points, value  # noqa: E402
 from tests.support.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+from tests.support.trainers import hf_args  # noqa: E402
 
 # Tensor methods that bring a value to the host (and so wait for the device that computes it).
 READS = HOST_READS | {"__repr__", "__str__", "__format__", "__array__", "to", "copy_"}
@@ -93,8 +94,8 @@ class LogKeeper(TrainerCallback):
 def test_trainer_metrics_match_what_the_trainer_logged(tmp_path, memory_reader: InMemoryMetricReader) -> None:
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     model = with_lora(tiny_llama())
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=24,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
@@ -103,9 +104,6 @@ def test_trainer_metrics_match_what_the_trainer_logged(tmp_path, memory_reader: 
         eval_steps=12,
         per_device_eval_batch_size=8,
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
         include_num_input_tokens_seen=True,
         seed=0,
         dataloader_num_workers=0,
@@ -192,9 +190,7 @@ def test_callback_failures_never_reach_the_trainer(tmp_path, caplog: pytest.LogC
 def test_callback_sets_up_and_shuts_down_its_own_telemetry(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     callback = TelemetryCallback()
-    args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True
-    )
+    args = hf_args(tmp_path, per_device_train_batch_size=2)
 
     class State:
         num_input_tokens_seen = 0
@@ -232,14 +228,11 @@ def test_default_arguments_report_loss_tokens_and_learning_rate_every_step(
 
     telemetry.training.record_step = spy
     max_steps, batch, every = 20, 4, 5
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=max_steps,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
         save_strategy="no",
     )
     assert args.logging_steps == 500 and args.include_num_input_tokens_seen == "no"
@@ -303,8 +296,8 @@ def test_eval_forwards_are_not_counted_and_trainer_logs_are_not_added_twice(
 
     training.record_step = counting(training.record_step)
     training.record_values = counting(training.record_values)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=6,
         per_device_train_batch_size=4,
         logging_steps=1,
@@ -312,9 +305,6 @@ def test_eval_forwards_are_not_counted_and_trainer_logs_are_not_added_twice(
         eval_steps=3,
         per_device_eval_batch_size=8,
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
     )
     trainer = KeepingTrainer(
         model=with_lora(tiny_llama()),
@@ -352,8 +342,8 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(
     evaluations (slow on purpose) are neither waiting nor step time."""
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[memory_reader])
     sleep, accumulation, steps = 0.05, 2, 8
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=steps,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=accumulation,
@@ -361,9 +351,6 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(
         eval_steps=4,
         per_device_eval_batch_size=8,
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
     )
     trainer = Trainer(
         model=with_lora(tiny_llama()),
@@ -423,14 +410,11 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
     bad_from = 10  # the forward of optimizer step 10 (0-based count of steps done) returns NaN
     model = poisoned_model(times, bad_from)
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=2000,
         per_device_train_batch_size=2,
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     trainer = Trainer(
@@ -466,16 +450,13 @@ def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) ->
     bad_from = per_epoch + 5
     model = poisoned_model(times, bad_from)
     guard = DivergenceGuard(nonfinite_losses=3, check_interval_s=0.05)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         num_train_epochs=3,
         per_device_train_batch_size=2,
         save_strategy="epoch",
         save_total_limit=1,
         eval_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     trainer = Trainer(
@@ -505,14 +486,11 @@ def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkey
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     telemetry = setup_telemetry(metric_readers=[memory_reader])
     model = with_lora(tiny_llama())
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = hf_args(
+        tmp_path,
         max_steps=4,
         per_device_train_batch_size=2,
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     Trainer(
@@ -530,13 +508,11 @@ def test_model_flops_and_mfu_from_the_first_step(tmp_path, memory_reader, monkey
 def test_a_chosen_run_name_and_an_epoch_count_reach_the_run_info(tmp_path) -> None:
     from openlora_otel.integrations.hf import _run_name, trainer_hyperparameters
 
-    args = TrainingArguments(
-        output_dir=str(tmp_path), run_name="lr-3e-4", num_train_epochs=2, bf16=False, report_to="none"
-    )
+    args = hf_args(tmp_path, run_name="lr-3e-4", num_train_epochs=2, bf16=False)
     assert _run_name(args) == "lr-3e-4"
     values = trainer_hyperparameters(args)
     assert values["epochs"] == 2 and values["max_steps"] is None
-    assert _run_name(TrainingArguments(output_dir=str(tmp_path), report_to="none")) is None
+    assert _run_name(hf_args(tmp_path)) is None
 
 
 def test_a_run_name_with_a_tab_or_newline_is_kept_and_the_callback_still_sets_up(tmp_path, memory_reader) -> None:
@@ -549,9 +525,7 @@ def test_a_run_name_with_a_tab_or_newline_is_kept_and_the_callback_still_sets_up
     )
     try:
         callback = TelemetryCallback(telemetry=telemetry)
-        args = TrainingArguments(
-            output_dir=str(tmp_path), run_name="sweep\tlr 3e-4\n", per_device_train_batch_size=4, report_to="none"
-        )
+        args = hf_args(tmp_path, run_name="sweep\tlr 3e-4\n", per_device_train_batch_size=4)
 
         class State:
             num_input_tokens_seen = 0
@@ -573,7 +547,7 @@ def test_a_run_that_raised_leaves_no_second_forward_hook(tmp_path) -> None:
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
     model = with_lora(tiny_llama())
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    args = hf_args(tmp_path)
 
     def taps() -> int:
         return sum(isinstance(hook, _ForwardTap) for hook in model._forward_hooks.values())

@@ -21,6 +21,7 @@ from openlora_otel.integrations.lightning import TelemetryCallback  # noqa: E402
 from tests.support.host_reads import HOST_READS  # noqa: E402
 from tests.support.readings import points, value  # noqa: E402
 from tests.support.tiny_lm import SEQ, CountingCorpus, tiny_llama, with_lora  # noqa: E402
+from tests.support.trainers import quiet_trainer  # noqa: E402
 
 
 class LoraModule(pl.LightningModule):
@@ -45,18 +46,6 @@ class LoraModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
-
-
-def quiet_trainer(**options) -> pl.Trainer:
-    """A CPU Trainer without logger, checkpoints, progress bar or model summary, unless ``options`` say otherwise."""
-    quiet = {
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    return pl.Trainer(**{**quiet, **options})
 
 
 def test_lightning_metrics_match_the_run(memory_reader: InMemoryMetricReader) -> None:
