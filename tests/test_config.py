@@ -37,6 +37,9 @@ def test_otlp_timeout_is_milliseconds() -> None:
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "http://collector:4318/v1/metrics"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/"}, "http://collector:4318/v1/metrics"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c.example/otlp"}, "https://c.example/otlp/v1/metrics"),
+        # The signal path goes onto the path, before a query (a token) or a fragment, not into them.
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c.example/?api_key=k"}, "https://c.example/v1/metrics?api_key=k"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318#f"}, "http://c:4318/v1/metrics#f"),
         # The per-signal endpoint is used as is: no path appended.
         ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:9999/custom"}, "http://c:9999/custom"),
         (
@@ -50,6 +53,19 @@ def test_otlp_timeout_is_milliseconds() -> None:
 )
 def test_http_endpoint_resolution(env: dict[str, str], endpoint: str) -> None:
     assert cfg(**env).otlp.endpoint == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://user:pa#ss@c:4318", "http://user:p/ss@c:4318", "http://user:4318/ss@c", "https://c/tenant@x/v1"],
+)
+def test_an_at_sign_after_the_host_is_refused(endpoint: str) -> None:
+    """Read by RFC 3986, a password with an unescaped `#`, `/` or `?` makes the URL name another host,
+    with the password's end in the path, query or fragment: refused, saying what to encode."""
+    with pytest.raises(ConfigError, match="percent-encode") as info:
+        cfg(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
+    assert info.value.variable == "OTEL_EXPORTER_OTLP_ENDPOINT"
+    assert cfg(OTEL_EXPORTER_OTLP_ENDPOINT="http://user:pa%23ss@c:4318").otlp.endpoint.startswith("http://user:pa%23ss@c:4318")
 
 
 def test_grpc_endpoint_and_insecure() -> None:

@@ -14,8 +14,8 @@ gRPC), and ``OTEL_METRICS_EXPORTER`` is honoured without
 own environment parsing never decides anything.
 
 Invalid values raise :class:`ConfigError` (:mod:`.checks`), which names the variable, the value and
-what is accepted; credentials (URL ``user:password@`` and header values) never appear in an error or
-a repr.
+what is accepted; credentials (URL ``user:password@``, every URL query value and the fragment, header
+values) never appear in an error or a repr.
 """
 
 from __future__ import annotations
@@ -188,11 +188,12 @@ class OTLPConfig:
         return tuple((k, REDACTED) for k, _ in self.headers)
 
     def redacted_endpoint(self) -> str:
-        """The endpoint with any ``user:password@`` part hidden."""
+        """The endpoint with its ``user:password@`` part, query values and fragment hidden."""
         return redact_url(self.endpoint)
 
     def secrets(self) -> frozenset[str]:
-        """This config's credentials (URL user info, header values) in every form redaction scrubs."""
+        """This config's credentials (URL user info, query values and fragment, header values) in every
+        form redaction scrubs."""
         found = set(url_secrets(self.endpoint))
         for _, value in self.headers:
             found |= secret_forms(value)
@@ -435,8 +436,11 @@ def _read_otlp(env: Env) -> OTLPConfig:
             accepted="an http:// or https:// URL for protocol http/protobuf, e.g. " + OTLP_DEFAULT_ENDPOINTS["http/protobuf"],
         )
         if not per_signal:
-            # The spec: the signal path is appended to the base endpoint only.
-            endpoint = endpoint.rstrip("/") + "/v1/metrics"
+            # The spec: the signal path is appended to the base endpoint's path only, before any query
+            # (a token in `?api_key=`) or fragment, which would otherwise swallow it. The first `?` or `#`
+            # starts them: one in the user info would have an `@` after it, which _check_endpoint refused.
+            cut = min((i for i in (endpoint.find("?"), endpoint.find("#")) if i >= 0), default=len(endpoint))
+            endpoint = endpoint[:cut].rstrip("/") + "/v1/metrics" + endpoint[cut:]
     else:
         if not endpoint:
             endpoint = OTLP_DEFAULT_ENDPOINTS["grpc"]

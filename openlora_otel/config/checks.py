@@ -4,8 +4,8 @@ share.
 
 Durations and numbers are ASCII decimal digits only (no underscore, sign or ``nan``; no exponent but in
 ``OPENLORA_PEAK_FLOPS``, whose values are like ``989e12``), within documented ranges, so a value that
-would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@`` and header
-values) never appear in an error.
+would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@``, query
+values and fragment, and header values) never appear in an error.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ConfigError(ValueError):
 
     ``variable`` is the environment variable (or argument) at fault, ``value``
     what it held and ``accepted`` a short description of valid values.
-    ``scheme://user:password@`` credentials are redacted, in the message and in
+    ``scheme://user:password@`` credentials and URL query values are redacted, in the message and in
     ``value`` alike; callers pass header values and scheme-less endpoints
     already redacted (only they know which part is secret).
     """
@@ -199,6 +199,10 @@ def _check_endpoint(
         raise ConfigError(variable, shown, accepted, str(exc)) from None
     if parts.scheme not in schemes:
         raise ConfigError(variable, shown, accepted)
+    if "@" in parts.path + parts.query + parts.fragment:
+        # Almost always a password with an unescaped "/", "?" or "#": the URL would then name another
+        # host (or port) and carry the password's end as a path, query or fragment, in plain view.
+        raise ConfigError(variable, shown, accepted, _UNESCAPED_USERINFO)
     hostport = parts.netloc.rpartition("@")[2]
     match = _HOSTPORT_RE.fullmatch(hostport)
     if not match or not match["host"]:
@@ -217,6 +221,10 @@ def _check_endpoint(
     return parts
 
 
+_UNESCAPED_USERINFO = (
+    "an `@` after the host: percent-encode `/`, `?`, `#` and `@` in a user name or password "
+    "(`%2F`, `%3F`, `%23`, `%40`)"
+)
 # host, then an optional ":port" (empty allowed, as in "http://h:/"); IPv6 in brackets.
 _HOSTPORT_RE = re.compile(r"(?P<host>\[[^\[\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?")
 _LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")

@@ -184,13 +184,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         OTLP,
-        "Base OTLP endpoint; `/v1/metrics` is appended for http/protobuf. Validated even when the per-signal one wins.",
+        "Base OTLP endpoint; `/v1/metrics` is appended to its path (before any query) for http/protobuf. Validated even when the per-signal one wins. A user name or password in it must percent-encode `/`, `?`, `#` and `@` (an `@` after the host is refused); its user info, every query value and the fragment are never printed.",
         shown=_OTLP_ENDPOINTS_SHOWN,
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
         OTLP,
-        "Metrics endpoint, used as is (no path appended); wins over the base endpoint.",
+        "Metrics endpoint, used as is (no path appended); wins over the base endpoint. Checked and redacted as the base one is.",
         shown="(unset)",
     ),
     Variable(
