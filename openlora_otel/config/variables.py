@@ -259,7 +259,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CERTIFICATE",
         OTLP,
-        "PEM file of trusted CA certificates for TLS to the endpoint.",
+        "PEM file of trusted CA certificates for TLS to the endpoint, read at setup on either protocol: a file that cannot be read, or holds no certificate OpenSSL can load, is refused there rather than failing every export.",
         shown="(unset)",
     ),
     Variable(
@@ -271,7 +271,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CLIENT_KEY",
         OTLP,
-        "PEM private key for mTLS (needs the client certificate too).",
+        "Unencrypted PEM private key for mTLS (needs the client certificate too); refused at setup unless OpenSSL can load it with that certificate (a key of another certificate, an encrypted key).",
         shown="(unset)",
     ),
     Variable(
@@ -283,7 +283,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
         OTLP,
-        "PEM client certificate chain for mTLS (needs the client key too).",
+        "PEM client certificate chain for mTLS (needs the client key too); checked at setup as the CA file is.",
         shown="(unset)",
     ),
     Variable(
