@@ -825,6 +825,18 @@ def test_a_tls_file_that_cannot_be_used_is_a_config_error(
     assert again.value.variable == variable
 
 
+def test_a_real_ca_bundle_is_accepted(tmp_path) -> None:
+    """Over a hundred certificates with comments between them, as distributions and certifi ship them;
+    a bundle with one broken certificate among good ones names that one."""
+    certifi = pytest.importorskip("certifi")
+    bundle = certifi.where()
+    assert cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=bundle).otlp.certificate == bundle
+    broken = tmp_path / "broken-bundle.pem"
+    broken.write_text(Path(bundle).read_text(encoding="utf-8") + pem("CERTIFICATE", b"\x30\x03\x02\x01\x01"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"certificate \d+ is not a valid X.509 certificate"):
+        cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=str(broken))
+
+
 def test_a_tls_file_that_cannot_be_used_is_refused_in_code_too(tmp_path) -> None:
     from openlora_otel.config import OTLPConfig
 
