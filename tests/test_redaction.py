@@ -13,6 +13,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -82,6 +83,17 @@ def test_redact_scrubs_any_url_credentials_and_keeps_the_rest() -> None:
     assert redact("mail me@example.org, see http://host/a@b") == "mail me@example.org, see http://host/a@b"
     # Short values are not scrubbed from free text (they would garble it); they guard nothing.
     assert redact("html xml", secret_forms("ml")) == "html xml"
+
+
+@pytest.mark.parametrize("value", ["a." * 100_000, "http://" + "a." * 100_000, "a://" * 50_000, "a://@" * 40_000])
+def test_redaction_is_linear_in_a_long_hostile_value(value: str) -> None:
+    """Every ConfigError's value goes through redact(): a long value built to make the URL patterns
+    restart at each word boundary or `://` took seconds (quadratic); bounded here with a wide margin."""
+    started = time.monotonic()
+    with pytest.raises(ConfigError):
+        TelemetryConfig.from_env({"OTEL_EXPORTER_PROMETHEUS_HOST": value})
+    redact_url(value)
+    assert time.monotonic() - started < 3.0
 
 
 def test_secrets_in_env_reads_even_an_invalid_environment() -> None:
