@@ -495,12 +495,13 @@ def secret_leaks(text: str, case: Hostile) -> list[str]:
     return sorted(form for form in forms if form in text)
 
 
-def run_doctor_in_process(capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``openlora-otel doctor`` as the command line runs it, in this process: its exit status and output."""
+def run_doctor_in_process(capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``openlora-otel doctor`` as the command line runs it, in this process: its exit status, and all
+    output since the last read (so what came before it, such as setup's announcement, is in it too)."""
     from openlora_otel.cli import main
 
     status = main(["doctor", "--timeout", "1"])
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()
     return status, captured.out + captured.err
 
 
@@ -529,7 +530,7 @@ def test_hostile_endpoint_urls_never_show_their_secrets(
         with pytest.raises(ConfigError) as again:
             setup_telemetry()
         outputs.append(str(again.value))
-        status, doctor = run_doctor_in_process(capfd)  # type: ignore[arg-type]
+        status, doctor = run_doctor_in_process(capfd)
         assert status == 2 and "[FAIL] configuration" in doctor, doctor
     else:
         config = TelemetryConfig.from_env(env)
@@ -543,7 +544,7 @@ def test_hostile_endpoint_urls_never_show_their_secrets(
         telemetry.shutdown(timeout_s=5)
         warnings = [r.getMessage() for r in caplog.records if r.name == "openlora_otel.exporters"]
         assert any(" failed (" in w for w in warnings), warnings
-        status, doctor = run_doctor_in_process(capfd)  # type: ignore[arg-type]
+        status, doctor = run_doctor_in_process(capfd)
         assert status == 1 and "nothing answers" in doctor, doctor
     outputs.append(doctor)
     outputs.append(everything(caplog, capfd))
