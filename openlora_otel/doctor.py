@@ -1,6 +1,6 @@
 """`openlora-otel doctor`: check the configuration and its surroundings before a long run.
 
-Prints the resolved configuration (header values and URL credentials redacted),
+Prints the resolved configuration (header values, URL credentials, query values and fragment redacted),
 checks that the Prometheus port can be bound and that the OTLP endpoint answers,
 lists the optional packages, and says in plain words what to fix.
 

@@ -1,15 +1,22 @@
 """Redaction: the one place that hides credentials in text we print or log.
 
-Two kinds of secret reach our messages: the ``user:password@`` part of an
-endpoint URL and OTLP header values (``authorization=Bearer ...``). They can come
-back to us inside text we did not write (an SDK log line, an exception from
-requests or gRPC, an HTTP reason phrase a server chose), so redaction works on
-arbitrary text: every *known* secret (the configured values, in the forms they
-are likely to be echoed in) is replaced, and so is any ``scheme://user:pass@``
-pattern, known or not.
+Three kinds of secret reach our messages: the ``user:password@`` part of an endpoint URL, its query
+values and fragment (``?api_key=...``), and OTLP header values (``authorization=Bearer ...``). They can
+come back to us inside text we did not write (an SDK log line, an exception from requests or gRPC, an
+HTTP reason phrase a server chose), so redaction works on arbitrary text: every *known* secret (the
+configured values, in the forms they are likely to be echoed in) is replaced, and so is any
+``scheme://user:pass@`` pattern and any ``scheme://`` URL's query values and fragment, known or not.
 
-Used by :class:`~openlora_otel.config.ConfigError`, the config reprs, the export
-guard and ``doctor``.
+Policy for a URL we were given (:func:`redact_url`): the scheme, host, port, path and query *names*
+are shown; the user info, every query *value* and the fragment are not. An OTLP endpoint (or a
+webhook, or a Prometheus URL) has no query value we need to show, and a list of secret-sounding names
+(``token``, ``sig``, ...) would miss the next vendor's ``x-goog-api-key``; so all of them go. The user
+info runs to the *last* ``@`` of the URL, not to the first ``/``, ``?`` or ``#`` as RFC 3986 reads it:
+a password holding an unescaped ``/``, ``?`` or ``#`` would otherwise be printed as a host, a path or
+a query. (The configuration refuses an endpoint with an ``@`` after its host, so this over-hides
+only in that error.)
+
+Used by :class:`~openlora_otel.config.ConfigError`, the config reprs, the export guard and ``doctor``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Iterable
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, unquote_plus
 
 __all__ = ["REDACTED", "redact", "redact_url", "secret_forms", "url_secrets"]
 
@@ -33,12 +40,18 @@ _AUTH_SCHEMES = frozenset({"bearer", "basic", "token", "digest", "apikey", "api-
 
 # scheme://userinfo@ : userinfo runs to the last "@" before the path, query,
 # fragment or whitespace, so a password with an unescaped "@" is hidden whole.
-_USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#\s@]*(?:@[^/?#\s@]*)*@")
+# The scheme's length is bounded: unbounded, every word boundary of a long "a.a.a..." value started a
+# scan to its end, and redacting a 100k-character ConfigError took seconds.
+_USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]{0,31}://)[^/?#\s@]*(?:@[^/?#\s@]*)*@")
+# A URL's query and fragment in free text run to whitespace or a quote (an exception's repr quotes
+# the URL it failed on): redacted token by token, in linear time (a regex restarting at every "://"
+# of "a://a://..." scanned to the end from each).
+_TOKEN_RE = re.compile(r"[^\s'\"]+")
 
 
 def secret_forms(value: str) -> set[str]:
     """``value`` and the forms it is likely to be echoed in (percent-encoded, repr-escaped, its tokens)."""
-    forms = {value, quote(value, safe=""), repr(value)[1:-1]}
+    forms = {value, quote(value, safe=""), quote(value), repr(value)[1:-1]}
     for token in value.split():
         if token.lower() not in _AUTH_SCHEMES:
             forms.update({token, quote(token, safe="")})
@@ -46,43 +59,91 @@ def secret_forms(value: str) -> set[str]:
 
 
 def url_secrets(url: str) -> set[str]:
-    """The secrets in ``url``'s ``user:password@`` part (raw and decoded), and its Basic-auth form.
+    """The secrets in ``url``: its user info (raw and decoded, and the Basic-auth form requests sends),
+    its query values and its fragment, each in the forms :func:`secret_forms` lists.
 
     Parsed by hand, not with urlsplit: it must work on a URL too malformed to parse.
     """
-    userinfo, at, _ = _authority(url).rpartition("@")
-    if not at:
-        return set()
-    user, _, password = userinfo.partition(":")
-    decoded = f"{unquote(user)}:{unquote(password)}"
-    # requests turns URL credentials into "Authorization: Basic base64(user:password)".
-    basic = base64.b64encode(decoded.encode("latin-1", "replace")).decode("ascii")
-    secrets = {userinfo, decoded, basic}
-    if password:
-        secrets |= {password, unquote(password)}
-    return {form for secret in secrets for form in secret_forms(secret)}
+    _, userinfo, _, query, fragment = _split(url)
+    secrets: set[str] = set()
+    if userinfo is not None:
+        user, _, password = userinfo.partition(":")
+        decoded = f"{unquote(user)}:{unquote(password)}"
+        # requests turns URL credentials into "Authorization: Basic base64(user:password)".
+        basic = base64.b64encode(decoded.encode("latin-1", "replace")).decode("ascii")
+        secrets |= {userinfo, decoded, basic}
+        if ":" not in userinfo:  # a token given as the user name: it is the secret
+            secrets.add(unquote(user))
+        if password:
+            secrets |= {password, unquote(password)}
+    values = [item.partition("=")[2] if "=" in item else item for item in (query or "").split("&")]
+    for value in [*values, fragment or ""]:
+        secrets |= {value, unquote(value), unquote_plus(value)}
+    return {form for secret in secrets if secret for form in secret_forms(secret)}
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with every known secret and any ``scheme://user:pass@`` credentials replaced by ``<redacted>``."""
+    """``text`` with every known secret, any ``scheme://user:pass@`` credentials and any ``scheme://``
+    URL's query values and fragment replaced by ``<redacted>``."""
     # Longest first, so "Bearer abc123" goes whole before its token "abc123".
     for secret in sorted({s for s in secrets if len(s) >= MIN_SECRET_LENGTH}, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
+    # The query first: once the user info reads "<redacted>@", the "<" would end the URL's match.
+    text = _TOKEN_RE.sub(_redact_token_tail, text)
     return _USERINFO_RE.sub(rf"\g<scheme>{REDACTED}@", text)
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its ``user:password@`` part (scheme or not) replaced by ``<redacted>@``."""
-    authority = _authority(url)
-    userinfo, at, _ = authority.rpartition("@")
-    if at:
-        start = url.index(authority)
-        url = url[:start] + REDACTED + url[start + len(userinfo) :]
-    return redact(url)
+    """``url`` (scheme or not) with its user info, query values and fragment replaced by ``<redacted>``
+    (see the module's policy)."""
+    prefix, userinfo, rest, query, fragment = _split(url)
+    shown = prefix + (f"{REDACTED}@" if userinfo is not None else "") + rest
+    if query is not None:
+        shown += "?" + _redact_query(query)
+    if fragment is not None:
+        shown += f"#{REDACTED}" if fragment else "#"
+    return redact(shown)
 
 
-def _authority(url: str) -> str:
-    """The ``[userinfo@]host[:port]`` part of ``url`` (which may lack the scheme)."""
-    rest = url.partition("://")[2] if "://" in url else url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    return rest[:end]
+def _split(url: str) -> tuple[str, str | None, str, str | None, str | None]:
+    """``url`` as (``scheme://`` or "", user info or None, host/port/path, query or None, fragment or None).
+
+    The user info runs to the last ``@`` anywhere (see the module's policy), so what follows it holds
+    no ``@``; the query starts at the first ``?`` after that, the fragment at the first ``#``.
+    """
+    prefix, sep, rest = url.partition("://")
+    if not sep:
+        prefix, rest = "", url
+    else:
+        prefix += sep
+    userinfo: str | None = None
+    if "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+    rest, hash_sign, fragment = rest.partition("#")
+    rest, question_mark, query = rest.partition("?")
+    return prefix, userinfo, rest, query if question_mark else None, fragment if hash_sign else None
+
+
+def _redact_query(query: str) -> str:
+    """``a=1&b`` -> ``a=<redacted>&<redacted>``: names kept, every value (and a bare item) hidden."""
+    return "&".join(
+        f"{item.partition('=')[0]}={REDACTED}" if "=" in item else (REDACTED if item else "")
+        for item in query.split("&")
+    )
+
+
+def _redact_token_tail(match: re.Match[str]) -> str:
+    """A whitespace-free token, with the query values and fragment of a ``scheme://`` URL in it redacted."""
+    token = match[0]
+    start = token.find("://")
+    if start < 0:
+        return token
+    cut = min((i for i in (token.find("?", start), token.find("#", start)) if i >= 0), default=-1)
+    return token if cut < 0 else token[:cut] + _redact_tail(token[cut:])
+
+
+def _redact_tail(tail: str) -> str:
+    """A free-text URL's ``?query#fragment`` (either may be absent), redacted as :func:`redact_url` does."""
+    query, hash_sign, _ = tail.partition("#")
+    shown = "?" + _redact_query(query[1:]) if query else ""
+    return shown + (f"#{REDACTED}" if hash_sign else "")

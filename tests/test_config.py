@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from openlora_otel.config import GROUPS, VARIABLES, ConfigError, PortOffset, TelemetryConfig
+from tests.pem_files import pem, write_tls_files
 
 
 def cfg(**env: str) -> TelemetryConfig:
@@ -37,6 +41,9 @@ def test_otlp_timeout_is_milliseconds() -> None:
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, "http://collector:4318/v1/metrics"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/"}, "http://collector:4318/v1/metrics"),
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c.example/otlp"}, "https://c.example/otlp/v1/metrics"),
+        # The signal path goes onto the path, before a query (a token) or a fragment, not into them.
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://c.example/?api_key=k"}, "https://c.example/v1/metrics?api_key=k"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318#f"}, "http://c:4318/v1/metrics#f"),
         # The per-signal endpoint is used as is: no path appended.
         ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:9999/custom"}, "http://c:9999/custom"),
         (
@@ -50,6 +57,19 @@ def test_otlp_timeout_is_milliseconds() -> None:
 )
 def test_http_endpoint_resolution(env: dict[str, str], endpoint: str) -> None:
     assert cfg(**env).otlp.endpoint == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://user:pa#ss@c:4318", "http://user:p/ss@c:4318", "http://user:4318/ss@c", "https://c/tenant@x/v1"],
+)
+def test_an_at_sign_after_the_host_is_refused(endpoint: str) -> None:
+    """Read by RFC 3986, a password with an unescaped `#`, `/` or `?` makes the URL name another host,
+    with the password's end in the path, query or fragment: refused, saying what to encode."""
+    with pytest.raises(ConfigError, match="percent-encode") as info:
+        cfg(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
+    assert info.value.variable == "OTEL_EXPORTER_OTLP_ENDPOINT"
+    assert cfg(OTEL_EXPORTER_OTLP_ENDPOINT="http://user:pa%23ss@c:4318").otlp.endpoint.startswith("http://user:pa%23ss@c:4318")
 
 
 def test_grpc_endpoint_and_insecure() -> None:
@@ -155,9 +175,12 @@ def test_temporality_and_compression() -> None:
 
 
 def test_tls_files(tmp_path) -> None:
-    ca = tmp_path / "ca.pem"
-    ca.write_text("x")
-    assert cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=str(ca)).otlp.certificate == str(ca)
+    files = write_tls_files(tmp_path)
+    assert cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=str(files.certificate)).otlp.certificate == str(files.certificate)
+    mtls = cfg(
+        OTEL_EXPORTER_OTLP_CLIENT_KEY=str(files.key), OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=str(files.certificate)
+    ).otlp
+    assert (mtls.client_key, mtls.client_certificate) == (str(files.key), str(files.certificate))
 
 
 INVALID = [
@@ -273,8 +296,7 @@ def test_header_values_never_appear_in_errors() -> None:
 
 
 def test_client_key_without_certificate(tmp_path) -> None:
-    key = tmp_path / "key.pem"
-    key.write_text("x")
+    key = write_tls_files(tmp_path).key
     with pytest.raises(ConfigError) as info:
         cfg(OTEL_EXPORTER_OTLP_CLIENT_KEY=str(key))
     assert info.value.variable == "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"
@@ -453,14 +475,14 @@ BASE_WHILE_PER_SIGNAL_WINS = [
         "OTEL_EXPORTER_OTLP_CERTIFICATE",
         "/nonexistent/ca.pem",
         "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
-        "{pem}",
+        "{cert}",
     ),
-    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/nonexistent/k.pem", "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", "{pem}"),
+    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/nonexistent/k.pem", "OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", "{key}"),
     (
         "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
         "/nonexistent/c.pem",
         "OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE",
-        "{pem}",
+        "{cert}",
     ),
 ]
 
@@ -469,13 +491,12 @@ BASE_WHILE_PER_SIGNAL_WINS = [
 def test_base_variable_is_validated_when_the_per_signal_one_wins(
     base: str, bad: str, per_signal: str, good: str, tmp_path
 ) -> None:
-    pem = tmp_path / "x.pem"
-    pem.write_text("x")
-    good = good.format(pem=pem)
+    files = write_tls_files(tmp_path)
+    good = good.format(cert=files.certificate, key=files.key)
     env = {per_signal: good}
     if "CLIENT_" in per_signal:  # mTLS needs both halves
-        other = "CLIENT_CERTIFICATE" if "CLIENT_KEY" in per_signal else "CLIENT_KEY"
-        env[f"OTEL_EXPORTER_OTLP_METRICS_{other}"] = str(pem)
+        other, path = ("CLIENT_CERTIFICATE", files.certificate) if "CLIENT_KEY" in per_signal else ("CLIENT_KEY", files.key)
+        env[f"OTEL_EXPORTER_OTLP_METRICS_{other}"] = str(path)
     cfg(**env)  # the per-signal value alone is fine
     with pytest.raises(ConfigError) as info:
         cfg(**env, **{base: bad})
@@ -707,3 +728,170 @@ def test_the_port_comes_with_its_origin_as_data() -> None:
     assert cfg(LOCAL_RANK="0").prometheus_port_offset is None  # nothing added
     assert cfg(LOCAL_RANK="2", OTEL_EXPORTER_PROMETHEUS_PORT="0").prometheus_port_offset is None
     assert cfg(OTEL_EXPORTER_PROMETHEUS_PORT="9500").prometheus_port_explicit
+
+
+# ---- TLS files: read and checked at setup, on both protocols -------------------------------------
+# An unreadable file made gRPC's setup raise a bare OSError; a file that is not PEM was accepted and
+# failed every export. Both are ConfigErrors naming the variable, the path and what is accepted.
+
+CERTIFICATE_ACCEPTED = "a readable PEM file with at least one certificate"
+KEY_ACCEPTED = "a readable PEM file with an unencrypted private key"
+PROTOCOL_ENV = {
+    "http/protobuf": {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector.example:4318"},
+    "grpc": {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector.example:4317"},
+}
+
+
+def _bad_file(kind: str, tmp_path, files) -> tuple[str, str]:
+    """A path that is no usable PEM file of its ``kind``, and the words the error must say about it."""
+    if kind == "directory":
+        return str(tmp_path), "not a regular file"
+    if kind == "unreadable":  # fails for root too: the file exists, reading it is an I/O error
+        if not os.path.isfile("/proc/self/mem"):
+            pytest.skip("no /proc/self/mem here")
+        return "/proc/self/mem", "cannot read it"
+    if kind == "mode 000":
+        if os.geteuid() == 0:
+            pytest.skip("root reads a file of mode 000 (the `unreadable` case covers root)")
+        path = tmp_path / "locked.pem"
+        path.write_text(files.certificate.read_text())
+        path.chmod(0)
+        return str(path), "cannot read it: Permission denied"
+    path = tmp_path / f"{kind.replace(' ', '-')}.pem"
+    content, words = {
+        "empty": ("", "no `-----BEGIN"),
+        "not pem": ("this is not a certificate\n", "no `-----BEGIN"),
+        "junk in a block": (pem("CERTIFICATE", os.urandom(300)) + pem("PRIVATE KEY", os.urandom(48)), "not a valid"),
+        "a key for a certificate": (files.key.read_text(), "no `-----BEGIN CERTIFICATE-----` block"),
+        "a certificate for a key": (files.certificate.read_text(), "no `-----BEGIN ... PRIVATE KEY-----` block"),
+        "an encrypted key": (pem("ENCRYPTED PRIVATE KEY", os.urandom(64)), "encrypted"),
+        "a key not of the certificate": (files.other_key.read_text(), "cannot use them together"),
+    }[kind]
+    path.write_text(content)
+    return str(path), words
+
+
+TLS_CASES = [
+    *(
+        (variable, kind)
+        for variable in (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+        )
+        for kind in ("directory", "unreadable", "mode 000", "empty", "not pem")
+    ),
+    ("OTEL_EXPORTER_OTLP_CERTIFICATE", "junk in a block"),
+    ("OTEL_EXPORTER_OTLP_CERTIFICATE", "a key for a certificate"),
+    ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "junk in a block"),
+    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "a certificate for a key"),
+    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "an encrypted key"),
+    ("OTEL_EXPORTER_OTLP_METRICS_CLIENT_KEY", "an encrypted key"),
+    ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "a key not of the certificate"),
+]
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+@pytest.mark.parametrize(("variable", "kind"), TLS_CASES)
+def test_a_tls_file_that_cannot_be_used_is_a_config_error(
+    variable: str, kind: str, protocol: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if protocol == "grpc":
+        pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    files = write_tls_files(tmp_path)
+    path, words = _bad_file(kind, tmp_path, files)
+    env = {"OTEL_METRICS_EXPORTER": "otlp", **PROTOCOL_ENV[protocol], variable: path}
+    prefix = variable.rpartition("_CLIENT_")[0] or None
+    if prefix:  # mTLS: the other half, valid
+        env.setdefault(f"{prefix}_CLIENT_CERTIFICATE", str(files.certificate))
+        env.setdefault(f"{prefix}_CLIENT_KEY", str(files.key))
+    accepted = KEY_ACCEPTED if variable.endswith("CLIENT_KEY") else CERTIFICATE_ACCEPTED
+    if kind == "a key not of the certificate":
+        accepted = f"the private key of the certificate in {prefix}_CLIENT_CERTIFICATE"
+    with pytest.raises(ConfigError) as info:
+        TelemetryConfig.from_env(env)
+    error = info.value
+    assert (error.variable, error.value) == (variable, path), error
+    assert accepted in str(error) and words in str(error), error
+    # The same from setup_telemetry() with the variables in the environment: a ConfigError, not an
+    # OSError from gRPC's credentials or an exporter that fails every export.
+    from openlora_otel import setup_telemetry
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as again:
+        setup_telemetry()
+    assert again.value.variable == variable
+
+
+def test_a_real_ca_bundle_is_accepted(tmp_path) -> None:
+    """Over a hundred certificates with comments between them, as distributions and certifi ship them;
+    a bundle with one broken certificate among good ones names that one."""
+    certifi = pytest.importorskip("certifi")
+    bundle = certifi.where()
+    assert cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=bundle).otlp.certificate == bundle
+    broken = tmp_path / "broken-bundle.pem"
+    broken.write_text(Path(bundle).read_text(encoding="utf-8") + pem("CERTIFICATE", b"\x30\x03\x02\x01\x01"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"certificate \d+ is not a valid X.509 certificate"):
+        cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=str(broken))
+
+
+def test_a_tls_file_that_cannot_be_used_is_refused_in_code_too(tmp_path) -> None:
+    from openlora_otel.config import OTLPConfig
+
+    files = write_tls_files(tmp_path)
+    not_pem = tmp_path / "ca.txt"
+    not_pem.write_text("not a certificate")
+    with pytest.raises(ConfigError, match=CERTIFICATE_ACCEPTED) as info:
+        OTLPConfig(certificate=str(not_pem))
+    assert info.value.variable == "otlp.certificate"
+    with pytest.raises(ConfigError, match="cannot use them together") as info:
+        OTLPConfig(client_key=str(files.other_key), client_certificate=str(files.certificate))
+    assert info.value.variable == "otlp.client_key"
+    with pytest.raises(ConfigError, match="needs both"):
+        OTLPConfig(client_key=str(files.key))
+    good = OTLPConfig(certificate=str(files.certificate), client_key=str(files.key), client_certificate=str(files.certificate))
+    assert good.client_key == str(files.key)
+
+
+@pytest.mark.process
+def test_tls_files_made_by_openssl_are_accepted_and_a_mismatch_refused(tmp_path) -> None:
+    """The pure-Python test files are Ed25519; what users have is mostly RSA and EC from openssl."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        if os.environ.get("CI"):
+            pytest.fail("openssl is needed under CI to check real TLS files")
+        pytest.skip("no openssl binary")
+
+    def make(name: str, algorithm: list[str]) -> tuple[str, str]:
+        key, cert = str(tmp_path / f"{name}-key.pem"), str(tmp_path / f"{name}-cert.pem")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", *algorithm, "-nodes", "-keyout", key, "-out", cert,
+             "-days", "1", "-subj", f"/CN={name}"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        return key, cert
+
+    rsa_key, rsa_cert = make("rsa", ["rsa:2048"])
+    ec_key, ec_cert = make("ec", ["ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"])
+    for key, cert in ((rsa_key, rsa_cert), (ec_key, ec_cert)):
+        otlp = cfg(
+            OTEL_EXPORTER_OTLP_CERTIFICATE=cert, OTEL_EXPORTER_OTLP_CLIENT_KEY=key, OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=cert
+        ).otlp
+        assert otlp.client_key == key
+    bundle = tmp_path / "bundle.pem"  # a CA bundle: several certificates, comments between them
+    rsa, ec = Path(rsa_cert).read_text(), Path(ec_cert).read_text()
+    bundle.write_text(f"# RSA\n{rsa}\n# EC, non-ASCII comment: é\n{ec}", encoding="utf-8")
+    assert cfg(OTEL_EXPORTER_OTLP_CERTIFICATE=str(bundle)).otlp.certificate == str(bundle)
+    with pytest.raises(ConfigError, match="cannot use them together"):
+        cfg(OTEL_EXPORTER_OTLP_CLIENT_KEY=ec_key, OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=rsa_cert)
+    encrypted = str(tmp_path / "encrypted.pem")
+    subprocess.run(
+        ["openssl", "pkey", "-in", rsa_key, "-aes256", "-passout", "pass:pw", "-out", encrypted],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="encrypted"):
+        cfg(OTEL_EXPORTER_OTLP_CLIENT_KEY=encrypted, OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=rsa_cert)

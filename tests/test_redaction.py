@@ -13,9 +13,12 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import quote, unquote, unquote_plus
 
 import pytest
 
@@ -64,12 +67,33 @@ def test_redact_scrubs_any_url_credentials_and_keeps_the_rest() -> None:
         == f"to http://{REDACTED}@host:1/x and https://{REDACTED}@b.c/"
     )
     # A password holding an unescaped "@" goes whole.
-    assert redact_url("http://user:p@ss@h:1/x?y=a@b") == f"http://{REDACTED}@h:1/x?y=a@b"
+    assert redact_url("http://user:p@ss@h:1/x?y=z") == f"http://{REDACTED}@h:1/x?y={REDACTED}"
+    # So does one holding an unescaped "/", "?" or "#": the user info runs to the last "@" anywhere.
+    for delimiter in "/?#":
+        assert redact_url(f"http://user:p{delimiter}ss@h:1/x") == f"http://{REDACTED}@h:1/x"
+    assert redact_url("http://user:p@ss@h:1/x?y=a@b") == f"http://{REDACTED}@b"  # over-hidden, never under
+    # Every query value and the fragment; the names stay.
+    assert (
+        redact_url("https://h/v1/metrics?api_key=k1&Sig=k2&bare#frag")
+        == f"https://h/v1/metrics?api_key={REDACTED}&Sig={REDACTED}&{REDACTED}#{REDACTED}"
+    )
+    assert redact("failed: 'http://h:1/x?token=abc#f' (403)") == f"failed: 'http://h:1/x?token={REDACTED}#{REDACTED}' (403)"
     assert redact_url("user:pw@h:4317") == f"{REDACTED}@h:4317"
     assert redact_url("http://u:pw@[::1") == f"http://{REDACTED}@[::1"  # too malformed for urlsplit
     assert redact("mail me@example.org, see http://host/a@b") == "mail me@example.org, see http://host/a@b"
     # Short values are not scrubbed from free text (they would garble it); they guard nothing.
     assert redact("html xml", secret_forms("ml")) == "html xml"
+
+
+@pytest.mark.parametrize("value", ["a." * 100_000, "http://" + "a." * 100_000, "a://" * 50_000, "a://@" * 40_000])
+def test_redaction_is_linear_in_a_long_hostile_value(value: str) -> None:
+    """Every ConfigError's value goes through redact(): a long value built to make the URL patterns
+    restart at each word boundary or `://` took seconds (quadratic); bounded here with a wide margin."""
+    started = time.monotonic()
+    with pytest.raises(ConfigError):
+        TelemetryConfig.from_env({"OTEL_EXPORTER_PROMETHEUS_HOST": value})
+    redact_url(value)
+    assert time.monotonic() - started < 3.0
 
 
 def test_secrets_in_env_reads_even_an_invalid_environment() -> None:
@@ -378,3 +402,151 @@ def test_doctor_when_the_http_probe_fails() -> None:
         server.close()
     assert check.ok is False and "request failed" in check.detail
     assert leaked(check.detail) == []
+
+
+# ---- hostile endpoint URLs through every output ------------------------------------------------
+# A password with an unescaped `#`, `/` or `?` (which RFC 3986 reads as the end of the host), tokens in
+# the query (every value is redacted, not a list of secret-sounding names) and the fragment, a user
+# name alone, percent-encoded secrets: no byte of the secret, in its raw, decoded or encoded form, may
+# show in any output. PIECE_A and PIECE_B make up every secret, so finding neither also rules out a
+# secret cut in half at a delimiter (`pa` of `pa#ss` shown as a port).
+
+PIECE_A = "Qz7kLp2x"
+PIECE_B = "Wm4rTn9v"
+PORT = "{port}"  # a loopback port with nothing listening, filled in by the test
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """An endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT`` unless ``variable`` says otherwise) and the secrets
+    written in it; ``refused``: setup must refuse it (a ConfigError) rather than export with it."""
+
+    url: str
+    secrets: tuple[str, ...]
+    refused: bool
+    variable: str = "OTEL_EXPORTER_OTLP_ENDPOINT"
+    grpc: bool = False
+
+    def env(self, port: int) -> dict[str, str]:
+        env = {
+            "OTEL_METRICS_EXPORTER": "otlp",
+            "OPENLORA_GPU_METRICS": "off",
+            "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "1000",
+            self.variable: self.url.replace(PORT, str(port)),
+        }
+        if self.grpc:
+            env.update(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_INSECURE="true")
+        return env
+
+
+HOSTILE = [
+    # Unescaped delimiters in the password: refused (the URL names another host), never shown.
+    Hostile(f"http://user:{PIECE_A}#{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}#{PIECE_B}",), refused=True),
+    Hostile(f"http://user:{PIECE_A}/{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}/{PIECE_B}",), refused=True),
+    Hostile(f"http://user:{PIECE_A}?{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}?{PIECE_B}",), refused=True),
+    # Read by RFC 3986 as host `user`, port 24680: it was accepted and exported to that host.
+    Hostile(f"http://user:24680/{PIECE_A}@127.0.0.1:{PORT}/", (f"24680/{PIECE_A}", "24680"), refused=True),
+    Hostile(f"user:{PIECE_A}#{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}#{PIECE_B}",), refused=True, grpc=True),
+    Hostile(f"http://user:{PIECE_A} {PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A} {PIECE_B}",), refused=True),
+    # Malformed otherwise (a bad port): the error must still hide the secret.
+    Hostile(f"http://user:{PIECE_A}%23{PIECE_B}@127.0.0.1:99999", (f"{PIECE_A}%23{PIECE_B}",), refused=True),
+    Hostile(
+        f"http://127.0.0.1:99999/v1/metrics?api_key={PIECE_A}",
+        (PIECE_A,),
+        refused=True,
+        variable="OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ),
+    Hostile(f"http://127.0.0.1:0/#{PIECE_A}", (PIECE_A,), refused=True),
+    # Valid: exported to, and shown redacted everywhere.
+    Hostile(f"http://user:{PIECE_A}%23{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}%23{PIECE_B}",), refused=False),
+    Hostile(f"http://{PIECE_A}@127.0.0.1:{PORT}", (PIECE_A,), refused=False),  # a token as the user name
+    Hostile(f"http://{PIECE_A}%2F{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}%2F{PIECE_B}",), refused=False),
+    Hostile(
+        f"http://127.0.0.1:{PORT}/v1/metrics?api_key={PIECE_A}&Signature={PIECE_B}",
+        (PIECE_A, PIECE_B),
+        refused=False,
+        variable="OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ),
+    Hostile(f"http://127.0.0.1:{PORT}?ACCESS_TOKEN={PIECE_A}%2B{PIECE_B}", (f"{PIECE_A}%2B{PIECE_B}",), refused=False),
+    Hostile(
+        f"http://127.0.0.1:{PORT}/v1/metrics?{PIECE_A}",
+        (PIECE_A,),
+        refused=False,
+        variable="OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ),
+    Hostile(
+        f"http://127.0.0.1:{PORT}/v1/metrics#{PIECE_A}",
+        (PIECE_A,),
+        refused=False,
+        variable="OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    ),
+    Hostile(f"http://user:{PIECE_A}%3F{PIECE_B}@127.0.0.1:{PORT}", (f"{PIECE_A}%3F{PIECE_B}",), refused=False, grpc=True),
+    Hostile(f"user:{PIECE_A}@127.0.0.1:{PORT}", (PIECE_A,), refused=False, grpc=True),
+]
+
+
+def secret_leaks(text: str, case: Hostile) -> list[str]:
+    """Every form of ``case``'s secrets (raw, percent-decoded, percent-encoded) and their pieces found in ``text``."""
+    forms = {PIECE_A, PIECE_B}
+    for secret in case.secrets:
+        for form in (secret, unquote(secret), unquote_plus(secret)):
+            forms |= {form, quote(form, safe=""), quote(form)}
+    return sorted(form for form in forms if form in text)
+
+
+def run_doctor_in_process(capfd: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``openlora-otel doctor`` as the command line runs it, in this process: its exit status, and all
+    output since the last read (so what came before it, such as setup's announcement, is in it too)."""
+    from openlora_otel.cli import main
+
+    status = main(["doctor", "--timeout", "1"])
+    captured = capfd.readouterr()
+    return status, captured.out + captured.err
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=lambda case: case.url)
+def test_hostile_endpoint_urls_never_show_their_secrets(
+    case: Hostile,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    if case.grpc and not case.refused:
+        pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    caplog.set_level(logging.DEBUG)
+    port = free_port()
+    env = case.env(port)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    outputs: list[str] = []
+
+    if case.refused:
+        with pytest.raises(ConfigError) as info:
+            TelemetryConfig.from_env(env)
+        error = info.value
+        assert error.variable == case.variable, error
+        outputs += [str(error), repr(error), repr(error.value), str(error.args)]
+        with pytest.raises(ConfigError) as again:
+            setup_telemetry()
+        outputs.append(str(again.value))
+        status, doctor = run_doctor_in_process(capfd)
+        assert status == 2 and "[FAIL] configuration" in doctor, doctor
+    else:
+        config = TelemetryConfig.from_env(env)
+        outputs += [repr(config), str(config), repr(config.otlp), config.otlp.redacted_endpoint()]
+        telemetry = setup_telemetry(config=config)
+        where = telemetry.where_metrics_go()
+        assert f"127.0.0.1:{port}" in where, where
+        outputs.append(where)
+        telemetry.meter.create_counter("openlora.test.steps").add(1)
+        telemetry.force_flush(timeout_s=10)  # one export, which fails: nothing listens
+        telemetry.shutdown(timeout_s=5)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "openlora_otel.exporters"]
+        assert any(" failed (" in w for w in warnings), warnings
+        status, doctor = run_doctor_in_process(capfd)
+        assert status == 1 and "nothing answers" in doctor, doctor
+    outputs.append(doctor)
+    outputs.append(everything(caplog, capfd))
+    for text in outputs:
+        assert secret_leaks(text, case) == [], text

@@ -14,8 +14,8 @@ gRPC), and ``OTEL_METRICS_EXPORTER`` is honoured without
 own environment parsing never decides anything.
 
 Invalid values raise :class:`ConfigError` (:mod:`.checks`), which names the variable, the value and
-what is accepted; credentials (URL ``user:password@`` and header values) never appear in an error or
-a repr.
+what is accepted; credentials (URL ``user:password@``, every URL query value and the fragment, header
+values) never appear in an error or a repr.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ from openlora_otel.config.checks import (
     _ms_accepted,
     _s_accepted,
     _seconds,
+    check_certificate_file,
+    check_client_key_pair,
+    check_private_key_file,
     run_id_problem,
     run_name_problem,
 )
@@ -176,6 +179,16 @@ class OTLPConfig:
             raise ConfigError("otlp.compression", self.compression, _choices(COMPRESSIONS))
         if self.temporality not in TEMPORALITIES:
             raise ConfigError("otlp.temporality", self.temporality, _choices(TEMPORALITIES))
+        for name in ("certificate", "client_certificate"):
+            if getattr(self, name):
+                check_certificate_file(f"otlp.{name}", getattr(self, name))
+        if self.client_key:
+            check_private_key_file("otlp.client_key", self.client_key)
+        if bool(self.client_key) != bool(self.client_certificate):
+            missing = "otlp.client_key" if not self.client_key else "otlp.client_certificate"
+            raise ConfigError(missing, None, "a PEM file: mTLS needs both the client key and the client certificate")
+        if self.client_key and self.client_certificate:
+            check_client_key_pair("otlp.client_key", self.client_key, "otlp.client_certificate", self.client_certificate)
 
     def __repr__(self) -> str:
         # print(config) must not show credentials: endpoint and headers redacted.
@@ -188,11 +201,12 @@ class OTLPConfig:
         return tuple((k, REDACTED) for k, _ in self.headers)
 
     def redacted_endpoint(self) -> str:
-        """The endpoint with any ``user:password@`` part hidden."""
+        """The endpoint with its ``user:password@`` part, query values and fragment hidden."""
         return redact_url(self.endpoint)
 
     def secrets(self) -> frozenset[str]:
-        """This config's credentials (URL user info, header values) in every form redaction scrubs."""
+        """This config's credentials (URL user info, query values and fragment, header values) in every
+        form redaction scrubs."""
         found = set(url_secrets(self.endpoint))
         for _, value in self.headers:
             found |= secret_forms(value)
@@ -435,8 +449,11 @@ def _read_otlp(env: Env) -> OTLPConfig:
             accepted="an http:// or https:// URL for protocol http/protobuf, e.g. " + OTLP_DEFAULT_ENDPOINTS["http/protobuf"],
         )
         if not per_signal:
-            # The spec: the signal path is appended to the base endpoint only.
-            endpoint = endpoint.rstrip("/") + "/v1/metrics"
+            # The spec: the signal path is appended to the base endpoint's path only, before any query
+            # (a token in `?api_key=`) or fragment, which would otherwise swallow it. The first `?` or `#`
+            # starts them: one in the user info would have an `@` after it, which _check_endpoint refused.
+            cut = min((i for i in (endpoint.find("?"), endpoint.find("#")) if i >= 0), default=len(endpoint))
+            endpoint = endpoint[:cut].rstrip("/") + "/v1/metrics" + endpoint[cut:]
     else:
         if not endpoint:
             endpoint = OTLP_DEFAULT_ENDPOINTS["grpc"]
@@ -464,29 +481,38 @@ def _read_otlp(env: Env) -> OTLPConfig:
         or _default("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
     )
 
+    # Read and checked now, whatever the protocol and even when `otlp` is not selected: an unreadable
+    # or non-PEM file would otherwise fail every export (or, for gRPC, setup with a bare OSError).
     def pem_file(variable: str) -> str:
         path = env.get(variable)
-        if not os.path.isfile(path):
-            raise ConfigError(variable, path, "the path of a readable PEM file", "no such file")
+        if variable.endswith("CLIENT_KEY"):
+            check_private_key_file(variable, path)
+        else:
+            check_certificate_file(variable, path)
         return path
 
-    files: dict[str, str | None] = {}
+    files: dict[str, tuple[str, str | None]] = {}
     for key, suffix in (
         ("certificate", "CERTIFICATE"),
         ("client_key", "CLIENT_KEY"),
         ("client_certificate", "CLIENT_CERTIFICATE"),
     ):
-        _, path = env.winner(pem_file, f"OTEL_EXPORTER_OTLP_METRICS_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}")
-        files[key] = path
-    if bool(files["client_key"]) != bool(files["client_certificate"]):
+        files[key] = env.winner(pem_file, f"OTEL_EXPORTER_OTLP_METRICS_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}")
+    (key_variable, client_key), (certificate_variable, client_certificate) = (
+        files["client_key"],
+        files["client_certificate"],
+    )
+    if bool(client_key) != bool(client_certificate):
         missing = (
             "OTEL_EXPORTER_OTLP_CLIENT_KEY"
-            if not files["client_key"]
+            if not client_key
             else "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"
         )
         raise ConfigError(
             missing, "", "a PEM file: mTLS needs both the client key and the client certificate"
         )
+    if client_key and client_certificate:
+        check_client_key_pair(key_variable, client_key, certificate_variable, client_certificate)
 
     return OTLPConfig(
         endpoint=endpoint,
@@ -495,9 +521,9 @@ def _read_otlp(env: Env) -> OTLPConfig:
         timeout_s=_default("OTEL_EXPORTER_OTLP_TIMEOUT") if timeout is None else timeout / 1000.0,
         compression=compression,  # type: ignore[arg-type]
         insecure=insecure,
-        certificate=files["certificate"],
-        client_key=files["client_key"],
-        client_certificate=files["client_certificate"],
+        certificate=files["certificate"][1],
+        client_key=client_key,
+        client_certificate=client_certificate,
         temporality=temporality,  # type: ignore[arg-type]
         endpoint_variable=endpoint_variable,
         endpoint_set=endpoint_set,

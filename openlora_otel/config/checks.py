@@ -4,15 +4,18 @@ share.
 
 Durations and numbers are ASCII decimal digits only (no underscore, sign or ``nan``; no exponent but in
 ``OPENLORA_PEAK_FLOPS``, whose values are like ``989e12``), within documented ranges, so a value that
-would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@`` and header
-values) never appear in an error.
+would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@``, query
+values and fragment, and header values) never appear in an error.
 """
 
 from __future__ import annotations
 
+import binascii
 import ipaddress
 import math
+import os
 import re
+import ssl
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from openlora_otel.redaction import redact, redact_url
@@ -66,7 +69,7 @@ class ConfigError(ValueError):
 
     ``variable`` is the environment variable (or argument) at fault, ``value``
     what it held and ``accepted`` a short description of valid values.
-    ``scheme://user:password@`` credentials are redacted, in the message and in
+    ``scheme://user:password@`` credentials and URL query values are redacted, in the message and in
     ``value`` alike; callers pass header values and scheme-less endpoints
     already redacted (only they know which part is secret).
     """
@@ -199,6 +202,10 @@ def _check_endpoint(
         raise ConfigError(variable, shown, accepted, str(exc)) from None
     if parts.scheme not in schemes:
         raise ConfigError(variable, shown, accepted)
+    if "@" in parts.path + parts.query + parts.fragment:
+        # Almost always a password with an unescaped "/", "?" or "#": the URL would then name another
+        # host (or port) and carry the password's end as a path, query or fragment, in plain view.
+        raise ConfigError(variable, shown, accepted, _UNESCAPED_USERINFO)
     hostport = parts.netloc.rpartition("@")[2]
     match = _HOSTPORT_RE.fullmatch(hostport)
     if not match or not match["host"]:
@@ -217,6 +224,10 @@ def _check_endpoint(
     return parts
 
 
+_UNESCAPED_USERINFO = (
+    "an `@` after the host: percent-encode `/`, `?`, `#` and `@` in a user name or password "
+    "(`%2F`, `%3F`, `%23`, `%40`)"
+)
 # host, then an optional ":port" (empty allowed, as in "http://h:/"); IPv6 in brackets.
 _HOSTPORT_RE = re.compile(r"(?P<host>\[[^\[\]]*\]|[^:\[\]]*)(?::(?P<port>[^:]*))?")
 _LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
@@ -271,3 +282,93 @@ def _header_problem(name: str, value: str) -> str | None:
         return f"the value of {name!r} is not ASCII (gRPC metadata and HTTP headers need ASCII)"
     return None
 
+
+# -- TLS files ---------------------------------------------------------------------------------------
+# The standard library is enough to check them, and no new dependency is needed: the `ssl` module
+# wraps OpenSSL, the library requests hands these files to for http/protobuf, and gRPC's BoringSSL
+# reads the same PEM blocks. A CA file OpenSSL cannot load into a trust store, or a key it cannot load
+# with its certificate, fails every export later; here it fails setup, once, naming the variable.
+CERTIFICATE_ACCEPTED = "a readable PEM file with at least one certificate"
+CLIENT_KEY_ACCEPTED = "a readable PEM file with an unencrypted private key"
+# A CA bundle is a few hundred KiB; a larger "PEM file" is a wrong path (a disk image, a log).
+MAX_PEM_BYTES = 16 * 1024 * 1024
+_CERTIFICATE_RE = re.compile(r"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", re.S)
+# PKCS#8 (`PRIVATE KEY`), PKCS#1 (`RSA PRIVATE KEY`), SEC1 (`EC PRIVATE KEY`), `ENCRYPTED PRIVATE KEY`.
+_PRIVATE_KEY_RE = re.compile(
+    r"-----BEGIN (?P<label>(?:[A-Z0-9]+ )*)PRIVATE KEY-----(?P<body>.*?)-----END (?P=label)PRIVATE KEY-----", re.S
+)
+
+
+def _read_pem(variable: str, path: str, accepted: str) -> str:
+    """The text of the file at ``path``, or a ConfigError saying why it cannot be read."""
+    if "\0" in path:
+        raise ConfigError(variable, path, accepted, "it contains a NUL character")
+    if not os.path.exists(path):
+        raise ConfigError(variable, path, accepted, "no such file")
+    # Before open(): opening a FIFO would block setup, and a directory or device is no PEM file.
+    if not os.path.isfile(path):
+        raise ConfigError(variable, path, accepted, "not a regular file")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:  # mode 000 (for anyone but root), an I/O error
+        raise ConfigError(variable, path, accepted, f"cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(variable, path, accepted, f"larger than {MAX_PEM_BYTES // (1024 * 1024)} MiB")
+    # PEM is ASCII; a CA bundle's comments may not be (latin-1 reads any byte).
+    return data.decode("latin-1")
+
+
+def check_certificate_file(variable: str, path: str) -> None:
+    """Refuse ``path`` unless it is a readable PEM file whose every certificate OpenSSL can load."""
+    text = _read_pem(variable, path, CERTIFICATE_ACCEPTED)
+    blocks = _CERTIFICATE_RE.findall(text)
+    if not blocks:
+        raise ConfigError(
+            variable, path, CERTIFICATE_ACCEPTED, "it holds no `-----BEGIN CERTIFICATE-----` block"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for number, block in enumerate(blocks, 1):
+        try:
+            # Base64 to DER, then a real X.509 parse: a block of the right shape with junk inside fails.
+            context.load_verify_locations(cadata=ssl.PEM_cert_to_DER_cert(block))
+        except (ValueError, ssl.SSLError) as exc:
+            reason = getattr(exc, "reason", None) or str(exc)
+            raise ConfigError(
+                variable, path, CERTIFICATE_ACCEPTED, f"certificate {number} is not a valid X.509 certificate ({reason})"
+            ) from None
+
+
+def check_private_key_file(variable: str, path: str) -> None:
+    """Refuse ``path`` unless it is a readable PEM file with an unencrypted private key block."""
+    text = _read_pem(variable, path, CLIENT_KEY_ACCEPTED)
+    match = _PRIVATE_KEY_RE.search(text)
+    if not match:
+        raise ConfigError(variable, path, CLIENT_KEY_ACCEPTED, "it holds no `-----BEGIN ... PRIVATE KEY-----` block")
+    body = match["body"]
+    if match["label"] == "ENCRYPTED " or "Proc-Type: 4,ENCRYPTED" in body:
+        # Neither requests nor gRPC takes a passphrase: OpenSSL would prompt on the terminal or fail.
+        raise ConfigError(
+            variable, path, CLIENT_KEY_ACCEPTED, "the key is encrypted; decrypt it with `openssl pkey -in KEY -out KEY.pem`"
+        )
+    try:
+        binascii.a2b_base64("".join(line for line in body.splitlines() if ":" not in line).encode("latin-1"))
+    except (binascii.Error, UnicodeEncodeError):
+        raise ConfigError(variable, path, CLIENT_KEY_ACCEPTED, "the key block is not valid base64") from None
+
+
+def check_client_key_pair(key_variable: str, key: str, certificate_variable: str, certificate: str) -> None:
+    """Refuse a client key that OpenSSL cannot load with the client certificate (the usual case: they
+    do not belong together)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # The password callback keeps OpenSSL from prompting on the terminal for an encrypted key.
+        context.load_cert_chain(certificate, key, password=lambda: b"")
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        reason = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(
+            key_variable,
+            key,
+            f"the private key of the certificate in {certificate_variable} ({certificate})",
+            f"OpenSSL cannot use them together: {reason}",
+        ) from None

@@ -189,7 +189,8 @@ class Env:
 
 
 def secrets_in_env(environ: Mapping[str, str]) -> frozenset[str]:
-    """Every credential in ``environ`` (OTLP header values, endpoint user info), for redaction.
+    """Every credential in ``environ`` (OTLP header values, endpoint user info, query values and
+    fragment), for redaction.
 
     Read leniently, without validation: it must also work on the environment
     that just failed to parse, so that the error about it can be scrubbed.

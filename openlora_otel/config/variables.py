@@ -184,13 +184,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_ENDPOINT",
         OTLP,
-        "Base OTLP endpoint; `/v1/metrics` is appended for http/protobuf. Validated even when the per-signal one wins.",
+        "Base OTLP endpoint; `/v1/metrics` is appended to its path (before any query) for http/protobuf. Validated even when the per-signal one wins. A user name or password in it must percent-encode `/`, `?`, `#` and `@` (an `@` after the host is refused); its user info, every query value and the fragment are never printed.",
         shown=_OTLP_ENDPOINTS_SHOWN,
     ),
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
         OTLP,
-        "Metrics endpoint, used as is (no path appended); wins over the base endpoint.",
+        "Metrics endpoint, used as is (no path appended); wins over the base endpoint. Checked and redacted as the base one is.",
         shown="(unset)",
     ),
     Variable(
@@ -259,7 +259,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CERTIFICATE",
         OTLP,
-        "PEM file of trusted CA certificates for TLS to the endpoint.",
+        "PEM file of trusted CA certificates for TLS to the endpoint, read at setup on either protocol: a file that cannot be read, or holds no certificate OpenSSL can load, is refused there rather than failing every export.",
         shown="(unset)",
     ),
     Variable(
@@ -271,7 +271,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CLIENT_KEY",
         OTLP,
-        "PEM private key for mTLS (needs the client certificate too).",
+        "Unencrypted PEM private key for mTLS (needs the client certificate too); refused at setup unless OpenSSL can load it with that certificate (a key of another certificate, an encrypted key).",
         shown="(unset)",
     ),
     Variable(
@@ -283,7 +283,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
         OTLP,
-        "PEM client certificate chain for mTLS (needs the client key too).",
+        "PEM client certificate chain for mTLS (needs the client key too); checked at setup as the CA file is.",
         shown="(unset)",
     ),
     Variable(
