@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from openlora_otel.config import GROUPS, VARIABLES, ConfigError, PortOffset, TelemetryConfig
-from tests.pem_files import pem, write_tls_files
+from tests.support.pem_files import pem, write_tls_files
 
 
 def cfg(**env: str) -> TelemetryConfig:
