@@ -81,15 +81,16 @@ def gpu(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "Temperature",
-            "GPU core temperature (hw_temperature_celsius, hw_type=gpu).",
+            "GPU core temperature (hw_temperature_celsius: a temperature sensor's series, no hw_type under the "
+            "conventions; openlora_gpu_index tells the GPUs' sensors from others).",
             "celsius",
-            [target(f'hw_temperature_celsius{{hw_type="gpu", {GPU}}}{RUN}', gpu_legend)],
+            [target(f'hw_temperature_celsius{{openlora_gpu_index!="", {GPU}}}{RUN}', gpu_legend)],
             at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
             "ECC errors",
-            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu, error_type corrected or uncorrected; the PCIe error types are in the GPU health row).",
+            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu, error_type corrected or uncorrected; the PCIe link errors, openlora_gpu_pcie_errors_total, are in the GPU health row).",
             "short",
             [
                 target(
@@ -282,13 +283,13 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "PCIe errors",
-            "PCIe errors per rate interval (hw_errors_total, hw_type=gpu, error_type pcie_replay, and where the "
-            "driver counts them pcie_correctable, pcie_non_fatal, pcie_fatal). Replays rising steadily mean a "
+            "PCIe link errors per rate interval (openlora_gpu_pcie_errors_total, error_type replay, and where the "
+            "driver counts them correctable, non_fatal, fatal). Replays rising steadily mean a "
             "marginal link (OpenloraGpuPcieReplaysRising); a fatal error, a failed one.",
             "short",
             [
                 target(
-                    f'increase(hw_errors_total{{hw_type="gpu", error_type=~"pcie_.+", {GPU}}}[$__rate_interval]){RUN}',
+                    f"increase(openlora_gpu_pcie_errors_total{{{GPU}}}[$__rate_interval]){RUN}",
                     "{{error_type}} " + gpu_legend,
                 )
             ],
