@@ -8,8 +8,7 @@ Four comparisons, each with ``OPENLORA_HOST_METRICS`` true vs false in one run:
    exposition): time and bytes;
 3. each host metric alone on a bare provider, minus an empty provider's
    collection: which psutil read costs what;
-4. ``setup_telemetry()`` in fresh interpreters: the one-off import of psutil
-   and the instrumentation package.
+4. ``setup_telemetry()`` in fresh interpreters: the one-off import of psutil.
 
 Then a loop calls ``record_step`` on the main thread while another thread
 collects, and every psutil call made is attributed to its thread.
@@ -38,7 +37,7 @@ from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
-from openlora_otel.hardware.host import SCOPE_NAME, selection  # noqa: E402
+from openlora_otel.hardware.host import SCOPE_NAME, selection, start_host_metrics  # noqa: E402
 
 
 def _config(host: bool, **changes: object) -> TelemetryConfig:
@@ -106,15 +105,14 @@ def scrape(host: bool, repeat: int) -> tuple[float, int]:
 
 def per_metric(repeat: int) -> list[tuple[str, int, float]]:
     """(metric, points, added ms per collection) for each metric of the selection alone."""
-    from opentelemetry.instrumentation.system_metrics import SystemMetricsInstrumentor
+    chosen = selection(system=True)
 
-    def collect_cost(config: dict | None) -> tuple[float, int]:
+    def collect_cost(name: str | None) -> tuple[float, int]:
         reader = InMemoryMetricReader()
         provider = MeterProvider(metric_readers=[reader])
-        instrumentor = None
-        if config is not None:
-            instrumentor = SystemMetricsInstrumentor(config=config)
-            instrumentor.instrument(meter_provider=provider)
+        handle = None
+        if name is not None:
+            handle = start_host_metrics(provider, excluded=[other for other in chosen if other != name])
         try:
             reader.get_metrics_data()
             wall, _ = _timed(reader.get_metrics_data, repeat)
@@ -126,15 +124,15 @@ def per_metric(repeat: int) -> list[tuple[str, int, float]]:
                 for m in sm.metrics
             )
         finally:
-            if instrumentor is not None:
-                instrumentor.uninstrument()
+            if handle is not None:
+                handle.stop()
             provider.shutdown()
         return wall, points
 
     empty, _ = collect_cost(None)
     rows = []
-    for name, states in selection(system=True).items():
-        wall, points = collect_cost({name: states})
+    for name in chosen:
+        wall, points = collect_cost(name)
         rows.append((name, points, (wall - empty) * 1000))
     return rows
 

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
     opentelemetry-exporter-prometheus==0.66b2 opentelemetry-instrumentation==0.66b2
-    opentelemetry-instrumentation-system-metrics==0.66b2 opentelemetry-instrumentation-fastapi==0.66b2
+    opentelemetry-instrumentation-fastapi==0.66b2
     opentelemetry-instrumentation-asgi==0.66b2 opentelemetry-util-http==0.66b2 asgiref==3.13.0
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
     annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0

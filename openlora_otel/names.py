@@ -360,8 +360,11 @@ ATTR_HW_STATE = "hw.state"
 # cumulative duration NVML keeps; they overlap in time, so they are not summed.
 THROTTLE_REASONS = ("sw_power_cap", "thermal", "sync_boost", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 
-# hw.errors `error.type` on a GPU: ECC (volatile, since the driver loaded) and PCIe link errors.
-GPU_ERROR_TYPES = ("corrected", "uncorrected", "pcie_replay", "pcie_correctable", "pcie_non_fatal", "pcie_fatal")
+# hw.errors `error.type` on a GPU: ECC (volatile, since the driver loaded), the two values the conventions'
+# GPU refinement of hw.errors has. PCIe link errors have no place there: they are their own counter,
+# openlora.gpu.pcie.errors, whose `error.type` is one of GPU_PCIE_ERROR_TYPES.
+GPU_ERROR_TYPES = ("corrected", "uncorrected")
+GPU_PCIE_ERROR_TYPES = ("replay", "correctable", "non_fatal", "fatal")
 
 # XID codes counted under their own `openlora.gpu.xid.code` value; every other code counts as "other",
 # so the attribute has at most len(XID_CODES) + 1 values. The classes drive hw.status and the alerts:
@@ -394,14 +397,25 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("hw.gpu.memory.utilization", "gauge", "1", "GPU memory in use / total."),
     MetricSpec("hw.power", "gauge", "W", "Power draw of the GPU (`hw.type=gpu`)."),
     MetricSpec("hw.energy", "counter", "J", "Energy the GPU used since the driver loaded (`hw.type=gpu`)."),
-    MetricSpec("hw.temperature", "gauge", "Cel", "GPU core temperature (`hw.type=gpu`)."),
+    MetricSpec(
+        "hw.temperature",
+        "gauge",
+        "Cel",
+        f"GPU core temperature, with the attributes the conventions give a temperature sensor (`hw.id`, `hw.name`) "
+        f"and `{ATTR_GPU_INDEX}`; no `hw.type`, vendor, model or driver version.",
+    ),
     MetricSpec(
         "hw.errors",
         "counter",
         "{error}",
-        "GPU errors (`hw.type=gpu`) per `error.type`: ECC memory errors since the driver loaded (`corrected`, "
-        "`uncorrected`) and PCIe link errors (`pcie_replay`, and where the driver counts them `pcie_correctable`, "
-        "`pcie_non_fatal`, `pcie_fatal`).",
+        "GPU ECC memory errors (`hw.type=gpu`) since the driver loaded, per `error.type`: `corrected`, `uncorrected`.",
+    ),
+    MetricSpec(
+        "openlora.gpu.pcie.errors",
+        "counter",
+        "{error}",
+        "PCIe link errors of the GPU since the driver loaded, per `error.type`: `replay` (packets resent), and where "
+        "the driver counts them `correctable`, `non_fatal`, `fatal`.",
     ),
     MetricSpec("openlora.gpu.clock.sm", "gauge", "Hz", "Current SM clock."),
     MetricSpec(

@@ -575,7 +575,7 @@ def setup_telemetry(
             if config.host_metrics:
                 _logger.info(
                     "host metrics are not added to a MeterProvider openlora-otel does not own "
-                    "(opentelemetry-instrument starts its own SystemMetricsInstrumentor on it)"
+                    "(opentelemetry-instrument starts opentelemetry-instrumentation-system-metrics on it, when installed)"
                 )
             if config.history_dir:
                 _logger.warning(

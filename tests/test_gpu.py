@@ -65,14 +65,19 @@ def test_every_metric_name_unit_attribute_and_exact_value(collect) -> None:
     gpu_type = {**identity, "hw.type": "gpu"}
     assert series(data, "hw.power") == [(gpu_type, 312.5)]
     assert series(data, "hw.energy") == [(gpu_type, 123456.789)]
-    assert series(data, "hw.temperature") == [(gpu_type, 61.0)]
+    # A temperature sensor's attributes, as the conventions give hw.temperature: no hw.type, vendor, model, driver.
+    sensor = {"hw.id": card.uuid, "hw.name": "NVIDIA H100 80GB HBM3", "openlora.gpu.index": 0}
+    assert series(data, "hw.temperature") == [(sensor, 61.0)]
+    # hw.errors on a GPU: `corrected` and `uncorrected` only (the conventions' GPU refinement).
     assert sorted(series(data, "hw.errors"), key=lambda s: s[0]["error.type"]) == [
         ({**gpu_type, "error.type": "corrected"}, 3),
-        ({**gpu_type, "error.type": "pcie_correctable"}, 5),
-        ({**gpu_type, "error.type": "pcie_fatal"}, 0),
-        ({**gpu_type, "error.type": "pcie_non_fatal"}, 0),
-        ({**gpu_type, "error.type": "pcie_replay"}, 2),
         ({**gpu_type, "error.type": "uncorrected"}, 0),
+    ]
+    assert sorted(series(data, "openlora.gpu.pcie.errors"), key=lambda s: s[0]["error.type"]) == [
+        ({**identity, "error.type": "correctable"}, 5),
+        ({**identity, "error.type": "fatal"}, 0),
+        ({**identity, "error.type": "non_fatal"}, 0),
+        ({**identity, "error.type": "replay"}, 2),
     ]
     assert series(data, "openlora.gpu.clock.sm") == [(identity, 1.98e9)]
     throttle = {
@@ -196,6 +201,31 @@ def test_mig_instances_report_memory_without_utilization(collect) -> None:
     assert memory == {"MIG-1111": (2**30, "GPU-aaaa"), "MIG-2222": (0, "GPU-aaaa")}
     utilization_ids = {attrs["hw.id"] for attrs, _ in series(data, "hw.gpu.utilization")}
     assert utilization_ids.isdisjoint({"MIG-1111", "MIG-2222"})
+
+
+def test_hw_temperature_and_hw_errors_carry_what_the_conventions_give_them(collect) -> None:
+    """hw.temperature is a temperature sensor's metric (hw.id, hw.name, hw.parent, hw.sensor_location), not a
+    GPU metric: no hw.type, vendor, model or driver version. hw.errors' GPU refinement has `error.type`
+    `corrected` and `uncorrected` only; the PCIe link errors are openlora.gpu.pcie.errors. openlora.* keys
+    are ours (the GPU's index), beside the conventions'."""
+    from opentelemetry.semconv._incubating.attributes import hw_attributes
+    from opentelemetry.semconv.attributes import error_attributes
+
+    cards = h100s(2)
+    reader, _ = build(FakeNvml(cards, driver="580.82.07"))
+    data = collect(reader)
+    sensor = {hw_attributes.HW_ID, hw_attributes.HW_NAME, hw_attributes.HW_PARENT, hw_attributes.HW_SENSOR_LOCATION}
+    temperatures = series(data, "hw.temperature")
+    assert len(temperatures) == 2
+    for attributes, _ in temperatures:
+        assert {key for key in attributes if not key.startswith("openlora.")} <= sensor, attributes
+        assert hw_attributes.HW_ID in attributes
+    errors = series(data, "hw.errors")
+    assert {a[error_attributes.ERROR_TYPE] for a, _ in errors} == {"corrected", "uncorrected"}
+    assert {a[hw_attributes.HW_TYPE] for a, _ in errors} == {"gpu"}
+    pcie = series(data, "openlora.gpu.pcie.errors")
+    assert {a[error_attributes.ERROR_TYPE] for a, _ in pcie} == {"replay", "correctable", "non_fatal", "fatal"}
+    assert {a[hw_attributes.HW_ID] for a, _ in pcie} == {card.uuid for card in cards}
 
 
 def test_unsupported_capability_is_skipped_and_not_asked_again(collect) -> None:

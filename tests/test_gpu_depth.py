@@ -98,7 +98,8 @@ def test_an_unsupported_field_falls_back_to_its_own_call_and_is_not_asked_again(
     }
     assert attrs("hw.gpu.io") == [] and attrs("openlora.gpu.nvlink.io") == []  # no field, no fallback
     assert attrs("openlora.gpu.remap.rows") == [] and attrs("openlora.gpu.remap.pending") == []
-    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0, "pcie_replay": 2}
+    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0}
+    assert by(data, "openlora.gpu.pcie.errors", "error.type") == {"replay": 2}
     assert fake.calls["remapped_rows"] == 1 and fake.calls["violation_s"] == 3
     fake.calls.clear()
     asked_before = set(fake.fields_asked[-1])
@@ -117,7 +118,8 @@ def test_field_values_call_itself_unsupported_reads_each_value_alone(collect) ->
     data = collect(reader)
     assert series(data, "hw.power")[0][1] == 312.5
     assert series(data, "hw.energy")[0][1] == 123456.789
-    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0, "pcie_replay": 2}
+    assert by(data, "hw.errors", "error.type") == {"corrected": 3, "uncorrected": 0}
+    assert by(data, "openlora.gpu.pcie.errors", "error.type") == {"replay": 2}
     assert set(by(data, "openlora.gpu.remap.rows", "openlora.gpu.remap.cause")) == {
         "correctable",
         "uncorrectable",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import enum
+import inspect
 import logging
 import re
 import subprocess
@@ -14,13 +16,25 @@ from pathlib import Path
 import psutil
 import pytest
 from opentelemetry import metrics
-from opentelemetry.instrumentation.system_metrics import SystemMetricsInstrumentor, _build_default_config
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricsData
+from opentelemetry.semconv._incubating.attributes import (
+    cpu_attributes,
+    disk_attributes,
+    network_attributes,
+    system_attributes,
+)
+from opentelemetry.semconv._incubating.metrics import process_metrics, system_metrics
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
-from openlora_otel.hardware.host import HOST_METRICS, PROCESS_SELECTION, SCOPE_NAME, SYSTEM_SELECTION
+from openlora_otel.hardware.host import (
+    HOST_METRICS,
+    PROCESS_SELECTION,
+    SCOPE_NAME,
+    SYSTEM_SELECTION,
+    start_host_metrics,
+)
 from tests.support.processes import child_env, free_port
 from tests.support.readings import points
 
@@ -30,18 +44,8 @@ SYSTEM_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("syst
 PROCESS_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("process.")}
 
 
-@pytest.fixture(autouse=True)
-def instrumentor_released():
-    """No test leaves the package's process-wide instrumentor marked as running."""
-    yield
-    running = getattr(SystemMetricsInstrumentor, "_instance", None)
-    if running is not None and running.is_instrumented_by_opentelemetry:
-        running.uninstrument()
-        pytest.fail("SystemMetricsInstrumentor left instrumented")
-
-
 def host_metrics(data: MetricsData | None) -> dict[str, object]:
-    """name -> metric of the package's scope in ``data``."""
+    """name -> metric of the host metrics' scope in ``data``."""
     found = {}
     for resource_metrics in data.resource_metrics if data else []:
         for scope_metrics in resource_metrics.scope_metrics:
@@ -78,12 +82,120 @@ def test_default_selection_reports_the_documented_names_kinds_and_units() -> Non
         else:
             assert kind == "Sum" and metric.data.is_monotonic == (spec.kind == "counter"), spec.name
         assert metric.unit == spec.unit, spec.name
-    assert {p.attributes["state"] for p in found["system.cpu.utilization"].data.data_points} == {"idle"}
-    assert {p.attributes["state"] for p in found["system.memory.usage"].data.data_points} == {
-        "used",
-        "available",
-    }
-    assert {p.attributes["type"] for p in found["process.cpu.time"].data.data_points} == {"user", "system"}
+    cpus = found["system.cpu.utilization"].data.data_points
+    assert {p.attributes["cpu.mode"] for p in cpus} == {"idle"}
+    # Numbered from 0, as psutil lists the logical CPUs (the package numbered them from 1).
+    assert sorted(p.attributes["cpu.logical_number"] for p in cpus) == list(range(psutil.cpu_count()))
+    assert [p.attributes for p in found["system.memory.usage"].data.data_points] == [{"system.memory.state": "used"}]
+    assert [p.attributes for p in found["system.memory.linux.available"].data.data_points] == [{}]
+    assert {p.attributes["cpu.mode"] for p in found["process.cpu.time"].data.data_points} == {"user", "system"}
+    assert {
+        (p.attributes["system.device"], p.attributes["disk.io.direction"])
+        for p in found["system.disk.io"].data.data_points
+    } == {(disk, direction) for disk in psutil.disk_io_counters(perdisk=True) for direction in ("read", "write")}
+    assert {
+        (p.attributes["network.interface.name"], p.attributes["network.io.direction"])
+        for p in found["system.network.io"].data.data_points
+    } == {(nic, direction) for nic in psutil.net_io_counters(pernic=True) for direction in ("receive", "transmit")}
+    assert {p.attributes["disk.io.direction"] for p in found["process.disk.io"].data.data_points} == {"read", "write"}
+    assert [p.attributes for p in found["process.memory.usage"].data.data_points] == [{}]
+
+
+# What the semantic conventions allow on each metric we emit: its attribute keys (the constants of
+# opentelemetry.semconv._incubating.attributes) and, for the enumerated ones, the enum of their values.
+SEMCONV_ATTRIBUTES: dict[str, dict[str, type[enum.Enum] | None]] = {
+    system_metrics.SYSTEM_CPU_UTILIZATION: {
+        cpu_attributes.CPU_LOGICAL_NUMBER: None,
+        cpu_attributes.CPU_MODE: cpu_attributes.CpuModeValues,
+    },
+    system_metrics.SYSTEM_MEMORY_USAGE: {system_attributes.SYSTEM_MEMORY_STATE: system_attributes.SystemMemoryStateValues},
+    system_metrics.SYSTEM_MEMORY_LINUX_AVAILABLE: {},
+    system_metrics.SYSTEM_DISK_IO: {
+        system_attributes.SYSTEM_DEVICE: None,
+        disk_attributes.DISK_IO_DIRECTION: disk_attributes.DiskIoDirectionValues,
+    },
+    system_metrics.SYSTEM_NETWORK_IO: {
+        network_attributes.NETWORK_INTERFACE_NAME: None,
+        network_attributes.NETWORK_IO_DIRECTION: network_attributes.NetworkIoDirectionValues,
+    },
+    process_metrics.PROCESS_CPU_TIME: {cpu_attributes.CPU_MODE: cpu_attributes.CpuModeValues},
+    process_metrics.PROCESS_MEMORY_USAGE: {},
+    process_metrics.PROCESS_DISK_IO: {disk_attributes.DISK_IO_DIRECTION: disk_attributes.DiskIoDirectionValues},
+}
+
+
+def semconv_instrument(name: str) -> tuple[str, str]:
+    """(kind, unit) of metric ``name`` as the semconv package's ``create_*`` function creates it on a test meter."""
+    module = system_metrics if name.startswith("system.") else process_metrics
+    create = getattr(module, "create_" + name.replace(".", "_"))
+    meter = MeterProvider().get_meter("semconv-check")
+    instrument = create(meter, None) if "callbacks" in inspect.signature(create).parameters else create(meter)
+    kinds = [
+        ((metrics.Counter, metrics.ObservableCounter), "counter"),
+        ((metrics.UpDownCounter, metrics.ObservableUpDownCounter), "updowncounter"),
+        ((metrics.ObservableGauge, metrics._Gauge), "gauge"),
+        ((metrics.Histogram,), "histogram"),
+    ]
+    kind = next(kind for classes, kind in kinds if isinstance(instrument, classes))
+    assert instrument.name == name
+    return kind, instrument.unit
+
+
+def test_every_metric_has_the_name_kind_unit_and_attributes_of_the_semantic_conventions() -> None:
+    found, _ = collect()
+    assert set(found) == {spec.name for spec in HOST_METRICS} == set(SEMCONV_ATTRIBUTES) == set(host.ATTRIBUTES)
+    for spec in HOST_METRICS:
+        kind, unit = semconv_instrument(spec.name)
+        assert (spec.kind, spec.unit) == (kind, unit), spec.name
+        metric = found[spec.name]
+        assert metric.unit == unit, spec.name
+        data = type(metric.data).__name__
+        assert (data, getattr(metric.data, "is_monotonic", None)) == {
+            "gauge": ("Gauge", None),
+            "counter": ("Sum", True),
+            "updowncounter": ("Sum", False),
+        }[kind], spec.name
+        allowed = SEMCONV_ATTRIBUTES[spec.name]
+        assert set(host.ATTRIBUTES[spec.name]) <= set(allowed), spec.name
+        for point in metric.data.data_points:
+            assert set(point.attributes) == set(host.ATTRIBUTES[spec.name]), spec.name
+            for key, value in point.attributes.items():
+                values = allowed[key]
+                assert values is None or value in {member.value for member in values}, (spec.name, key, value)
+    assert all(isinstance(p.attributes["cpu.logical_number"], int) for p in found["system.cpu.utilization"].data.data_points)
+
+
+def test_the_pull_endpoint_writes_the_dotted_keys_as_labels_with_underscores() -> None:
+    """opentelemetry-exporter-prometheus: `cpu.mode` -> `cpu_mode`; UpDownCounters are gauges there."""
+    import urllib.request
+
+    telemetry = setup_telemetry(
+        config=TelemetryConfig.from_env(
+            {
+                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+                "OTEL_EXPORTER_PROMETHEUS_PORT": str(free_port()),
+                "OPENLORA_PROMETHEUS_PORT_OFFSET": "none",
+                "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT": "0",
+                "OPENLORA_GPU_METRICS": "off",
+                "OPENLORA_QUIET": "true",
+            }
+        )
+    )
+    try:
+        time.sleep(0.05)  # past the CPU reading setup took (see collect)
+        with urllib.request.urlopen(telemetry.prometheus_url, timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        telemetry.shutdown()
+    assert re.search(r'^system_cpu_utilization\{.*cpu_logical_number="0".*cpu_mode="idle"', body, re.M)
+    assert re.search(r'^system_memory_usage_bytes\{.*system_memory_state="used"', body, re.M)
+    assert re.search(r'^system_disk_io_bytes_total\{.*disk_io_direction="read".*system_device="', body, re.M)
+    assert re.search(r'^system_network_io_bytes_total\{.*network_interface_name="lo".*network_io_direction=', body, re.M)
+    assert re.search(r'^process_cpu_time_seconds_total\{.*cpu_mode="user"', body, re.M)
+    for name in ("system_memory_usage_bytes", "system_memory_linux_available_bytes", "process_memory_usage_bytes"):
+        assert f"# TYPE {name} gauge" in body, name
+    for spec in HOST_METRICS:
+        assert f"# TYPE {spec.prometheus} " in body, spec.name
 
 
 def test_series_count_is_the_documented_formula() -> None:
@@ -94,7 +206,8 @@ def test_series_count_is_the_documented_formula() -> None:
     counted = {name: len(metric.data.data_points) for name, metric in found.items()}
     assert counted == {
         "system.cpu.utilization": cpus,
-        "system.memory.usage": 2,
+        "system.memory.usage": 1,
+        "system.memory.linux.available": 1,
         "system.disk.io": 2 * disks,
         "system.network.io": 2 * nics,
         "process.cpu.time": 2,
@@ -106,14 +219,15 @@ def test_series_count_is_the_documented_formula() -> None:
 
 def test_values_are_this_process_and_this_node() -> None:
     found, _ = collect()
-    memory = {p.attributes["state"]: p.value for p in found["system.memory.usage"].data.data_points}
+    used = found["system.memory.usage"].data.data_points[0].value
+    available = found["system.memory.linux.available"].data.data_points[0].value
     total = psutil.virtual_memory().total
-    assert abs(memory["used"] + memory["available"] - total) < 0.02 * total
+    assert abs(used + available - total) < 0.02 * total
     rss = found["process.memory.usage"].data.data_points[0].value
     assert 0.5 < rss / psutil.Process().memory_info().rss < 2.0
     for point in found["system.cpu.utilization"].data.data_points:
         assert 0.0 <= point.value <= 1.0
-    cpu_user = {p.attributes["type"]: p.value for p in found["process.cpu.time"].data.data_points}["user"]
+    cpu_user = {p.attributes["cpu.mode"]: p.value for p in found["process.cpu.time"].data.data_points}["user"]
     assert 0 < cpu_user <= psutil.Process().cpu_times().user + 0.5
 
 
@@ -165,17 +279,23 @@ def test_the_packages_exclusion_variable_is_honoured() -> None:
 
 
 @pytest.mark.parametrize(
-    "patterns", ["system.*", "*.io", "process.memory.*,system.cpu.?tilization", "[ps]*.disk.io"]
+    ("patterns", "left_out"),
+    [
+        ("system.*", set(SYSTEM_SELECTION)),
+        ("*.io", {"system.disk.io", "system.network.io", "process.disk.io"}),
+        ("process.memory.*,system.cpu.?tilization", {"process.memory.usage", "system.cpu.utilization"}),
+        ("[ps]*.disk.io", {"system.disk.io", "process.disk.io"}),
+        ("system.memory.*", {"system.memory.usage", "system.memory.linux.available"}),
+        ("system.memory.usage", {"system.memory.usage"}),
+    ],
 )
-def test_exclusion_matches_as_the_package_matches(monkeypatch: pytest.MonkeyPatch, patterns: str) -> None:
-    # The package's own reading of its variable, over its default set, decides each of our keys the same way.
-    monkeypatch.setenv("OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", patterns)
-    kept_by_package = set(_build_default_config())
+def test_exclusion_matches_as_the_package_matched(patterns: str, left_out: set[str]) -> None:
+    # The rule opentelemetry-instrumentation-system-metrics gave its variable: fnmatch globs over the
+    # metric names, a comma list; a glob matches whole names only (system.memory.usage is not .*available).
     ours = {**SYSTEM_SELECTION, **PROCESS_SELECTION}
     config = TelemetryConfig.from_env({"OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS": patterns})
     kept_by_us = set(host.selection(system=True, excluded=config.host_metrics_excluded))
-    assert kept_by_us == {name for name in ours if name in kept_by_package}
-    assert kept_by_us != set(ours)
+    assert kept_by_us == set(ours) - left_out
 
 
 def test_a_second_setup_in_the_process_reports_on_its_own_provider() -> None:
@@ -196,16 +316,31 @@ def test_a_second_setup_in_the_process_reports_on_its_own_provider() -> None:
     assert set(third) == PROCESS_NAMES and not third_handle.system
 
 
-def test_shutdown_releases_the_instrumentor() -> None:
+def test_shutdown_stops_the_host_metrics() -> None:
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(
         config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader]
     )
-    assert SystemMetricsInstrumentor._instance.is_instrumented_by_opentelemetry
+    assert telemetry.host is not None and telemetry.host.running
     telemetry.shutdown()
-    assert not SystemMetricsInstrumentor._instance.is_instrumented_by_opentelemetry
-    assert telemetry.host is not None and not telemetry.host.running
+    assert not telemetry.host.running
     telemetry.shutdown()  # idempotent
+
+
+def test_stop_leaves_the_instruments_observing_nothing() -> None:
+    """The SDK cannot take an observable instrument off a provider: a stopped handle's callbacks read nothing."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        handle = start_host_metrics(provider, excluded=["system.cpu.*"])
+        assert set(host_metrics(reader.get_metrics_data())) == (SYSTEM_NAMES | PROCESS_NAMES) - {
+            "system.cpu.utilization"
+        }
+        handle.stop()
+        handle.stop()  # idempotent
+        assert not handle.running and host_metrics(reader.get_metrics_data()) == {}
+    finally:
+        provider.shutdown()
 
 
 def test_a_provider_we_do_not_own_gets_none(caplog: pytest.LogCaptureFixture) -> None:
@@ -223,34 +358,35 @@ def test_a_provider_we_do_not_own_gets_none(caplog: pytest.LogCaptureFixture) ->
         provider.shutdown()
 
 
-def test_an_instrumentor_someone_else_started_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_instrumentor_someone_else_started_is_left_alone() -> None:
+    """opentelemetry-instrumentation-system-metrics, no longer ours, may still run (the application, on its
+    provider): both report, each on its own provider under its own scope, neither touching the other."""
+    package = pytest.importorskip("opentelemetry.instrumentation.system_metrics")
     theirs = InMemoryMetricReader()
     their_provider = MeterProvider(metric_readers=[theirs])
     their_config = {"process.memory.usage": None}
-    instrumentor = SystemMetricsInstrumentor(config=their_config)
+    instrumentor = package.SystemMetricsInstrumentor(config=their_config)
     instrumentor.instrument(meter_provider=their_provider)
     try:
-        reader = InMemoryMetricReader()
-        with caplog.at_level(logging.INFO, logger="openlora_otel"):
-            telemetry = setup_telemetry(
-                config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader]
-            )
-        assert telemetry.host is None
-        assert host_metrics(reader.get_metrics_data()) == {}
-        assert "SystemMetricsInstrumentor already runs in this process" in caplog.text
-        telemetry.shutdown()
-        # Their configuration and their instrumentation are untouched by our setup and shutdown.
+        found, handle = collect()
+        assert set(found) == SYSTEM_NAMES | PROCESS_NAMES and handle is not None
         assert instrumentor._config is their_config and instrumentor.is_instrumented_by_opentelemetry
-        assert set(host_metrics(theirs.get_metrics_data())) == {"process.memory.usage"}
+        their_scopes = {
+            (scope_metrics.scope.name, metric.name)
+            for resource_metrics in theirs.get_metrics_data().resource_metrics
+            for scope_metrics in resource_metrics.scope_metrics
+            for metric in scope_metrics.metrics
+        }
+        assert their_scopes == {("opentelemetry.instrumentation.system_metrics", "process.memory.usage")}
     finally:
         instrumentor.uninstrument()
         their_provider.shutdown()
 
 
-def test_without_the_package_one_warning_and_no_crash(
+def test_without_psutil_one_warning_and_no_crash(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setitem(sys.modules, "opentelemetry.instrumentation.system_metrics", None)
+    monkeypatch.setitem(sys.modules, "psutil", None)
     monkeypatch.setattr(host, "_missing_warned", False)
     with caplog.at_level(logging.WARNING, logger="openlora_otel"):
         for _ in range(2):
@@ -264,16 +400,16 @@ def test_without_the_package_one_warning_and_no_crash(
             assert points(data, "openlora.training.tokens")
             telemetry.shutdown()
     warnings = [r for r in caplog.records if "host metrics off" in r.getMessage()]
-    assert len(warnings) == 1 and "opentelemetry-instrumentation-system-metrics" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "pip install psutil" in warnings[0].getMessage()
 
 
 def test_a_failing_start_leaves_telemetry_working(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(self, **kwargs):
+    def broken(percpu: bool = False) -> None:
         raise OSError("psutil cannot read /proc")
 
-    monkeypatch.setattr(SystemMetricsInstrumentor, "_instrument", broken)
+    monkeypatch.setattr(psutil, "cpu_times", broken)  # the first CPU reading is taken at start
     reader = InMemoryMetricReader()
     with caplog.at_level(logging.WARNING, logger="openlora_otel"):
         telemetry = setup_telemetry(
@@ -334,8 +470,8 @@ def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever
     to the next, whichever thread takes them; the first from the reading taken at setup."""
     readings = [
         [_cpu(100, 100, guest=5), _cpu(50, 50)],  # at setup
-        [_cpu(140, 160, guest=15), _cpu(150, 50)],  # cpu 1: 60 idle of 100 (guest is in user); cpu 2: busy
-        [_cpu(140, 160, guest=15), _cpu(150, 150)],  # cpu 1 did not move: repeats; cpu 2: all idle
+        [_cpu(140, 160, guest=15), _cpu(150, 50)],  # cpu 0: 60 idle of 100 (guest is in user); cpu 1: busy
+        [_cpu(140, 160, guest=15), _cpu(150, 150)],  # cpu 0 did not move: repeats; cpu 1: all idle
     ]
     calls: list[str] = []
 
@@ -355,50 +491,44 @@ def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever
             thread.start()
             thread.join(30)
             points = host_metrics(result[0])["system.cpu.utilization"].data.data_points
-            seen.append({(p.attributes["cpu"], p.attributes["state"]): p.value for p in points})
+            seen.append({(p.attributes["cpu.logical_number"], p.attributes["cpu.mode"]): p.value for p in points})
     finally:
         telemetry.shutdown()
     assert calls == [threading.current_thread().name, "scrape-1", "scrape-2"]
-    assert seen[0] == {(1, "idle"): pytest.approx(0.6), (2, "idle"): 0.0}
-    assert seen[1] == {(1, "idle"): pytest.approx(0.6), (2, "idle"): 1.0}
+    assert seen[0] == {(0, "idle"): pytest.approx(0.6), (1, "idle"): 0.0}
+    assert seen[1] == {(0, "idle"): pytest.approx(0.6), (1, "idle"): 1.0}
 
 
 def test_cpu_idle_has_no_value_before_a_cpu_moved() -> None:
     readings = iter([[_cpu(10, 10)], [_cpu(10, 10)], [_cpu(10, 30)]])
     idle = host.CpuIdle(["idle", "user"], lambda percpu: next(readings))
     assert list(idle()) == []  # within one clock tick of the first reading: nothing measured yet
-    assert {(o.attributes["state"], o.value) for o in idle()} == {("idle", 1.0), ("user", 0.0)}
+    assert {(o.attributes["cpu.mode"], o.value) for o in idle()} == {("idle", 1.0), ("user", 0.0)}
 
 
 def test_cpu_idle_reports_nothing_for_the_interval_in_which_a_cpu_went_offline() -> None:
     readings = iter([[_cpu(10, 10), _cpu(10, 10)], [_cpu(20, 30)], [_cpu(30, 30)]])
     idle = host.CpuIdle(["idle"], lambda percpu: next(readings))
     assert list(idle()) == []  # two CPUs, then one: positions no longer pair the same CPUs
-    assert [(o.attributes["cpu"], o.value) for o in idle()] == [(1, 0.0)]
-
-
-def test_shutdown_hands_the_instrumentor_back_with_its_own_cpu_callback() -> None:
-    _, handle = collect()
-    instrumentor = SystemMetricsInstrumentor()
-    assert handle is not None and not handle.running
-    assert "_get_system_cpu_utilization" not in vars(instrumentor)
+    assert [(o.attributes["cpu.logical_number"], o.value) for o in idle()] == [(0, 0.0)]
 
 
 @pytest.mark.process
-def test_import_does_not_load_the_package() -> None:
+def test_import_does_not_load_the_host_module_and_setup_never_loads_the_package() -> None:
     # psutil itself is not ours to keep out: opentelemetry.sdk.resources imports it when installed.
     code = """
 import sys
 import openlora_otel
 from openlora_otel import TelemetryConfig, setup_telemetry
 loaded = lambda: sorted(m for m in sys.modules if m.startswith(("opentelemetry.instrumentation", "wrapt")))
-assert loaded() == [], loaded()
+assert loaded() == [] and "openlora_otel.hardware.host" not in sys.modules, loaded()
 t = setup_telemetry(config=TelemetryConfig(exporters=("none",), host_metrics=False, quiet=True))
 t.shutdown()
-assert loaded() == [], loaded()
+assert loaded() == [] and "openlora_otel.hardware.host" not in sys.modules, loaded()
 t = setup_telemetry(config=TelemetryConfig(exporters=("none",), quiet=True))
+assert t.host is not None and t.host.running
 t.shutdown()
-assert "opentelemetry.instrumentation.system_metrics" in sys.modules
+assert loaded() == [] and "openlora_otel.hardware.host" in sys.modules, loaded()
 print("ok")
 """
     result = subprocess.run(
@@ -504,8 +634,13 @@ def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_d
             expected = {node} if spec.name.startswith("system.") else {node, other}
             found, _ = instances_of(f"count by (instance) ({spec.prometheus})", expected, deadline)
             assert found == expected, spec.name
-        labels = prometheus.query('system_cpu_utilization{state="idle"}')[0]["metric"]
-        assert labels["otel_scope_name"] == SCOPE_NAME and labels["cpu"] == "1"
+        # The exporter writes the conventions' dotted keys with underscores.
+        labels = prometheus.query('system_cpu_utilization{cpu_mode="idle", cpu_logical_number="0"}')[0]["metric"]
+        assert labels["otel_scope_name"] == SCOPE_NAME
+        labels = prometheus.query("system_memory_usage_bytes")[0]["metric"]
+        assert labels["system_memory_state"] == "used"
+        labels = prometheus.query('system_network_io_bytes_total{network_interface_name="lo"}')[0]["metric"]
+        assert labels["network_io_direction"] in {"receive", "transmit"}
 
         deadline = time.monotonic() + 30
         for query in readme_queries():

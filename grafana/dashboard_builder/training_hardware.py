@@ -81,15 +81,16 @@ def gpu(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "Temperature",
-            "GPU core temperature (hw_temperature_celsius, hw_type=gpu).",
+            "GPU core temperature (hw_temperature_celsius: a temperature sensor's series, no hw_type under the "
+            "conventions; openlora_gpu_index tells the GPUs' sensors from others).",
             "celsius",
-            [target(f'hw_temperature_celsius{{hw_type="gpu", {GPU}}}{RUN}', gpu_legend)],
+            [target(f'hw_temperature_celsius{{openlora_gpu_index!="", {GPU}}}{RUN}', gpu_legend)],
             at=grid.cell(8, 8),
         ),
         panel(
             "timeseries",
             "ECC errors",
-            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu, error_type corrected or uncorrected; the PCIe error types are in the GPU health row).",
+            "ECC memory errors per rate interval, corrected and uncorrected (hw_errors_total, hw_type=gpu, error_type corrected or uncorrected; the PCIe link errors, openlora_gpu_pcie_errors_total, are in the GPU health row).",
             "short",
             [
                 target(
@@ -282,13 +283,13 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "PCIe errors",
-            "PCIe errors per rate interval (hw_errors_total, hw_type=gpu, error_type pcie_replay, and where the "
-            "driver counts them pcie_correctable, pcie_non_fatal, pcie_fatal). Replays rising steadily mean a "
+            "PCIe link errors per rate interval (openlora_gpu_pcie_errors_total, error_type replay, and where the "
+            "driver counts them correctable, non_fatal, fatal). Replays rising steadily mean a "
             "marginal link (OpenloraGpuPcieReplaysRising); a fatal error, a failed one.",
             "short",
             [
                 target(
-                    f'increase(hw_errors_total{{hw_type="gpu", error_type=~"pcie_.+", {GPU}}}[$__rate_interval]){RUN}',
+                    f"increase(openlora_gpu_pcie_errors_total{{{GPU}}}[$__rate_interval]){RUN}",
                     "{{error_type}} " + gpu_legend,
                 )
             ],
@@ -301,17 +302,18 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
 # Whole disks only: a partition's bytes are also its disk's, and loop or RAM devices are not
 # storage. Interfaces that are not the node's own links: loopback, containers' veth pairs and
 # bridges, traffic-shaping ifb. Both as in the README's host queries (tests/test_host.py).
-WHOLE_DISKS = 'device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
-NODE_LINKS = 'device!~"lo|veth.*|docker.*|br-.*|ifb.*"'
+WHOLE_DISKS = 'system_device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
+NODE_LINKS = 'network_interface_name!~"lo|veth.*|docker.*|br-.*|ifb.*"'
 
 
 def host(grid: Grid) -> list[dict[str, Any]]:
-    """Host and process metrics (opentelemetry-instrumentation-system-metrics, openlora_otel/hardware/host.py): the row, next on the grid.
+    """Host and process metrics (openlora_otel/hardware/host.py): the row, next on the grid.
 
     process.* come from every process, system.* from one process per node (LOCAL_RANK 0),
-    so a node's system series are under its rank-0 instance. system.cpu.utilization has
+    so a node's system series are under its rank-0 instance. The attribute keys are the semantic
+    conventions', as labels with `_` for `.` (cpu.mode -> cpu_mode). system.cpu.utilization has
     unit 1: system_cpu_utilization pulled, system_cpu_utilization_ratio through the collector;
-    only its idle state is reported.
+    only its idle mode is reported.
     """
     legend = LEGEND
     cpu = '__name__=~"system_cpu_utilization(_ratio)?"'
@@ -321,13 +323,13 @@ def host(grid: Grid) -> list[dict[str, Any]]:
             "timeseries",
             "Process CPU",
             "CPU time the training process used per second, in cores, user and system "
-            "(rate of process_cpu_time_seconds_total by type). A data-parallel rank near one core while its "
+            "(rate of process_cpu_time_seconds_total by cpu_mode). A data-parallel rank near one core while its "
             "GPU idles is bound by Python on the host.",
             "short",
             [
                 target(
-                    f"sum by (job, instance, type) (rate(process_cpu_time_seconds_total{{{SEL}}}[$__rate_interval])){RUN}",
-                    "{{type}} " + legend,
+                    f"sum by (job, instance, cpu_mode) (rate(process_cpu_time_seconds_total{{{SEL}}}[$__rate_interval])){RUN}",
+                    "{{cpu_mode}} " + legend,
                 )
             ],
             at=grid.cell(8, 8),
@@ -346,12 +348,12 @@ def host(grid: Grid) -> list[dict[str, Any]]:
             "timeseries",
             "Process disk I/O",
             "Bytes per second the training process read from and wrote to storage, page-cache hits not included "
-            "(rate of process_disk_io_bytes_total by direction): data loading and checkpoints.",
+            "(rate of process_disk_io_bytes_total by disk_io_direction): data loading and checkpoints.",
             "Bps",
             [
                 target(
                     f"rate(process_disk_io_bytes_total{{{SEL}}}[$__rate_interval]){RUN}",
-                    "{{direction}} " + legend,
+                    "{{disk_io_direction}} " + legend,
                 )
             ],
             at=grid.cell(8, 8),
@@ -363,18 +365,18 @@ def host(grid: Grid) -> list[dict[str, Any]]:
             "timeseries",
             "Node CPU busy",
             "Share of the node's CPU time not idle (I/O wait counts as busy), the mean over its logical CPUs and "
-            "the busiest one (1 minus system.cpu.utilization with state idle: system_cpu_utilization pulled, "
+            "the busiest one (1 minus system.cpu.utilization with cpu_mode idle: system_cpu_utilization pulled, "
             "system_cpu_utilization_ratio through the collector). Reported by LOCAL_RANK 0 only. The mean near 1 "
             "while the GPUs idle: the loader's workers are short of CPU; one CPU pegged: a single-threaded "
             "input pipeline.",
             "percentunit",
             [
                 target(
-                    f'(1 - avg by (job, instance) ({{{cpu}, state="idle", {SEL}}})){RUN}',
+                    f'(1 - avg by (job, instance) ({{{cpu}, cpu_mode="idle", {SEL}}})){RUN}',
                     f"mean {legend}",
                 ),
                 target(
-                    f'(1 - min by (job, instance) ({{{cpu}, state="idle", {SEL}}})){RUN}',
+                    f'(1 - min by (job, instance) ({{{cpu}, cpu_mode="idle", {SEL}}})){RUN}',
                     f"busiest CPU {legend}",
                 ),
             ],
@@ -384,14 +386,16 @@ def host(grid: Grid) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "Node memory",
-            "Node memory used (total minus available) and available (system_memory_usage_bytes, state used and "
-            "available). Reported by LOCAL_RANK 0 only.",
+            "Node memory used, total minus available (system_memory_usage_bytes, system_memory_state used), "
+            "and available (system_memory_linux_available_bytes, Linux): the two add up to the total. "
+            "Reported by LOCAL_RANK 0 only.",
             "bytes",
             [
                 target(
-                    f'system_memory_usage_bytes{{state=~"used|available", {SEL}}}{RUN}',
-                    "{{state}} " + legend,
-                )
+                    f'system_memory_usage_bytes{{system_memory_state="used", {SEL}}}{RUN}',
+                    "used " + legend,
+                ),
+                target(f"system_memory_linux_available_bytes{{{SEL}}}{RUN}", "available " + legend),
             ],
             at=grid.cell(6, 8),
             defaults={"min": 0},
@@ -401,13 +405,13 @@ def host(grid: Grid) -> list[dict[str, Any]]:
             "Node disk I/O",
             "Bytes per second read and written by the node's whole disks, sd*, vd*, xvd*, hd* and nvme*n* "
             "(partitions would count twice, loop and RAM devices are not storage; rate of "
-            "system_disk_io_bytes_total by direction). Reported by LOCAL_RANK 0 only.",
+            "system_disk_io_bytes_total by disk_io_direction). Reported by LOCAL_RANK 0 only.",
             "Bps",
             [
                 target(
-                    f"sum by (job, instance, direction) (rate(system_disk_io_bytes_total{{{WHOLE_DISKS}, {SEL}}}"
+                    f"sum by (job, instance, disk_io_direction) (rate(system_disk_io_bytes_total{{{WHOLE_DISKS}, {SEL}}}"
                     f"[$__rate_interval])){RUN}",
-                    "{{direction}} " + legend,
+                    "{{disk_io_direction}} " + legend,
                 )
             ],
             at=grid.cell(6, 8),
@@ -417,15 +421,15 @@ def host(grid: Grid) -> list[dict[str, Any]]:
             "timeseries",
             "Node network I/O",
             "Bytes per second received and transmitted through the node's own interfaces, loopback, veth, "
-            "docker, bridge and ifb interfaces left out (rate of system_network_io_bytes_total by direction): "
+            "docker, bridge and ifb interfaces left out (rate of system_network_io_bytes_total by network_io_direction): "
             "remote data, checkpoints, NCCL's socket transport (RDMA bypasses the kernel and does not show). "
             "Reported by LOCAL_RANK 0 only.",
             "Bps",
             [
                 target(
-                    f"sum by (job, instance, direction) (rate(system_network_io_bytes_total{{{NODE_LINKS}, {SEL}}}"
+                    f"sum by (job, instance, network_io_direction) (rate(system_network_io_bytes_total{{{NODE_LINKS}, {SEL}}}"
                     f"[$__rate_interval])){RUN}",
-                    "{{direction}} " + legend,
+                    "{{network_io_direction}} " + legend,
                 )
             ],
             at=grid.cell(6, 8),

@@ -274,8 +274,8 @@ def peak_flops(env: Env, name: str) -> float | None:
 
 
 def metric_globs(env: Env, name: str) -> tuple[str, ...] | None:
-    """Glob patterns over metric names, split as the system-metrics instrumentation splits them (commas,
-    blanks dropped)."""
+    """Glob patterns over metric names, split as opentelemetry-instrumentation-system-metrics split them
+    (commas, blanks dropped)."""
     raw = env.get(name)
     if not raw:
         return None

@@ -392,7 +392,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_HOST_METRICS",
         HARDWARE,
-        "`true`: host and process metrics (CPU, memory, disk and network I/O) through `opentelemetry-instrumentation-system-metrics`, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
+        "`true`: host and process metrics (CPU, memory, disk and network I/O) read with psutil and named by the semantic conventions, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
         default=True,
         field="host_metrics",
         read=boolean,
@@ -400,7 +400,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS",
         HARDWARE,
-        "The instrumentation package's own variable: comma list of glob patterns (`system.network.*`, `process.disk.io`) of host metrics to leave out.",
+        "The variable of `opentelemetry-instrumentation-system-metrics`, kept with its rule: comma list of glob patterns (`system.network.*`, `process.disk.io`) of host metrics to leave out.",
         default=(),
         shown="(empty)",
         field="host_metrics_excluded",

@@ -4,8 +4,8 @@
 - :mod:`openlora_otel.hardware.gpu_snapshot`: those snapshots: which GPUs and values, read on a
   helper thread, bounded in time.
 - :mod:`openlora_otel.hardware.nvml`: the one object NVML is reached through, so tests can hand in a fake.
-- :mod:`openlora_otel.hardware.host`: host and process metrics through
-  ``opentelemetry-instrumentation-system-metrics``.
+- :mod:`openlora_otel.hardware.host`: host and process metrics, read with psutil and named by the
+  semantic conventions.
 
 Nothing is imported here: ``setup_telemetry`` imports each module only when its metrics are on,
 and none of them imports ``pynvml`` or torch at import time.

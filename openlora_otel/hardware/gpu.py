@@ -104,8 +104,9 @@ class GpuMetrics:
             ),
             "hw.power": self._per_device(lambda v: v["power"], "power", hw_type=True),
             "hw.energy": self._per_device(lambda v: v["energy"], "energy", hw_type=True),
-            "hw.temperature": self._per_device(lambda v: v["temperature"], "temperature", hw_type=True),
-            "hw.errors": self._errors,
+            "hw.temperature": self._temperature,
+            "hw.errors": self._errors(self._ECC_KEYS, hw_type=True),
+            "openlora.gpu.pcie.errors": self._errors(self._PCIE_KEYS, hw_type=False),
             "openlora.gpu.clock.sm": self._per_device(lambda v: v["sm_clock"], "sm_clock"),
             "openlora.gpu.throttle.time": self._throttle_time,
             "hw.gpu.io": self._io("pcie_tx", "pcie_rx"),
@@ -162,6 +163,14 @@ class GpuMetrics:
         attributes.update(extra)
         return attributes
 
+    def _sensor_attributes(self, device: Device) -> dict[str, Any]:
+        """A temperature sensor's attributes: the conventions give hw.temperature hw.id, hw.name and hw.parent
+        (and a sensor location), not hw.type nor the GPU's vendor, model or driver; ours name the GPU."""
+        attributes: dict[str, Any] = {"hw.id": device.uuid, "hw.name": device.name, ATTR_GPU_INDEX: device.index}
+        if device.parent_uuid:
+            attributes[ATTR_GPU_PARENT] = device.parent_uuid
+        return attributes
+
     def _readings(self) -> list[Reading]:
         snapshot, _ = self.collector.current()
         return snapshot.readings if snapshot is not None else []
@@ -194,24 +203,36 @@ class GpuMetrics:
                     )
         return out
 
-    # error.type -> the value key it is read from
-    _ERROR_KEYS = (
-        ("corrected", "ecc_corrected"),
-        ("uncorrected", "ecc_uncorrected"),
-        ("pcie_replay", "pcie_replay"),
-        ("pcie_correctable", "pcie_correctable"),
-        ("pcie_non_fatal", "pcie_non_fatal"),
-        ("pcie_fatal", "pcie_fatal"),
+    def _temperature(self, options: CallbackOptions) -> list[Observation]:
+        return [
+            Observation(reading.values["temperature"], self._sensor_attributes(reading.device))
+            for reading in self._readings()
+            if reading.values.get("temperature") is not None
+        ]
+
+    # error.type -> the value key it is read from: ECC errors on hw.errors (the conventions' GPU refinement
+    # has `corrected` and `uncorrected` only), PCIe link errors on openlora.gpu.pcie.errors.
+    _ECC_KEYS = (("corrected", "ecc_corrected"), ("uncorrected", "ecc_uncorrected"))
+    _PCIE_KEYS = (
+        ("replay", "pcie_replay"),
+        ("correctable", "pcie_correctable"),
+        ("non_fatal", "pcie_non_fatal"),
+        ("fatal", "pcie_fatal"),
     )
 
-    def _errors(self, options: CallbackOptions) -> list[Observation]:
-        out = []
-        for reading in self._readings():
-            for kind, key in self._ERROR_KEYS:
-                if key in reading.values:
-                    attributes = self._attributes(reading.device, **{"hw.type": "gpu", "error.type": kind})
-                    out.append(Observation(reading.values[key], attributes))
-        return out
+    def _errors(
+        self, keys: tuple[tuple[str, str], ...], *, hw_type: bool
+    ) -> Callable[[CallbackOptions], list[Observation]]:
+        def callback(options: CallbackOptions) -> list[Observation]:
+            out = []
+            for reading in self._readings():
+                for kind, key in keys:
+                    if key in reading.values:
+                        extra = {"hw.type": "gpu", "error.type": kind} if hw_type else {"error.type": kind}
+                        out.append(Observation(reading.values[key], self._attributes(reading.device, **extra)))
+            return out
+
+        return callback
 
     def _throttle_time(self, options: CallbackOptions) -> list[Observation]:
         out = []

@@ -1,63 +1,74 @@
-"""Host and process metrics (CPU, memory, disk and network I/O) through ``opentelemetry-instrumentation-system-metrics``.
+"""Host and process metrics (CPU, memory, disk and network I/O), read with psutil, named by the semantic conventions.
 
-The package measures (with psutil) and names the instruments under the
-semantic conventions; this module only decides which of its metrics are on,
-on which provider, and when they stop. Why it is built this way:
+Each metric is an observable instrument of the kind and unit the OpenTelemetry
+semantic conventions give it (``opentelemetry.semconv._incubating.metrics``),
+with the conventions' attribute keys (``cpu.mode``, ``cpu.logical_number``,
+``system.memory.state``, ``disk.io.direction``, ``system.device``,
+``network.io.direction``, ``network.interface.name``); ``tests/test_host.py``
+compares every one with the semconv package. Why it is built this way:
 
-- **A bounded selection.** The package's default set has about thirty metrics,
-  some per logical CPU and per state, some deprecated duplicates
-  (``process.runtime.*``), one that walks every socket of the host
-  (``system.network.connections``). :data:`SYSTEM_SELECTION` and
-  :data:`PROCESS_SELECTION` keep what a training run needs; the README counts
-  the series. ``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS``, the package's
-  own variable, is applied to this selection with the package's rule (fnmatch
-  globs over the configuration keys): the package itself applies it only to its
-  default set, never to a set handed in.
+- **Not through opentelemetry-instrumentation-system-metrics.** Up to its
+  latest version (0.66b2) the package emits the old keys (``state``, ``type``,
+  ``direction``, ``device``, ``cpu`` numbered from 1), reports
+  ``system.memory.usage`` as a gauge with a ``state=available`` where the
+  conventions have an UpDownCounter and a metric of its own
+  (``system.memory.linux.available``), and none of that can be configured.
+  What was left of it here (a selection, a replaced CPU callback, a singleton
+  to hand back) was more code than the seven callbacks below, so it is no
+  longer a dependency; psutil still is.
+- **A bounded selection.** A node's full set is about thirty metrics, some per
+  logical CPU and per state. :data:`SYSTEM_SELECTION` and
+  :data:`PROCESS_SELECTION` keep what a training run needs, with the values of
+  each metric's breakdown; the README counts the series.
+  ``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS`` (the variable the package
+  read, kept so existing deployments keep their exclusions) is applied to this
+  selection with the package's rule: fnmatch globs over the metric names.
 - **One node, one set of system series.** Every rank of a node sees the same
   CPUs, memory, disks and NICs: only the process with ``LOCAL_RANK`` 0 (or
   without ``LOCAL_RANK``) reports ``system.*``, every process its own ``process.*``.
 - **Our provider.** The instruments go on the provider ``setup_telemetry()``
-  built, passed explicitly: after a first setup was shut down, an earlier
-  provider stays the global one, and the global one may be somebody else's.
-- **Stopping.** The package's instrumentor is a process-wide singleton whose
-  ``uninstrument()`` only clears its "instrumented" flag (the instruments stay
-  on the meter and end with the provider's shutdown). :meth:`HostMetrics.stop`
-  clears it, so that the next ``setup_telemetry()`` in the process can
-  instrument its own provider. An instrumentor already started by someone else
-  (``opentelemetry-instrument``, the application) is left alone and used as is.
-- **CPU utilization from one previous reading.** The package's callback calls
-  ``psutil.cpu_times_percent(percpu=True)``, which in psutil 7 keeps its previous
-  reading per calling thread. The pull endpoint serves each scrape on a new
-  thread, so each scrape measured an empty interval and reported every CPU 0 %
-  idle: the node read 100 % busy. :class:`CpuIdle` replaces that one callback on
-  the instrumentor with the same name, unit and attributes, computed from one
-  process-wide previous ``psutil.cpu_times(percpu=True)`` reading taken first at
-  start; the package keeps everything else.
+  built, passed explicitly, under the scope :data:`SCOPE_NAME`: after a first
+  setup was shut down, an earlier provider stays the global one, and the global
+  one may be somebody else's.
+- **Stopping.** The SDK cannot take an observable instrument off a meter (the
+  instruments end with the provider's shutdown): :meth:`HostMetrics.stop` makes
+  every callback observe nothing from then on. No state outlives it, so the
+  next ``setup_telemetry()`` in the process starts its own set on its own provider.
+- **CPU utilization from one previous reading.** ``psutil.cpu_times_percent``
+  keeps its previous reading per calling thread in psutil 7; the pull endpoint
+  serves each scrape on a new thread, so each scrape would measure an empty
+  interval. :class:`CpuIdle` computes the shares from one previous
+  ``psutil.cpu_times(percpu=True)`` reading shared by every thread, the first
+  taken at start.
 - **Off the step path.** Every value is read by an observable callback, on the
   thread that collects: the scrape thread of the pull endpoint or the export
   thread of a push reader (``benchmarks/bench_host_metrics.py`` measures one
   collection).
-- **Lazy and optional.** The package (and wrapt, which it brings) is imported
-  by :func:`start_host_metrics` only (psutil is not ours to defer: the SDK's
-  resource module imports it when installed); when the package or psutil is
-  missing (an install with ``--no-deps``), host metrics are skipped with one warning.
+- **Optional psutil.** psutil is imported by :func:`start_host_metrics` only (it
+  is not ours to defer entirely: the SDK's resource module imports it when
+  installed); when it is missing (an install with ``--no-deps``), host metrics
+  are skipped with one warning per process.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import os
+import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from openlora_otel.names import MetricSpec
 
 __all__ = [
+    "ATTRIBUTES",
     "HOST_METRICS",
     "PROCESS_SELECTION",
     "SCOPE_NAME",
     "SYSTEM_SELECTION",
+    "CpuIdle",
     "HostMetrics",
     "reports_system",
     "selection",
@@ -66,16 +77,22 @@ __all__ = [
 
 _logger = logging.getLogger(__name__)
 
-# The meter (instrumentation scope) the package creates its instruments under.
-SCOPE_NAME = "opentelemetry.instrumentation.system_metrics"
+# The meter (instrumentation scope) the instruments are created under: `otel_scope_name` when pulled.
+SCOPE_NAME = "openlora_otel.host"
 
-# Package configuration keys -> the states, directions or types observed (None: no breakdown).
-# system.cpu.utilization is reported per logical CPU and state (224 CPUs on a large 8-GPU node):
+# system.memory.linux.available is Linux's MemAvailable: the conventions define it on Linux only.
+_LINUX = sys.platform.startswith("linux")
+
+# Metric -> the values of its breakdown that are observed (None: no breakdown).
+# system.cpu.utilization is reported per logical CPU and mode (224 CPUs on a large 8-GPU node):
 # `idle` alone keeps it at one series a CPU, enough for busy (1 - idle) per node and per core.
-# system.memory.usage: psutil's `used` is total - available (as `free` says), so the two add up to the total.
+# system.memory.usage: psutil's `used` is total - available (as `free` shows it), so `used` and
+# system.memory.linux.available add up to the total; the other states (free, buffers, cached) would
+# not add up with that `used` and are left out.
 SYSTEM_SELECTION: Mapping[str, tuple[str, ...] | None] = {
     "system.cpu.utilization": ("idle",),
-    "system.memory.usage": ("used", "available"),
+    "system.memory.usage": ("used",),
+    "system.memory.linux.available": None,
     "system.disk.io": ("read", "write"),
     "system.network.io": ("transmit", "receive"),
 }
@@ -85,45 +102,65 @@ PROCESS_SELECTION: Mapping[str, tuple[str, ...] | None] = {
     "process.disk.io": ("read", "write"),
 }
 
-# The instruments that selection creates, as the package names them (names.py's form, so the
-# Prometheus names on both paths come from names.prometheus_name).
+# Metric -> the attribute keys its points carry (semantic-conventions keys; the Prometheus exporters
+# write them with `_` for `.`: cpu_mode, system_memory_state, network_interface_name, ...).
+ATTRIBUTES: Mapping[str, tuple[str, ...]] = {
+    "system.cpu.utilization": ("cpu.logical_number", "cpu.mode"),
+    "system.memory.usage": ("system.memory.state",),
+    "system.memory.linux.available": (),
+    "system.disk.io": ("system.device", "disk.io.direction"),
+    "system.network.io": ("network.interface.name", "network.io.direction"),
+    "process.cpu.time": ("cpu.mode",),
+    "process.memory.usage": (),
+    "process.disk.io": ("disk.io.direction",),
+}
+
+# The instruments of the selection (names.py's form, so the Prometheus names on both paths come from
+# names.prometheus_name): kinds and units are the conventions', descriptions say what we observe.
 HOST_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "system.cpu.utilization",
         "gauge",
         "1",
-        "Share of time each logical CPU (`cpu`, numbered from 1) spent idle (`state=idle`) since the "
+        "Share of time each logical CPU (`cpu.logical_number`, from 0) spent idle (`cpu.mode=idle`) since the "
         "previous collection, 0 to 1; busy is 1 minus it (iowait counts as busy). Node only (`LOCAL_RANK` 0).",
     ),
     MetricSpec(
         "system.memory.usage",
-        "gauge",
+        "updowncounter",
         "By",
-        "Node memory by `state`: `used` (total minus available) and `available`. Node only.",
+        "Node memory in use (`system.memory.state=used`: total minus available, as `free` shows it). Node only.",
+    ),
+    MetricSpec(
+        "system.memory.linux.available",
+        "updowncounter",
+        "By",
+        "Node memory available for starting new applications without swapping (MemAvailable); with `used` "
+        "it adds up to the total. Node only, Linux only.",
     ),
     MetricSpec(
         "system.disk.io",
         "counter",
         "By",
-        "Bytes read and written (`direction`) per block device (`device`, every line of "
+        "Bytes read and written (`disk.io.direction`) per block device (`system.device`, every line of "
         "/proc/diskstats: partitions and loop devices too). Node only.",
     ),
     MetricSpec(
         "system.network.io",
         "counter",
         "By",
-        "Bytes received and transmitted (`direction`) per network interface (`device`, `lo` included). "
-        "Node only.",
+        "Bytes received and transmitted (`network.io.direction`) per network interface "
+        "(`network.interface.name`, `lo` included). Node only.",
     ),
     MetricSpec(
-        "process.cpu.time", "counter", "s", "CPU seconds of this process by `type` (`user`, `system`)."
+        "process.cpu.time", "counter", "s", "CPU seconds of this process by `cpu.mode` (`user`, `system`)."
     ),
     MetricSpec("process.memory.usage", "updowncounter", "By", "Resident set size (RSS) of this process."),
     MetricSpec(
         "process.disk.io",
         "counter",
         "By",
-        "Bytes this process read from and wrote to storage (`direction`; page-cache hits not included).",
+        "Bytes this process read from and wrote to storage (`disk.io.direction`; page-cache hits not included).",
     ),
 )
 
@@ -137,30 +174,31 @@ def reports_system(local_rank: object) -> bool:
 
 
 def selection(*, system: bool, excluded: Sequence[str] = ()) -> dict[str, list[str] | None]:
-    """The package configuration to instrument with: our selection minus what ``excluded`` globs match."""
+    """The metrics to start, with the values of their breakdown: our selection minus what ``excluded`` globs match."""
     chosen = {**(SYSTEM_SELECTION if system else {}), **PROCESS_SELECTION}
     return {
-        name: list(states) if states is not None else None
-        for name, states in chosen.items()
+        name: list(values) if values is not None else None
+        for name, values in chosen.items()
         if not any(fnmatch.fnmatch(name, pattern) for pattern in excluded)
+        and (_LINUX or name != "system.memory.linux.available")
     }
 
 
 class CpuIdle:
     """``system.cpu.utilization`` from one process-wide previous reading, whichever thread collects.
 
-    Each call measures the share of time per logical CPU (``cpu`` numbered from 1) in each of
-    ``states`` since the previous call, in any thread (two readers, pull and push: each covers
-    the time since the other one), or since construction for the first. The total is psutil's:
-    every field of ``cpu_times``, less ``guest`` and ``guest_nice`` (Linux counts them in
-    ``user`` and ``nice`` already). A CPU whose counters did not move (two calls within one
-    clock tick) repeats its previous shares, or has none yet. psutil lists online CPUs only:
-    when their number changed between two readings (a CPU taken off or on line), positions no
-    longer pair the same CPUs, and that one collection reports nothing.
+    Each call measures the share of time per logical CPU (``cpu.logical_number``, from 0, as
+    psutil lists them) in each of ``modes`` (``cpu.mode``) since the previous call, in any thread
+    (two readers, pull and push: each covers the time since the other one), or since construction
+    for the first. The total is psutil's: every field of ``cpu_times``, less ``guest`` and
+    ``guest_nice`` (Linux counts them in ``user`` and ``nice`` already). A CPU whose counters did
+    not move (two calls within one clock tick) repeats its previous shares, or has none yet. psutil
+    lists online CPUs only: when their number changed between two readings (a CPU taken off or on
+    line), positions no longer pair the same CPUs, and that one collection reports nothing.
     """
 
-    def __init__(self, states: Sequence[str], cpu_times: Any) -> None:
-        self._states = tuple(states)
+    def __init__(self, modes: Sequence[str], cpu_times: Callable[..., Any]) -> None:
+        self._modes = tuple(modes)
         self._cpu_times = cpu_times  # psutil.cpu_times, handed in so tests can script it
         self._lock = threading.Lock()
         self._previous = cpu_times(percpu=True)
@@ -176,32 +214,123 @@ class CpuIdle:
             if len(previous) != len(current):
                 self._shares.clear()
                 return observations
-            for cpu, (before, after) in enumerate(zip(previous, current, strict=True), start=1):
+            for cpu, (before, after) in enumerate(zip(previous, current, strict=True)):
                 deltas = {field: max(getattr(after, field) - getattr(before, field), 0.0) for field in after._fields}
                 total = sum(deltas.values()) - deltas.get("guest", 0.0) - deltas.get("guest_nice", 0.0)
-                for state in self._states:
-                    if state not in deltas:
+                for mode in self._modes:
+                    if mode not in deltas:
                         continue
                     if total > 0:
-                        self._shares[cpu, state] = min(deltas[state] / total, 1.0)
-                    share = self._shares.get((cpu, state))
+                        self._shares[cpu, mode] = min(deltas[mode] / total, 1.0)
+                    share = self._shares.get((cpu, mode))
                     if share is not None:
-                        observations.append(Observation(share, {"state": state, "cpu": cpu}))
+                        observations.append(Observation(share, {"cpu.logical_number": cpu, "cpu.mode": mode}))
         return observations
 
 
-class HostMetrics:
-    """What :func:`start_host_metrics` turned on; :meth:`stop` hands the package's instrumentor back."""
+class _Readings:
+    """The psutil reads behind each instrument, one callback per metric; all observe nothing once stopped."""
 
-    def __init__(self, instrumentor: Any, metrics: tuple[str, ...], system: bool) -> None:
-        self._instrumentor = instrumentor
+    # Our direction values -> the field suffix of psutil's net_io_counters (bytes_sent, bytes_recv).
+    _NETWORK_FIELDS = {"transmit": "sent", "receive": "recv"}
+
+    def __init__(self, psutil: Any, chosen: Mapping[str, list[str] | None]) -> None:
+        self._psutil = psutil
+        self._chosen = chosen
+        self._stopped = False
+        self._process: Any = None
+        modes = chosen.get("system.cpu.utilization")
+        # The first CPU-times reading, the base of the first collection's shares, is taken now.
+        self._cpu_idle = CpuIdle(modes, psutil.cpu_times) if modes else None
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def callback(self, name: str) -> Callable[[Any], Iterable[Any]]:
+        """The observable callback of metric ``name``: nothing once stopped."""
+        read = self._cpu_idle if name == "system.cpu.utilization" else getattr(self, "_" + name.replace(".", "_"))
+
+        def observe(options: Any) -> Iterable[Any]:
+            if self._stopped:
+                return []
+            return list(read(options))
+
+        return observe
+
+    def _own_process(self) -> Any:
+        # psutil.Process keeps the pid it was made for: a forked child reads its own.
+        pid = os.getpid()
+        if self._process is None or self._process.pid != pid:
+            self._process = self._psutil.Process(pid)
+        return self._process
+
+    def _system_memory_usage(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        memory = self._psutil.virtual_memory()
+        for state in self._chosen["system.memory.usage"] or ():
+            if hasattr(memory, state):
+                yield Observation(getattr(memory, state), {"system.memory.state": state})
+
+    def _system_memory_linux_available(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        yield Observation(self._psutil.virtual_memory().available)
+
+    def _system_disk_io(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        for device, counters in (self._psutil.disk_io_counters(perdisk=True) or {}).items():
+            for direction in self._chosen["system.disk.io"] or ():
+                value = getattr(counters, f"{direction}_bytes", None)
+                if value is not None:
+                    yield Observation(value, {"system.device": device, "disk.io.direction": direction})
+
+    def _system_network_io(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        for interface, counters in (self._psutil.net_io_counters(pernic=True) or {}).items():
+            for direction in self._chosen["system.network.io"] or ():
+                value = getattr(counters, f"bytes_{self._NETWORK_FIELDS[direction]}", None)
+                if value is not None:
+                    yield Observation(value, {"network.interface.name": interface, "network.io.direction": direction})
+
+    def _process_cpu_time(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        times = self._own_process().cpu_times()
+        for mode in self._chosen["process.cpu.time"] or ():
+            if hasattr(times, mode):
+                yield Observation(getattr(times, mode), {"cpu.mode": mode})
+
+    def _process_memory_usage(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        yield Observation(self._own_process().memory_info().rss)
+
+    def _process_disk_io(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        try:
+            counters = self._own_process().io_counters()
+        except (AttributeError, NotImplementedError, PermissionError, self._psutil.AccessDenied):
+            return  # io_counters() is not on every platform (macOS) nor always readable
+        for direction in self._chosen["process.disk.io"] or ():
+            yield Observation(getattr(counters, f"{direction}_bytes"), {"disk.io.direction": direction})
+
+
+class HostMetrics:
+    """What :func:`start_host_metrics` turned on; :meth:`stop` makes its instruments observe nothing."""
+
+    def __init__(self, readings: _Readings, metrics: tuple[str, ...], system: bool) -> None:
+        self._readings: _Readings | None = readings
         self._metrics = metrics
         self._system = system
         self._lock = threading.Lock()
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        """The package configuration keys instrumented (``system.cpu.utilization``, ``process.cpu.time``, ...)."""
+        """The metrics started (``system.cpu.utilization``, ``process.cpu.time``, ...)."""
         return self._metrics
 
     @property
@@ -211,35 +340,34 @@ class HostMetrics:
 
     @property
     def running(self) -> bool:
-        return self._instrumentor is not None
+        return self._readings is not None
 
     def stop(self) -> None:
-        """Mark the instrumentor uninstrumented so a later setup can start it again; idempotent, never raises."""
+        """Stop observing (the instruments end with their provider); idempotent, never raises."""
         with self._lock:
-            instrumentor, self._instrumentor = self._instrumentor, None
-        if instrumentor is None:
-            return
-        # The instrumentor is a process-wide singleton: hand it back with its own callback.
-        instrumentor.__dict__.pop("_get_system_cpu_utilization", None)
-        try:
-            instrumentor.uninstrument()
-        except Exception:  # pragma: no cover - the package's uninstrument only clears a flag
-            _logger.debug("SystemMetricsInstrumentor.uninstrument failed", exc_info=True)
+            readings, self._readings = self._readings, None
+        if readings is not None:
+            readings.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<HostMetrics {state} system={self._system} metrics={list(self._metrics)}>"
 
 
+_CREATE = {
+    "gauge": "create_observable_gauge",
+    "counter": "create_observable_counter",
+    "updowncounter": "create_observable_up_down_counter",
+}
+
+
 def start_host_metrics(
     meter_provider: Any, *, local_rank: object = None, excluded: Sequence[str] = ()
 ) -> HostMetrics | None:
-    """Instrument ``meter_provider`` with the host and process selection; None when nothing was started.
+    """Start the host and process selection on ``meter_provider``; None when nothing was started.
 
-    Nothing is started when every metric is excluded, when the package (or
-    psutil) is not installed (one warning per process), or when its
-    instrumentor is already running in this process (one info line: that one
-    reports, with its own selection).
+    Nothing is started when every metric is excluded or when psutil is not
+    installed (one warning per process).
     """
     system = reports_system(local_rank)
     chosen = selection(system=system, excluded=excluded)
@@ -247,37 +375,20 @@ def start_host_metrics(
         _logger.info("host metrics: every metric is excluded by OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
         return None
     try:
-        from opentelemetry.instrumentation.system_metrics import SystemMetricsInstrumentor
+        import psutil
     except ImportError as exc:
         _warn_missing(exc)
         return None
-    # The instrumentor is a singleton and its constructor resets the running one's
-    # configuration: look before constructing, so that someone else's is never touched.
-    running = getattr(SystemMetricsInstrumentor, "_instance", None)
-    if running is not None and running.is_instrumented_by_opentelemetry:
-        _logger.info(
-            "host metrics: SystemMetricsInstrumentor already runs in this process (opentelemetry-instrument "
-            "or the application started it); it reports with its own selection and openlora-otel adds none"
-        )
-        return None
-    instrumentor = SystemMetricsInstrumentor(config=chosen)
-    states = chosen.get("system.cpu.utilization")
-    if states:
-        import psutil
+    from openlora_otel._version import __version__
 
-        # An instance attribute: instrument() registers self._get_system_cpu_utilization.
-        instrumentor._get_system_cpu_utilization = CpuIdle(states, psutil.cpu_times)
-    else:
-        instrumentor.__dict__.pop("_get_system_cpu_utilization", None)
-    instrumentor.instrument(meter_provider=meter_provider)
-    if not instrumentor.is_instrumented_by_opentelemetry:
-        # instrument() logs a dependency conflict (psutil too old) and returns without raising.
-        _logger.warning(
-            "host metrics off: SystemMetricsInstrumentor did not start (see the error before this)"
-        )
-        return None
+    readings = _Readings(psutil, chosen)
+    meter = meter_provider.get_meter(SCOPE_NAME, __version__)
+    for spec in HOST_METRICS:
+        if spec.name in chosen:
+            create = getattr(meter, _CREATE[spec.kind])
+            create(spec.name, callbacks=[readings.callback(spec.name)], unit=spec.unit, description=spec.description)
     _logger.debug("host metrics on: %s", ", ".join(chosen))
-    return HostMetrics(instrumentor, tuple(chosen), system)
+    return HostMetrics(readings, tuple(chosen), system)
 
 
 def _warn_missing(exc: ImportError) -> None:
@@ -287,7 +398,5 @@ def _warn_missing(exc: ImportError) -> None:
             return
         _missing_warned = True
     _logger.warning(
-        "host metrics off: %s (pip install opentelemetry-instrumentation-system-metrics, "
-        "a dependency of openlora-otel that this installation lacks)",
-        exc,
+        "host metrics off: %s (pip install psutil, a dependency of openlora-otel that this installation lacks)", exc
     )
