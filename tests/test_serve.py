@@ -400,7 +400,7 @@ def test_an_unsupported_parameter_is_400_naming_it(server: ServeProcess, path, e
     body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
     status, _, answer = server.request("POST", path, body)
     assert status == 400, answer
-    assert answer["error"]["param"] == param and answer["error"]["code"] == "unsupported_parameter"
+    assert answer["error"]["param"] == param and answer["error"]["code"] == "invalid_request"
     assert param.split(".")[-1] in answer["error"]["message"]
 
 

@@ -88,11 +88,11 @@ def test_sampling_parameters_and_max_completion_tokens() -> None:
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed", "invalid_request"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
          "stream_options", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "unsupported_parameter"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "invalid_request"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice",
-         "unsupported_parameter"),
-        (COMPLETION, {"prompt": "x", "messages": []}, "messages", "unsupported_parameter"),
-        (COMPLETION, {"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
+         "invalid_request"),
+        (COMPLETION, {"prompt": "x", "messages": []}, "messages", "invalid_request"),
+        (COMPLETION, {"prompt": "x", "best_of": 3}, "best_of", "invalid_request"),
     ],
 )
 def test_refusals_name_the_parameter(operation, fields, param, code) -> None:

@@ -210,10 +210,10 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
             continue
         offs = OFF_VALUES.get(name)
         if offs is None:
-            raise ProtocolError(400, "unsupported_parameter", f"unknown parameter '{name}'", name, adapter)
+            raise ProtocolError(400, "invalid_request", f"unknown parameter '{name}'", name, adapter)
         if not _is_off(value, offs):
             raise ProtocolError(
-                400, "unsupported_parameter", f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)", name, adapter
+                400, "invalid_request", f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)", name, adapter
             )
 
     if operation == COMPLETION:
@@ -298,7 +298,7 @@ def _stream_options(options: Any, stream: bool, adapter: str | None) -> bool:
         raise ProtocolError(400, "invalid_request", "'stream_options' must be an object", "stream_options", adapter)
     for key in options:
         if key != "include_usage":
-            raise ProtocolError(400, "unsupported_parameter", f"'stream_options.{key}' is not supported by this server", f"stream_options.{key}", adapter)
+            raise ProtocolError(400, "invalid_request", f"'stream_options.{key}' is not supported by this server", f"stream_options.{key}", adapter)
     include = options.get("include_usage")
     if include is None:
         return False

@@ -14,7 +14,7 @@ the chat template, answer, chunk and error shapes live in ``openlora_otel/servin
   ``data: [DONE]``. The demo model has no end-of-text token: it runs to ``max_tokens`` unless a
   stop string ends the text.
 - Errors: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is what the metrics record
-  as ``error.type``: 404 ``unknown_adapter``, 400 ``invalid_request`` / ``unsupported_parameter``,
+  as ``error.type``: 404 ``unknown_adapter``, 400 ``invalid_request`` (an unsupported parameter too),
   503 ``overloaded`` (with ``Retry-After``), 500 with the exception's class name.
 - ``GET /v1/models`` and ``GET /v1/models/{id}``: ``id``, ``object: "model"``, ``created``,
   ``owned_by``, ``root``, ``parent`` (an adapter's base) and ``adapter``; ``GET /health``.
