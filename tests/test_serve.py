@@ -504,8 +504,12 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
     for name in ("a1", "a2"):
         assert total(after, "openlora_inference_adapter_loaded", openlora_adapter_name=name) == 1
         assert total(after, "openlora_inference_adapter_load_duration_seconds_count", openlora_adapter_name=name) == 1
-    assert has(after, "gen_ai_server_request_duration_seconds_bucket", gen_ai_request_model="tiny-llama",
-               gen_ai_provider_name="openlora", gen_ai_operation_name="text_completion")  # fmt: skip
+    # gen_ai.request.model: the name asked for (the adapter's; "other" for one not served); the response: the base.
+    bucket = "gen_ai_server_request_duration_seconds_bucket"
+    common = {"gen_ai_response_model": "tiny-llama", "gen_ai_provider_name": "openlora",
+              "gen_ai_operation_name": "text_completion"}  # fmt: skip
+    for adapter, model in (("a1", "a1"), ("a2", "a2"), ("base", "tiny-llama"), ("other", "other")):
+        assert has(after, bucket, openlora_adapter_name=adapter, gen_ai_request_model=model, **common), adapter
     # The generic HTTP series come from opentelemetry-instrumentation-fastapi, under the stable HTTP conventions.
     http = {"http_route": "/v1/completions", "http_request_method": "POST", "url_scheme": "http"}
     assert total(after, "http_server_request_duration_seconds_count", http_response_status_code="200", **http) >= 5
