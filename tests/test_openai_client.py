@@ -52,11 +52,17 @@ def test_models_list_and_retrieve(client) -> None:
 
 
 @pytest.mark.process
-def test_chat_whole_and_streamed_agree_and_usage_is_a_last_chunk_of_its_own(client, server: ServeProcess) -> None:
+def test_chat_whole_and_streamed_agree_and_usage_is_a_last_chunk_of_its_own(
+    client, server: ServeProcess
+) -> None:
     whole = client.chat.completions.create(model="a1", messages=USER, max_completion_tokens=8)
     assert whole.object == "chat.completion" and whole.model == "a1" and whole.id.startswith("chatcmpl-")
     (choice,) = whole.choices
-    assert choice.message.role == "assistant" and len(choice.message.content) == 8 and choice.finish_reason == "length"
+    assert (
+        choice.message.role == "assistant"
+        and len(choice.message.content) == 8
+        and choice.finish_reason == "length"
+    )
     prompt_tokens = len("user\n" + USER[0]["content"] + "\nassistant\n")  # the documented template
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 8)
 
@@ -74,7 +80,10 @@ def test_chat_whole_and_streamed_agree_and_usage_is_a_last_chunk_of_its_own(clie
     assert all(c.usage is None for c in chunks[:-1])
     # The chat requests are measured as such: gen_ai.operation.name "chat".
     wait_until(
-        lambda: total(server.metrics(), DURATION_COUNT, gen_ai_operation_name="chat", openlora_adapter_name="a1") >= 3,
+        lambda: (
+            total(server.metrics(), DURATION_COUNT, gen_ai_operation_name="chat", openlora_adapter_name="a1")
+            >= 3
+        ),
         10,
         "three chat requests counted",
         interval=0.1,
@@ -84,10 +93,18 @@ def test_chat_whole_and_streamed_agree_and_usage_is_a_last_chunk_of_its_own(clie
 @pytest.mark.process
 def test_completions_whole_and_streamed(client) -> None:
     whole = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6)
-    assert whole.object == "text_completion" and len(whole.choices[0].text) == 6 and whole.usage.completion_tokens == 6
+    assert (
+        whole.object == "text_completion"
+        and len(whole.choices[0].text) == 6
+        and whole.usage.completion_tokens == 6
+    )
     chunks = list(
         client.completions.create(
-            model="tiny-llama", prompt=PROMPT, max_tokens=6, stream=True, stream_options={"include_usage": True}
+            model="tiny-llama",
+            prompt=PROMPT,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
@@ -99,7 +116,9 @@ def test_the_async_client_streams_and_not(server: ServeProcess) -> None:
     async def scenario() -> tuple[str, str, str, str]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
             chat = await client.chat.completions.create(model="a1", messages=USER, max_tokens=5)
-            stream = await client.chat.completions.create(model="a1", messages=USER, max_tokens=5, stream=True)
+            stream = await client.chat.completions.create(
+                model="a1", messages=USER, max_tokens=5, stream=True
+            )
             streamed = "".join([c.choices[0].delta.content or "" async for c in stream])
             text = await client.completions.create(model="a1", prompt=PROMPT, max_tokens=5)
             stream = await client.completions.create(model="a1", prompt=PROMPT, max_tokens=5, stream=True)
@@ -117,7 +136,9 @@ def test_a_seed_reproduces_the_sample_and_n_gives_that_many_choices(client) -> N
         answer = client.chat.completions.create(
             model="a1", messages=USER, max_tokens=12, temperature=1.5, top_p=0.95, seed=seed, n=n
         )
-        assert [c.index for c in answer.choices] == list(range(n)) and answer.usage.completion_tokens == 12 * n
+        assert [c.index for c in answer.choices] == list(
+            range(n)
+        ) and answer.usage.completion_tokens == 12 * n
         return [c.message.content for c in answer.choices]
 
     first = sample(11)
@@ -136,9 +157,15 @@ def test_a_seed_reproduces_the_sample_and_n_gives_that_many_choices(client) -> N
 
 @pytest.mark.process
 def test_a_stop_string_ends_the_chat_answer(client) -> None:
-    text = client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=12).choices[0].message.content
+    text = (
+        client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=12)
+        .choices[0]
+        .message.content
+    )
     stop = text[3:5]
-    choice = client.chat.completions.create(model="tiny-llama", messages=USER, max_tokens=12, stop=[stop]).choices[0]
+    choice = client.chat.completions.create(
+        model="tiny-llama", messages=USER, max_tokens=12, stop=[stop]
+    ).choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == text[: text.index(stop)]
 
 
@@ -156,4 +183,3 @@ def test_errors_raise_the_clients_classes(client) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "Hi"}])
     assert "'H' is not in the demo alphabet" in caught.value.message
-

@@ -56,16 +56,31 @@ def test_the_chat_template_is_role_and_content_per_line_then_the_assistant_cue()
 def test_defaults_are_greedy_one_choice_sixteen_tokens() -> None:
     parsed = chat()
     assert (parsed.operation, parsed.model, parsed.adapter) == (CHAT, "a1", "a1")
-    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 16)
+    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (
+        1,
+        0.0,
+        1.0,
+        None,
+        16,
+    )
     assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
     # null is every parameter's default
-    assert chat(n=None, temperature=None, top_p=None, seed=None, max_tokens=None, stop=None, stream=None) == parsed
+    assert (
+        chat(n=None, temperature=None, top_p=None, seed=None, max_tokens=None, stop=None, stream=None)
+        == parsed
+    )
 
 
 def test_sampling_parameters_and_max_completion_tokens() -> None:
     parsed = chat(temperature=0.7, top_p=0.9, seed=-3, n=MAX_N, max_completion_tokens=5, stop="x", stream=True,
                   stream_options={"include_usage": True})  # fmt: skip
-    assert (parsed.temperature, parsed.top_p, parsed.seed, parsed.n, parsed.max_tokens) == (0.7, 0.9, -3, MAX_N, 5)
+    assert (parsed.temperature, parsed.top_p, parsed.seed, parsed.n, parsed.max_tokens) == (
+        0.7,
+        0.9,
+        -3,
+        MAX_N,
+        5,
+    )
     assert parsed.stop == ("x",) and parsed.stream and parsed.include_usage
 
 
@@ -74,23 +89,54 @@ def test_sampling_parameters_and_max_completion_tokens() -> None:
     [
         (CHAT, {"messages": []}, "messages", "invalid_request"),
         (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0]", "invalid_request"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+            "messages[0].name",
+            "invalid_request",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0]",
+            "invalid_request",
+        ),
         (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_request"),
         (CHAT, {"messages": [{"role": "user", "content": "Hello"}]}, "messages", "invalid_request"),
         (CHAT, {"messages": [{"role": "user", "content": "x" * 4000}]}, "messages", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2},
-         "max_tokens", "invalid_request"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_completion_tokens": 2},
+            "max_tokens",
+            "invalid_request",
+        ),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": MAX_N + 1}, "n", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5}, "temperature", "invalid_request"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
+            "temperature",
+            "invalid_request",
+        ),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p", "invalid_request"),
         (CHAT, {"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
-         "stream_options", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "invalid_request"),
-        (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice",
-         "invalid_request"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+            "stream_options",
+            "invalid_request",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+            "invalid_request",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            "tool_choice",
+            "invalid_request",
+        ),
         (COMPLETION, {"prompt": "x", "messages": []}, "messages", "invalid_request"),
         (COMPLETION, {"prompt": "x", "best_of": 3}, "best_of", "invalid_request"),
     ],
@@ -102,9 +148,19 @@ def test_refusals_name_the_parameter(operation, fields, param, code) -> None:
 
 def test_an_unknown_model_is_404_counted_as_other() -> None:
     error = refused(CHAT, model="nope", messages=[])
-    assert (error.status, error.code, error.param, error.adapter) == (404, "unknown_adapter", "model", "other")
+    assert (error.status, error.code, error.param, error.adapter) == (
+        404,
+        "unknown_adapter",
+        "model",
+        "other",
+    )
     assert protocol.error_body(404, error.code, error.message, error.param) == {
-        "error": {"message": error.message, "type": "invalid_request_error", "param": "model", "code": "unknown_adapter"}
+        "error": {
+            "message": error.message,
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "unknown_adapter",
+        }
     }
     assert protocol.error_body(503, "overloaded", "busy")["error"]["type"] == "server_error"
 
@@ -119,8 +175,18 @@ def test_chat_answers_and_chunks_have_openais_shapes() -> None:
         "created": 5,
         "model": "a1",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ab"}, "finish_reason": "length", "logprobs": None},
-            {"index": 1, "message": {"role": "assistant", "content": "c"}, "finish_reason": "stop", "logprobs": None},
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ab"},
+                "finish_reason": "length",
+                "logprobs": None,
+            },
+            {
+                "index": 1,
+                "message": {"role": "assistant", "content": "c"},
+                "finish_reason": "stop",
+                "logprobs": None,
+            },
         ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
     }

@@ -126,28 +126,50 @@ def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(off) and value == off for off in offs)
 
 
-def _number(payload: dict[str, Any], name: str, default: float, low: float, high: float, adapter: str | None) -> float:
+def _number(
+    payload: dict[str, Any], name: str, default: float, low: float, high: float, adapter: str | None
+) -> float:
     value = payload.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ProtocolError(400, "invalid_request", f"'{name}' must be a number from {low} to {high}, got {value!r}", name, adapter)
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'{name}' must be a number from {low} to {high}, got {value!r}",
+            name,
+            adapter,
+        )
     return float(value)
 
 
-def _integer(payload: dict[str, Any], name: str, default: int, low: int, high: int, adapter: str | None) -> int:
+def _integer(
+    payload: dict[str, Any], name: str, default: int, low: int, high: int, adapter: str | None
+) -> int:
     value = payload.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ProtocolError(400, "invalid_request", f"'{name}' must be an integer from {low} to {high}, got {value!r}", name, adapter)
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'{name}' must be an integer from {low} to {high}, got {value!r}",
+            name,
+            adapter,
+        )
     return value
 
 
 def render_chat(messages: Any, adapter: str | None) -> str:
     """The model's prompt for ``messages``: ``"<role>\\n<content>\\n"`` each, then ``"assistant\\n"``."""
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
-        raise ProtocolError(400, "invalid_request", f"'messages' must be a list of 1 to {MAX_MESSAGES} messages", "messages", adapter)
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'messages' must be a list of 1 to {MAX_MESSAGES} messages",
+            "messages",
+            adapter,
+        )
     parts: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -155,21 +177,36 @@ def render_chat(messages: Any, adapter: str | None) -> str:
             raise ProtocolError(400, "invalid_request", f"'{where}' must be an object", where, adapter)
         for key in message:
             if key not in ("role", "content"):
-                raise ProtocolError(400, "invalid_request", f"'{where}.{key}' is not supported by this server", f"{where}.{key}", adapter)
+                raise ProtocolError(
+                    400,
+                    "invalid_request",
+                    f"'{where}.{key}' is not supported by this server",
+                    f"{where}.{key}",
+                    adapter,
+                )
         role = message.get("role")
         if role not in ROLES:
             raise ProtocolError(
-                400, "invalid_request", f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role", adapter
+                400,
+                "invalid_request",
+                f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
+                f"{where}.role",
+                adapter,
             )
         content = message.get("content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and len(part) == 2):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                    and len(part) == 2
+                ):
                     raise ProtocolError(
                         400,
                         "invalid_request",
-                        f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": str}}: "
+                        f'\'{where}.content[{j}]\' must be a text part {{"type": "text", "text": str}}: '
                         "this server has no other kinds of content",
                         f"{where}.content[{j}]",
                         adapter,
@@ -177,7 +214,13 @@ def render_chat(messages: Any, adapter: str | None) -> str:
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
-            raise ProtocolError(400, "invalid_request", f"'{where}.content' must be a string or a list of text parts", f"{where}.content", adapter)
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'{where}.content' must be a string or a list of text parts",
+                f"{where}.content",
+                adapter,
+            )
         parts.append(f"{role}\n{content}\n")
     parts.append("assistant\n")
     return "".join(parts)
@@ -194,7 +237,11 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise ProtocolError(
-            400, "invalid_request", f"'model' must be a non-empty string: an adapter name or {served.base_model!r}", "model", _OTHER
+            400,
+            "invalid_request",
+            f"'model' must be a non-empty string: an adapter name or {served.base_model!r}",
+            "model",
+            _OTHER,
         )
     if model == served.base_model:
         adapter = None
@@ -203,7 +250,13 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
     else:
         names = ", ".join([served.base_model, *served.adapters])
         # A made-up name is recorded as "other": it must not take one of the capped adapter slots.
-        raise ProtocolError(404, "unknown_adapter", f"model {model[:100]!r} is not served here (served: {names})", "model", _OTHER)
+        raise ProtocolError(
+            404,
+            "unknown_adapter",
+            f"model {model[:100]!r} is not served here (served: {names})",
+            "model",
+            _OTHER,
+        )
     accepted = COMPLETION_PARAMS if operation == COMPLETION else CHAT_PARAMS
     for name, value in payload.items():
         if name in accepted or name in IGNORED_PARAMS:
@@ -213,26 +266,46 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
             raise ProtocolError(400, "invalid_request", f"unknown parameter '{name}'", name, adapter)
         if not _is_off(value, offs):
             raise ProtocolError(
-                400, "invalid_request", f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)", name, adapter
+                400,
+                "invalid_request",
+                f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)",
+                name,
+                adapter,
             )
 
     if operation == COMPLETION:
         prompt = payload.get("prompt")
         if not isinstance(prompt, str) or not 1 <= len(prompt) <= MAX_PROMPT_CHARS:
-            raise ProtocolError(400, "invalid_request", f"'prompt' must be a string of 1 to {MAX_PROMPT_CHARS} characters", "prompt", adapter)
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'prompt' must be a string of 1 to {MAX_PROMPT_CHARS} characters",
+                "prompt",
+                adapter,
+            )
         where = "prompt"
     else:
         prompt = render_chat(payload.get("messages"), adapter)
         if len(prompt) > MAX_PROMPT_CHARS:
             raise ProtocolError(
-                400, "invalid_request", f"'messages' make a prompt of {len(prompt)} characters, over {MAX_PROMPT_CHARS}", "messages", adapter
+                400,
+                "invalid_request",
+                f"'messages' make a prompt of {len(prompt)} characters, over {MAX_PROMPT_CHARS}",
+                "messages",
+                adapter,
             )
         where = "messages"
 
     token_param = "max_tokens"
     if operation == CHAT and payload.get("max_completion_tokens") is not None:
         if payload.get("max_tokens") is not None:
-            raise ProtocolError(400, "invalid_request", "give 'max_tokens' or 'max_completion_tokens', not both", "max_tokens", adapter)
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                "give 'max_tokens' or 'max_completion_tokens', not both",
+                "max_tokens",
+                adapter,
+            )
         token_param = "max_completion_tokens"
     max_tokens = _integer(payload, token_param, DEFAULT_MAX_TOKENS, 1, max_tokens_limit, adapter)
 
@@ -258,13 +331,19 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise ProtocolError(400, "invalid_request", f"'stream' must be true or false, got {stream!r}", "stream", adapter)
+        raise ProtocolError(
+            400, "invalid_request", f"'stream' must be true or false, got {stream!r}", "stream", adapter
+        )
     include_usage = _stream_options(payload.get("stream_options"), stream, adapter)
 
     n = _integer(payload, "n", 1, 1, MAX_N, adapter)
     temperature = _number(payload, "temperature", 0.0, 0.0, MAX_TEMPERATURE, adapter)
     top_p = _number(payload, "top_p", 1.0, 0.0, 1.0, adapter)
-    seed = _integer(payload, "seed", 0, -(2**63), 2**63 - 1, adapter) if payload.get("seed") is not None else None
+    seed = (
+        _integer(payload, "seed", 0, -(2**63), 2**63 - 1, adapter)
+        if payload.get("seed") is not None
+        else None
+    )
 
     try:
         prompt_ids = served.encode(prompt)
@@ -293,17 +372,37 @@ def _stream_options(options: Any, stream: bool, adapter: str | None) -> bool:
     if options is None:
         return False
     if not stream:
-        raise ProtocolError(400, "invalid_request", "'stream_options' is only allowed with 'stream': true", "stream_options", adapter)
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            "'stream_options' is only allowed with 'stream': true",
+            "stream_options",
+            adapter,
+        )
     if not isinstance(options, dict):
-        raise ProtocolError(400, "invalid_request", "'stream_options' must be an object", "stream_options", adapter)
+        raise ProtocolError(
+            400, "invalid_request", "'stream_options' must be an object", "stream_options", adapter
+        )
     for key in options:
         if key != "include_usage":
-            raise ProtocolError(400, "invalid_request", f"'stream_options.{key}' is not supported by this server", f"stream_options.{key}", adapter)
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'stream_options.{key}' is not supported by this server",
+                f"stream_options.{key}",
+                adapter,
+            )
     include = options.get("include_usage")
     if include is None:
         return False
     if not isinstance(include, bool):
-        raise ProtocolError(400, "invalid_request", "'stream_options.include_usage' must be true or false", "stream_options.include_usage", adapter)
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            "'stream_options.include_usage' must be true or false",
+            "stream_options.include_usage",
+            adapter,
+        )
     return include
 
 
@@ -311,23 +410,42 @@ def _stream_options(options: Any, stream: bool, adapter: str | None) -> bool:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def response(parsed: Parsed, request_id: str, created: int, choices: list[tuple[str, str]], used: dict[str, int]) -> dict[str, Any]:
+def response(
+    parsed: Parsed, request_id: str, created: int, choices: list[tuple[str, str]], used: dict[str, int]
+) -> dict[str, Any]:
     """The whole answer; ``choices``: (text, finish_reason) per choice, in order."""
     if parsed.operation == COMPLETION:
         items = [
-            {"index": i, "text": text, "finish_reason": finish, "logprobs": None} for i, (text, finish) in enumerate(choices)
+            {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            for i, (text, finish) in enumerate(choices)
         ]
         kind = "text_completion"
     else:
         items = [
-            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
             for i, (text, finish) in enumerate(choices)
         ]
         kind = "chat.completion"
-    return {"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": items, "usage": used}
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": parsed.model,
+        "choices": items,
+        "usage": used,
+    }
 
 
 def request_id(operation: str, make: Callable[[], str]) -> str:
@@ -351,7 +469,12 @@ def chunk(
 ) -> bytes:
     """A stream event for choice ``index``: new ``text`` (chat: a ``delta``, with the role on the first)."""
     if parsed.operation == COMPLETION:
-        choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }
         kind = "text_completion"
     else:
         delta: dict[str, Any] = {}
@@ -361,13 +484,24 @@ def chunk(
             delta["content"] = text
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         kind = "chat.completion.chunk"
-    return event({"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [choice]})
+    return event(
+        {"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [choice]}
+    )
 
 
 def usage_chunk(parsed: Parsed, request_id: str, created: int, used: dict[str, int]) -> bytes:
     """``stream_options.include_usage``: the usage in its own last chunk, with no choices (as the API defines it)."""
     kind = "text_completion" if parsed.operation == COMPLETION else "chat.completion.chunk"
-    return event({"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [], "usage": used})
+    return event(
+        {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": parsed.model,
+            "choices": [],
+            "usage": used,
+        }
+    )
 
 
 def model_entry(name: str, base: str, created: int) -> dict[str, Any]:
