@@ -259,6 +259,7 @@ RUN_METRICS: tuple[MetricSpec, ...] = (
 ATTR_OPERATION = "gen_ai.operation.name"
 ATTR_PROVIDER = "gen_ai.provider.name"
 ATTR_REQUEST_MODEL = "gen_ai.request.model"
+ATTR_RESPONSE_MODEL = "gen_ai.response.model"
 ATTR_TOKEN_TYPE = "gen_ai.token.type"
 ATTR_ERROR_TYPE = "error.type"
 ATTR_ADAPTER = "openlora.adapter.name"

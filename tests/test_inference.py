@@ -30,10 +30,12 @@ LOAD = "openlora.inference.adapter.load.duration"
 
 
 def base_attrs(adapter: str, **extra: str) -> dict[str, str]:
+    """A request's attributes: it asked for the adapter by name (the base's name for the base); tiny-llama served it."""
     return {
         "gen_ai.operation.name": "text_completion",
         "gen_ai.provider.name": "openlora",
-        "gen_ai.request.model": "tiny-llama",
+        "gen_ai.request.model": "tiny-llama" if adapter == "base" else adapter,
+        "gen_ai.response.model": "tiny-llama",
         "openlora.adapter.name": adapter,
         **extra,
     }
@@ -322,12 +324,14 @@ def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
     common = {
         "gen_ai_operation_name": "text_completion",
         "gen_ai_provider_name": "openlora",
-        "gen_ai_request_model": "tiny-llama",
+        "gen_ai_response_model": "tiny-llama",
     }
     count = "gen_ai_server_request_duration_seconds_count"
-    assert served(count, error_type="unknown_adapter", openlora_adapter_name="other", **common) == [1.0]
-    assert served(count, openlora_adapter_name="a1", **common) == [1.0]
-    assert served("openlora_inference_token_usage_sum", gen_ai_token_type="output", **common) == [3.0]
+    other = {"openlora_adapter_name": "other", "gen_ai_request_model": "other"}
+    a1 = {"openlora_adapter_name": "a1", "gen_ai_request_model": "a1"}
+    assert served(count, error_type="unknown_adapter", **other, **common) == [1.0]
+    assert served(count, **a1, **common) == [1.0]
+    assert served("openlora_inference_token_usage_sum", gen_ai_token_type="output", **a1, **common) == [3.0]
     assert served("openlora_inference_adapter_loaded", openlora_adapter_name="a1") == [1.0]
     # Run identity only in target_info, never on the serving series.
     assert not [n for n, got, _ in samples if n != "target_info" and "openlora_run_id" in got]
@@ -431,3 +435,24 @@ def test_adapters_loaded_past_the_cap_share_other_until_the_last_is_unloaded() -
 def test_an_empty_adapter_name_is_the_base_model(rig: Rig) -> None:
     rig.metrics.request("").end()
     assert point(rig.collect(), DURATION, base_attrs("base")).count == 1
+
+
+def test_request_model_is_the_name_asked_for_bounded_as_adapters_and_response_model_the_served_base() -> None:
+    """The conventions: a fine-tuned model's gen_ai.request.model is more specific than its base's name."""
+    rig = Rig(True, max_adapters=2)
+    rig.metrics.request("a1").end()
+    rig.metrics.request("a2", operation="chat").end()
+    rig.metrics.request("a3").end()  # past the cap: "other", as its adapter attribute
+    rig.metrics.request(None).end()
+    data = rig.collect()
+    seen = {
+        (p.attributes["openlora.adapter.name"], p.attributes["gen_ai.request.model"],
+         p.attributes["gen_ai.response.model"], p.attributes["gen_ai.operation.name"])
+        for p in points(data, DURATION)
+    }  # fmt: skip
+    assert seen == {
+        ("a1", "a1", "tiny-llama", "text_completion"),
+        ("a2", "a2", "tiny-llama", "chat"),
+        ("other", "other", "tiny-llama", "text_completion"),
+        ("base", "tiny-llama", "tiny-llama", "text_completion"),
+    }

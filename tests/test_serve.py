@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -26,7 +27,7 @@ from openlora_otel.cli import main
 from openlora_otel.demo.corpus import ALPHABET
 from openlora_otel.demo.layout import LayoutError, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
-from openlora_otel.serving.model import AdapterMismatchError, Cancelled, ServedModels, _held_back
+from openlora_otel.serving.model import AdapterMismatchError, Cancelled, Sampling, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
 from tests.support.polling import wait_until
 from tests.support.serving import ServeProcess, has, requests_by, save_demo, total
@@ -141,6 +142,22 @@ def test_generation_is_greedy_deterministic_and_calls_back_once_per_token(models
 
 
 @pytest.mark.process
+def test_sampling_is_reproducible_per_seed_and_top_p_zero_is_greedy(models: ServedModels) -> None:
+    torch = models.torch
+
+    def sampled(seed: int, temperature: float = 1.5, top_p: float = 1.0) -> str:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        sampling = Sampling(temperature=temperature, top_p=top_p, generator=generator)
+        return models.generate("a1", models.encode(PROMPT), 24, sampling=sampling).text
+
+    greedy = models.generate("a1", models.encode(PROMPT), 24).text
+    assert sampled(7) == sampled(7)
+    assert len({sampled(seed) for seed in range(4)}) > 1  # a barely trained model: its draws differ
+    assert sampled(7, top_p=0.0) == greedy == sampled(8, top_p=0.0)  # the nucleus holds the top token alone
+
+
+@pytest.mark.process
 def test_a_stop_string_ends_the_text_and_is_held_back_while_it_may_complete(models: ServedModels) -> None:
     full = models.generate(None, models.encode(PROMPT), 16).text
     stop = full[5:7]
@@ -238,13 +255,20 @@ def test_a_waiter_that_gives_up_leaves_the_queue() -> None:
 def test_models_lists_the_base_and_every_adapter(server: ServeProcess) -> None:
     status, _, body = server.request("GET", "/v1/models")
     assert status == 200
-    assert body == {
-        "data": [
-            {"id": "tiny-llama", "object": "model", "adapter": False},
-            {"id": "a1", "object": "model", "adapter": True},
-            {"id": "a2", "object": "model", "adapter": True},
-        ]
-    }
+    assert body["object"] == "list"
+    created = body["data"][0]["created"]
+    assert isinstance(created, int) and created > 0
+    entry = {"object": "model", "created": created, "owned_by": "openlora"}
+    assert body["data"] == [
+        {"id": "tiny-llama", **entry, "root": "tiny-llama", "parent": None, "adapter": False},
+        {"id": "a1", **entry, "root": "a1", "parent": "tiny-llama", "adapter": True},
+        {"id": "a2", **entry, "root": "a2", "parent": "tiny-llama", "adapter": True},
+    ]
+    assert server.request("GET", "/v1/models/a2") == (200, mock.ANY, body["data"][2])
+    status, _, missing = server.request("GET", "/v1/models/nope")
+    assert status == 404 and missing["error"]["code"] == "unknown_adapter" and missing["error"]["param"] == "model"
+    status, _, missing = server.request("GET", "/v1/no-such-route")
+    assert status == 404 and missing["error"]["type"] == "invalid_request_error"
     assert server.request("GET", "/health")[0] == 200
 
 
@@ -255,7 +279,7 @@ def test_completions_per_adapter_match_the_model_in_process(server: ServeProcess
         assert status == 200, body
         expected = models.generate(adapter, models.encode(PROMPT), 7).text
         assert body["object"] == "text_completion" and body["model"] == model and body["id"].startswith("cmpl-")
-        assert body["choices"] == [{"index": 0, "text": expected, "finish_reason": "length"}]
+        assert body["choices"] == [{"index": 0, "text": expected, "finish_reason": "length", "logprobs": None}]
         assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 7, "total_tokens": len(PROMPT) + 7}
     status, _, body = server.complete({"model": "a1", "prompt": PROMPT})
     assert body["usage"]["completion_tokens"] == 16  # the default max_tokens
@@ -264,7 +288,16 @@ def test_completions_per_adapter_match_the_model_in_process(server: ServeProcess
 @pytest.mark.process
 def test_streaming_sends_one_event_per_token_then_usage_then_done(server: ServeProcess) -> None:
     _, _, whole = server.complete({"model": "a2", "prompt": PROMPT, "max_tokens": 9})
-    stream = server.stream({"model": "a2", "prompt": PROMPT, "max_tokens": 9})
+    plain = server.stream({"model": "a2", "prompt": PROMPT, "max_tokens": 9})
+    try:
+        without_usage = plain.rest()
+    finally:
+        plain.close()
+    # No usage in the stream unless stream_options.include_usage asks for it.
+    assert len(without_usage) == 11 and not any("usage" in e for e in without_usage[:-1])
+    stream = server.stream(
+        {"model": "a2", "prompt": PROMPT, "max_tokens": 9, "stream_options": {"include_usage": True}}
+    )
     try:
         assert stream.status == 200
         assert stream.response.getheader("Content-Type").startswith("text/event-stream")
@@ -273,12 +306,13 @@ def test_streaming_sends_one_event_per_token_then_usage_then_done(server: ServeP
         stream.close()
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert len(chunks) == 10  # nine tokens, then the last chunk with the usage
+    assert len(chunks) == 11  # nine tokens, the finish reason, then the usage in a chunk of its own
     assert all(c["id"] == chunks[0]["id"] and c["model"] == "a2" for c in chunks)
-    assert all(c["choices"][0]["finish_reason"] is None and "usage" not in c for c in chunks[:-1])
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0] == {"index": 0, "text": "", "finish_reason": "length"}
-    assert chunks[-1]["usage"] == whole["usage"]
+    assert all(c["choices"][0]["finish_reason"] is None and "usage" not in c for c in chunks[:-2])
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0] == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
+    assert "usage" not in chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 
 @pytest.mark.process
@@ -288,7 +322,7 @@ def test_a_stop_string_over_http(server: ServeProcess) -> None:
     stop = text[4:6]
     status, _, body = server.complete({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "stop": [stop]})
     assert status == 200
-    assert body["choices"][0] == {"index": 0, "text": text[: text.index(stop)], "finish_reason": "stop"}
+    assert body["choices"][0] == {"index": 0, "text": text[: text.index(stop)], "finish_reason": "stop", "logprobs": None}
     stream = server.stream({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "stop": stop})
     try:
         events = stream.rest()
@@ -303,7 +337,7 @@ def test_an_unknown_adapter_is_404_and_counted_as_other(server: ServeProcess) ->
     before = requests_by(server.metrics())
     status, _, body = server.complete({"model": "no-such-adapter", "prompt": PROMPT})
     assert status == 404
-    assert body["error"]["type"] == "unknown_adapter"
+    assert body["error"]["code"] == "unknown_adapter" and body["error"]["type"] == "invalid_request_error"
     assert "no-such-adapter" in body["error"]["message"] and "a1" in body["error"]["message"]
     after = wait_until(
         lambda: (m := requests_by(server.metrics())).get(("other", "unknown_adapter"), 0)
@@ -339,8 +373,42 @@ def test_an_unknown_adapter_is_404_and_counted_as_other(server: ServeProcess) ->
 def test_bad_input_is_400_with_a_clear_message(server: ServeProcess, body, message) -> None:
     status, _, answer = server.complete(body)
     assert status == 400, answer
-    assert answer["error"]["type"] == "invalid_request"
+    assert answer["error"]["code"] == "invalid_request" and answer["error"]["type"] == "invalid_request_error"
     assert message in answer["error"]["message"]
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"logprobs": 0}, "logprobs"),  # 0 still asks for the chosen token's
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"max_completion_tokens": 4}, "max_completion_tokens"),  # chat's name
+        ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
+        ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+    ],
+)
+def test_an_unsupported_parameter_is_400_naming_it(server: ServeProcess, path, extra, param) -> None:
+    body = {"model": "a1", "max_tokens": 2, **extra}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    status, _, answer = server.request("POST", path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["code"] == "invalid_request"
+    assert param.split(".")[-1] in answer["error"]["message"]
+
+
+@pytest.mark.process
+def test_parameters_at_their_off_value_and_user_are_accepted(server: ServeProcess) -> None:
+    off = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None, "user": "u"}
+    status, _, answer = server.complete({"model": "a1", "prompt": PROMPT, "max_tokens": 2, **off})
+    assert status == 200, answer
 
 
 @pytest.mark.process
@@ -378,7 +446,8 @@ def test_past_the_queue_503_and_a_disconnected_stream_is_cancelled(server: Serve
         )
         status, headers, body = server.complete({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1})
         assert status == 503
-        assert body["error"]["type"] == "overloaded" and headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "overloaded" and body["error"]["type"] == "server_error"
+        assert headers["Retry-After"] == "1"
         running.close()  # the client goes away: its generation stops, the waiting one gets the slot
         assert waiting.next()["model"] == "a2"
         assert total(server.metrics(), "openlora_inference_requests_running", openlora_adapter_name="a2") == 1
@@ -435,8 +504,12 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
     for name in ("a1", "a2"):
         assert total(after, "openlora_inference_adapter_loaded", openlora_adapter_name=name) == 1
         assert total(after, "openlora_inference_adapter_load_duration_seconds_count", openlora_adapter_name=name) == 1
-    assert has(after, "gen_ai_server_request_duration_seconds_bucket", gen_ai_request_model="tiny-llama",
-               gen_ai_provider_name="openlora", gen_ai_operation_name="text_completion")  # fmt: skip
+    # gen_ai.request.model: the name asked for (the adapter's; "other" for one not served); the response: the base.
+    bucket = "gen_ai_server_request_duration_seconds_bucket"
+    common = {"gen_ai_response_model": "tiny-llama", "gen_ai_provider_name": "openlora",
+              "gen_ai_operation_name": "text_completion"}  # fmt: skip
+    for adapter, model in (("a1", "a1"), ("a2", "a2"), ("base", "tiny-llama"), ("other", "other")):
+        assert has(after, bucket, openlora_adapter_name=adapter, gen_ai_request_model=model, **common), adapter
     # The generic HTTP series come from opentelemetry-instrumentation-fastapi, under the stable HTTP conventions.
     http = {"http_route": "/v1/completions", "http_request_method": "POST", "url_scheme": "http"}
     assert total(after, "http_server_request_duration_seconds_count", http_response_status_code="200", **http) >= 5
@@ -472,7 +545,9 @@ def test_sigterm_lets_the_stream_finish_delivers_the_final_values_and_exits_0(sa
         assert total(text, "openlora_inference_adapter_loaded", openlora_adapter_name="broken") == 0
         assert has(text, "http_server_request_duration_seconds_count", http_route="/health")
         assert has(text, "http_server_duration_milliseconds_count", http_target="/health")
-        stream = serve.stream({"model": "again", "prompt": PROMPT, "max_tokens": 60})
+        stream = serve.stream(
+            {"model": "again", "prompt": PROMPT, "max_tokens": 60, "stream_options": {"include_usage": True}}
+        )
         assert stream.next()["choices"][0]["finish_reason"] is None
         serve.process.send_signal(signal.SIGTERM)
         # New connections are refused once the server stops listening.
@@ -520,7 +595,9 @@ def test_past_the_shutdown_timeout_a_stream_ends_with_a_cancelled_event(saved: P
         status = serve.stop()
     assert status == 0, serve.log()[-3000:]
     # Cut off at the next token after the grace time, with a last event that says why.
-    assert events[-1] == {"error": {"type": "cancelled", "message": "the server is stopping"}}
+    assert events[-1] == {
+        "error": {"message": "the server is stopping", "type": "server_error", "param": None, "code": "cancelled"}
+    }
     assert len(events) < 512
     assert "Traceback" not in serve.log()
     assert total(scrapes[-1], "gen_ai_server_request_duration_seconds_count", openlora_adapter_name="a1",

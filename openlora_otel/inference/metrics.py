@@ -24,7 +24,9 @@ go to the SDK one by one, at the request's end.
 Cardinality is bounded per process: at most ``max_adapters`` adapter names
 (``OPENLORA_INFERENCE_MAX_ADAPTERS``; names take slots in the order they are first seen),
 later names are recorded as ``"other"``; requests without an adapter as
-``"base"``; at most 8 model names and 16 ``error.type`` values, then ``_OTHER``
+``"base"``. ``gen_ai.request.model`` is the name the client asked for: an adapter's (bounded as its
+adapter attribute: itself or ``"other"``), or the base model's; ``gen_ai.response.model`` is the served
+base model (``set_model``); at most 8 model names and 16 ``error.type`` values, then ``_OTHER``
 (the conventions' fallback value).
 """
 
@@ -50,6 +52,7 @@ from openlora_otel.names import (
     ATTR_OPERATION,
     ATTR_PROVIDER,
     ATTR_REQUEST_MODEL,
+    ATTR_RESPONSE_MODEL,
     ATTR_TOKEN_TYPE,
     REQUEST_DURATION_BUCKETS,
     TOKEN_BUCKETS,
@@ -94,6 +97,10 @@ _BOUNDS = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
+# A request's series: (gen_ai.operation.name, gen_ai.request.model, gen_ai.response.model, adapter);
+# a model value of "" is left out.
+_Key = tuple[str, str, str, str]
+_SeriesKey = tuple[str, str, str, str, str | None]  # and error.type (None: success)
 
 
 def inference_views() -> list[Any]:
@@ -124,7 +131,7 @@ class InferenceRequest:
 
     __slots__ = ("_error", "_first", "_input", "_key", "_metrics", "_output", "_started", "_t0", "ended")
 
-    def __init__(self, metrics: InferenceMetrics, key: tuple[str, str, str], queued: bool) -> None:
+    def __init__(self, metrics: InferenceMetrics, key: _Key, queued: bool) -> None:
         self._metrics = metrics
         self._key = key
         self._t0 = time.perf_counter()
@@ -184,8 +191,8 @@ class InferenceMetrics:
     ``window_histogram``: set it only when the meter's provider has
     :func:`inference_views` (``setup_telemetry`` does both); then a request's end
     costs a lock and a few bisects, and each series reaches the SDK once per
-    collection. ``model`` is the default ``gen_ai.request.model`` (the base model's
-    name); ``max_adapters`` caps distinct adapter names.
+    collection. ``model`` is the served (base) model's name: ``gen_ai.response.model``, and
+    ``gen_ai.request.model`` of requests to the base; ``max_adapters`` caps distinct adapter names.
     """
 
     def __init__(
@@ -208,9 +215,9 @@ class InferenceMetrics:
         self._operations: dict[str, str] = {}
         self._default_model = ""
         self._default_operation = DEFAULT_OPERATION
-        self._attributes: dict[tuple[str, str, str, str | None], dict[str, str]] = {}
-        self._pending: dict[tuple[str, str, str, str | None], _Series] = {}
-        self._active: dict[tuple[str, str, str], list[int]] = {}  # key -> [running, waiting]
+        self._attributes: dict[_SeriesKey, dict[str, str]] = {}
+        self._pending: dict[_SeriesKey, _Series] = {}
+        self._active: dict[_Key, list[int]] = {}  # key -> [running, waiting]
         self._loaded: dict[str, int] = {}  # adapter value -> 1 loaded / 0 unloaded
         self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
         self._warned: set[str] = set()
@@ -248,7 +255,8 @@ class InferenceMetrics:
 
     # -- configuration --------------------------------------------------------------
     def set_model(self, model: str, *, operation: str | None = None) -> None:
-        """Set the default ``gen_ai.request.model`` (and ``gen_ai.operation.name``) of later requests."""
+        """Set the served model: ``gen_ai.response.model`` of later requests, and their ``gen_ai.request.model``
+        when they ask for the base (an adapter's requests carry its name); and the default ``gen_ai.operation.name``."""
         with self._lock:
             self._default_model = self._capped(self._models, str(model or ""), MAX_MODELS, "model")
             if operation is not None:
@@ -325,17 +333,21 @@ class InferenceMetrics:
         else:
             value = self._adapter_slot(adapter)
         with self._lock:
-            model_value = (
-                self._default_model
-                if model is None
-                else self._capped(self._models, str(model), MAX_MODELS, "model")
-            )
+            # gen_ai.request.model is the name the client asked for: an adapter's own name (the
+            # conventions: a fine-tuned model's is more specific than its base's), bounded as the
+            # adapter is; the base model's name for the base. gen_ai.response.model: the served base.
+            if model is not None:
+                model_value = self._capped(self._models, str(model), MAX_MODELS, "model")
+            elif value != ADAPTER_BASE:
+                model_value = value
+            else:
+                model_value = self._default_model
             operation_value = (
                 self._default_operation
                 if operation is None
                 else self._capped(self._operations, str(operation), 4, "operation")
             )
-            key = (operation_value, model_value, value)
+            key = (operation_value, model_value, self._default_model, value)
             active = self._active.get(key)
             if active is None:
                 active = self._active[key] = [0, 0]
@@ -371,7 +383,7 @@ class InferenceMetrics:
         return decorate(fn) if fn is not None else decorate
 
     # -- the request path (called by InferenceRequest) ----------------------------------
-    def _move_to_running(self, key: tuple[str, str, str]) -> None:
+    def _move_to_running(self, key: _Key) -> None:
         with self._lock:
             active = self._active[key]
             active[1] -= 1
@@ -424,7 +436,7 @@ class InferenceMetrics:
         ]
         # A loaded adapter's default series reads 0 before its first request (not after it was unloaded).
         for adapter in self._loaded_now():
-            key = (self._default_operation, self._default_model, adapter)
+            key = (self._default_operation, adapter, self._default_model, adapter)
             if key not in seen:
                 observations.append(Observation(0, self._attrs((*key, None))))
         return observations
@@ -438,11 +450,12 @@ class InferenceMetrics:
         if empty_for_loaded:
             # Loaded adapters get their request-count series at 0, so the first request is a rise.
             for adapter in self._loaded_now():
-                pending.setdefault((self._default_operation, self._default_model, adapter, None), _Series())
+                key = (self._default_operation, adapter, self._default_model, adapter, None)
+                pending.setdefault(key, _Series())
         for series_key, series in pending.items():
             attributes = self._attrs(series_key)
             self._put(self._duration, series.duration, attributes, always=True)
-            if series_key[3] is None:
+            if series_key[4] is None:
                 self._put(self._ttft, series.ttft, attributes)
                 self._put(self._tpot, series.tpot, attributes)
                 self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
@@ -468,19 +481,21 @@ class InferenceMetrics:
             )
         replay(histogram.record, counts.counts, counts.sums, attributes)
 
-    def _attrs(self, series_key: tuple[str, str, str, str | None]) -> dict[str, str]:
+    def _attrs(self, series_key: _SeriesKey) -> dict[str, str]:
         attributes = self._attributes.get(series_key)
         if attributes is None:
-            operation, model, adapter, error = series_key
+            operation, model, response_model, adapter, error = series_key
             attributes = {ATTR_OPERATION: operation, ATTR_PROVIDER: PROVIDER, ATTR_ADAPTER: adapter}
             if model:
                 attributes[ATTR_REQUEST_MODEL] = model
+            if response_model:
+                attributes[ATTR_RESPONSE_MODEL] = response_model
             if error is not None:
                 attributes[ATTR_ERROR_TYPE] = error
             self._attributes[series_key] = attributes
         return attributes
 
-    def _token_attrs(self, series_key: tuple[str, str, str, str | None], kind: str) -> dict[str, str]:
+    def _token_attrs(self, series_key: _SeriesKey, kind: str) -> dict[str, str]:
         return {**self._attrs(series_key), ATTR_TOKEN_TYPE: kind}
 
     def _record_load(self, adapter: str, seconds: float, error: str | None) -> None:

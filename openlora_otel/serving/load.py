@@ -298,10 +298,11 @@ class _Deadline:
 
 
 def _error_type(status: int, body: bytes) -> str:
-    """The server's error.type from a contract error body, else http_<status>."""
+    """The server's error.type from a contract error body (OpenAI's ``code``, else its ``type``), else http_<status>."""
     try:
-        kind = json.loads(body)["error"]["type"]
-    except (ValueError, KeyError, TypeError):
+        error = json.loads(body)["error"]
+        kind = error.get("code") or error["type"]
+    except (ValueError, KeyError, TypeError, AttributeError):
         return f"http_{status}"
     return kind if isinstance(kind, str) and kind else f"http_{status}"
 
@@ -369,7 +370,8 @@ def _read_stream(
             return
         document = json.loads(payload)  # ValueError -> bad_response
         if isinstance(document, dict) and isinstance(document.get("error"), dict):
-            outcome.error = str(document["error"].get("type") or "stream_error")
+            error = document["error"]
+            outcome.error = str(error.get("code") or error.get("type") or "stream_error")
             return
         if outcome.ttft_s is None and _chunk_text(document):
             outcome.ttft_s = time.monotonic() - started
@@ -486,6 +488,8 @@ def run_load(options: LoadOptions, *, log: TextIO | None = None) -> LoadResult:
                     "prompt": options.prompt,
                     "max_tokens": options.max_tokens,
                     "stream": options.stream,
+                    # The usage (output tokens) comes in a last chunk only when asked for, as in OpenAI's API.
+                    **({"stream_options": {"include_usage": True}} if options.stream else {}),
                 }
             ).encode()
             _send(target, options, body, outcome)

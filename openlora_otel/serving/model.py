@@ -1,4 +1,4 @@
-"""The saved demo model served: its base and LoRA adapters on one device, greedy generation token by token.
+"""The saved demo model served: its base and LoRA adapters on one device, generation token by token.
 
 Each adapter is merged (PEFT ``merge_and_unload``) into its own copy of the base at load time,
 so a request's adapter is just which module it runs: no ``set_adapter`` switch shared between
@@ -9,8 +9,10 @@ The models run on the device chosen at start (``auto``: the first CUDA device wh
 one, else the CPU; see ``openlora_otel/_device.py``), under bf16 autocast on CUDA devices with
 bfloat16; adapters are merged on the CPU, into a copy of the base kept there, then moved.
 
-Generation is greedy over the last ``context_length`` tokens (the demo trains on 64-character
-windows), one forward pass per token. The character model has no end-of-text token: it runs to
+Generation runs over the last ``context_length`` tokens (the demo trains on 64-character
+windows), one forward pass per token: greedy (argmax) by default, or sampled with a
+:class:`Sampling` (temperature, nucleus ``top_p``, and a ``torch.Generator`` the caller seeds, so
+the same seed gives the same text; the draw runs on the CPU, so a seed means the same on any device). The character model has no end-of-text token: it runs to
 ``max_tokens`` ("length"), or, as OpenAI's ``stop``, until its text ends with one of the
 request's stop strings ("stop"; the stop string is generated, counted, and left out of the text).
 torch, transformers and peft are imported when a model is built.
@@ -29,7 +31,7 @@ from openlora_otel._device import Placement, resolve_device
 from openlora_otel.demo.corpus import CharTokenizer
 from openlora_otel.demo.layout import SavedAdapter, SavedBase, quiet_progress
 
-__all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "ServedModels"]
+__all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "Sampling", "ServedModels"]
 
 
 class PromptError(ValueError):
@@ -50,6 +52,16 @@ class Completion:
     finish_reason: str  # "length" or "stop"
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sample instead of argmax: ``temperature`` > 0, keep the smallest set of tokens whose probability
+    reaches ``top_p``, draw with ``generator`` (a CPU ``torch.Generator``, seeded by the caller)."""
+
+    temperature: float
+    top_p: float = 1.0
+    generator: Any = None
 
 
 def _require() -> tuple[Any, Any, Any]:
@@ -124,10 +136,12 @@ class ServedModels:
         max_tokens: int,
         *,
         stop: tuple[str, ...] = (),
+        sampling: Sampling | None = None,
         on_token: Callable[[str], object] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Completion:
-        """Greedy decoding of up to ``max_tokens`` tokens after ``prompt_ids`` with ``adapter`` (None: the base).
+        """Up to ``max_tokens`` tokens after ``prompt_ids`` with ``adapter`` (None: the base): greedy, or
+        drawn as ``sampling`` says.
 
         ``on_token`` is called once per generated token, as soon as it is decoded (the first
         call is the first token), with the text that became final: "" while the text ends with
@@ -156,7 +170,10 @@ class ServedModels:
                 if cancelled is not None and cancelled():
                     raise Cancelled()
                 logits = module(input_ids=torch.tensor([window], device=device)).logits
-                token = int(logits[0, -1].argmax())
+                if sampling is None:
+                    token = int(logits[0, -1].argmax())
+                else:
+                    token = _draw(torch, logits[0, -1], sampling)
                 generated += 1
                 text += self.tokenizer.decode([token])
                 # The longest stop string that ends here starts earliest: the text ends before it.
@@ -194,3 +211,19 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = size
                 break
     return longest
+
+
+def _draw(torch: Any, logits: Any, sampling: Sampling) -> int:
+    """One token drawn from ``softmax(logits / temperature)`` cut to its ``top_p`` nucleus.
+
+    On the CPU in float32: the generator is a CPU one (a seed then means the same on any device), and
+    the vocabulary is the demo's 32 characters, so the copy costs nothing next to the forward pass.
+    """
+    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        # Keep a token while the mass before it is below top_p.
+        keep = torch.cumsum(ordered, dim=-1) - ordered < sampling.top_p
+        keep[0] = True  # top_p 0: the most likely token alone
+        probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probs, 1, generator=sampling.generator))

@@ -1,18 +1,23 @@
 """``openlora-otel serve``: the saved demo model and its adapters over HTTP, every request measured.
 
-FastAPI on uvicorn, on loopback by default. The protocol (the ``load`` command speaks it):
+FastAPI on uvicorn, on loopback by default. OpenAI's protocol (request parsing and validation,
+the chat template, answer, chunk and error shapes live in ``openlora_otel/serving/protocol.py``):
 
-- ``POST /v1/completions`` with JSON ``{"model": <adapter name, or the base model's name>,
-  "prompt": str (1..4000 characters), "max_tokens": int (1..limit, default 16), "stream": bool,
-  "stop": str or up to 4 str (optional, as OpenAI's)}``; greedy decoding, to ``max_tokens``
-  unless a stop string ends the text (the demo model has no end-of-text token). Answer: ``{"id", "object": "text_completion", "created", "model", "choices":
-  [{"index": 0, "text", "finish_reason": "length"|"stop"}], "usage": {"prompt_tokens",
-  "completion_tokens", "total_tokens"}}``. With ``"stream": true``: ``text/event-stream``, one
-  ``data: <chunk>`` event per token (the chunk is the answer's shape with the new text), the
-  last one with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
-- Errors: ``{"error": {"type", "message"}}``; 404 ``unknown_adapter``, 400 ``invalid_request``,
+- ``POST /v1/completions`` (``prompt``) and ``POST /v1/chat/completions`` (``messages``, rendered
+  into the prompt by the documented template), with ``model`` (an adapter name, or the base
+  model's), ``max_tokens`` (chat: or ``max_completion_tokens``), ``stop``, ``n`` (up to
+  ``protocol.MAX_N``, generated one after another), ``temperature`` (0 or absent: greedy),
+  ``top_p``, ``seed`` (same seed, same text), ``stream`` and ``stream_options.include_usage``;
+  anything else is a 400 naming it. Answers ``text_completion`` / ``chat.completion``; streamed:
+  ``text/event-stream``, one ``data: <chunk>`` per token and choice, a last chunk per choice with its
+  ``finish_reason``, the usage in a chunk of its own with ``choices: []`` when asked for, then
+  ``data: [DONE]``. The demo model has no end-of-text token: it runs to ``max_tokens`` unless a
+  stop string ends the text.
+- Errors: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is what the metrics record
+  as ``error.type``: 404 ``unknown_adapter``, 400 ``invalid_request`` (an unsupported parameter too),
   503 ``overloaded`` (with ``Retry-After``), 500 with the exception's class name.
-- ``GET /v1/models``: ``{"data": [{"id", "object": "model", "adapter": bool}]}``; ``GET /health``.
+- ``GET /v1/models`` and ``GET /v1/models/{id}``: ``id``, ``object: "model"``, ``created``,
+  ``owned_by``, ``root``, ``parent`` (an adapter's base) and ``adapter``; ``GET /health``.
 
 Concurrency: at most ``max_concurrency`` requests generate at once, each on a worker thread
 (never on the event loop); up to ``max_queue`` more wait in FIFO order; beyond that a request is
@@ -29,9 +34,9 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import json
 import logging
 import math
+import secrets
 import signal
 import socket
 import sys
@@ -44,10 +49,20 @@ from typing import Any, TextIO
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openlora_otel.demo.layout import SavedAdapter, SavedBase
-from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceRequest
-from openlora_otel.serving.model import Cancelled, Completion, PromptError, ServedModels
+from openlora_otel.inference.metrics import InferenceRequest
+from openlora_otel.serving import protocol
+from openlora_otel.serving.model import Cancelled, Completion, Sampling, ServedModels
+from openlora_otel.serving.protocol import (
+    CHAT,
+    COMPLETION,
+    MAX_PROMPT_CHARS,
+    MAX_TOKENS_LIMIT,
+    Parsed,
+    ProtocolError,
+)
 from openlora_otel.telemetry import Telemetry
 
 __all__ = [
@@ -62,13 +77,6 @@ __all__ = [
 
 _logger = logging.getLogger(__name__)
 
-OPERATION = "text_completion"
-MAX_PROMPT_CHARS = 4000
-MAX_TOKENS_LIMIT = 512  # the protocol's ceiling for max_tokens; --max-new-tokens-limit may lower it
-DEFAULT_MAX_TOKENS = 16
-# OpenAI's limits for "stop"; ours are characters (one token each).
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 32
 # Seconds a 503 asks the client to wait: about one short completion on the demo model.
 RETRY_AFTER_S = 1
 # opentelemetry-instrumentation-fastapi 0.66b2 reports the old HTTP conventions unless this
@@ -144,7 +152,7 @@ class Ticket:
         self._granted = asyncio.Event()
         self._released = False
         # The generation running on a worker thread, if it started: the slot is free when it ends.
-        self.job: concurrent.futures.Future[Completion] | None = None
+        self.job: concurrent.futures.Future[list[Completion]] | None = None
 
     async def wait(self) -> None:
         await self._granted.wait()
@@ -162,38 +170,14 @@ class Ticket:
         # else: the job's done-callback releases it (see CompletionService._submit)
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, error_type: str, message: str, adapter: str | None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.error_type = error_type
-        self.message = message
-        self.adapter = adapter  # the metric's adapter value for the failed request
-
-
-@dataclass(frozen=True)
-class _Parsed:
-    model: str
-    adapter: str | None  # None: the base model
-    prompt_ids: list[int]
-    max_tokens: int
-    stream: bool
-    stop: tuple[str, ...]
-
-
-def _error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"type": error_type, "message": message}}, status_code=status, headers=headers
-    )
-
-
 class CompletionService:
-    """The completions endpoint's work: validation, admission, generation on worker threads, records."""
+    """The generation endpoints' work: validation, admission, generation on worker threads, records."""
 
     def __init__(self, models: ServedModels, telemetry: Telemetry, options: ServeOptions) -> None:
         self.models = models
         self.inference = telemetry.inference
         self.options = options
+        self.created = int(time.time())  # the models' "created": when this server loaded them
         self.admission = Admission(options.max_concurrency, options.max_queue)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=options.max_concurrency, thread_name_prefix="openlora-serve-generate"
@@ -202,121 +186,59 @@ class CompletionService:
         self._stopping = False
         self._cancels_lock = threading.Lock()
 
-    # -- request parsing ------------------------------------------------------------
-    def parse(self, body: bytes) -> _Parsed:
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _BadRequest(
-                400, "invalid_request", f"the body is not JSON ({exc})", ADAPTER_OTHER
-            ) from None
-        if not isinstance(payload, dict):
-            raise _BadRequest(400, "invalid_request", "the body must be a JSON object", ADAPTER_OTHER)
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            raise _BadRequest(
-                400,
-                "invalid_request",
-                f"'model' must be a non-empty string: an adapter name or {self.models.base_model!r}",
-                ADAPTER_OTHER,
-            )
-        if model == self.models.base_model:
-            adapter = None
-        elif self.models.has_adapter(model):
-            adapter = model
-        else:
-            served = ", ".join([self.models.base_model, *self.models.adapters])
-            # A made-up name is recorded as "other": it must not take one of the capped adapter slots.
-            raise _BadRequest(
-                404,
-                "unknown_adapter",
-                f"model {model[:100]!r} is not served here (served: {served})",
-                ADAPTER_OTHER,
-            )
-        prompt = payload.get("prompt")
-        if not isinstance(prompt, str) or not 1 <= len(prompt) <= MAX_PROMPT_CHARS:
-            raise _BadRequest(
-                400,
-                "invalid_request",
-                f"'prompt' must be a string of 1 to {MAX_PROMPT_CHARS} characters",
-                adapter,
-            )
-        limit = self.options.max_new_tokens_limit
-        max_tokens = payload.get("max_tokens", DEFAULT_MAX_TOKENS)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= limit:
-            raise _BadRequest(
-                400,
-                "invalid_request",
-                f"'max_tokens' must be an integer from 1 to {limit}, got {max_tokens!r}",
-                adapter,
-            )
-        stop = payload.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if (
-            not isinstance(stop, list)
-            or len(stop) > MAX_STOP_STRINGS
-            or not all(isinstance(text, str) and 1 <= len(text) <= MAX_STOP_CHARS for text in stop)
-        ):
-            raise _BadRequest(
-                400,
-                "invalid_request",
-                f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to "
-                f"{MAX_STOP_CHARS} characters",
-                adapter,
-            )
-        stream = payload.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _BadRequest(
-                400, "invalid_request", f"'stream' must be true or false, got {stream!r}", adapter
-            )
-        try:
-            prompt_ids = self.models.encode(prompt)
-        except PromptError as exc:
-            raise _BadRequest(400, "invalid_request", f"'prompt': {exc}", adapter) from None
-        return _Parsed(
-            model=model,
-            adapter=adapter,
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            stream=stream,
-            stop=tuple(stop),
-        )
+    def parse(self, body: bytes, operation: str = COMPLETION) -> Parsed:
+        return protocol.parse(body, operation, self.models, self.options.max_new_tokens_limit)
 
     # -- generation -----------------------------------------------------------------
+    def _sampling(self, parsed: Parsed) -> Sampling | None:
+        """None (greedy) at temperature 0; else a CPU generator seeded by the request's seed (or at random)."""
+        if parsed.temperature == 0:
+            return None
+        generator = self.models.torch.Generator()
+        seed = secrets.randbits(63) if parsed.seed is None else parsed.seed
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # torch takes 64-bit seeds; negative ones wrap
+        return Sampling(temperature=parsed.temperature, top_p=parsed.top_p, generator=generator)
+
     def _submit(
         self,
         ticket: Ticket,
         record: InferenceRequest,
-        parsed: _Parsed,
-        on_piece: Callable[[str | None], object] | None,
-    ) -> tuple[concurrent.futures.Future[Completion], threading.Event]:
-        """Start the generation on a worker thread. ``on_piece`` (from that thread) gets each piece of
-        text, then None when the generation has ended, however it ended."""
+        parsed: Parsed,
+        on_piece: Callable[[tuple[int, str] | None], object] | None,
+    ) -> tuple[concurrent.futures.Future[list[Completion]], threading.Event]:
+        """Start the generation of the request's ``n`` choices, one after another, on a worker thread.
+        ``on_piece`` (from that thread) gets (choice index, text) for each piece of text, then None when
+        the generation has ended, however it ended."""
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
         first = True
+        sampling = self._sampling(parsed)
 
-        def on_token(piece: str) -> None:
-            nonlocal first
-            if first:
-                first = False
-                record.first_token()
-            if on_piece is not None and piece:
-                on_piece(piece)
-
-        def job() -> Completion:
+        def job() -> list[Completion]:
+            completions = []
             try:
-                return self.models.generate(
-                    parsed.adapter,
-                    parsed.prompt_ids,
-                    parsed.max_tokens,
-                    stop=parsed.stop,
-                    on_token=on_token,
-                    cancelled=cancel.is_set,
-                )
+                for index in range(parsed.n):
+
+                    def on_token(piece: str, index: int = index) -> None:
+                        nonlocal first
+                        if first:
+                            first = False
+                            record.first_token()
+                        if on_piece is not None and piece:
+                            on_piece((index, piece))
+
+                    completions.append(
+                        self.models.generate(
+                            parsed.adapter,
+                            parsed.prompt_ids,
+                            parsed.max_tokens,
+                            stop=parsed.stop,
+                            sampling=sampling,
+                            on_token=on_token,
+                            cancelled=cancel.is_set,
+                        )
+                    )
+                return completions
             finally:
                 with self._cancels_lock:
                     self._cancels.discard(cancel)
@@ -337,26 +259,15 @@ class CompletionService:
         ticket.job.add_done_callback(done)
         return ticket.job, cancel
 
-    def _response(
-        self, parsed: _Parsed, request_id: str, created: int, completion: Completion
-    ) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": parsed.model,
-            "choices": [{"index": 0, "text": completion.text, "finish_reason": completion.finish_reason}],
-            "usage": _usage(completion),
-        }
-
-    async def complete(self, request: Request) -> Response:
+    async def complete(self, request: Request, operation: str = COMPLETION) -> Response:
+        """POST /v1/completions (``operation`` COMPLETION) or /v1/chat/completions (CHAT)."""
         body = await request.body()
         try:
-            parsed = self.parse(body)
-        except _BadRequest as bad:
-            self.inference.request(adapter=bad.adapter, operation=OPERATION).end(error=bad.error_type)
-            return _error(bad.status, bad.error_type, bad.message)
-        record = self.inference.request(adapter=parsed.adapter, operation=OPERATION, queued=True)
+            parsed = self.parse(body, operation)
+        except ProtocolError as bad:
+            self.inference.request(adapter=bad.adapter, operation=operation).end(error=bad.code)
+            return _error(bad.status, bad.code, bad.message, bad.param)
+        record = self.inference.request(adapter=parsed.adapter, operation=operation, queued=True)
         try:
             ticket = self.admission.enter()
         except Overloaded:
@@ -368,7 +279,7 @@ class CompletionService:
                 f"retry in {RETRY_AFTER_S} s",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        request_id = protocol.request_id(operation, lambda: uuid.uuid4().hex[:24])
         created = int(time.time())
         if parsed.stream:
             return _EventStream(self._stream(parsed, record, ticket, request_id, created))
@@ -376,7 +287,7 @@ class CompletionService:
         try:
             await ticket.wait()
             job, cancel = self._submit(ticket, record, parsed, on_piece=None)
-            completion = await asyncio.wrap_future(job)
+            completions = await asyncio.wrap_future(job)
         except BaseException as exc:
             # Cancelled: the server is stopping (uvicorn cancels what outlived its grace time, and
             # close() cancels the generations); a client that disconnects is not noticed before the end.
@@ -391,29 +302,26 @@ class CompletionService:
                 raise
             _logger.error("generation failed", exc_info=exc)
             return _error(500, type(exc).__name__, f"generation failed: {exc}")
-        record.tokens(input=completion.prompt_tokens, output=completion.completion_tokens)
+        used = _usage(parsed, completions)
+        record.tokens(input=used["prompt_tokens"], output=used["completion_tokens"])
         record.end()
-        return JSONResponse(self._response(parsed, request_id, created, completion))
+        choices = [(c.text, c.finish_reason) for c in completions]
+        return JSONResponse(protocol.response(parsed, request_id, created, choices, used))
 
     async def _stream(
-        self, parsed: _Parsed, record: InferenceRequest, ticket: Ticket, request_id: str, created: int
+        self, parsed: Parsed, record: InferenceRequest, ticket: Ticket, request_id: str, created: int
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        pieces: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
         cancel: threading.Event | None = None
         finished = False
+        chat = parsed.operation == CHAT
+        started: set[int] = set()  # choices whose first chunk (a chat one carries the role) is out
 
-        def chunk(text: str, finish_reason: str | None = None, completion: Completion | None = None) -> bytes:
-            data: dict[str, Any] = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": parsed.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}],
-            }
-            if completion is not None:
-                data["usage"] = _usage(completion)
-            return b"data: " + json.dumps(data).encode() + b"\n\n"
+        def chunk(index: int, text: str, finish_reason: str | None = None) -> bytes:
+            first = index not in started
+            started.add(index)
+            return protocol.chunk(parsed, request_id, created, index, text, finish_reason, first=first)
 
         try:
             await ticket.wait()
@@ -425,26 +333,29 @@ class CompletionService:
             )
             # The worker's pieces arrive in order, then None when it has ended (see _submit).
             while (piece := await pieces.get()) is not None:
-                yield chunk(piece)
+                yield chunk(*piece)
             try:
-                completion = await asyncio.wrap_future(job)
-            except Cancelled:
-                # The server is stopping and the grace time is over: say so, and end the stream cleanly.
-                record.fail("cancelled")
-                error = {"error": {"type": "cancelled", "message": "the server is stopping"}}
-                yield b"data: " + json.dumps(error).encode() + b"\n\n"
-                finished = True
-                return
+                completions = await asyncio.wrap_future(job)
             except Exception as exc:
-                _logger.error("generation failed", exc_info=exc)
-                record.fail(type(exc).__name__)
-                error = {"error": {"type": type(exc).__name__, "message": f"generation failed: {exc}"}}
-                yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                # Cancelled: the server is stopping and the grace time is over: say so, and end the stream cleanly.
+                if isinstance(exc, Cancelled):
+                    code, message = "cancelled", "the server is stopping"
+                else:
+                    _logger.error("generation failed", exc_info=exc)
+                    code, message = type(exc).__name__, f"generation failed: {exc}"
+                record.fail(code)
+                yield protocol.event(protocol.error_body(503 if code == "cancelled" else 500, code, message))
                 finished = True
                 return
-            record.tokens(input=completion.prompt_tokens, output=completion.completion_tokens)
-            yield chunk("", completion.finish_reason, completion)
-            yield b"data: [DONE]\n\n"
+            used = _usage(parsed, completions)
+            record.tokens(input=used["prompt_tokens"], output=used["completion_tokens"])
+            for index, completion in enumerate(completions):
+                if chat and index not in started:
+                    yield chunk(index, "")  # a chat choice that said nothing still gets its role
+                yield chunk(index, "", completion.finish_reason)
+            if parsed.include_usage:
+                yield protocol.usage_chunk(parsed, request_id, created, used)
+            yield protocol.event("[DONE]")
             finished = True
         finally:
             if not finished:
@@ -471,12 +382,15 @@ class CompletionService:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _usage(completion: Completion) -> dict[str, int]:
-    return {
-        "prompt_tokens": completion.prompt_tokens,
-        "completion_tokens": completion.completion_tokens,
-        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
-    }
+def _usage(parsed: Parsed, completions: list[Completion]) -> dict[str, int]:
+    # The prompt is read once for all n choices (as OpenAI counts it); every choice's tokens count.
+    return protocol.usage(len(parsed.prompt_ids), sum(c.completion_tokens for c in completions))
+
+
+def _error(
+    status: int, code: str, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(protocol.error_body(status, code, message, param), status_code=status, headers=headers)
 
 
 class _EventStream(StreamingResponse):
@@ -512,15 +426,29 @@ def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await service.complete(request)
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.complete(request, CHAT)
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        data = [{"id": models.base_model, "object": "model", "adapter": False}]
-        data += [{"id": name, "object": "model", "adapter": True} for name in models.adapters]
-        return {"data": data}
+        names = [models.base_model, *models.adapters]
+        return {"object": "list", "data": [protocol.model_entry(n, models.base_model, service.created) for n in names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> Response:
+        if name != models.base_model and not models.has_adapter(name):
+            return _error(404, "unknown_adapter", f"model {name[:100]!r} is not served here", "model")
+        return JSONResponse(protocol.model_entry(name, models.base_model, service.created))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # An unknown path or method answers in OpenAI's error shape too, not FastAPI's {"detail"}.
+        return _error(exc.status_code, f"http_{exc.status_code}", str(exc.detail), headers=exc.headers)
 
     # Metrics only: spans would go to no tracer. Even no-op spans cost: the per-message "send" and
     # "receive" spans are a fifth of the instrumentation's CPU per streamed request
@@ -539,7 +467,7 @@ def load_models(
 ) -> ServedModels:
     """The base model and every adapter that loads, on ``device``; a failed adapter is recorded, said, and left out."""
     inference = telemetry.inference
-    inference.set_model(base.base_model, operation=OPERATION)
+    inference.set_model(base.base_model, operation=COMPLETION)
     models = ServedModels(base, device=device)
     for adapter in adapters:
         try:
@@ -652,7 +580,7 @@ def serve(
         f"openlora-otel serve: {models.base_model} with adapters: {served} on {models.placement.name} "
         f"({models.placement.precision}); loaded in "
         f"{time.perf_counter() - started:.1f} s; listening on http://{where}:{port} "
-        f"(POST /v1/completions, GET /v1/models, GET /health); metrics: "
+        f"(POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health); metrics: "
         f"{telemetry.where_metrics_go()}; Ctrl-C or SIGTERM stops",
         file=out,
         flush=True,

@@ -1,0 +1,518 @@
+"""The OpenAI protocol of ``openlora-otel serve``: request parsing, the chat template, response, chunk and error shapes.
+
+Everything here is pure (no FastAPI, no torch): :func:`parse` turns a request body into a
+:class:`Parsed` request or raises :class:`ProtocolError`, whose :func:`error_body` is OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` (so the ``openai`` client raises its own
+classes: 400 ``BadRequestError``, 404 ``NotFoundError``, 503 ``InternalServerError``). ``code`` is
+the server's short identifier, the same value its metrics record as ``error.type``.
+
+Parameters are an explicit set per endpoint (:data:`COMPLETION_PARAMS`, :data:`CHAT_PARAMS`): a
+field the server does not implement is refused with 400 naming it, unless it holds the value that
+means "off" (:data:`OFF_VALUES`: ``"echo": false``, ``"presence_penalty": 0``, ...); ``null`` is the
+default of every parameter; :data:`IGNORED_PARAMS` are accepted and have no effect here.
+
+The chat template (:func:`render_chat`): the demo's character model knows only
+``"\\n !?,.a-z"``, so each message becomes ``"<role>\\n<content>\\n"`` and the prompt ends with
+``"assistant\\n"``, the model's cue to answer. A character outside the alphabet is refused with 400
+naming it, as the completions prompt is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CHAT",
+    "CHAT_PARAMS",
+    "COMPLETION",
+    "COMPLETION_PARAMS",
+    "DEFAULT_MAX_TOKENS",
+    "IGNORED_PARAMS",
+    "MAX_N",
+    "MAX_PROMPT_CHARS",
+    "MAX_TOKENS_LIMIT",
+    "OFF_VALUES",
+    "Parsed",
+    "ProtocolError",
+    "error_body",
+    "parse",
+    "render_chat",
+]
+
+COMPLETION = "text_completion"  # gen_ai.operation.name of POST /v1/completions
+CHAT = "chat"  # gen_ai.operation.name of POST /v1/chat/completions
+MAX_PROMPT_CHARS = 4000  # the prompt, or the rendered chat prompt
+MAX_TOKENS_LIMIT = 512  # the protocol's ceiling for max_tokens; --max-new-tokens-limit may lower it
+DEFAULT_MAX_TOKENS = 16
+# OpenAI's limits for "stop"; ours are characters (one token each).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 32
+# Choices per request: n generations run one after another in the request's slot, so n multiplies
+# its time; 4 keeps one request from holding a slot for long.
+MAX_N = 4
+MAX_MESSAGES = 256
+MAX_TEMPERATURE = 2.0
+ROLES = ("system", "user", "assistant")
+
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "max_tokens", "stop", "n", "temperature", "top_p", "seed"}
+)
+COMPLETION_PARAMS = _COMMON | {"prompt"}
+CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens"}
+# Accepted with no effect: an end-user id for abuse monitoring, which this server does not do.
+IGNORED_PARAMS = frozenset({"user"})
+# Parameters this server does not implement, accepted only with the value that turns them off.
+OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (False,),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses: ``status``, ``code`` (also its metrics' ``error.type``), the
+    ``param`` at fault (None: the body), and the adapter its metrics count it under."""
+
+    def __init__(
+        self, status: int, code: str, message: str, param: str | None = None, adapter: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.adapter = adapter
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape; ``type`` from the status as OpenAI names them."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    operation: str  # COMPLETION or CHAT
+    model: str  # as the client named it
+    adapter: str | None  # None: the base model
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    stop: tuple[str, ...]
+    n: int
+    temperature: float  # 0: greedy
+    top_p: float
+    seed: int | None
+
+
+def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
+    # Types compared too: 0 == False in Python, and "logprobs": 0 still asks for log-probabilities.
+    return value is None or any(type(value) is type(off) and value == off for off in offs)
+
+
+def _number(
+    payload: dict[str, Any], name: str, default: float, low: float, high: float, adapter: str | None
+) -> float:
+    value = payload.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'{name}' must be a number from {low} to {high}, got {value!r}",
+            name,
+            adapter,
+        )
+    return float(value)
+
+
+def _integer(
+    payload: dict[str, Any], name: str, default: int, low: int, high: int, adapter: str | None
+) -> int:
+    value = payload.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'{name}' must be an integer from {low} to {high}, got {value!r}",
+            name,
+            adapter,
+        )
+    return value
+
+
+def render_chat(messages: Any, adapter: str | None) -> str:
+    """The model's prompt for ``messages``: ``"<role>\\n<content>\\n"`` each, then ``"assistant\\n"``."""
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'messages' must be a list of 1 to {MAX_MESSAGES} messages",
+            "messages",
+            adapter,
+        )
+    parts: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ProtocolError(400, "invalid_request", f"'{where}' must be an object", where, adapter)
+        for key in message:
+            if key not in ("role", "content"):
+                raise ProtocolError(
+                    400,
+                    "invalid_request",
+                    f"'{where}.{key}' is not supported by this server",
+                    f"{where}.{key}",
+                    adapter,
+                )
+        role = message.get("role")
+        if role not in ROLES:
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}",
+                f"{where}.role",
+                adapter,
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                    and len(part) == 2
+                ):
+                    raise ProtocolError(
+                        400,
+                        "invalid_request",
+                        f'\'{where}.content[{j}]\' must be a text part {{"type": "text", "text": str}}: '
+                        "this server has no other kinds of content",
+                        f"{where}.content[{j}]",
+                        adapter,
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'{where}.content' must be a string or a list of text parts",
+                f"{where}.content",
+                adapter,
+            )
+        parts.append(f"{role}\n{content}\n")
+    parts.append("assistant\n")
+    return "".join(parts)
+
+
+def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Parsed:
+    """The request in ``body`` for ``operation`` (:data:`COMPLETION` or :data:`CHAT`); :class:`ProtocolError` if refused."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(400, "invalid_request", f"the body is not JSON ({exc})", None, _OTHER) from None
+    if not isinstance(payload, dict):
+        raise ProtocolError(400, "invalid_request", "the body must be a JSON object", None, _OTHER)
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'model' must be a non-empty string: an adapter name or {served.base_model!r}",
+            "model",
+            _OTHER,
+        )
+    if model == served.base_model:
+        adapter = None
+    elif served.has_adapter(model):
+        adapter = model
+    else:
+        names = ", ".join([served.base_model, *served.adapters])
+        # A made-up name is recorded as "other": it must not take one of the capped adapter slots.
+        raise ProtocolError(
+            404,
+            "unknown_adapter",
+            f"model {model[:100]!r} is not served here (served: {names})",
+            "model",
+            _OTHER,
+        )
+    accepted = COMPLETION_PARAMS if operation == COMPLETION else CHAT_PARAMS
+    for name, value in payload.items():
+        if name in accepted or name in IGNORED_PARAMS:
+            continue
+        offs = OFF_VALUES.get(name)
+        if offs is None:
+            raise ProtocolError(400, "invalid_request", f"unknown parameter '{name}'", name, adapter)
+        if not _is_off(value, offs):
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)",
+                name,
+                adapter,
+            )
+
+    if operation == COMPLETION:
+        prompt = payload.get("prompt")
+        if not isinstance(prompt, str) or not 1 <= len(prompt) <= MAX_PROMPT_CHARS:
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'prompt' must be a string of 1 to {MAX_PROMPT_CHARS} characters",
+                "prompt",
+                adapter,
+            )
+        where = "prompt"
+    else:
+        prompt = render_chat(payload.get("messages"), adapter)
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'messages' make a prompt of {len(prompt)} characters, over {MAX_PROMPT_CHARS}",
+                "messages",
+                adapter,
+            )
+        where = "messages"
+
+    token_param = "max_tokens"
+    if operation == CHAT and payload.get("max_completion_tokens") is not None:
+        if payload.get("max_tokens") is not None:
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                "give 'max_tokens' or 'max_completion_tokens', not both",
+                "max_tokens",
+                adapter,
+            )
+        token_param = "max_completion_tokens"
+    max_tokens = _integer(payload, token_param, DEFAULT_MAX_TOKENS, 1, max_tokens_limit, adapter)
+
+    stop = payload.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(text, str) and 1 <= len(text) <= MAX_STOP_CHARS for text in stop)
+    ):
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
+            "stop",
+            adapter,
+        )
+
+    stream = payload.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ProtocolError(
+            400, "invalid_request", f"'stream' must be true or false, got {stream!r}", "stream", adapter
+        )
+    include_usage = _stream_options(payload.get("stream_options"), stream, adapter)
+
+    n = _integer(payload, "n", 1, 1, MAX_N, adapter)
+    temperature = _number(payload, "temperature", 0.0, 0.0, MAX_TEMPERATURE, adapter)
+    top_p = _number(payload, "top_p", 1.0, 0.0, 1.0, adapter)
+    seed = (
+        _integer(payload, "seed", 0, -(2**63), 2**63 - 1, adapter)
+        if payload.get("seed") is not None
+        else None
+    )
+
+    try:
+        prompt_ids = served.encode(prompt)
+    except ValueError as exc:  # PromptError: a character outside the model's alphabet
+        raise ProtocolError(400, "invalid_request", f"'{where}': {exc}", where, adapter) from None
+    return Parsed(
+        operation=operation,
+        model=model,
+        adapter=adapter,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        stop=tuple(stop),
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+    )
+
+
+_OTHER = "other"  # the adapter a request is counted under before its model is known (ADAPTER_OTHER)
+
+
+def _stream_options(options: Any, stream: bool, adapter: str | None) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            "'stream_options' is only allowed with 'stream': true",
+            "stream_options",
+            adapter,
+        )
+    if not isinstance(options, dict):
+        raise ProtocolError(
+            400, "invalid_request", "'stream_options' must be an object", "stream_options", adapter
+        )
+    for key in options:
+        if key != "include_usage":
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'stream_options.{key}' is not supported by this server",
+                f"stream_options.{key}",
+                adapter,
+            )
+    include = options.get("include_usage")
+    if include is None:
+        return False
+    if not isinstance(include, bool):
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            "'stream_options.include_usage' must be true or false",
+            "stream_options.include_usage",
+            adapter,
+        )
+    return include
+
+
+# -- answers -------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response(
+    parsed: Parsed, request_id: str, created: int, choices: list[tuple[str, str]], used: dict[str, int]
+) -> dict[str, Any]:
+    """The whole answer; ``choices``: (text, finish_reason) per choice, in order."""
+    if parsed.operation == COMPLETION:
+        items = [
+            {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            for i, (text, finish) in enumerate(choices)
+        ]
+        kind = "text_completion"
+    else:
+        items = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            for i, (text, finish) in enumerate(choices)
+        ]
+        kind = "chat.completion"
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": parsed.model,
+        "choices": items,
+        "usage": used,
+    }
+
+
+def request_id(operation: str, make: Callable[[], str]) -> str:
+    return f"{'cmpl' if operation == COMPLETION else 'chatcmpl'}-{make()}"
+
+
+def event(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event."""
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+
+
+def chunk(
+    parsed: Parsed,
+    request_id: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None = None,
+    *,
+    first: bool = False,
+) -> bytes:
+    """A stream event for choice ``index``: new ``text`` (chat: a ``delta``, with the role on the first)."""
+    if parsed.operation == COMPLETION:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }
+        kind = "text_completion"
+    else:
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text or first:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        kind = "chat.completion.chunk"
+    return event(
+        {"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [choice]}
+    )
+
+
+def usage_chunk(parsed: Parsed, request_id: str, created: int, used: dict[str, int]) -> bytes:
+    """``stream_options.include_usage``: the usage in its own last chunk, with no choices (as the API defines it)."""
+    kind = "text_completion" if parsed.operation == COMPLETION else "chat.completion.chunk"
+    return event(
+        {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": parsed.model,
+            "choices": [],
+            "usage": used,
+        }
+    )
+
+
+def model_entry(name: str, base: str, created: int) -> dict[str, Any]:
+    """A ``GET /v1/models`` item; an adapter's says which base it runs on (``parent``, as vLLM's do)."""
+    adapter = name != base
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "openlora",
+        "root": name,
+        "parent": base if adapter else None,
+        "adapter": adapter,
+    }
