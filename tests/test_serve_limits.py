@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -372,3 +373,99 @@ def test_limits_follow_the_open_files_limit() -> None:
     assert Limits(max_connections=None).connection_cap() is None
     if soft != resource.RLIM_INFINITY:
         assert Limits(max_connections=10**9).connection_cap() == soft - 64
+
+
+# -- serve itself ------------------------------------------------------------------------------
+
+
+def test_the_serve_flags_set_the_limits_and_0_turns_one_off() -> None:
+    from openlora_otel.cli import build_parser
+    from openlora_otel.commands.serve import limits_from
+
+    parse = build_parser().parse_args
+    assert limits_from(parse(["serve", "d"])) == Limits()
+    assert Limits() == Limits(1024 * 1024, 64, 30.0, 10.0, 1000)
+    args = ["--max-body-bytes", "2048", "--max-json-depth", "0", "--body-timeout", "2.5", "--header-timeout", "0"]
+    assert limits_from(parse(["serve", "d", *args, "--max-connections", "50"])) == Limits(2048, None, 2.5, None, 50)
+    with pytest.raises(SystemExit):
+        parse(["serve", "d", "--body-timeout", "-1"])
+
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.support.serving import save_demo
+
+    directory = tmp_path_factory.mktemp("limits") / "demo"
+    save_demo(directory, "a1", seed=0)
+    return directory
+
+
+@pytest.mark.process
+def test_serve_refuses_what_is_too_large_too_deep_or_too_slow_and_records_it(saved: Path, tmp_path: Path) -> None:
+    import psutil
+
+    from tests.support.serving import ServeProcess, requests_by, total
+
+    serve = ServeProcess(saved, "--body-timeout", "1", "--header-timeout", "1", workdir=tmp_path)
+    try:
+        serve.wait_ready()
+        process = psutil.Process(serve.process.pid)
+        before = process.memory_info().rss
+        # 200 MB announced, 1 MiB sent: the 413 comes before the rest, and nothing of it is kept.
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
+            sock.sendall(_post(200_000_000, b" " * (1 << 20)))
+            status, _, body = _answer(sock)
+            assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+        # A chunked body over 1 MiB: refused as it arrives.
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
+            sock.sendall(_post(None))
+            with pytest.raises(OSError):
+                for _ in range(200):  # 200 MB if it were all read
+                    sock.sendall(b"100000\r\n" + b" " * (1 << 20) + b"\r\n")
+            assert _answer(sock)[0] == 413
+        assert process.memory_info().rss - before < 32 * 2**20
+        # 100,000 nested arrays: 400 in the OpenAI shape, not a RecursionError.
+        status, _, answer = serve.complete(DEEP)
+        assert status == 400 and answer["error"]["code"] == "json_too_deep" and answer["error"]["param"] is None
+        # Headers sent, the body never: 408 after --body-timeout, while /health answers.
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
+            sock.sendall(_post(50))
+            assert serve.request("GET", "/health")[0] == 200
+            assert _answer(sock)[0] == 408
+        # A connection that never sends its headers: closed after --header-timeout, and counted.
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as silent:
+            assert _closed(silent, timeout=10)
+        # A client that hangs up mid-body.
+        with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
+            sock.sendall(_post(1000, b'{"model": "a1"'))
+            time.sleep(0.3)
+        expected = {
+            ("other", "request_too_large"): 2,
+            ("other", "json_too_deep"): 1,
+            ("other", "request_timeout"): 1,
+            ("other", "cancelled"): 1,
+        }
+
+        def recorded() -> str | None:
+            text = serve.metrics()
+            return text if all(requests_by(text).get(k, 0) == v for k, v in expected.items()) else None
+
+        text = wait_until(
+            recorded,
+            15,
+            f"{expected} in the request metrics",
+            interval=0.2,
+        )
+        http = {"http_route": "/v1/completions", "http_request_method": "POST"}
+        for code, count in (("413", 2), ("400", 1), ("408", 1)):
+            assert total(text, "http_server_request_duration_seconds_count", http_response_status_code=code, **http) == count
+        assert total(text, "openlora_serve_connections_closed_total", error_type="header_timeout") >= 1
+    finally:
+        assert serve.stop() == 0
+    log = serve.log()
+    assert "Traceback" not in log and "RecursionError" not in log, log[-3000:]
+    assert log.count("disconnected while sending its body") == 1, log[-3000:]
