@@ -32,7 +32,6 @@ import itertools
 import json
 import logging
 import re
-import resource
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -94,6 +93,10 @@ class Limits:
         """``max_connections``, lowered to fit the process's file descriptor limit (what it guards)."""
         if self.max_connections is None:
             return None
+        try:
+            import resource  # POSIX only: elsewhere the flag's value stands
+        except ImportError:
+            return self.max_connections
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             return self.max_connections
