@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from openlora_otel._args import fail, non_negative_int, positive_float, positive_int
+from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 
@@ -72,10 +72,69 @@ def register(commands: Any) -> None:
         help="after SIGINT / SIGTERM, how long in-flight requests may take before they are cancelled "
         "(default %(default)s)",
     )
+    add_limit_arguments(serve)
     serve.add_argument(
         "--exporter",
         metavar="LIST",
         help="overrides OTEL_METRICS_EXPORTER: prometheus, otlp, console, none, or a comma list",
+    )
+
+
+def add_limit_arguments(serve: argparse.ArgumentParser) -> None:
+    """The limits of a public endpoint (serving/limits.py); 0 turns one off."""
+    from openlora_otel.serving import limits
+
+    group = serve.add_argument_group("limits", "what a request and a connection may take; 0 turns a limit off")
+    group.add_argument(
+        "--max-body-bytes",
+        type=non_negative_int,
+        default=limits.DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="a larger request body gets 413 before it is read, by its Content-Length or as it arrives "
+        "(default %(default)s: 1 MiB)",
+    )
+    group.add_argument(
+        "--max-json-depth",
+        type=non_negative_int,
+        default=limits.DEFAULT_MAX_JSON_DEPTH,
+        metavar="N",
+        help="a body nesting JSON arrays and objects deeper gets 400 before it is parsed (default %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=non_negative_float,
+        default=limits.DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers gets 408 (default %(default)s)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=non_negative_float,
+        default=limits.DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection that has not sent a request's headers this long after it opened (or after its "
+        "previous response) is closed (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=non_negative_int,
+        default=limits.DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="open connections at most (lowered to the open-files limit less 64); past it the connection "
+        "that has waited longest for its request headers is closed (default %(default)s)",
+    )
+
+
+def limits_from(args: argparse.Namespace) -> Any:
+    """The :class:`~openlora_otel.serving.limits.Limits` of the parsed flags (0: off)."""
+    from openlora_otel.serving.limits import Limits
+
+    return Limits(
+        max_body_bytes=args.max_body_bytes or None,
+        max_json_depth=args.max_json_depth or None,
+        body_timeout_s=args.body_timeout or None,
+        header_timeout_s=args.header_timeout or None,
+        max_connections=args.max_connections or None,
     )
 
 
@@ -147,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_new_tokens_limit=args.max_new_tokens_limit,
         shutdown_timeout_s=args.shutdown_timeout,
+        limits=limits_from(args),
     )
     try:
         sock = _server.listen(options.host, options.port)

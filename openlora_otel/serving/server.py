@@ -54,6 +54,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openlora_otel.demo.layout import SavedAdapter, SavedBase
 from openlora_otel.inference.metrics import InferenceRequest
 from openlora_otel.serving import protocol
+from openlora_otel.serving.limits import (
+    DEFAULT_LIMITS,
+    Limits,
+    RequestLimits,
+    http_protocol,
+    inference_recorder,
+)
 from openlora_otel.serving.model import Cancelled, Completion, Sampling, ServedModels
 from openlora_otel.serving.protocol import (
     CHAT,
@@ -98,6 +105,8 @@ class ServeOptions:
     max_new_tokens_limit: int = MAX_TOKENS_LIMIT
     # After SIGTERM/SIGINT: how long in-flight requests may take to finish before they are cancelled.
     shutdown_timeout_s: float = 10.0
+    # Body size, JSON depth, body and header read times, open connections (serving/limits.py).
+    limits: Limits = DEFAULT_LIMITS
 
 
 class Overloaded(Exception):
@@ -450,6 +459,14 @@ def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
         # An unknown path or method answers in OpenAI's error shape too, not FastAPI's {"detail"}.
         return _error(exc.status_code, f"http_{exc.status_code}", str(exc.detail), headers=exc.headers)
 
+    # Inside the HTTP instrumentation's middleware: refusals made before the route runs are measured.
+    app.add_middleware(
+        RequestLimits,
+        limits=service.options.limits,
+        on_refusal=inference_recorder(
+            telemetry.inference, {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT}
+        ),
+    )
     # Metrics only: spans would go to no tracer. Even no-op spans cost: the per-message "send" and
     # "receive" spans are a fifth of the instrumentation's CPU per streamed request
     # (benchmarks/bench_inference_request.py), so they are not made at all.
@@ -560,6 +577,8 @@ def serve(
         log_level="warning",
         access_log=False,
         lifespan="off",
+        # uvicorn's protocol plus a header timeout and a cap on open connections (serving/limits.py).
+        http=http_protocol(options.limits, telemetry.meter_provider),
         # A backstop only: our own timer cancels the generations at shutdown_timeout_s (below), and
         # their responses then end cleanly; uvicorn cancels what is still open (a client that does
         # not read) a few seconds later.

@@ -1,0 +1,474 @@
+"""The limits a public endpoint needs: body size, JSON depth, body and header read times, connections.
+
+Two pieces, both installed by ``openlora-otel serve``:
+
+- :class:`RequestLimits`, a pure ASGI middleware (it wraps ``receive`` and ``send``, it never reads
+  the body for the app): a ``Content-Length`` over ``max_body_bytes`` is refused with 413 before
+  the app runs; a chunked body is counted as it arrives and refused at the first byte over; every
+  body chunk is scanned for bracket depth outside JSON strings (:class:`DepthScanner`, no parsing)
+  and a body nested deeper than ``max_json_depth`` is refused with 400 before ``json.loads`` sees
+  it; a body not complete within ``body_timeout_s`` of the request's headers is refused with 408.
+  A refusal is answered at once with the OpenAI error shape and ``Connection: close`` (the rest of
+  the body is never read), and the app's own later messages are dropped. A client that hangs up
+  while sending its body is one warning line, not uvicorn's traceback.
+- :func:`http_protocol`, uvicorn's HTTP protocol with what uvicorn lacks: a header timeout (a
+  connection must complete each request's headers within ``header_timeout_s`` of connecting or of
+  its previous response; uvicorn's ``timeout_keep_alive`` only closes connections that send
+  nothing at all after a response, and a fresh connection has no timer) and a cap on open
+  connections (past ``max_connections`` the connection that has waited longest for its headers
+  is closed, so half-open connections cannot use up the file descriptors and starve /health).
+
+Every refusal is counted: the HTTP server metrics (opentelemetry-instrumentation-fastapi, outside
+this middleware) record the status code of each refused request, the inference routes also record
+the request in ``gen_ai.server.request.duration`` with ``error.type`` (the error's ``code``), and
+connections closed before they were a request are counted in ``openlora.serve.connections.closed``
+with ``error.type`` ``header_timeout`` or ``connection_limit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CONNECTIONS_CLOSED",
+    "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_HEADER_TIMEOUT_S",
+    "DEFAULT_LIMITS",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_JSON_DEPTH",
+    "DepthScanner",
+    "Limits",
+    "RequestLimits",
+    "error_body",
+    "http_protocol",
+    "inference_recorder",
+]
+
+_logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+# (scope, error code) for each refused request: how the caller records it.
+OnRefusal = Callable[[Scope, str], None]
+
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024  # a 4000-character prompt is ~4 KB: 1 MiB leaves room for chat
+DEFAULT_MAX_JSON_DEPTH = 64  # our requests nest 3 deep; json.loads recurses per level (RecursionError near 1000)
+DEFAULT_BODY_TIMEOUT_S = 30.0  # for the whole body: 1 MiB at 35 KB/s
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 1000
+# File descriptors kept free under the connection cap: model files, metric exporters, the listener.
+FD_RESERVE = 64
+CONNECTIONS_CLOSED = "openlora.serve.connections.closed"
+WARN_EVERY_S = 10.0
+
+TOO_LARGE = "request_too_large"
+TOO_DEEP = "json_too_deep"
+TIMEOUT = "request_timeout"
+CANCELLED = "cancelled"  # the client went away: the same error.type as a stream whose client left
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits; ``None`` turns one off."""
+
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
+    max_json_depth: int | None = DEFAULT_MAX_JSON_DEPTH
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S
+    header_timeout_s: float | None = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS
+
+    def connection_cap(self) -> int | None:
+        """``max_connections``, lowered to fit the process's file descriptor limit (what it guards)."""
+        if self.max_connections is None:
+            return None
+        try:
+            import resource  # POSIX only: elsewhere the flag's value stands
+        except ImportError:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft - FD_RESERVE))
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def error_body(message: str, code: str, error_type: str = "invalid_request_error") -> bytes:
+    """An error in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}).encode()
+
+
+# -- JSON depth -------------------------------------------------------------------------------
+# In a string only '"' and '\' matter; '\' escapes the next byte (the regex skips whole runs in C).
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [0] * 256
+for _open in b"[{":
+    _STEP[_open] = 1
+for _close in b"]}":
+    _STEP[_close] = -1
+
+
+class DepthScanner:
+    """The deepest bracket nesting outside JSON strings of a body fed in chunks (no parsing).
+
+    Cheap: strings are skipped by a regex, and between strings the brackets are kept by
+    ``bytes.translate`` and summed by ``itertools.accumulate`` (C loops: about 20 ms for 1 MiB of
+    brackets). A chunk may end anywhere, inside a string or after a backslash.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.deepest = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, chunk: bytes) -> int:
+        """Scan ``chunk``; the deepest nesting so far."""
+        pos, end = 0, len(chunk)
+        while pos < end:
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                    pos += 1
+                    continue
+                match = _STRING_REST.match(chunk, pos)
+                pos = match.end() if match else pos
+                if pos == end:
+                    break
+                if chunk[pos] == 0x22:  # '"': the string ends
+                    self._in_string = False
+                else:  # a backslash at the chunk's end: it escapes the next chunk's first byte
+                    self._escaped = True
+                pos += 1
+            else:
+                quote = chunk.find(b'"', pos)
+                stop = end if quote < 0 else quote
+                brackets = chunk[pos:stop].translate(None, _NOT_BRACKETS)
+                if brackets:
+                    peak = max(itertools.accumulate(map(_STEP.__getitem__, brackets), initial=self.depth))
+                    self.deepest = max(self.deepest, peak)
+                    self.depth += len(brackets) - 2 * (brackets.count(b"]") + brackets.count(b"}"))
+                if quote < 0:
+                    break
+                self._in_string = True
+                pos = quote + 1
+        return self.deepest
+
+
+def json_depth(body: bytes) -> int:
+    """The deepest bracket nesting outside strings of ``body`` (a whole body: see :class:`DepthScanner`)."""
+    return DepthScanner().feed(body)
+
+
+# -- the ASGI middleware ----------------------------------------------------------------------
+class _Refused(Exception):
+    """Raised into the app from ``receive`` once the refusal has been answered."""
+
+
+@dataclass
+class _Refusal:
+    status: int
+    code: str
+    message: str
+
+
+class RequestLimits:
+    """The body limits of every HTTP request (size, JSON depth, read time), as an ASGI middleware."""
+
+    def __init__(self, app: ASGIApp, limits: Limits = DEFAULT_LIMITS, on_refusal: OnRefusal | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.on_refusal = on_refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limits = self.limits
+        declared = _content_length(scope)
+        if limits.max_body_bytes is not None and declared is not None and declared > limits.max_body_bytes:
+            # Refused on the headers: the app never runs and not a byte of the body is read.
+            await self._answer(scope, send, self._too_large(declared))
+            return
+        state = _Body(limits, time.monotonic())
+        answered = False
+
+        async def limited_receive() -> Message:
+            nonlocal answered
+            if state.complete:
+                return await receive()  # after the body: the app listens for a disconnect, no limit
+            refusal: _Refusal | None = None
+            try:
+                if state.deadline is None:
+                    message = await receive()
+                else:
+                    message = await asyncio.wait_for(receive(), max(0.0, state.deadline - time.monotonic()))
+            except TimeoutError:
+                refusal = _Refusal(
+                    408,
+                    TIMEOUT,
+                    f"the request body did not arrive within {limits.body_timeout_s:g} s "
+                    f"({state.received} bytes received)",
+                )
+            else:
+                if message["type"] == "http.disconnect":
+                    state.gone = True
+                    return message
+                refusal = state.take(message.get("body", b""), more=message.get("more_body", False))
+                if refusal is None:
+                    return message
+            if not state.response_started:
+                await self._answer(scope, send, refusal)
+            answered = True
+            raise _Refused(refusal.message)
+
+        async def guarded_send(message: Message) -> None:
+            if answered:
+                return  # the app's answer after ours (its request.body() raised): dropped
+            if message["type"] == "http.response.start":
+                state.response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception as exc:
+            if answered:
+                return
+            if state.gone and not state.response_started:
+                # The client hung up mid-body: the app's ClientDisconnect is the consequence, not a bug.
+                client = scope.get("client")
+                where = f"{client[0]}:{client[1]}" if client else "a client"
+                _logger.warning(
+                    "openlora-otel serve: %s disconnected while sending its body (%d of %s bytes) to %s %s (%s)",
+                    where,
+                    state.received,
+                    declared if declared is not None else "chunked",
+                    scope.get("method"),
+                    scope.get("path"),
+                    type(exc).__name__,
+                )
+                self._record(scope, CANCELLED)
+                return
+            raise
+
+    def _too_large(self, size: int) -> _Refusal:
+        return _Refusal(
+            413, TOO_LARGE, f"the request body is {size} bytes; this server takes at most {self.limits.max_body_bytes}"
+        )
+
+    def _record(self, scope: Scope, code: str) -> None:
+        if self.on_refusal is not None:
+            try:
+                self.on_refusal(scope, code)
+            except Exception:  # a metrics problem must not turn a refusal into a 500
+                _logger.exception("recording a refused request failed")
+
+    async def _answer(self, scope: Scope, send: Send, refusal: _Refusal) -> None:
+        _logger.info("refused %s %s: %d %s", scope.get("method"), scope.get("path"), refusal.status, refusal.message)
+        self._record(scope, refusal.code)
+        body = error_body(refusal.message, refusal.code)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": refusal.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    # The rest of the body is never read: the connection ends with the answer.
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class _Body:
+    """One request's body as it arrives: bytes, depth, deadline."""
+
+    def __init__(self, limits: Limits, started: float) -> None:
+        self.limits = limits
+        self.deadline = None if limits.body_timeout_s is None else started + limits.body_timeout_s
+        self.received = 0
+        self.complete = False
+        self.gone = False
+        self.response_started = False
+        self.depth = DepthScanner() if limits.max_json_depth is not None else None
+
+    def take(self, chunk: bytes, *, more: bool) -> _Refusal | None:
+        limits = self.limits
+        self.received += len(chunk)
+        if limits.max_body_bytes is not None and self.received > limits.max_body_bytes:
+            return _Refusal(
+                413,
+                TOO_LARGE,
+                f"the request body is over {limits.max_body_bytes} bytes (the limit of this server)",
+            )
+        if (
+            self.depth is not None
+            and limits.max_json_depth is not None
+            and chunk
+            and self.depth.feed(chunk) > limits.max_json_depth
+        ):
+            return _Refusal(400, TOO_DEEP, f"the request body nests JSON deeper than {limits.max_json_depth} levels")
+        if not more:
+            self.complete = True
+        return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # h11 and httptools refuse a bad Content-Length before the app runs
+    return None
+
+
+def inference_recorder(inference: Any, operations: Mapping[str, str]) -> OnRefusal:
+    """Record a refused request on an inference route (path -> operation) in ``telemetry.inference``.
+
+    Under the adapter ``other`` (the body, and so the model, was never read), with the error's code
+    as ``error.type``. Other routes are in the HTTP metrics only.
+    """
+    from openlora_otel.inference.metrics import ADAPTER_OTHER
+
+    def record(scope: Scope, code: str) -> None:
+        operation = operations.get(scope.get("path", ""))
+        if operation is not None and scope.get("method") == "POST":
+            inference.request(adapter=ADAPTER_OTHER, operation=operation).end(error=code)
+
+    return record
+
+
+# -- the HTTP protocol: header timeout and connection cap -----------------------------------------
+def http_protocol(
+    limits: Limits, meter_provider: Any = None, base: type[asyncio.Protocol] | None = None
+) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (``base``, else the one uvicorn's ``http="auto"`` picks) with the
+    header timeout and the connection cap of ``limits``; pass it as ``uvicorn.Config(http=...)``.
+
+    One class per server: it holds that server's connections waiting for headers.
+    """
+    if base is None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        base = AutoHTTPProtocol
+    header_timeout = limits.header_timeout_s
+    cap = limits.connection_cap()
+    closed = None
+    if meter_provider is not None:
+        closed = meter_provider.get_meter("openlora_otel.serving").create_counter(
+            CONNECTIONS_CLOSED,
+            unit="{connection}",
+            description="Connections the server closed before they made a request: header_timeout, connection_limit.",
+        )
+    # Connections waiting for a request's headers, oldest first (a dict keeps insertion order).
+    waiting: dict[Any, None] = {}
+    # A flood of connections is one warning per WARN_EVERY_S, with the count since the last one.
+    evicted = {"since_warning": 0, "warned_at": -WARN_EVERY_S}
+
+    def count(error_type: str) -> None:
+        if closed is not None:
+            closed.add(1, {"error.type": error_type})
+
+    class LimitedHTTPProtocol(base):  # type: ignore[valid-type, misc]
+        _header_timer: asyncio.TimerHandle | None = None
+        _waited_cycle: Any = None
+        _partial = False
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if cap is not None and len(self.connections) > cap:
+                # Over the cap: the connection that has waited longest for its headers makes room.
+                oldest = next(iter(waiting), None)
+                victim = oldest if oldest is not None else self
+                evicted["since_warning"] += 1
+                now = time.monotonic()
+                if now - evicted["warned_at"] >= WARN_EVERY_S:
+                    _logger.warning(
+                        "openlora-otel serve: over %d open connections (--max-connections): closed %d "
+                        "connection(s) since the last warning, the ones waiting longest for request headers "
+                        "(else the new one)",
+                        cap,
+                        evicted["since_warning"],
+                    )
+                    evicted["since_warning"], evicted["warned_at"] = 0, now
+                victim._close_waiting()
+                count("connection_limit")
+                if victim is self:
+                    return
+            self._wait_for_headers()
+
+        def data_received(self, data: bytes) -> None:
+            is_waiting = self in waiting
+            if is_waiting:
+                self._partial = True
+            super().data_received(data)
+            # uvicorn makes a new cycle when a request's headers are complete.
+            if is_waiting and self.cycle is not self._waited_cycle:
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # The next request's headers are due too (a pipelined one may already have started).
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._wait_for_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        def _wait_for_headers(self) -> None:
+            self._stop_waiting()
+            self._waited_cycle = self.cycle
+            self._partial = False
+            waiting[self] = None
+            if header_timeout is not None:
+                self._header_timer = self.loop.call_later(header_timeout, self._header_timeout)
+
+        def _stop_waiting(self) -> None:
+            waiting.pop(self, None)
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            _logger.info("closing a connection whose request headers did not arrive within %g s", header_timeout)
+            count("header_timeout")
+            self._close_waiting(timed_out=True)
+
+        def _close_waiting(self, timed_out: bool = False) -> None:
+            self._stop_waiting()
+            if self.transport.is_closing():
+                return
+            if timed_out and self._partial:
+                # Part of a request arrived: say why it ends (no request exists for the app to answer).
+                body = error_body(
+                    f"the request headers did not arrive within {header_timeout:g} s", TIMEOUT
+                )
+                self.transport.write(
+                    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+            self.transport.close()
+
+    LimitedHTTPProtocol.__name__ = LimitedHTTPProtocol.__qualname__ = f"Limited{base.__name__}"
+    return LimitedHTTPProtocol
