@@ -431,6 +431,9 @@ def test_serve_refuses_what_is_too_large_too_deep_or_too_slow_and_records_it(sav
         # 100,000 nested arrays: 400 in the OpenAI shape, not a RecursionError.
         status, _, answer = serve.complete(DEEP)
         assert status == 400 and answer["error"]["code"] == "json_too_deep" and answer["error"]["param"] is None
+        # The same on the chat endpoint, recorded as a chat request.
+        status, _, answer = serve.request("POST", "/v1/chat/completions", DEEP)
+        assert status == 400 and answer["error"]["code"] == "json_too_deep"
         # Headers sent, the body never: 408 after --body-timeout, while /health answers.
         with socket.create_connection(("127.0.0.1", serve.port), timeout=30) as sock:
             sock.sendall(_post(50))
@@ -445,7 +448,7 @@ def test_serve_refuses_what_is_too_large_too_deep_or_too_slow_and_records_it(sav
             time.sleep(0.3)
         expected = {
             ("other", "request_too_large"): 2,
-            ("other", "json_too_deep"): 1,
+            ("other", "json_too_deep"): 2,
             ("other", "request_timeout"): 1,
             ("other", "cancelled"): 1,
         }
@@ -464,6 +467,10 @@ def test_serve_refuses_what_is_too_large_too_deep_or_too_slow_and_records_it(sav
         for code, count in (("413", 2), ("400", 1), ("408", 1)):
             assert total(text, "http_server_request_duration_seconds_count", http_response_status_code=code, **http) == count
         assert total(text, "openlora_serve_connections_closed_total", error_type="header_timeout") >= 1
+        assert (
+            total(text, "gen_ai_server_request_duration_seconds_count", gen_ai_operation_name="chat", error_type="json_too_deep")
+            == 1
+        )
     finally:
         assert serve.stop() == 0
     log = serve.log()
