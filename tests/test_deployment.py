@@ -607,6 +607,15 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
     cards[0].link, cards[0].link_max = (8, 4), (16, 5)
     fake = FakeNvml(cards)
     monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: fake)
+    # Its energy counter rises at 300 W (from the clock, not a count of sleeps) while the test runs,
+    # for the energy row: the run's share of it is all of it.
+    base, started, stop_energy = cards[0].energy_j, time.monotonic(), threading.Event()
+
+    def burn() -> None:
+        while not stop_energy.wait(0.05):
+            cards[0].energy_j = base + 300.0 * (time.monotonic() - started)
+
+    threading.Thread(target=burn, daemon=True).start()
     stats = {
         "allocated_bytes.all.current": 10,
         "reserved_bytes.all.current": 20,
@@ -681,6 +690,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
                 reap(diverging, 30)
             if telemetry is not None:
                 telemetry.shutdown()
+            stop_energy.set()
 
 
 # Series that are no exported metric: Prometheus' own per scrape, recording rules (with a colon), alerts.
@@ -749,6 +759,17 @@ def _check_every_query(
             hparam="learning_rate",
         )
         assert not problems, "\n".join(problems)
+        # Energy: the main run is the only training process on its GPU, so its share is 1 and its
+        # power and joules per token are above 0 (the counter rises); the diverged run has no GPU.
+        # Bounded wait: on VictoriaMetrics the records come through vmalert, some seconds behind.
+        run_power = 'run:openlora_training_energy_joules:rate2m{openlora_run_id="dash-run"}'
+        wait_until(lambda: any(float(s["value"][1]) > 0 for s in prometheus.query(run_power)), timeout=30)
+        shares = prometheus.query("rank_gpu:openlora_training_energy:share2m")
+        assert [(s["metric"]["openlora_run_id"], s["metric"]["hw_id"], float(s["value"][1])) for s in shares] == [
+            ("dash-run", card.uuid, 1.0)
+        ], shares
+        per_token = prometheus.query('run:openlora_training_energy_per_token_joules:2m{openlora_run_id="dash-run"}')
+        assert per_token and float(per_token[0]["value"][1]) > 0, per_token
         # The legends' labels: each run's name and learning rate on the loss panel's series.
         (loss_panel,) = [p for p in panels() if p["title"].startswith("Loss:")]
         mean_loss = substitute(loss_panel["targets"][0]["expr"], run="(dash-run|diverged-run)")

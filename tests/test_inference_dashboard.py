@@ -10,6 +10,7 @@ variables are resolved and the panels run as Grafana's Prometheus datasource doe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import threading
@@ -36,6 +37,7 @@ from tests.support.polling import wait_until
 
 if TYPE_CHECKING:
     from openlora_otel import TelemetryConfig
+    from tests.support.fake_nvml import FakeGpu
     from tests.support.metrics_paths import MetricsPath
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +96,7 @@ def _series_names(expr: str) -> set[str]:
 
 
 INFERENCE_SERIES = {spec.prometheus for spec in INFERENCE_METRICS}
+RECORDED = {r["record"] for r in rules() if "record" in r}
 
 
 def test_inference_dashboard_structure() -> None:
@@ -135,6 +138,10 @@ def test_inference_dashboard_structure() -> None:
             expr = target["expr"]
             # Every series read is filtered by every variable.
             for name in _series_names(expr):
+                if ":" in name:  # a series the rules record (the energy row), from inference series
+                    assert name in RECORDED, f"{panel['title']}: {name} is no recording rule"
+                    assert name in panel["description"], f"{panel['title']}: description does not name {name}"
+                    continue
                 base = re.sub(r"_(bucket|sum|count)$", "", name)
                 assert base in INFERENCE_SERIES, f"{panel['title']}: {name} is not an inference series"
                 assert base in panel["description"], f"{panel['title']}: description does not name {base}"
@@ -203,6 +210,7 @@ def test_panels_use_the_alerts_thresholds_and_client_errors() -> None:
 RUN_ID = "serve-run"
 SERVED = ("a1", "a2")  # adapters with traffic; "idle" is loaded and gets none, "old" is unloaded
 OUTPUT_TOKENS = 8
+JOULES_PER_OUTPUT_TOKEN = 2.0  # what the fake GPU's energy counter rises by per generated token
 # One cycle of the traffic: per adapter and the base model, successful requests, then one that
 # fails through the client's (a name the server does not serve) and one through the server's (an
 # exception escaping the block).
@@ -214,8 +222,9 @@ QUEUE_S, FIRST_TOKEN_S, GENERATE_S = 0.004, 0.012, 0.01
 class Traffic:
     """Requests played against ``inference`` in a thread, like a server's handlers, until stopped."""
 
-    def __init__(self, inference) -> None:
+    def __init__(self, inference, gpu: FakeGpu | None = None) -> None:
         self.inference = inference
+        self.gpu = gpu
         self.stop = threading.Event()
         self.sent = {"ok": 0, "server": 0, "client": 0}
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -238,6 +247,8 @@ class Traffic:
                     raise RuntimeError("the model failed")
                 time.sleep(GENERATE_S)
                 req.tokens(input=20, output=OUTPUT_TOKENS)
+                if self.gpu is not None:  # the GPU's energy counter rises with each token generated
+                    self.gpu.energy_j += JOULES_PER_OUTPUT_TOKEN * OUTPUT_TOKENS
             self.sent["ok"] += 1
         except RuntimeError:
             self.sent["server"] += 1
@@ -269,11 +280,19 @@ def value(result: list[dict]) -> float:
 
 @pytest.mark.e2e
 @METRIC_PATHS
-def test_every_inference_query_on_recorded_requests(tmp_path, path: str, major: int) -> None:
+def test_every_inference_query_on_recorded_requests(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, path: str, major: int
+) -> None:
     """On each path of tests/support/metrics_paths.py: pulled (Prometheus 2.42 and 3.16), through our Collector
-    (2.42 and 3.16), straight into Prometheus 3's OTLP receiver."""
+    (2.42 and 3.16), straight into Prometheus 3's OTLP receiver. The server's GPU is a fake NVML's, whose
+    energy counter rises, for the energy row."""
     from openlora_otel import TelemetryConfig
+    from openlora_otel.hardware import nvml
+    from tests.support.fake_nvml import FakeNvml, h100s
     from tests.support.metrics_paths import MetricsPath
+
+    cards = h100s(1)
+    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: FakeNvml(cards))
 
     rules_dir = tmp_path / "rules"
     rules_dir.mkdir()
@@ -283,10 +302,11 @@ def test_every_inference_query_on_recorded_requests(tmp_path, path: str, major: 
             config = TelemetryConfig.from_env(metrics.push_env(instance="serve-instance"))
         else:
             config = TelemetryConfig(prometheus_host="127.0.0.1", prometheus_port=0)
-        _check_every_inference_query(metrics, config)
+        config = dataclasses.replace(config, gpu_metrics="on", gpu_devices="all")
+        _check_every_inference_query(metrics, config, cards[0])
 
 
-def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) -> None:
+def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig, gpu: FakeGpu) -> None:
     from openlora_otel import setup_telemetry
 
     telemetry = setup_telemetry("openlora-serve", run_id=RUN_ID, run_name="serve", config=config)
@@ -308,7 +328,7 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) 
         else:
             target = telemetry.prometheus_url.removeprefix("http://").removesuffix("/metrics")
         prometheus = metrics.scrape([target])
-        with Traffic(inference) as traffic:
+        with Traffic(inference, gpu) as traffic:
             assert prometheus.wait_for(
                 'sum(gen_ai_server_request_duration_seconds_count{error_type="RuntimeError"}) >= 2',
                 timeout=90,
@@ -318,6 +338,19 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig) 
                 INFERENCE_DASHBOARD, prometheus.query, http_variable_options(prometheus.url), RUN_ID
             )
             assert not problems, "\n".join(problems)
+
+            # Energy: the fake GPU's counter rose by JOULES_PER_OUTPUT_TOKEN per token generated, and this
+            # server is the only one on it, so every adapter that generated gets that many joules per
+            # output token (the rules' 2-minute rates of the energy counter and of the token counts).
+            per_token = "adapter:openlora_inference_energy_per_output_token_joules:2m"
+            wait_until(
+                lambda: {s["metric"]["openlora_adapter_name"] for s in prometheus.query(per_token)} >= set(SERVED),
+                timeout=30,
+            )
+            joules = {s["metric"]["openlora_adapter_name"]: float(s["value"][1]) for s in prometheus.query(per_token)}
+            assert joules and all(
+                j == pytest.approx(JOULES_PER_OUTPUT_TOKEN, rel=0.25) for j in joules.values()
+            ), joules
 
             def first(title: str, index: int = 0, **values: str) -> str:
                 (panel,) = [p for p in panels(INFERENCE_DASHBOARD) if p["title"] == title]

@@ -294,6 +294,40 @@ def tokens_and_load(grid: Grid) -> list[dict[str, Any]]:
     return panels
 
 
+def energy(grid: Grid) -> list[dict[str, Any]]:
+    """The GPUs' energy per adapter: joules per output token and power: the row, next on the grid."""
+    panels: list[dict[str, Any]] = [row("Energy", grid.header())]
+    per_token = "adapter:openlora_inference_energy_per_output_token_joules:2m"
+    power = "adapter:openlora_inference_energy_joules:rate2m"
+    panels += [
+        panel(
+            "timeseries",
+            "Energy per output token by adapter",
+            f"Joules per generated token of each adapter over 2 minutes ({per_token}, openlora-energy rules): "
+            "the server's GPU energy (hw_energy_joules_total; a GPU several servers report split by their "
+            "output tokens) given to its adapters by the output tokens each generated, over those tokens. "
+            "Within one server and window every adapter gets the same figure; they differ across servers, "
+            "GPUs and time. Idle power and prompt tokens are in it: see the README's Energy section.",
+            "joule",
+            [target(f"{per_token}{{{ADAPTER_SEL}}}{SERVING}", "{{openlora_adapter_name}} {{instance}}")],
+            at=grid.cell(12, 8),
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "GPU power by adapter",
+            f"Average power of each adapter's part of its server's GPUs over 2 minutes ({power}): the server's "
+            "share of each GPU's energy counter, split by the output tokens each adapter generated "
+            "(0 for a loaded adapter without traffic while others generate).",
+            "watt",
+            [target(f"{power}{{{ADAPTER_SEL}}}{SERVING}", "{{openlora_adapter_name}} {{instance}}")],
+            at=grid.cell(12, 8),
+            defaults={"min": 0},
+        ),
+    ]
+    return panels
+
+
 def adapters(grid: Grid) -> list[dict[str, Any]]:
     """When adapters were loaded, how long loads took, which failed: the row, next on the grid."""
     panels: list[dict[str, Any]] = [row("Adapters", grid.header())]
@@ -362,6 +396,7 @@ def build() -> dict[str, Any]:
         *latency(grid),
         *tokens_and_load(grid),
         *adapters(grid),
+        *energy(grid),
     ]
     serving_runs = run_names('job=~"$job"', by_service=True)
     templating = [

@@ -138,6 +138,98 @@ def evaluation_and_divergence(grid: Grid) -> list[dict[str, Any]]:
     return panels
 
 
+# The openlora-energy records (openlora_otel/rules/openlora.yml): each GPU's energy counter split among
+# the training ranks that report it by their share of its tokens. They carry the run id (not its name:
+# run:openlora_run:name adds it) and, per rank, job and instance.
+ENERGY_SEL = f'{SEL}, openlora_run_id=~"$run"'
+RUN_ENERGY_SEL = 'openlora_run_id=~"$run"'
+RUN_NAME = " * on (openlora_run_id) group_left (openlora_run_name) run:openlora_run:name"
+ENERGY_RUN_LEGEND = "{{openlora_run_name}}"
+ENERGY_RANK_LEGEND = "{{openlora_run_name}} rank {{openlora_rank}} {{instance}}"
+
+
+def energy(grid: Grid) -> list[dict[str, Any]]:
+    """The GPUs' energy per run: its total, per training token, per optimizer step, its power: the row,
+    next on the grid."""
+    panels: list[dict[str, Any]] = [row("Energy", grid.header())]
+    counter, share = "rank_gpu:hw_energy_joules_total:by_run", "rank_gpu:openlora_training_energy:share2m"
+    over_range = f"{{{ENERGY_SEL}, hw_id=~\"$gpu\"}}[$__range]"
+    increase = f"(max_over_time({counter}{over_range}) - min_over_time({counter}{over_range}))"
+    kwh = (
+        f"sum by (openlora_run_id) ({increase} * on (job, instance, hw_id, openlora_run_id) group_left () "
+        f"avg_over_time({share}{over_range})) / 3.6e6{RUN_NAME}"
+    )
+    panels += [
+        panel(
+            "stat",
+            "Run energy (kWh)",
+            f"Energy of each run's GPUs over the time range (the whole run when the range covers it), in kWh: "
+            f"per GPU the rise of its energy counter from the range's first to its last sample ({counter}: "
+            f"hw_energy_joules_total with the rank's run) times the rank's average share of it ({share}: its share "
+            "of the tokens trained on that GPU; 1 for a GPU the rank has to itself), summed. NVML counts the "
+            "whole GPU, idle power included; the README's Energy section has the method and its limits.",
+            "kwatth",
+            [target(kwh, ENERGY_RUN_LEGEND)],
+            at=grid.cell(6, 6),
+            defaults={"decimals": 3},
+        ),
+        panel(
+            "timeseries",
+            "Energy per training token",
+            "Joules per training token over 2 minutes, per run (run:openlora_training_energy_per_token_joules:2m: "
+            "the run's GPU energy / all its ranks' tokens) and per rank "
+            "(rank:openlora_training_energy_per_token_joules:2m). None while no token is processed.",
+            "joule",
+            [
+                target(
+                    f"run:openlora_training_energy_per_token_joules:2m{{{RUN_ENERGY_SEL}}}{RUN_NAME}",
+                    ENERGY_RUN_LEGEND,
+                ),
+                target(
+                    f"rank:openlora_training_energy_per_token_joules:2m{{{ENERGY_SEL}}}{RUN_NAME}",
+                    ENERGY_RANK_LEGEND,
+                ),
+            ],
+            at=grid.cell(6, 6),
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Energy per optimizer step",
+            "Joules per optimizer step over 2 minutes, per run (run:openlora_training_energy_per_step_joules:2m: "
+            "all ranks' GPU energy / the run's steps, which every rank takes) and per rank "
+            "(rank:openlora_training_energy_per_step_joules:2m: that rank's part).",
+            "joule",
+            [
+                target(
+                    f"run:openlora_training_energy_per_step_joules:2m{{{RUN_ENERGY_SEL}}}{RUN_NAME}",
+                    ENERGY_RUN_LEGEND,
+                ),
+                target(
+                    f"rank:openlora_training_energy_per_step_joules:2m{{{ENERGY_SEL}}}{RUN_NAME}",
+                    ENERGY_RANK_LEGEND,
+                ),
+            ],
+            at=grid.cell(6, 6),
+            defaults={"min": 0},
+        ),
+        panel(
+            "timeseries",
+            "Run power",
+            "Average power of each run's share of its GPUs over 2 minutes (run:openlora_training_energy_joules:rate2m) "
+            "and of each rank's (rank:openlora_training_energy_joules:rate2m), from the energy counters.",
+            "watt",
+            [
+                target(f"run:openlora_training_energy_joules:rate2m{{{RUN_ENERGY_SEL}}}{RUN_NAME}", ENERGY_RUN_LEGEND),
+                target(f"rank:openlora_training_energy_joules:rate2m{{{ENERGY_SEL}}}{RUN_NAME}", ENERGY_RANK_LEGEND),
+            ],
+            at=grid.cell(6, 6),
+            defaults={"min": 0},
+        ),
+    ]
+    return panels
+
+
 def run_overview(grid: Grid) -> list[dict[str, Any]]:
     """Where each selected run stands: one stat per run and quantity, the row, next on the grid."""
     panels: list[dict[str, Any]] = [row("Run overview", grid.header())]
@@ -323,6 +415,7 @@ def build() -> dict[str, Any]:
         *input_and_compute(grid),
         *evaluation_and_divergence(grid),
         *gpu(grid, gpu_legend),
+        *energy(grid),
         *gpu_activity(grid, gpu_legend),
         *gpu_health(grid, gpu_legend),
         *host(grid),
