@@ -26,7 +26,7 @@ pytest.importorskip("opentelemetry.instrumentation.fastapi")
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.demo.corpus import ALPHABET
-from openlora_otel.demo.layout import LayoutError, read_adapter, read_saved
+from openlora_otel.demo.layout import LayoutError, SavedBase, read_adapter, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, Sampling, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
@@ -676,22 +676,24 @@ def test_each_served_adapter_has_one_info_series_naming_its_training_run(server:
     assert not [labels for labels in infos if "openlora_run_id" in labels]
 
 
-def test_an_adapter_without_a_manifest_or_an_older_one_gives_what_is_known(saved: Path, tmp_path: Path) -> None:
-    base, _ = read_saved(saved)
-    bare = tmp_path / "bare"
-    shutil.copytree(saved / "adapters" / "a1", bare)
-    (bare / "openlora.json").unlink()  # a PEFT adapter from elsewhere
-    origin = read_adapter("bare", bare).origin(base).attributes()
-    assert origin == {"openlora.adapter.base_model": "tiny-llama"}
-    older = tmp_path / "older"
-    shutil.copytree(saved / "adapters" / "a1", older)
-    manifest = json.loads((older / "openlora.json").read_text())
-    del manifest["run_name"]  # written before the demo saved the run's name
+def test_an_adapter_without_a_manifest_or_an_older_one_gives_what_is_known(tmp_path: Path) -> None:
+    base = SavedBase(tmp_path / "base", "tiny-llama", 64, ALPHABET, "0123456789abcdef")
+    bare = tmp_path / "bare"  # a PEFT adapter from elsewhere: no openlora.json
+    bare.mkdir()
+    (bare / "adapter_config.json").write_text("{}")
+    assert read_adapter("bare", bare).origin(base).attributes() == {"openlora.adapter.base_model": "tiny-llama"}
+    older = tmp_path / "older"  # written before the demo saved the run's name
+    older.mkdir()
+    (older / "adapter_config.json").write_text("{}")
+    manifest = {"format": 1, "base_fingerprint": base.fingerprint, "seed": 0, "steps": 4, "final_eval_loss": 3.25,
+                "run_id": "4f1c0a2b"}  # fmt: skip
     (older / "openlora.json").write_text(json.dumps(manifest))
-    origin = read_adapter("older", older).origin(base).attributes()
-    assert origin["openlora.training.run.id"] == manifest["run_id"]
-    assert "openlora.training.run.name" not in origin
-    assert origin["openlora.adapter.base_fingerprint"] == base.fingerprint
+    assert read_adapter("older", older).origin(base).attributes() == {
+        "openlora.training.run.id": "4f1c0a2b",
+        "openlora.adapter.base_model": "tiny-llama",
+        "openlora.adapter.base_fingerprint": base.fingerprint,
+        "openlora.training.final_eval_loss": "3.25",
+    }
 
 
 def test_read_saved_names_what_is_wrong(tmp_path) -> None:
