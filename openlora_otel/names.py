@@ -263,6 +263,15 @@ ATTR_RESPONSE_MODEL = "gen_ai.response.model"
 ATTR_TOKEN_TYPE = "gen_ai.token.type"
 ATTR_ERROR_TYPE = "error.type"
 ATTR_ADAPTER = "openlora.adapter.name"
+# On openlora.inference.adapter.info only: where a served adapter came from (its training run, which
+# labels its own series openlora.run.id / openlora.run.name; here under openlora.training.* so that
+# they never clash with the serving process's own openlora.run.id, its Resource's), the base it
+# runs on and the training's last evaluation loss.
+ATTR_TRAINING_RUN_ID = "openlora.training.run.id"
+ATTR_TRAINING_RUN_NAME = "openlora.training.run.name"
+ATTR_TRAINING_EVAL_LOSS = "openlora.training.final_eval_loss"
+ATTR_BASE_MODEL = "openlora.adapter.base_model"
+ATTR_BASE_FINGERPRINT = "openlora.adapter.base_fingerprint"
 
 REQUEST_DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.01 * 2**k, 2) for k in range(14))  # 0.01 .. 81.92
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -319,6 +328,15 @@ INFERENCE_METRICS: tuple[MetricSpec, ...] = (
         "",
         f"1 per adapter (`{ATTR_ADAPTER}`) while it is loaded, 0 after it was unloaded; a loaded adapter "
         "shows whether or not it has requests.",
+    ),
+    MetricSpec(
+        "openlora.inference.adapter.info",
+        "gauge",
+        "",
+        f"1 per loaded adapter (`{ATTR_ADAPTER}`; none for adapters past the cap), with what is known of "
+        f"where it came from: `{ATTR_TRAINING_RUN_ID}`, `{ATTR_TRAINING_RUN_NAME}` (its training run), "
+        f"`{ATTR_BASE_MODEL}`, `{ATTR_BASE_FINGERPRINT}`, `{ATTR_TRAINING_EVAL_LOSS}`. Replaced when the "
+        "adapter is loaded again, gone once it is unloaded; no request series carries these.",
     ),
     MetricSpec(
         "openlora.inference.adapter.load.duration",

@@ -14,7 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 import openlora_otel.inference.metrics as inference_module
 from openlora_otel import names, setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
-from openlora_otel.inference import ADAPTER_BASE, ADAPTER_OTHER, InferenceMetrics, inference_views
+from openlora_otel.inference import (
+    ADAPTER_BASE,
+    ADAPTER_OTHER,
+    AdapterOrigin,
+    InferenceMetrics,
+    inference_views,
+)
 from openlora_otel.views import observed_total_views
 from tests.support.clock import FakeClock
 from tests.support.readings import points
@@ -27,6 +33,7 @@ RUNNING = "openlora.inference.requests.running"
 WAITING = "openlora.inference.requests.waiting"
 LOADED = "openlora.inference.adapter.loaded"
 LOAD = "openlora.inference.adapter.load.duration"
+INFO = "openlora.inference.adapter.info"
 
 
 def base_attrs(adapter: str, **extra: str) -> dict[str, str]:
@@ -207,6 +214,94 @@ def test_a_loaded_adapter_is_visible_before_and_without_requests(clock: FakeCloc
     assert point(data, LOADED, {"openlora.adapter.name": "a2"}).value == 1
 
 
+ORIGIN = AdapterOrigin(
+    run_id="run-1", run_name="support-v2", base_model="tiny-llama", base_fingerprint="0123abcd", final_eval_loss=1.2345678
+)
+ORIGIN_ATTRS = {
+    "openlora.training.run.id": "run-1",
+    "openlora.training.run.name": "support-v2",
+    "openlora.adapter.base_model": "tiny-llama",
+    "openlora.adapter.base_fingerprint": "0123abcd",
+    "openlora.training.final_eval_loss": "1.23457",
+}
+
+
+def infos(data) -> dict[str, dict[str, str]]:
+    """The info series by adapter name: each adapter has at most one, of value 1."""
+    found: dict[str, dict[str, str]] = {}
+    for p in points(data, INFO):
+        attributes = dict(p.attributes)
+        name = attributes.pop("openlora.adapter.name")
+        assert name not in found and p.value == 1, (name, found)
+        found[name] = attributes
+    return found
+
+
+def test_a_loaded_adapter_has_one_info_series_with_its_origin_and_the_requests_do_not(rig: Rig) -> None:
+    with rig.metrics.loading_adapter("a1", trained_by=ORIGIN):
+        pass
+    rig.metrics.adapter_loaded("a2", load_time_s=0.1, trained_by=AdapterOrigin(run_id="run-2"))
+    rig.metrics.adapter_loaded("plain")  # from elsewhere: only its name is known
+    rig.metrics.request("a1").end()
+    data = rig.collect()
+    assert infos(data) == {"a1": ORIGIN_ATTRS, "a2": {"openlora.training.run.id": "run-2"}, "plain": {}}
+    # The origin is on the info series only: no request, load or loaded series carries it.
+    for name in (DURATION, RUNNING, WAITING, LOADED, LOAD):
+        for p in points(data, name):
+            assert not set(p.attributes) & set(ORIGIN_ATTRS), (name, dict(p.attributes))
+    # Collected again, the same series (observed every collection, not once).
+    assert infos(rig.collect()) == infos(data)
+
+
+def test_the_info_series_is_replaced_on_reload_and_gone_after_unload(rig: Rig) -> None:
+    rig.metrics.adapter_loaded("a1", trained_by=ORIGIN)
+    rig.metrics.adapter_loaded("a2", trained_by=ORIGIN)
+    assert set(infos(rig.collect())) == {"a1", "a2"}
+    retrained = AdapterOrigin(run_id="run-9", run_name="support-v3", final_eval_loss=float("nan"))
+    with rig.metrics.loading_adapter("a1", trained_by=retrained):
+        pass
+    rig.metrics.adapter_unloaded("a2")
+    data = rig.collect()
+    assert infos(data) == {
+        "a1": {
+            "openlora.training.run.id": "run-9",
+            "openlora.training.run.name": "support-v3",
+            "openlora.training.final_eval_loss": "NaN",
+        }
+    }
+    assert point(data, LOADED, {"openlora.adapter.name": "a2"}).value == 0  # the loaded gauge stays, at 0
+    # A failed reload changes nothing; loading a2 again brings its series back.
+    with pytest.raises(OSError), rig.metrics.loading_adapter("a1", trained_by=ORIGIN):
+        raise OSError("disk")
+    rig.metrics.adapter_loaded("a2")
+    assert infos(rig.collect()) == {"a1": infos(data)["a1"], "a2": {}}
+
+
+def test_the_info_series_are_bounded_by_the_adapter_cap_and_their_values_cut() -> None:
+    rig = Rig(True, max_adapters=2)
+    long = "x" * 500
+    for i in range(50):
+        rig.metrics.adapter_loaded(f"a{i}", trained_by=AdapterOrigin(run_id=f"run-{i}", run_name=long))
+    found = infos(rig.collect())
+    # One series per adapter with its own slot; those past the cap share "other" and get none.
+    assert set(found) == {"a0", "a1"}
+    assert found["a0"] == {"openlora.training.run.id": "run-0", "openlora.training.run.name": "x" * 100}
+    for i in range(50):
+        rig.metrics.adapter_unloaded(f"a{i}")
+    assert infos(rig.collect()) == {}
+
+
+def test_a_bad_origin_is_refused_and_a_bad_loss_left_out(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(TypeError, match="AdapterOrigin"):
+        rig.metrics.adapter_loaded("a1", trained_by={"run_id": "run-1"})
+    with caplog.at_level(logging.WARNING):
+        rig.metrics.adapter_loaded("a1", trained_by=AdapterOrigin(run_id="", final_eval_loss="low"))
+    assert infos(rig.collect()) == {"a1": {}}
+    assert any("final_eval_loss" in r.getMessage() for r in caplog.records)
+    assert AdapterOrigin(final_eval_loss=float("inf")).attributes() == {"openlora.training.final_eval_loss": "+Inf"}
+    assert AdapterOrigin(final_eval_loss=3).attributes() == {"openlora.training.final_eval_loss": "3"}
+
+
 def test_a_failed_load_records_its_error_and_the_adapter_is_not_loaded(rig: Rig) -> None:
     with pytest.raises(FileNotFoundError), rig.metrics.loading_adapter("broken"):
         raise FileNotFoundError("adapter_config.json")
@@ -299,7 +394,7 @@ def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
         inference = telemetry.inference
         assert inference is telemetry.inference and inference._merge
         inference.set_model("tiny-llama")
-        inference.adapter_loaded("a1", load_time_s=0.2)
+        inference.adapter_loaded("a1", load_time_s=0.2, trained_by=ORIGIN)
         with inference.request("a1", queued=True) as req:
             req.start()
             req.first_token()
@@ -333,6 +428,8 @@ def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
     assert served(count, **a1, **common) == [1.0]
     assert served("openlora_inference_token_usage_sum", gen_ai_token_type="output", **a1, **common) == [3.0]
     assert served("openlora_inference_adapter_loaded", openlora_adapter_name="a1") == [1.0]
+    origin = {key.replace(".", "_"): value for key, value in ORIGIN_ATTRS.items()}
+    assert served("openlora_inference_adapter_info", openlora_adapter_name="a1", **origin) == [1.0]
     # Run identity only in target_info, never on the serving series.
     assert not [n for n, got, _ in samples if n != "target_info" and "openlora_run_id" in got]
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
+from openlora_otel.inference import AdapterOrigin
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
 from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
@@ -171,6 +172,32 @@ def test_inference_dashboard_structure() -> None:
     assert used == INFERENCE_SERIES, f"series no panel reads: {INFERENCE_SERIES - used}"
 
 
+def test_the_adapters_table_links_each_training_run_to_the_training_dashboard() -> None:
+    (table,) = [p for p in panels(INFERENCE_DASHBOARD) if p["title"] == "Adapters and their training runs"]
+    assert table["type"] == "table" and table["targets"][0]["format"] == "table" and table["targets"][0]["instant"]
+    headers = table["transformations"][1]["options"]["renameByName"]
+    assert set(table["transformations"][0]["options"]["include"]["names"]) == set(headers)
+    training = dashboard(TRAINING_DASHBOARD)
+    (run,) = [v for v in training["templating"]["list"] if v["name"] == "run"]
+    # The training dashboard's run variable takes a run id (its regex's value group).
+    assert "openlora_run_id=" in run["regex"] and "(?<value>" in run["regex"]
+    linked = {}
+    for override in table["fieldConfig"]["overrides"]:
+        assert override["matcher"]["id"] == "byName"
+        ((prop,),) = [override["properties"]]
+        (link,) = prop["value"]
+        linked[override["matcher"]["options"]] = link["url"]
+    assert linked == {
+        headers[label]: f"/d/{training['uid']}?var-run=${{__data.fields.{field}}}&from=now-7d&to=now"
+        for label, field in (
+            ("openlora_training_run_name", "openlora_training_run_id"),
+            ("openlora_training_run_id", "openlora_training_run_id"),
+        )
+    }
+    # The field the link reads is a column the table keeps (a column left out is not in the frame).
+    assert "openlora_training_run_id" in table["transformations"][0]["options"]["include"]["names"]
+
+
 def test_panels_use_the_alerts_thresholds_and_client_errors() -> None:
     module = builder()
     latency = rule("OpenloraInferenceLatencyHigh")["expr"]
@@ -217,6 +244,15 @@ JOULES_PER_OUTPUT_TOKEN = 2.0  # what the fake GPU's energy counter rises by per
 CYCLE = (*SERVED, None, *SERVED, None, "a1", "a1", "a2", "a2")
 SERVER_ERROR_EVERY = len(CYCLE)  # the last request of each cycle raises RuntimeError
 QUEUE_S, FIRST_TOKEN_S, GENERATE_S = 0.004, 0.012, 0.01
+# Where the adapters came from: a1 from a named training run, a2 from one known by its id only,
+# "idle" told nothing (an adapter without openlora.json).
+ORIGINS = {
+    "a1": AdapterOrigin(
+        run_id="train-a1", run_name="support-v2", base_model="tiny-llama", base_fingerprint="0123abcd", final_eval_loss=1.25
+    ),
+    "a2": AdapterOrigin(run_id="train-a2", final_eval_loss=2.5),
+    "old": AdapterOrigin(run_id="train-old"),
+}
 
 
 class Traffic:
@@ -315,7 +351,7 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig, 
         inference = telemetry.inference
         inference.set_model("tiny-llama")
         for name in (*SERVED, "idle", "old"):
-            with inference.loading_adapter(name):
+            with inference.loading_adapter(name, trained_by=ORIGINS.get(name)):
                 time.sleep(0.01)
         inference.adapter_unloaded("old")
         with pytest.raises(FileNotFoundError), inference.loading_adapter("broken"):
@@ -425,6 +461,20 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig, 
             assert [
                 (s["metric"]["openlora_adapter_name"], s["metric"]["openlora_run_id"]) for s in alert
             ] == [("broken", RUN_ID)], alert
+            # Each loaded adapter's origin, one row each; not the unloaded one's.
+            rows = {
+                s["metric"]["openlora_adapter_name"]: s["metric"]
+                for s in prometheus.query(first("Adapters and their training runs"))
+            }
+            assert sorted(rows) == ["a1", "a2", "idle"], rows
+            assert rows["a1"]["openlora_training_run_id"] == "train-a1"
+            assert rows["a1"]["openlora_training_run_name"] == "support-v2"
+            assert rows["a1"]["openlora_adapter_base_model"] == "tiny-llama"
+            assert rows["a1"]["openlora_adapter_base_fingerprint"] == "0123abcd"
+            assert rows["a1"]["openlora_training_final_eval_loss"] == "1.25"
+            assert rows["a1"]["openlora_run_id"] == RUN_ID  # the server's own run, from target_info
+            assert rows["a2"]["openlora_training_run_id"] == "train-a2"
+            assert "openlora_training_run_name" not in rows["a2"] and "openlora_training_run_id" not in rows["idle"]
             load_times = prometheus.query(first("Adapter load time, slowest first"))
             assert {s["metric"]["openlora_adapter_name"] for s in load_times} == {*SERVED, "idle", "old"}, (
                 load_times

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import shutil
 import signal
 import socket
@@ -25,12 +26,12 @@ pytest.importorskip("opentelemetry.instrumentation.fastapi")
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.demo.corpus import ALPHABET
-from openlora_otel.demo.layout import LayoutError, read_saved
+from openlora_otel.demo.layout import LayoutError, SavedBase, read_adapter, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, Sampling, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
 from tests.support.polling import wait_until
-from tests.support.serving import ServeProcess, has, requests_by, save_demo, total
+from tests.support.serving import ServeProcess, has, requests_by, samples, save_demo, total
 
 PROMPT = "the engineer trains "
 
@@ -87,6 +88,10 @@ def test_demo_save_writes_the_base_once_and_one_adapter_per_run(saved: Path) -> 
         assert (adapter.path / "adapter_model.safetensors").is_file()
     info = json.loads((saved / "adapters" / "a2" / "openlora.json").read_text())
     assert info["seed"] == 1 and info["steps"] == 4
+    # The training run, for the served adapter's info series: a1 was named, a2's name is its run id.
+    a1 = json.loads((saved / "adapters" / "a1" / "openlora.json").read_text())
+    assert a1["run_name"] == "a1" and a1["run_id"] and a1["run_id"] != info["run_id"]
+    assert info["run_name"] == info["run_id"] and math.isfinite(info["final_eval_loss"])
     # Small: the 0.7 M parameter base in float32, the adapters a tenth of it.
     assert (base.path / "model.safetensors").stat().st_size < 4_000_000
 
@@ -643,6 +648,52 @@ def test_a_port_in_use_is_a_clear_error(saved: Path, capsys) -> None:
         port = busy.getsockname()[1]
         assert main(["serve", str(saved), "--port", str(port), "--exporter", "none"]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.process
+def test_each_served_adapter_has_one_info_series_naming_its_training_run(server: ServeProcess, saved: Path) -> None:
+    text = server.metrics()
+    base, adapters = read_saved(saved)
+    for adapter in adapters:
+        manifest = json.loads((adapter.path / "openlora.json").read_text())
+        found = [
+            labels
+            for name, labels, value in samples(text)
+            if name == "openlora_inference_adapter_info" and labels.get("openlora_adapter_name") == adapter.name
+        ]
+        assert len(found) == 1, found
+        assert {k: v for k, v in found[0].items() if not k.startswith("otel_scope_")} == {
+            "openlora_adapter_name": adapter.name,
+            "openlora_training_run_id": manifest["run_id"],
+            "openlora_training_run_name": manifest["run_name"],
+            "openlora_adapter_base_model": "tiny-llama",
+            "openlora_adapter_base_fingerprint": base.fingerprint,
+            "openlora_training_final_eval_loss": f"{manifest['final_eval_loss']:.6g}",
+        }, found
+    infos = [labels for name, labels, _ in samples(text) if name == "openlora_inference_adapter_info"]
+    assert len(infos) == len(adapters) == 2
+    # The server's own run id stays in target_info: the training run's never takes its label.
+    assert not [labels for labels in infos if "openlora_run_id" in labels]
+
+
+def test_an_adapter_without_a_manifest_or_an_older_one_gives_what_is_known(tmp_path: Path) -> None:
+    base = SavedBase(tmp_path / "base", "tiny-llama", 64, ALPHABET, "0123456789abcdef")
+    bare = tmp_path / "bare"  # a PEFT adapter from elsewhere: no openlora.json
+    bare.mkdir()
+    (bare / "adapter_config.json").write_text("{}")
+    assert read_adapter("bare", bare).origin(base).attributes() == {"openlora.adapter.base_model": "tiny-llama"}
+    older = tmp_path / "older"  # written before the demo saved the run's name
+    older.mkdir()
+    (older / "adapter_config.json").write_text("{}")
+    manifest = {"format": 1, "base_fingerprint": base.fingerprint, "seed": 0, "steps": 4, "final_eval_loss": 3.25,
+                "run_id": "4f1c0a2b"}  # fmt: skip
+    (older / "openlora.json").write_text(json.dumps(manifest))
+    assert read_adapter("older", older).origin(base).attributes() == {
+        "openlora.training.run.id": "4f1c0a2b",
+        "openlora.adapter.base_model": "tiny-llama",
+        "openlora.adapter.base_fingerprint": base.fingerprint,
+        "openlora.training.final_eval_loss": "3.25",
+    }
 
 
 def test_read_saved_names_what_is_wrong(tmp_path) -> None:

@@ -41,6 +41,22 @@ SERVER_ERRORS = f'error_type!="", error_type!~"{CLIENT_ERRORS}"'
 # the latency panels draw it. Change both together (a test compares them).
 LATENCY_OBJECTIVE_S = 10
 ERROR_RATIO_THRESHOLD = 0.05  # OpenloraInferenceErrorRatioHigh
+# The training dashboard (training.py) and its run variable, whose value is a run id: the adapters
+# table links each adapter's training run there. The run may be days old: the link opens a week.
+TRAINING_UID = "openlora-training"
+TRAINING_RUN_LINK = (
+    f"/d/{TRAINING_UID}?var-run=${{__data.fields.openlora_training_run_id}}&from=now-7d&to=now"
+)
+# openlora_inference_adapter_info's labels, as the table's columns (label, header), in this order.
+ORIGIN_COLUMNS = (
+    ("openlora_adapter_name", "Adapter"),
+    ("instance", "Server"),
+    ("openlora_training_run_name", "Training run"),
+    ("openlora_training_run_id", "Run id"),
+    ("openlora_adapter_base_model", "Base model"),
+    ("openlora_adapter_base_fingerprint", "Base fingerprint"),
+    ("openlora_training_final_eval_loss", "Final eval loss"),
+)
 
 
 def rate(series: str, selector: str) -> str:
@@ -332,7 +348,42 @@ def adapters(grid: Grid) -> list[dict[str, Any]]:
     """When adapters were loaded, how long loads took, which failed: the row, next on the grid."""
     panels: list[dict[str, Any]] = [row("Adapters", grid.header())]
     loads = "openlora_inference_adapter_load_duration_seconds"
+    link = {"title": "Training run ${__data.fields.openlora_training_run_name}", "url": TRAINING_RUN_LINK}
+    shown = [label for label, _ in ORIGIN_COLUMNS]
     panels += [
+        panel(
+            "table",
+            "Adapters and their training runs",
+            "Each loaded adapter on each server and where it came from (openlora_inference_adapter_info): "
+            "its training run's name and id, the base model it runs on and the fingerprint of the base it "
+            "was trained on, and the training's final eval loss; blank where the server was not told "
+            "(an adapter without openlora.json). The run's name and id link to the training dashboard "
+            "with that run selected, over the last 7 days.",
+            "string",
+            [
+                target(
+                    f"openlora_inference_adapter_info{{{ADAPTER_SEL}}}{SERVING}",
+                    "",
+                    instant=True,
+                    format="table",
+                )
+            ],
+            at=grid.cell(24, 7),
+            options={"showHeader": True, "sortBy": [{"displayName": "Adapter", "desc": False}]},
+            transformations=[
+                {
+                    "id": "filterFieldsByName",
+                    "options": {"include": {"names": shown}},
+                },
+                {
+                    "id": "organize",
+                    "options": {
+                        "indexByName": {label: index for index, label in enumerate(shown)},
+                        "renameByName": dict(ORIGIN_COLUMNS),
+                    },
+                },
+            ],
+        ),
         panel(
             "state-timeline",
             "Adapters loaded, per server",
@@ -383,6 +434,16 @@ def adapters(grid: Grid) -> list[dict[str, Any]]:
             at=grid.cell(8, 8),
             defaults={"min": 0},
         ),
+    ]
+    # The run's name and id link to its training: overrides match the columns by their headers.
+    table = next(p for p in panels if p["title"] == "Adapters and their training runs")
+    table["fieldConfig"]["overrides"] = [
+        {
+            "matcher": {"id": "byName", "options": header},
+            "properties": [{"id": "links", "value": [link]}],
+        }
+        for label, header in ORIGIN_COLUMNS
+        if label in ("openlora_training_run_name", "openlora_training_run_id")
     ]
     return panels
 

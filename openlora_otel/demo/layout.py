@@ -14,12 +14,15 @@ One base model, any number of LoRA adapters trained on it::
           adapter_config.json
           adapter_model.safetensors
           openlora.json             {"format": 1, "base_fingerprint": ..., "seed": ..., "steps": ...,
-                                     "final_eval_loss": ..., "run_id": ...}
+                                     "final_eval_loss": ..., "run_id": ..., "run_name": ...}
 
 The first ``demo --save DIR`` writes ``base/``; later runs into the same DIR train their adapter on
 that saved base (a different seed would otherwise draw different base weights, and an adapter only
 means something on the weights it was trained on). The fingerprint lets ``serve`` refuse an adapter
-trained on another base. Nothing here imports torch: the demo passes its models in.
+trained on another base. ``run_id``, ``run_name`` (added later: older manifests lack it, and read
+the same) and ``final_eval_loss`` name the training run, which ``serve`` shows on the adapter's
+``openlora.inference.adapter.info`` series (:meth:`SavedAdapter.origin`). Nothing here imports
+torch: the demo passes its models in.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from openlora_otel.inference.metrics import AdapterOrigin
 
 __all__ = [
     "ADAPTER_NAME_RULE",
@@ -85,6 +90,22 @@ class SavedAdapter:
     path: Path
     # The base it was trained on; None for an adapter not written by the demo (no openlora.json).
     base_fingerprint: str | None
+    # Its training run and last evaluation loss, from openlora.json; None where not known.
+    run_id: str | None = None
+    run_name: str | None = None
+    final_eval_loss: float | None = None
+
+    def origin(self, base: SavedBase) -> AdapterOrigin:
+        """Where it came from, for ``InferenceMetrics.loading_adapter(trained_by=...)``: its training run
+        and eval loss where known, and ``base``, the base it is served on (its fingerprint only when
+        openlora.json says the adapter was trained on it)."""
+        return AdapterOrigin(
+            run_id=self.run_id,
+            run_name=self.run_name,
+            base_model=base.base_model,
+            base_fingerprint=self.base_fingerprint,
+            final_eval_loss=self.final_eval_loss,
+        )
 
 
 def adapter_name_problem(name: str, base_model: str | None = None) -> str | None:
@@ -152,10 +173,23 @@ def read_adapter(name: str, path: str | os.PathLike[str]) -> SavedAdapter:
         raise LayoutError(
             f"adapter {name!r}: {path} holds no {ADAPTER_CONFIG} (not a PEFT adapter directory)"
         )
-    fingerprint = None
+    manifest: dict[str, Any] = {}
     if (path / MANIFEST).is_file():
-        fingerprint = _read_json(path / MANIFEST).get("base_fingerprint")
-    return SavedAdapter(name=name, path=path, base_fingerprint=str(fingerprint) if fingerprint else None)
+        manifest = _read_json(path / MANIFEST)
+
+    def text(key: str) -> str | None:
+        value = manifest.get(key)
+        return str(value) if value not in (None, "") else None
+
+    loss = manifest.get("final_eval_loss")
+    return SavedAdapter(
+        name=name,
+        path=path,
+        base_fingerprint=text("base_fingerprint"),
+        run_id=text("run_id"),
+        run_name=text("run_name"),
+        final_eval_loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
+    )
 
 
 def read_saved(root: str | os.PathLike[str]) -> tuple[SavedBase, list[SavedAdapter]]:

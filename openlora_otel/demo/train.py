@@ -404,7 +404,7 @@ def _run(
             result.best_eval_loss = final
     result.interrupted = stop.signal
     if result.steps and not stop.signal:  # an adapter from a run stopped early is not saved
-        result.saved = saving.save_adapter(model, result, telemetry.run_id)
+        result.saved = saving.save_adapter(model, result, telemetry.run_id, telemetry.run_name)
     if stop.signal == "diverged":
         result.stop_detail = guard.trip.detail if guard.trip is not None else "another rank's guard tripped"
     if options.linger > 0 and not stop.signal:
@@ -449,7 +449,7 @@ class _Saving:
                 context_length=self.options.seq_len,
             )
 
-    def save_adapter(self, model: Any, result: DemoResult, run_id: str) -> str | None:
+    def save_adapter(self, model: Any, result: DemoResult, run_id: str, run_name: str) -> str | None:
         if not self.options.save_dir or self.rank != 0 or self.base is None:
             return None
         from openlora_otel.demo.layout import save_adapter
@@ -462,6 +462,7 @@ class _Saving:
             "lora_alpha": options.lora_alpha,
             "final_eval_loss": result.final_eval_loss,
             "run_id": run_id,
+            "run_name": run_name,
         }
         return str(save_adapter(options.save_dir, options.saved_adapter_name, model, base=self.base, info=info))
 

@@ -15,6 +15,18 @@ with ``error.type`` on failures. Loaded adapters are announced with
 :meth:`InferenceMetrics.loading_adapter` and show in
 ``openlora.inference.adapter.loaded`` whether or not they have traffic.
 
+Where an adapter came from goes with its load, as an :class:`AdapterOrigin`::
+
+    with inference.loading_adapter("support-v2", trained_by=AdapterOrigin(
+        run_id="5f0c...", run_name="support-v2", base_model="llama-3-8b", final_eval_loss=1.23,
+    )):
+        load()
+
+and shows on one series per loaded adapter, ``openlora.inference.adapter.info`` (value 1; the
+training run's id and name, the base model and its fingerprint, the final eval loss as attributes,
+each only when known), never on the request series: a dashboard joins it on the adapter to link
+serving to the training run. Loading the adapter again replaces its series; unloading removes it.
+
 Cost. A request's end takes one lock and bisects its values into per-series
 bucket lists (:class:`~openlora_otel.windows.BucketCounts`); the SDK sees each
 series' window once per collection (:func:`~openlora_otel.windows.window_view`,
@@ -40,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -48,12 +61,17 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.names import (
     ATTR_ADAPTER,
+    ATTR_BASE_FINGERPRINT,
+    ATTR_BASE_MODEL,
     ATTR_ERROR_TYPE,
     ATTR_OPERATION,
     ATTR_PROVIDER,
     ATTR_REQUEST_MODEL,
     ATTR_RESPONSE_MODEL,
     ATTR_TOKEN_TYPE,
+    ATTR_TRAINING_EVAL_LOSS,
+    ATTR_TRAINING_RUN_ID,
+    ATTR_TRAINING_RUN_NAME,
     REQUEST_DURATION_BUCKETS,
     TOKEN_BUCKETS,
     TPOT_BUCKETS,
@@ -66,6 +84,7 @@ __all__ = [
     "ADAPTER_OTHER",
     "DEFAULT_MAX_ADAPTERS",
     "OTHER",
+    "AdapterOrigin",
     "InferenceMetrics",
     "InferenceRequest",
     "inference_views",
@@ -106,6 +125,52 @@ _SeriesKey = tuple[str, str, str, str, str | None]  # and error.type (None: succ
 def inference_views() -> list[Any]:
     """The views that let the request histograms take a whole window per collection (``setup_telemetry`` adds them)."""
     return [window_view(name, bounds) for name, bounds in _BOUNDS.items()]
+
+
+@dataclass(frozen=True)
+class AdapterOrigin:
+    """Where a served adapter came from, for its ``openlora.inference.adapter.info`` series.
+
+    Every field is optional: give what is known (an adapter from elsewhere may have no training run).
+    ``run_id`` and ``run_name`` are its training run's ``openlora.run.id`` and ``openlora.run.name``
+    (exported as ``openlora.training.run.id`` / ``.name``); ``base_model`` the base it runs on,
+    ``base_fingerprint`` an identifier of that base's weights (the demo's: 16 hex digits of the
+    SHA-256 of its safetensors); ``final_eval_loss`` the training's last evaluation loss, exported as
+    text with 6 significant digits (``NaN`` for a diverged evaluation). Strings are cut to 100 characters.
+    """
+
+    run_id: str | None = None
+    run_name: str | None = None
+    base_model: str | None = None
+    base_fingerprint: str | None = None
+    final_eval_loss: float | None = None
+
+    def attributes(self) -> dict[str, str]:
+        """The info series' attributes besides the adapter's name: only those known."""
+        attributes = {}
+        for key, value in (
+            (ATTR_TRAINING_RUN_ID, self.run_id),
+            (ATTR_TRAINING_RUN_NAME, self.run_name),
+            (ATTR_BASE_MODEL, self.base_model),
+            (ATTR_BASE_FINGERPRINT, self.base_fingerprint),
+        ):
+            if value is not None and str(value):
+                attributes[key] = str(value)[:_MAX_LABEL_CHARS]
+        loss = _loss_text(self.final_eval_loss)
+        if loss is not None:
+            attributes[ATTR_TRAINING_EVAL_LOSS] = loss
+        return attributes
+
+
+def _loss_text(value: Any) -> str | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{value:.6g}"
 
 
 class _Series:
@@ -220,6 +285,7 @@ class InferenceMetrics:
         self._active: dict[_Key, list[int]] = {}  # key -> [running, waiting]
         self._loaded: dict[str, int] = {}  # adapter value -> 1 loaded / 0 unloaded
         self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
+        self._info: dict[str, dict[str, str]] = {}  # loaded adapter value (not "other") -> its info attributes
         self._warned: set[str] = set()
         self.set_model(model, operation=operation)
 
@@ -248,10 +314,14 @@ class InferenceMetrics:
             meter.create_observable_up_down_counter(
                 spec.name, callbacks=[callback], unit=spec.unit, description=spec.description
             )
-        spec = _SPECS["openlora.inference.adapter.loaded"]
-        meter.create_observable_gauge(
-            spec.name, callbacks=[self._observe_loaded], unit=spec.unit, description=spec.description
-        )
+        for name, callback in (
+            ("openlora.inference.adapter.loaded", self._observe_loaded),
+            ("openlora.inference.adapter.info", self._observe_info),
+        ):
+            spec = _SPECS[name]
+            meter.create_observable_gauge(
+                spec.name, callbacks=[callback], unit=spec.unit, description=spec.description
+            )
 
     # -- configuration --------------------------------------------------------------
     def set_model(self, model: str, *, operation: str | None = None) -> None:
@@ -264,8 +334,14 @@ class InferenceMetrics:
 
     # -- adapters ---------------------------------------------------------------------
     @contextmanager
-    def loading_adapter(self, name: str) -> Iterator[None]:
-        """Time an adapter load: on success the adapter is loaded; an exception records ``error.type`` and propagates."""
+    def loading_adapter(self, name: str, *, trained_by: AdapterOrigin | None = None) -> Iterator[None]:
+        """Time an adapter load: on success the adapter is loaded; an exception records ``error.type`` and propagates.
+
+        ``trained_by``: where the adapter came from, for its ``openlora.inference.adapter.info`` series
+        (see :class:`AdapterOrigin`); without it that series carries the adapter's name only. On success
+        it replaces what an earlier load of that name said; a failed load changes nothing there.
+        """
+        info = self._origin_attributes(trained_by)
         value = self._adapter_slot(name, reserve=True)
         started = time.perf_counter()
         try:
@@ -274,10 +350,14 @@ class InferenceMetrics:
             self._record_load(value, time.perf_counter() - started, _exception_type(type(exc)))
             raise
         self._record_load(value, time.perf_counter() - started, None)
-        self._mark_loaded(name, value, True)
+        self._mark_loaded(name, value, True, info)
 
-    def adapter_loaded(self, name: str, load_time_s: float | None = None) -> None:
-        """Mark adapter ``name`` loaded (and record its load time when given)."""
+    def adapter_loaded(
+        self, name: str, load_time_s: float | None = None, *, trained_by: AdapterOrigin | None = None
+    ) -> None:
+        """Mark adapter ``name`` loaded (and record its load time when given); ``trained_by`` as for
+        :meth:`loading_adapter`. Calling it again for a loaded adapter (a reload) replaces its info series."""
+        info = self._origin_attributes(trained_by)
         value = self._adapter_slot(name, reserve=True)
         if load_time_s is not None:
             seconds = _seconds_or_none(load_time_s)
@@ -285,15 +365,31 @@ class InferenceMetrics:
                 self._warn_once("load_time", f"load_time_s must be a finite number >= 0, got {load_time_s!r}")
             else:
                 self._record_load(value, seconds, None)
-        self._mark_loaded(name, value, True)
+        self._mark_loaded(name, value, True, info)
 
     def adapter_unloaded(self, name: str) -> None:
-        """Mark adapter ``name`` unloaded: its gauge reads 0 from the next collection."""
+        """Mark adapter ``name`` unloaded: its gauge reads 0 from the next collection, its info series is gone."""
         value = self._adapter_slot(name, reserve=True)
         self._mark_loaded(name, value, False)
 
-    def _mark_loaded(self, name: str, value: str, loaded: bool) -> None:
+    def _origin_attributes(self, trained_by: AdapterOrigin | None) -> dict[str, str]:
+        if trained_by is None:
+            return {}
+        if not isinstance(trained_by, AdapterOrigin):
+            raise TypeError(f"trained_by must be an AdapterOrigin or None, got {type(trained_by).__name__}")
+        if trained_by.final_eval_loss is not None and _loss_text(trained_by.final_eval_loss) is None:
+            self._warn_once("eval-loss", f"final_eval_loss must be a number, got {trained_by.final_eval_loss!r}")
+        return trained_by.attributes()
+
+    def _mark_loaded(self, name: str, value: str, loaded: bool, info: dict[str, str] | None = None) -> None:
         with self._lock:
+            if value != ADAPTER_OTHER:
+                # One info series per adapter with its own slot: past the cap, names share "other" and
+                # their origins would be many series under one name.
+                if loaded:
+                    self._info[value] = {ATTR_ADAPTER: value, **(info or {})}
+                else:
+                    self._info.pop(value, None)
             if value == ADAPTER_OTHER:
                 # Several adapters past the cap share "other": it stays loaded until the last one goes.
                 if loaded:
@@ -428,6 +524,10 @@ class InferenceMetrics:
     def _observe_loaded(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
             return [Observation(loaded, {ATTR_ADAPTER: name}) for name, loaded in self._loaded.items()]
+
+    def _observe_info(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            return [Observation(1, attributes) for attributes in self._info.values()]
 
     def _active_observations(self, index: int) -> list[Observation]:
         seen = set(self._active)

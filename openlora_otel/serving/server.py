@@ -488,7 +488,7 @@ def load_models(
     models = ServedModels(base, device=device)
     for adapter in adapters:
         try:
-            with inference.loading_adapter(adapter.name):
+            with inference.loading_adapter(adapter.name, trained_by=adapter.origin(base)):
                 models.load_adapter(adapter)
         except Exception as exc:
             print(
