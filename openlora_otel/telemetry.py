@@ -313,6 +313,10 @@ class Telemetry:
         while another thread is shutting down waits for it (within its own
         bound). Never raises, except for a ``timeout_s`` that is not a number of
         seconds in (0, 600] (``TypeError`` / ``ValueError``; then nothing is changed).
+
+        It first settles :attr:`outcome` (``openlora.run.outcome``), so that the final
+        collection says how the run ended; called inside an ``except`` block, that
+        exception counts as the run's end (``failed``).
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
