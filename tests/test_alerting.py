@@ -424,6 +424,12 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
             assert alert["labels"]["instance"] == f"localhost:{metrics_port}"
             assert "(run lr-too-high)" in alert["annotations"]["summary"]
         assert firing["OpenloraDivergenceGuardTripped"]["labels"]["openlora_guard_reason"] == "nonfinite_loss"
+        # The final scrape said how it ended; the guard's page is the only one for that (no failed or vanished).
+        query = urllib.parse.urlencode({"query": f'run:openlora_run:outcome{{openlora_run_id="{run_id}"}}'})
+        with urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port}/api/v1/query?{query}", timeout=5) as answer:
+            outcomes = [r["metric"]["openlora_run_outcome"] for r in json.load(answer)["data"]["result"]]
+        assert outcomes == ["stopped_by_guard"]
+        assert not [a for a in webhook.alerts() if a["labels"]["alertname"].startswith("OpenloraRun")]
         print(
             f"demo ran {ended - started:.1f} s; both alerts at the webhook {received - ended:.1f} s after it exited"
         )
