@@ -77,7 +77,11 @@ def test_an_exception_in_the_with_block_is_failed_with_its_type_never_its_messag
     with pytest.raises(ValueError), final:
         raise ValueError("secret token 123")
     outcome = final.final_outcome()
-    assert outcome == {"openlora.run.id": "run-x", "openlora.run.outcome": "failed", "error.type": "ValueError"}
+    assert outcome == {
+        "openlora.run.id": "run-x",
+        "openlora.run.outcome": "failed",
+        "error.type": "ValueError",
+    }
     assert "secret" not in repr(outcome)
 
 
@@ -200,7 +204,11 @@ def test_an_uncaught_exception_without_the_context_manager_is_failed() -> None:
             "raise MemoryError('the message is never exported')\n"
         )
         result = subprocess.run(
-            [sys.executable, "-c", script], env=_otlp_env(receiver), capture_output=True, text=True, timeout=60
+            [sys.executable, "-c", script],
+            env=_otlp_env(receiver),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 1 and "MemoryError" in result.stderr
         assert _final_outcome(receiver) == {
