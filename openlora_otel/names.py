@@ -22,11 +22,14 @@ __all__ = [
     "ADAPTER_METRICS",
     "ATTR_EVAL_METRIC",
     "ATTR_GUARD_REASON",
+    "ATTR_RUN_OUTCOME",
+    "ATTR_RUN_SIGNAL",
     "GPU_METRICS",
     "GUARD_REASONS",
     "INFERENCE_METRICS",
     "REQUEST_DURATION_BUCKETS",
     "RUN_METRICS",
+    "RUN_OUTCOMES",
     "STEP_DURATION_BUCKETS",
     "TOKEN_BUCKETS",
     "TPOT_BUCKETS",
@@ -43,6 +46,12 @@ ATTR_EVAL_METRIC = "openlora.eval.metric"
 # Attribute on openlora.training.guard.trips: why the guard tripped (two values).
 ATTR_GUARD_REASON = "openlora.guard.reason"
 GUARD_REASONS = ("nonfinite_loss", "loss_spike")
+# Attributes on openlora.run.outcome: how the run ended, and for `terminated` the signal's name.
+ATTR_RUN_OUTCOME = "openlora.run.outcome"
+ATTR_RUN_SIGNAL = "openlora.run.signal"
+# What openlora.run.outcome reports: `running` until shutdown begins, then how the run ended. The
+# sixth outcome, `vanished`, is never reported: the rules derive it (a run gone while `running`).
+RUN_OUTCOMES = ("running", "finished", "stopped_by_guard", "terminated", "failed")
 
 # Step duration buckets in seconds. From 10 ms to 10 s, 25 per decade (neighbours at
 # most 1.097x apart, 4 significant digits): histogram_quantile interpolates inside the
@@ -248,6 +257,16 @@ RUN_METRICS: tuple[MetricSpec, ...] = (
         "1 while the process runs; attributes `openlora.run.name` (the run id when no name is given) and "
         "`openlora.hparam.<key>` per hyperparameter (at most 32, values at most 100 characters). "
         "One series per process: join it on `(job, instance)` for names in legends and alerts.",
+    ),
+    MetricSpec(
+        "openlora.run.outcome",
+        "gauge",
+        "",
+        "1; attribute `openlora.run.outcome`: `running` while the process runs, then, in the final "
+        "collection, how the run ended: `finished`, `stopped_by_guard`, `terminated` (with `openlora.run.signal`: "
+        "`SIGTERM`, `SIGINT`) or `failed` (with `error.type`, the exception's type). Carries `openlora.run.id`, "
+        "so that it names its run after the target is gone. A run gone while `running` is `vanished` "
+        "(derived by the rules).",
     ),
 )
 

@@ -173,7 +173,7 @@ class RunInfo:
         self._explicit: dict[str, str] = {}
         self._filled: dict[str, str] = {}
         self._attributes = self._build()
-        (spec,) = RUN_METRICS
+        spec = RUN_METRICS[0]
         meter.create_observable_gauge(
             spec.name, callbacks=[self._observe], unit=spec.unit, description=spec.description
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.exporters.readers import build_readers, check_packages
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
+from openlora_otel.outcome import RunOutcome
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.run import RunInfo, normalize_hyperparameters
 from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
@@ -81,6 +83,9 @@ class Telemetry:
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
         self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
+        self._outcome = RunOutcome(self._meter, run_id=run_id)
+        # An exception printed before setup (an earlier one in a REPL) is not this run's.
+        self._last_value_at_setup = getattr(sys, "last_value", None)
         atexit.register(self._shutdown_at_exit)
 
     # -- what it is ---------------------------------------------------------
@@ -255,6 +260,23 @@ class Telemetry:
     def is_shutdown(self) -> bool:
         return self._closed
 
+    @property
+    def outcome(self) -> str:
+        """How the run ended, as ``openlora.run.outcome`` reports it: ``running`` until ``shutdown()``
+        begins, then ``finished``, ``stopped_by_guard``, ``terminated`` or ``failed``."""
+        return self._outcome.outcome
+
+    def _decide_outcome(self) -> None:
+        """Settle ``openlora.run.outcome`` before the final collection (see :mod:`openlora_otel.outcome`)."""
+        try:
+            # A shutdown() called inside an `except` block: that exception ends the run.
+            self._outcome.note_exception(sys.exc_info()[1])
+            guard = getattr(self._training, "_guard", None) if self._training is not None else None
+            outcome = self._outcome.decide(guard_tripped=bool(guard is not None and guard.tripped))
+            _logger.debug("run %s outcome: %s", self._run_id, outcome)
+        except Exception:  # pragma: no cover - nothing above raises; the shutdown matters more
+            _logger.debug("deciding the run's outcome failed", exc_info=True)
+
     def __repr__(self) -> str:
         state = "shut down" if self._closed else ("enabled" if self.enabled else "disabled")
         return f"<Telemetry {state} run_id={self._run_id!r} exporters={self._config.enabled_exporters}>"
@@ -291,6 +313,10 @@ class Telemetry:
         while another thread is shutting down waits for it (within its own
         bound). Never raises, except for a ``timeout_s`` that is not a number of
         seconds in (0, 600] (``TypeError`` / ``ValueError``; then nothing is changed).
+
+        It first settles :attr:`outcome` (``openlora.run.outcome``), so that the final
+        collection says how the run ended; called inside an ``except`` block, that
+        exception counts as the run's end (``failed``).
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
@@ -300,6 +326,7 @@ class Telemetry:
             self._shutdown_done.wait(timeout + self._config.final_scrape_timeout_s)
             return self._shutdown_ok and self._shutdown_done.is_set()
         atexit.unregister(self._shutdown_at_exit)
+        self._decide_outcome()
         if self._sigterm is not None:
             # The main thread may now sit in the waits below: not a thread stuck in C code.
             self._sigterm.shutdown_started()
@@ -400,7 +427,22 @@ class Telemetry:
         return ok
 
     def _shutdown_at_exit(self) -> None:
+        # An uncaught exception ended the script: Python printed it (setting sys.last_value) before
+        # running atexit. Not in an interactive session, where an earlier error does not end it.
+        last = getattr(sys, "last_value", None)
+        if last is not None and last is not self._last_value_at_setup and not hasattr(sys, "ps1"):
+            self._outcome.note_exception(last)
         self.shutdown()
+
+    def _shutdown_on_sigterm(self) -> None:
+        """What the SIGTERM guard runs before exiting with 143."""
+        self._outcome.note_signal(signal.SIGTERM)
+        self.shutdown()
+
+    def _flush_on_chained_sigterm(self) -> None:
+        """An application handler called ours: the run is being stopped by SIGTERM, its way."""
+        self._outcome.note_signal(signal.SIGTERM)
+        self.force_flush()
 
     def __enter__(self) -> Telemetry:
         return self
@@ -411,6 +453,7 @@ class Telemetry:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._outcome.note_exception(exc)
         self.shutdown()
 
 
@@ -625,7 +668,7 @@ def _install_sigterm(telemetry: Telemetry) -> None:
         return
     from openlora_otel.sigterm import SigtermGuard
 
-    telemetry._sigterm = SigtermGuard.install(telemetry.shutdown, telemetry.force_flush)
+    telemetry._sigterm = SigtermGuard.install(telemetry._shutdown_on_sigterm, telemetry._flush_on_chained_sigterm)
 
 
 def _announce(telemetry: Telemetry) -> None:

@@ -1,6 +1,7 @@
 """Alerts that reach a person: collector/alertmanager.yml (checked by amtool, routed and inhibited by a
-real Alertmanager), the Alertmanager in compose, the alerting blocks of the Prometheus configs, and a
-real run gone NaN whose alert reaches a webhook through the stack ``openlora-otel stack`` writes."""
+real Alertmanager), the Alertmanager in compose, the alerting blocks of the Prometheus configs, and
+real runs (one gone NaN, one that raises, one SIGKILLed) whose alerts reach a webhook through the stack
+``openlora-otel stack`` writes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -422,10 +424,163 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
             assert alert["labels"]["instance"] == f"localhost:{metrics_port}"
             assert "(run lr-too-high)" in alert["annotations"]["summary"]
         assert firing["OpenloraDivergenceGuardTripped"]["labels"]["openlora_guard_reason"] == "nonfinite_loss"
+        # The final scrape said how it ended; the guard's page is the only one for that (no failed or vanished).
+        query = urllib.parse.urlencode({"query": f'run:openlora_run:outcome{{openlora_run_id="{run_id}"}}'})
+        with urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port}/api/v1/query?{query}", timeout=5) as answer:
+            outcomes = [r["metric"]["openlora_run_outcome"] for r in json.load(answer)["data"]["result"]]
+        assert outcomes == ["stopped_by_guard"]
+        assert not [a for a in webhook.alerts() if a["labels"]["alertname"].startswith("OpenloraRun")]
         print(
             f"demo ran {ended - started:.1f} s; both alerts at the webhook {received - ended:.1f} s after it exited"
         )
     finally:
+        process.send_signal(signal.SIGTERM)
+        reap(process, 40)
+    assert process.returncode == 0
+
+
+# -- real runs that fail and vanish, through the same stack -------------------------------------------
+
+FAILING_RUN = """
+import os, time
+from openlora_otel import setup_telemetry
+telemetry = setup_telemetry()
+started = time.monotonic()
+while telemetry._prometheus.scrapes < 2 and time.monotonic() - started < 30:
+    telemetry.training.record_step(loss=1.0, tokens=10, step_time_s=0.01)
+    time.sleep(0.01)
+raise RuntimeError("CUDA error: an illegal memory access (this text is never exported)")
+"""
+
+KILLED_RUN = """
+import os, time
+from openlora_otel import setup_telemetry
+telemetry = setup_telemetry()
+started = time.monotonic()
+while telemetry._prometheus.scrapes < 2 and time.monotonic() - started < 30:
+    telemetry.training.record_step(loss=1.0, tokens=10, step_time_s=0.01)
+    time.sleep(0.01)
+print("SCRAPED", flush=True)
+time.sleep(120)
+"""
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P+1 free on loopback (the stack's --ranks 2 scrapes both)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    pytest.skip("no two adjacent free ports")
+
+
+@pytest.mark.e2e
+def test_a_run_that_raises_and_one_that_is_sigkilled_reach_the_webhook(tmp_path: Path, webhook: Webhook) -> None:
+    """A process that raises reports `failed` in its final scrape (OpenloraRunFailed, with the exception's
+    type and never its message); one that is SIGKILLed reports nothing and vanishes (OpenloraRunVanished).
+    Neither is taken for the other."""
+    import sys
+
+    from tests.support.processes import child_env, reap
+    from tests.support.stack import start_stack
+
+    port = _two_free_ports()
+    prometheus_port, alertmanager_port = free_port(), free_port()
+    process, _ = start_stack(
+        tmp_path / "stack",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--webhook",
+        webhook.url,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--alertmanager-port",
+        str(alertmanager_port),
+        "--scrape-interval",
+        "1s",
+        "--evaluation-interval",
+        "1s",
+    )
+    killed = None
+    try:
+        tag = f"{os.getpid()}-{port}"
+        failing_id, killed_id = f"failing-{tag}", f"killed-{tag}"
+
+        def env(run_id: str, name: str, metrics_port: int) -> dict[str, str]:
+            return child_env(
+                OPENLORA_RUN_ID=run_id,
+                OPENLORA_RUN_NAME=name,
+                OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
+                OPENLORA_QUIET="true",
+                PYTHONPATH=str(ROOT),
+            )
+
+        killed = subprocess.Popen(
+            [sys.executable, "-c", KILLED_RUN],
+            cwd=ROOT,
+            env=env(killed_id, "oom-killed", port + 1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        failing = subprocess.run(
+            [sys.executable, "-c", FAILING_RUN],
+            cwd=ROOT,
+            env=env(failing_id, "bad-kernel", port),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert failing.returncode == 1 and "RuntimeError" in failing.stderr, failing.stderr[-2000:]
+        assert killed.stdout is not None and killed.stdout.readline().strip() == "SCRAPED"
+        killed.kill()  # SIGKILL: no shutdown, no final scrape
+        reap(killed, 10)
+        ended = time.monotonic()
+        names = ("OpenloraRunFailed", "OpenloraRunVanished")
+        deadline = ended + 90
+        while time.monotonic() < deadline:
+            firing = {a["labels"]["alertname"]: a for a in webhook.alerts() if a["status"] == "firing"}
+            if all(name in firing for name in names):
+                break
+            time.sleep(0.25)
+        assert all(name in firing for name in names), (
+            f"received {webhook.notifications}; Prometheus log: {(tmp_path / 'stack' / 'prometheus.log').read_text()[-2000:]}"
+        )
+        failed, vanished = firing["OpenloraRunFailed"], firing["OpenloraRunVanished"]
+        assert failed["receiver"] == vanished["receiver"] == "critical"
+        assert failed["labels"]["openlora_run_id"] == failing_id
+        assert failed["labels"]["openlora_run_name"] == "bad-kernel"
+        assert failed["labels"]["error_type"] == "RuntimeError"
+        assert "illegal" not in json.dumps(failed)
+        assert failed["labels"]["instance"] == f"localhost:{port}"
+        assert vanished["labels"]["openlora_run_id"] == killed_id
+        assert vanished["labels"]["openlora_run_name"] == "oom-killed"
+        assert vanished["labels"]["instance"] == f"localhost:{port + 1}"
+        # Each run has the one outcome: the failed run never vanished, the killed one never failed.
+        query = urllib.parse.urlencode(
+            {"query": 'group by (alertname, openlora_run_id) (count_over_time(ALERTS{alertname=~"OpenloraRun.*"}[10m]))'}
+        )
+        with urllib.request.urlopen(f"http://127.0.0.1:{prometheus_port}/api/v1/query?{query}", timeout=5) as answer:
+            seen = {
+                (r["metric"]["alertname"], r["metric"]["openlora_run_id"])
+                for r in json.load(answer)["data"]["result"]
+            }
+        assert seen == {("OpenloraRunFailed", failing_id), ("OpenloraRunVanished", killed_id)}
+        print(f"both alerts at the webhook {time.monotonic() - ended:.1f} s after the SIGKILL")
+    finally:
+        if killed is not None and killed.poll() is None:
+            killed.kill()
+            reap(killed, 10)
         process.send_signal(signal.SIGTERM)
         reap(process, 40)
     assert process.returncode == 0

@@ -73,6 +73,12 @@ def test_final_values_of_a_short_run_reach_prometheus(tmp_path: Path) -> None:
         assert final, (steps, prometheus.query("max_over_time(openlora_training_steps_total[5m])"))
         tokens = prometheus.query("max_over_time(openlora_training_tokens_total[5m])")
         assert float(tokens[0]["value"][1]) == 10 * steps
+        # The final scrape also says how the run ended, under its run id (after `running` during it).
+        outcomes = prometheus.query("last_over_time(openlora_run_outcome[5m])")
+        assert {(o["metric"]["openlora_run_outcome"], o["metric"]["openlora_run_id"]) for o in outcomes} == {
+            ("running", telemetry.run_id),
+            ("finished", telemetry.run_id),
+        }
     finally:
         prometheus.stop()
 

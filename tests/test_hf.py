@@ -435,6 +435,7 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(
     assert times.ended[stopped] - times.ended[third_bad] < 0.05 + 2.0
     assert value(data, "openlora.training.loss.nonfinite") == stopped - bad_from
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
+    assert telemetry.outcome == "stopped_by_guard"
 
 
 def test_a_tripped_guard_saves_no_checkpoint_over_the_last_good_one(tmp_path) -> None:

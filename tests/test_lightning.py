@@ -226,6 +226,36 @@ def test_a_loss_gone_nan_stops_the_trainer_within_the_guard_lag(memory_reader: I
     assert ended[stopped] - ended[third_bad] < 0.05 + 2.0
     assert value(data, "openlora.training.loss.nonfinite") >= 3
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
+    assert telemetry.outcome == "stopped_by_guard"
+
+
+class FailsAtStep(LoraModule):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            raise ValueError("a bad batch (this text is never exported)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_raises_is_failed_even_when_the_script_shuts_down_later() -> None:
+    # Lightning calls on_exception, then re-raises; the script's shutdown() runs outside any except block.
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    trainer = quiet_trainer(max_steps=5, callbacks=[TelemetryCallback(telemetry)])
+    loader = torch.utils.data.DataLoader(CountingCorpus(40), batch_size=2)
+    with pytest.raises(ValueError):
+        trainer.fit(FailsAtStep(), loader)
+    telemetry.shutdown()
+    assert telemetry.outcome == "failed"
+    assert telemetry._outcome.attributes["error.type"] == "ValueError"
+
+
+def test_a_new_fit_after_one_that_raised_can_finish() -> None:
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)))
+    loader = torch.utils.data.DataLoader(CountingCorpus(40), batch_size=2)
+    with pytest.raises(ValueError):
+        quiet_trainer(max_steps=5, callbacks=[TelemetryCallback(telemetry)]).fit(FailsAtStep(), loader)
+    quiet_trainer(max_steps=3, callbacks=[TelemetryCallback(telemetry)]).fit(LoraModule(), loader)
+    telemetry.shutdown()
+    assert telemetry.outcome == "finished"
 
 
 class NanAtStep(LoraModule):

@@ -124,8 +124,18 @@ class TelemetryCallback(pl.Callback):
         self._loss, self._loss_parts = None, 0
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._unmute_checkpoints()  # a trainer reused after a fit that tripped and then raised
+        self._owner.telemetry._outcome.forget_exception()  # ... or that raised: this fit may finish
         self._clock = StepClock()
         self._clock.idle()
+
+    @safe
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # The fit ends with this exception. Lightning turns a KeyboardInterrupt (noted as SIGINT) into
+        # exit status 1, and a SIGTERM its signal connector took into an exception of its own: the
+        # shutdown at exit then reports `terminated`, not `finished` or a failure.
+        self._owner.telemetry._outcome.note_exception(exception)
 
     @safe
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -31,7 +31,7 @@ __all__ = ["history_files", "read_runs"]
 _logger = logging.getLogger(__name__)
 
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
-(_RUN_INFO,) = (spec.name for spec in RUN_METRICS)
+_RUN_INFO = RUN_METRICS[0].name
 
 
 def history_files(paths: Sequence[str]) -> list[Path]:
