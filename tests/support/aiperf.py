@@ -72,10 +72,12 @@ def aiperf_binary() -> Path:
 
 
 def make_tokenizer(aiperf: Path, directory: Path, alphabet: str, timeout: float = 120) -> Path:
-    """Write the character tokenizer for ``alphabet`` into ``directory`` with AIPerf's own Python."""
-    python = aiperf.parent / "python"
+    """Write the character tokenizer for ``alphabet`` into ``directory`` with AIPerf's own Python (the
+    interpreter its script names, which pip writes as an absolute path)."""
+    first = aiperf.read_bytes().split(b"\n", 1)[0].decode()
+    python = first[2:].strip() if first.startswith("#!/") else str(aiperf.parent / "python")
     done = subprocess.run(
-        [str(python), "-c", _TOKENIZER_SCRIPT, str(directory), alphabet],
+        [python, "-c", _TOKENIZER_SCRIPT, str(directory), alphabet],
         env=_environment(directory.parent),
         capture_output=True,
         text=True,
