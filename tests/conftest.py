@@ -17,7 +17,10 @@ from openlora_otel import telemetry as telemetry_module
 from openlora_otel.hardware import gpu_snapshot
 from openlora_otel.training import arguments as arguments_module
 from openlora_otel.training import metrics as training_module
-from tests.support import built  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
+from tests.support import (
+    aiperf,  # noqa: F401 (reads OPENLORA_AIPERF before clean_env hides it)
+    built,  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
+)
 from tests.support.clock import FakeClock
 from tests.support.gpu import SteppedTime
 from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES

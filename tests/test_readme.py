@@ -46,6 +46,17 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
 
 
+def test_ci_installs_the_aiperf_the_tests_and_readme_name() -> None:
+    """.ci/run's pinned AIPerf is the version tests/support/aiperf.py checks and the README installs."""
+    from tests.support.aiperf import VERSION
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^aiperf_version=(\S+)$", ci, re.M).group(1) == VERSION
+    assert '.venv-aiperf/bin/pip install -q "aiperf==$aiperf_version"' in ci
+    assert f"python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf=={VERSION}" in README
+    assert ".venv-aiperf/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
 @pytest.mark.process
 def test_run_command_installs_pinned_torch_first_and_runs_the_demo() -> None:
     command = block("run-command")

@@ -36,10 +36,8 @@ demo's save and five server starts).
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
-import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -51,6 +49,12 @@ import pytest
 
 from openlora_otel.cli import main as cli_main
 from openlora_otel.names import REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
+from tests.support.client_histograms import (
+    SLACK_S,
+    assert_histogram_holds_client_values,
+    assert_quantile_not_above_client,
+    bucket_index,
+)
 from tests.support.prometheus_server import Prometheus
 from tests.support.serving import ServeProcess, save_demo
 
@@ -154,57 +158,6 @@ def expected_counts(base_model: str, *runs: dict) -> dict[tuple[str, str], int]:
                 if count:
                     expected[(label[model], key)] = expected.get((label[model], key), 0) + count
     return expected
-
-
-def bucket_index(value: float, bounds: tuple[float, ...] | list[float]) -> int:
-    """The bucket holding ``value``: i for bounds[i-1] < value <= bounds[i] (``le``), len(bounds) for +Inf."""
-    return bisect.bisect_left(list(bounds), value)
-
-
-SLACK_S = 0.001  # how far a server time may exceed its client time (the end after the last send)
-
-
-def assert_histogram_holds_client_values(
-    what: str, cumulative: dict[float, int], client: list[float], server_sum: float, bounds: tuple[float, ...]
-) -> None:
-    """``cumulative`` (bucket bound -> server values <= it, from the ``_bucket`` series) against the
-    clients' values of the same requests, each its server value plus an overhead >= -SLACK_S."""
-    n = len(client)
-    assert cumulative[float("inf")] == n, (what, cumulative, n)
-    assert sorted(cumulative) == [*bounds, float("inf")], (what, sorted(cumulative))
-    # The sums are exact: the server's mean is the client's less the HTTP around each request.
-    server_mean, client_mean = server_sum / n, sum(client) / n
-    assert server_mean <= client_mean + SLACK_S, (
-        f"{what}: the server's mean {server_mean:.4f} s is above the clients' {client_mean:.4f} s"
-    )
-    assert client_mean - server_mean < 0.1, (
-        f"{what}: the server's mean {server_mean:.4f} s is more than 100 ms below the clients' {client_mean:.4f} s"
-    )
-    # Overheads shifted to be >= 0: their sum is exact, so few of them can be large (Markov).
-    shifted_sum = sum(client) - server_sum + n * SLACK_S
-    for bound in bounds:
-        at_least = sum(value <= bound - SLACK_S for value in client)
-        large = math.floor(shifted_sum / (bound + SLACK_S))
-        at_most = sum(value <= 2 * bound for value in client) + large
-        assert at_least <= cumulative[bound] <= at_most, (
-            f"{what}: {cumulative[bound]} of {n} server values <= {bound} s; the clients' values allow "
-            f"{at_least} to {at_most} (client values: {sorted(client)})"
-        )
-
-
-def assert_quantile_not_above_client(
-    what: str, q: float, server_quantile: float, client: list[float], bounds: tuple[float, ...]
-) -> None:
-    """``histogram_quantile(q)`` lies in the bucket of the server's order statistic of rank ceil(q n), which is
-    at most the client's of that rank (+ SLACK_S): so at most that bucket's upper edge."""
-    ordered = sorted(client)
-    rank = max(1, math.ceil(q * len(ordered)))
-    edges = [*bounds, float("inf")]
-    ceiling = edges[bucket_index(ordered[rank - 1] + SLACK_S, bounds)]
-    assert server_quantile <= ceiling, (
-        f"{what}: server {server_quantile:.4f} s, above the bucket ending at {ceiling} s that holds the "
-        f"client's value of rank {rank} of {len(ordered)} ({ordered[rank - 1]:.4f} s)"
-    )
 
 
 def test_bucket_index_follows_le() -> None:
