@@ -748,6 +748,14 @@ def _check_every_query(
         assert prometheus.wait_for("openlora_gpu_xid_errors_total > 0", timeout=60)
         time.sleep(8)  # enough samples for 15 s rate windows while training goes on
         assert not done.is_set(), "the run ended before the queries"
+        # Bounded wait: the energy records are a chain of five (GPU power, token shares, rank power, per
+        # token and per step); on VictoriaMetrics each link comes back through vmalert's remote write, an
+        # evaluation or two behind the one before.
+        wait_until(
+            lambda: prometheus.query("run:openlora_training_energy_per_step_joules:2m")
+            and prometheus.query("rank:openlora_training_energy_per_token_joules:2m"),
+            timeout=60,
+        )
         # Both runs selected in the run variable, offered by their names; the legends' hyperparameter
         # is the learning rate. Every variable has values and every panel query returns data.
         problems = run_every_query(

@@ -370,6 +370,13 @@ def _check_every_inference_query(metrics: MetricsPath, config: TelemetryConfig, 
                 timeout=90,
             ), prometheus.query("up")
             time.sleep(4)  # several scrapes with traffic: rates over the panels' 15 s have data
+            # Bounded wait: the energy records are a chain (GPU power, the server's share, the adapters'
+            # shares); on VictoriaMetrics each link comes back through vmalert's remote write, an
+            # evaluation or two behind the one before.
+            wait_until(
+                lambda: prometheus.query("adapter:openlora_inference_energy_per_output_token_joules:2m"),
+                timeout=60,
+            )
             problems = run_every_query(
                 INFERENCE_DASHBOARD, prometheus.query, http_variable_options(prometheus.url), RUN_ID
             )

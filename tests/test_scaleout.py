@@ -283,6 +283,14 @@ def wait_for_records(store: Server, timeout: float = 90.0) -> None:
     training series have a few samples more for the rates."""
     done = wait_until(lambda: len(store.query("rank:openlora_training_straggler_ratio:2m")) == 2, timeout)
     assert done, f"no straggler ratio for both ranks; up: {store.query('up')}"
+    # And the last records of the energy chain (through vmalert, one link an evaluation or two behind
+    # the one before).
+    done = wait_until(
+        lambda: store.query("run:openlora_training_energy_per_step_joules:2m")
+        and store.query("rank:openlora_training_energy_per_token_joules:2m"),
+        timeout,
+    )
+    assert done, f"no energy records; GPU power: {store.query('gpu:hw_energy_joules:rate2m')}"
     time.sleep(3)
 
 
