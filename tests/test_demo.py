@@ -36,7 +36,7 @@ def test_demo_metrics_scraped_by_prometheus_then_sigterm(tmp_path) -> None:
     demo = demo_process("--steps", "40", "--batch-size", "4", "--eval-every", "20", "--linger", "60", env=env)
     prometheus = None
     try:
-        wait_for_line(demo.stderr, "serving the final values", timeout=120)
+        wait_for_line(demo.stderr, "keeping the final values", timeout=120)
         prometheus = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
         assert prometheus.wait_for("openlora_training_steps_total == 40", timeout=30)
         assert float(prometheus.wait_for("openlora_adapter_rank")[0]["value"][1]) == 8

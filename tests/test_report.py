@@ -746,7 +746,7 @@ def test_report_from_prometheus_that_scraped_two_real_demo_runs(
     try:
         prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in ports], scrape_interval="250ms")
         for demo in demos:
-            wait_for_line(demo.stderr, "serving the final values", timeout=300)
+            wait_for_line(demo.stderr, "keeping the final values", timeout=300)
         done = time.time()
         for port in ports:
             # Scrapes a second after the final evaluation: the last values are in Prometheus.

@@ -29,7 +29,7 @@ def test_two_runs_one_after_the_other_on_the_same_port_are_read_apart(tmp_path: 
         for name, lr, steps in (("a", "3e-3", "30"), ("b", "1e-3", "20")):
             demo = demo_process(*common[:1], steps, *common[2:], "--run-name", name, "--lr", lr, env=env)
             try:
-                wait_for_line(demo.stderr, "serving the final values", timeout=300)
+                wait_for_line(demo.stderr, "keeping the final values", timeout=300)
                 assert demo.wait(timeout=60) == 0
             finally:
                 demo.terminate()

@@ -409,7 +409,7 @@ def _run(
         result.stop_detail = guard.trip.detail if guard.trip is not None else "another rank's guard tripped"
     if options.linger > 0 and not stop.signal:
         if not options.quiet:
-            out.write(f"serving the final values at {where} for {options.linger:g} s (Ctrl-C to stop)\n")
+            out.write(f"keeping the final values for {options.linger:g} s: metrics {where} (Ctrl-C to stop)\n")
             out.flush()
         with _signals(stop):
             stop.event.wait(options.linger)
