@@ -26,7 +26,7 @@ from opentelemetry.sdk.resources import Resource
 
 from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
-from openlora_otel.exporters.readers import build_readers, check_packages
+from openlora_otel.exporters.readers import build_readers
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.outcome import RunOutcome
 from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
@@ -727,8 +727,6 @@ def _build_provider(
     Returns the provider, the pull endpoint (or None) and every reader, each made to
     collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
     """
-    # Fail on a missing package before the resource is built, a port bound or a thread started.
-    check_packages(config)
     assert config.run_id is not None
     resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
     if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant

@@ -63,7 +63,8 @@ def check_packages(config: TelemetryConfig) -> None:
 
 def build_readers(config: TelemetryConfig, resource: Resource) -> Readers:
     """Every reader ``config`` selects, started: the Prometheus endpoint bound (and registered for
-    file-based discovery), the push readers' threads running, the history file open."""
+    file-based discovery), the push readers' threads running, the history file open. A missing exporter
+    package fails first (:func:`check_packages`), before a port is bound or a thread started."""
     check_packages(config)
     exporters = config.enabled_exporters
     history = None
