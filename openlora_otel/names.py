@@ -24,6 +24,7 @@ __all__ = [
     "ATTR_GUARD_REASON",
     "ATTR_RUN_OUTCOME",
     "ATTR_RUN_SIGNAL",
+    "ATTR_TRAINING_PHASE",
     "GPU_METRICS",
     "GUARD_REASONS",
     "INFERENCE_METRICS",
@@ -34,6 +35,7 @@ __all__ = [
     "TOKEN_BUCKETS",
     "TPOT_BUCKETS",
     "TRAINING_METRICS",
+    "TRAINING_PHASES",
     "TTFT_BUCKETS",
     "MetricSpec",
     "prometheus_name",
@@ -46,6 +48,13 @@ ATTR_EVAL_METRIC = "openlora.eval.metric"
 # Attribute on openlora.training.guard.trips: why the guard tripped (two values).
 ATTR_GUARD_REASON = "openlora.guard.reason"
 GUARD_REASONS = ("nonfinite_loss", "loss_spike")
+# Attribute on openlora.training.time: where the time went (openlora_otel.training.goodput). Eight
+# values; `productive` is goodput, the others badput by cause.
+ATTR_TRAINING_PHASE = "openlora.training.phase"
+TRAINING_PHASES = (
+    "startup", "productive", "data_wait", "evaluation", "checkpoint_save", "checkpoint_load",
+    "lost_progress", "idle",
+)  # fmt: skip
 # Attributes on openlora.run.outcome: how the run ended, and for `terminated` the signal's name.
 ATTR_RUN_OUTCOME = "openlora.run.outcome"
 ATTR_RUN_SIGNAL = "openlora.run.signal"
@@ -232,6 +241,22 @@ TRAINING_METRICS: tuple[MetricSpec, ...] = (
         "{trip}",
         f"Times a divergence guard tripped, per `{ATTR_GUARD_REASON}` (`nonfinite_loss`, `loss_spike`); "
         "present once a guard is attached.",
+    ),
+    MetricSpec(
+        "openlora.training.time",
+        "counter",
+        "s",
+        f"Wall time of this process by `{ATTR_TRAINING_PHASE}`: `startup` (process start to the first step), "
+        "`productive`, `data_wait`, `evaluation`, `checkpoint_save`, `checkpoint_load` (marked with "
+        "`training.phase()` or by the callbacks), `lost_progress` (steps done again after a restart) and "
+        "`idle` (a stall, the time after the last step). Goodput is the `productive` share.",
+    ),
+    MetricSpec(
+        "openlora.training.steps.lost",
+        "counter",
+        "{step}",
+        "Steps this attempt does again because it resumed from a checkpoint older than the step an earlier "
+        "attempt reached (`training.resumed()`; the callbacks read it from `openlora-progress.json`).",
     ),
     MetricSpec("openlora.training.eval.loss", "gauge", "", "Loss of the latest evaluation."),
     MetricSpec(

@@ -19,10 +19,18 @@ from opentelemetry.sdk.version import __version__ as _sdk_version
 from openlora_otel._version import __version__
 from openlora_otel.config import TelemetryConfig
 
-__all__ = ["RANK_ATTRIBUTE", "RUN_ID_ATTRIBUTE", "RUN_NAME_ATTRIBUTE", "build_resource", "new_run_id"]
+__all__ = [
+    "RANK_ATTRIBUTE",
+    "RUN_ATTEMPT_ATTRIBUTE",
+    "RUN_ID_ATTRIBUTE",
+    "RUN_NAME_ATTRIBUTE",
+    "build_resource",
+    "new_run_id",
+]
 
 RUN_ID_ATTRIBUTE = "openlora.run.id"
 RUN_NAME_ATTRIBUTE = "openlora.run.name"
+RUN_ATTEMPT_ATTRIBUTE = "openlora.run.attempt"  # OPENLORA_RUN_ATTEMPT, or a launcher's restart count + 1
 RANK_ATTRIBUTE = "openlora.rank"  # from RANK (config._RANK_VARIABLES)
 
 
@@ -41,7 +49,7 @@ def build_resource(
 
     Precedence, lowest first: SDK and host facts, ``OTEL_RESOURCE_ATTRIBUTES`` and
     rank variables (already in ``config.resource_attributes``), ``extra_attributes``
-    (the caller's argument), then ``service.name``, the run id and the run name,
+    (the caller's argument), then ``service.name``, the run id, its attempt and the run name,
     which always come from their dedicated settings.
 
     This does not call ``Resource.create()``: that would read the environment a
@@ -62,6 +70,7 @@ def build_resource(
         attributes.update(extra_attributes)
     attributes["service.name"] = config.service_name
     attributes[RUN_ID_ATTRIBUTE] = run_id
+    attributes[RUN_ATTEMPT_ATTRIBUTE] = config.run_attempt
     if config.run_name:
         # Stripped as openlora.run.info's name is (OPENLORA_RUN_NAME is; run_name= and a built config may not be).
         attributes[RUN_NAME_ATTRIBUTE] = config.run_name.strip()

@@ -196,6 +196,8 @@ class Telemetry:
                     window_histogram=self._owns_provider,
                     peak_flops=self._config.peak_flops,
                     readers=self._readers,
+                    run_id=self.run_id,
+                    attempt=self._config.run_attempt,
                 )
                 if self._closed:
                     self._training.close()

@@ -245,6 +245,10 @@ INVALID = [
     ("OPENLORA_QUIET", "1", "`true` or `false`"),
     ("OPENLORA_RUN_NAME", "a\x07b", "a name of 1 to 100 printable characters"),
     ("OPENLORA_RUN_NAME", "n" * 101, "a name of 1 to 100 printable characters"),
+    ("OPENLORA_RUN_ATTEMPT", "0", "an integer from 1 to 1000000"),
+    ("OPENLORA_RUN_ATTEMPT", "second", "an integer from 1 to 1000000"),
+    ("TORCHELASTIC_RESTART_COUNT", "-1", "an integer from 0 to 999999"),
+    ("SLURM_RESTART_COUNT", "x", "an integer from 0 to 999999"),
     ("OPENLORA_HISTORY_DIR", "/dev/null", "a directory, or a path where one can be created"),
     ("OPENLORA_HISTORY_INTERVAL", "50", "milliseconds from 100 to 86400000"),
     ("OPENLORA_HISTORY_MAX_BYTES", "1000", "an integer >= 1048576"),
@@ -285,6 +289,30 @@ def test_every_documented_otel_variable_has_an_invalid_case() -> None:
     # Free-form strings (service name, host, run id) have no invalid value at parse time;
     # an unresolvable host is caught when binding (test_setup).
     assert documented <= tested
+
+
+@pytest.mark.parametrize(
+    ("environ", "attempt"),
+    [
+        ({}, 1),
+        ({"OPENLORA_RUN_ATTEMPT": "3"}, 3),
+        ({"TORCHELASTIC_RESTART_COUNT": "0"}, 1),
+        ({"TORCHELASTIC_RESTART_COUNT": "2"}, 3),
+        ({"SLURM_RESTART_COUNT": "4"}, 5),
+        # The explicit setting wins, then torchrun (inside a Slurm job torchrun restarts the workers).
+        ({"OPENLORA_RUN_ATTEMPT": "7", "TORCHELASTIC_RESTART_COUNT": "2"}, 7),
+        ({"TORCHELASTIC_RESTART_COUNT": "1", "SLURM_RESTART_COUNT": "5"}, 2),
+    ],
+)
+def test_run_attempt_from_the_setting_or_the_launcher(environ: dict[str, str], attempt: int) -> None:
+    assert cfg(**environ).run_attempt == attempt
+
+
+def test_run_attempt_set_in_code_is_checked() -> None:
+    with pytest.raises(ConfigError, match="run_attempt"):
+        TelemetryConfig(run_attempt=0)
+    with pytest.raises(ConfigError, match="run_attempt"):
+        TelemetryConfig(run_attempt=True)  # type: ignore[arg-type]
 
 
 def test_header_values_never_appear_in_errors() -> None:
@@ -680,6 +708,7 @@ def test_every_field_default_is_the_tables_default() -> None:
 
 # A valid value other than the default for each variable that fills a field, and what the field holds.
 NON_DEFAULT = {
+    "OPENLORA_RUN_ATTEMPT": ("2", 2),
     "OTEL_SDK_DISABLED": ("true", True),
     "OTEL_METRICS_EXPORTER": ("otlp,console", ("otlp", "console")),
     "OTEL_METRIC_EXPORT_INTERVAL": ("1500", 1500.0),

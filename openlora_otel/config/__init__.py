@@ -47,6 +47,7 @@ from openlora_otel.config.checks import (
     HISTORY_MAX_BYTES_ACCEPTED,
     INFERENCE_MAX_ADAPTERS_RANGE,
     MAX_RANK,
+    MAX_RUN_ATTEMPT,
     MAX_RUN_ID_LENGTH,
     MAX_RUN_NAME_LENGTH,
     MIN_HISTORY_MAX_BYTES,
@@ -96,6 +97,7 @@ __all__ = [
 __all__ += [
     "DIRECTORY_ACCEPTED",
     "FILE_SD_ACCEPTED",
+    "MAX_RUN_ATTEMPT",
     "MAX_RUN_ID_LENGTH",
     "MAX_RUN_NAME_LENGTH",
     "MIN_HISTORY_MAX_BYTES",
@@ -234,6 +236,7 @@ class TelemetryConfig:
     export_interval_ms: float = _default("OTEL_METRIC_EXPORT_INTERVAL")
     export_timeout_ms: float = _default("OTEL_METRIC_EXPORT_TIMEOUT")
     run_id: str | None = None
+    run_attempt: int = _default("OPENLORA_RUN_ATTEMPT")
     shutdown_timeout_s: float = _default("OPENLORA_SHUTDOWN_TIMEOUT")
     gpu_metrics: Literal["auto", "on", "off"] = _default("OPENLORA_GPU_METRICS")
     gpu_devices: Literal["process", "all"] = _default("OPENLORA_GPU_DEVICES")
@@ -303,6 +306,10 @@ class TelemetryConfig:
             problem = run_id_problem(self.run_id)
             if problem:
                 raise ConfigError("run_id", self.run_id, RUN_ID_ACCEPTED, problem)
+        if isinstance(self.run_attempt, bool) or not (
+            isinstance(self.run_attempt, int) and 1 <= self.run_attempt <= MAX_RUN_ATTEMPT
+        ):
+            raise ConfigError("run_attempt", self.run_attempt, f"an integer from 1 to {MAX_RUN_ATTEMPT}")
         if not _in_range(self.history_interval_ms, HISTORY_INTERVAL_RANGE_MS):
             raise ConfigError(
                 "history_interval_ms", self.history_interval_ms, _ms_accepted(HISTORY_INTERVAL_RANGE_MS)

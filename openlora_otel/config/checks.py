@@ -45,6 +45,7 @@ MAX_RUN_NAME_LENGTH = 100
 # A run id names the history file (with a rank suffix, under the 255-byte limit of a file name) and
 # labels every series of the run.
 MAX_RUN_ID_LENGTH = 128
+MAX_RUN_ATTEMPT = 1_000_000  # attempts of one run (openlora.run.attempt)
 RUN_ID_ACCEPTED = f"a run id of 1 to {MAX_RUN_ID_LENGTH} printable characters"
 # Ranks are exported as integers: keep them far inside int64.
 MAX_RANK = 2**31 - 1

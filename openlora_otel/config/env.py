@@ -20,6 +20,7 @@ from openlora_otel.config.checks import (
     _HOST_ACCEPTED,
     DIRECTORY_ACCEPTED,
     EXPORTERS,
+    MAX_RUN_ATTEMPT,
     PEAK_FLOPS_ACCEPTED,
     PEAK_FLOPS_RANGE,
     RUN_NAME_ACCEPTED,
@@ -309,3 +310,16 @@ def run_name(env: Env, name: str) -> str | None:
     if problem:
         raise ConfigError(name, value, RUN_NAME_ACCEPTED, problem)
     return value.strip()
+
+
+def run_attempt(env: Env, name: str) -> int | None:
+    """The run's attempt: ``OPENLORA_RUN_ATTEMPT``, else a launcher's restart count plus one
+    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``); None when none is set."""
+    attempt = env.integer(name, minimum=1, maximum=MAX_RUN_ATTEMPT)
+    if attempt is not None:
+        return attempt
+    for restarts in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        count = env.integer(restarts, minimum=0, maximum=MAX_RUN_ATTEMPT - 1)
+        if count is not None:
+            return count + 1
+    return None

@@ -22,6 +22,7 @@ from openlora_otel.config.checks import (
     HISTORY_INTERVAL_RANGE_MS,
     INFERENCE_MAX_ADAPTERS_RANGE,
     MAX_RANK,
+    MAX_RUN_ATTEMPT,
     MIN_HISTORY_MAX_BYTES,
     OTLP_TIMEOUT_RANGE_MS,
     SHUTDOWN_TIMEOUT_RANGE_MS,
@@ -39,6 +40,7 @@ from openlora_otel.config.env import (
     one_of,
     peak_flops,
     present_text,
+    run_attempt,
     run_name,
 )
 
@@ -323,6 +325,15 @@ VARIABLES: tuple[Variable, ...] = (
         shown="(unset: the run id)",
         field="run_name",
         read=run_name,
+    ),
+    Variable(
+        "OPENLORA_RUN_ATTEMPT",
+        RUN,
+        f"Which attempt of the run this process is, 1 to {MAX_RUN_ATTEMPT}: the Resource attribute `openlora.run.attempt`. Restarts of one run keep its run id (set `OPENLORA_RUN_ID`, or let torchrun or Slurm give it) and count attempts, so that goodput adds up across them. Unset: torchrun's `TORCHELASTIC_RESTART_COUNT` + 1, else Slurm's `SLURM_RESTART_COUNT` + 1, else 1.",
+        default=1,
+        shown="from the launcher, else 1",
+        field="run_attempt",
+        read=run_attempt,
     ),
     Variable(
         "TORCHELASTIC_RUN_ID",

@@ -53,7 +53,14 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
-from openlora_otel.names import ATTR_EVAL_METRIC, ATTR_GUARD_REASON, GUARD_REASONS, STEP_DURATION_BUCKETS
+from openlora_otel.names import (
+    ATTR_EVAL_METRIC,
+    ATTR_GUARD_REASON,
+    ATTR_TRAINING_PHASE,
+    GUARD_REASONS,
+    STEP_DURATION_BUCKETS,
+    TRAINING_PHASES,
+)
 from openlora_otel.training.arguments import (
     _INT64_MAX,
     MAX_STEP_TIME_S,
@@ -65,6 +72,7 @@ from openlora_otel.training.arguments import (
     _prepare,
     _seconds,
 )
+from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.readback import _fold_by_device, _fold_partials, _poll_readbacks, _start_readback
 from openlora_otel.training.window import (
@@ -166,6 +174,8 @@ class TrainingMetrics:
         window_histogram: bool = False,
         peak_flops: float | None = None,
         readers: Iterable[Hashable] = (),
+        run_id: str = "",
+        attempt: int = 1,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -196,6 +206,13 @@ class TrainingMetrics:
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
         self._warned: set[str] = set()
+        # Where the process's time goes (goodput), and the file that carries the highest step to
+        # the next attempt (track_progress()).
+        self._clock = PhaseClock()
+        self._run_id = run_id
+        self._attempt = attempt
+        self._progress: ProgressFile | None = None
+        self._phases_started = False
 
         spec = {m.name: m for m in (*names.TRAINING_METRICS, *names.ADAPTER_METRICS)}
 
@@ -220,6 +237,8 @@ class TrainingMetrics:
         # Counted with attributes, one at a time: plain SDK counters.
         self._guard_trips = raw_counter("openlora.training.guard.trips")
         self._eval_nonfinite = raw_counter("openlora.training.eval.nonfinite")
+        self._time = raw_counter("openlora.training.time")
+        self._lost_steps = raw_counter("openlora.training.steps.lost")
         duration = spec[_DURATION]
         self._duration = meter.create_histogram(
             duration.name,
@@ -267,6 +286,10 @@ class TrainingMetrics:
         """Record one optimizer step. See the class docstring for what each argument accepts."""
         now = time.perf_counter()
         last, self._last_call = self._last_call, now
+        if last is None:
+            self._clock.first_step(now)
+        elif self._clock.stalled:
+            self._clock.unstall(now)
         if step_time_s is None:
             step_time = None if last is None else now - last
         else:
@@ -535,6 +558,53 @@ class TrainingMetrics:
         if trip is not None:
             guard._fire(trip)
 
+    # -- where the time goes (goodput) ------------------------------------------
+    def phase(self, name: str) -> Any:
+        """A context manager whose time counts as phase ``name`` of ``openlora.training.time``.
+
+        ``name``: ``evaluation``, ``checkpoint_save`` or ``checkpoint_load`` (others raise
+        ``ValueError``). ``with telemetry.training.phase("checkpoint_save"): save(...)``. Cheap (under
+        a microsecond), reusable, safe to nest (the innermost counts) and to leave by an exception.
+        The HF and Lightning callbacks mark these phases themselves.
+        """
+        return self._clock.phase(name)
+
+    def resumed(self, step: int, *, reached: int | None = None) -> int:
+        """Say that this attempt continues from global step ``step`` (a checkpoint's).
+
+        ``reached``: the highest step an earlier attempt of the run got to, if known (default: what
+        the progress file of :meth:`track_progress` holds). The next ``reached - step`` steps are
+        done again: their time counts as ``lost_progress`` and ``openlora.training.steps.lost``
+        counts them. Returns that number.
+        """
+        step = _count(step, "step")
+        if reached is None and self._progress is not None:
+            reached = self._progress.reached()
+        elif reached is not None:
+            reached = _count(reached, "reached")
+        lost = self._clock.resumed(step, reached)
+        if lost:
+            _logger.info(
+                "openlora-otel: resuming at step %d after an earlier attempt reached step %d: %d steps lost",
+                step, reached, lost,
+            )  # fmt: skip
+        return lost
+
+    def track_progress(self, path: Any) -> ProgressFile:
+        """Keep the highest global step in ``path`` (a directory gets ``openlora-progress.json``).
+
+        Written at each collection and at shutdown, so that an attempt started after a crash knows
+        how far this one got (:meth:`resumed` reads it). Call it before :meth:`resumed`.
+        """
+        self._progress = ProgressFile(path)
+        return self._progress
+
+    @property
+    def global_step(self) -> int:
+        """The run's step as this attempt knows it: the step it resumed at plus the steps recorded since
+        (counted at collections)."""
+        return self._clock.global_step
+
     def close(self) -> None:
         """Stop accepting records (idempotent); later calls are ignored.
 
@@ -548,6 +618,7 @@ class TrainingMetrics:
         # lands in the window the final collection takes (the collection takes the lock)
         # or is ignored. Both are fine.
         self._closed = True
+        self._clock.close(time.perf_counter())
         self._guard_stop.set()
 
     def join_guard(self, timeout_s: float) -> bool:
@@ -662,6 +733,7 @@ class TrainingMetrics:
 
     def _commit(self, window: _Window) -> None:
         """Hand the window's counts and step durations to the SDK's synchronous instruments."""
+        self._book_time(window)
         saturated = not self._steps.add(window.steps)
         saturated |= not self._tokens.add(window.tokens)
         saturated |= not self._samples.add(window.samples)
@@ -687,6 +759,26 @@ class TrainingMetrics:
         # Per bucket, its count at the bucket's mean: counts and sum are exact, one
         # SDK call per step (min and max become the extreme buckets' means).
         replay(self._duration.record, durations.counts, durations.sums)
+
+    def _book_time(self, window: _Window) -> None:
+        """Add the seconds per phase since the previous collection, and the steps lost to a restart."""
+        spent = self._clock.take(
+            time.perf_counter(), steps=window.steps, data_wait=window.data_total, last_step=window.last_step
+        )
+        if not self._phases_started:
+            # Every phase from the first collection on: a series born later would lose its
+            # first increase in PromQL's increase() and rate().
+            self._phases_started = True
+            for phase in TRAINING_PHASES:
+                spent.setdefault(phase, 0.0)
+            self._lost_steps.add(0)
+        for phase, seconds in spent.items():
+            self._time.add(seconds, {ATTR_TRAINING_PHASE: phase})
+        lost = self._clock.take_lost_steps()
+        if lost:
+            self._lost_steps.add(lost)
+        if self._progress is not None:
+            self._progress.write(self._clock.global_step, run_id=self._run_id, attempt=self._attempt)
 
     def _fail_read(self, label: str, failed: set[str]) -> None:
         failed.add(label)
