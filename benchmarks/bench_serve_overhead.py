@@ -13,9 +13,16 @@ which side goes first, and the median of the per-pair ratios is the figure
 (target >= 0.98). The server's CPU time per completed request (from /proc) is
 printed too: on a shared machine it moves less with other load than req/s.
 
+``--api chat`` sends ``POST /v1/chat/completions`` (one user message) instead of
+``POST /v1/completions``; ``--stream always`` or ``never`` streams every request
+or none instead of every other one. A request counts as completed only with
+status 200 and, when streamed, once the ``data: [DONE]`` line has arrived.
+``--control`` runs both sides of every pair with telemetry off (an A/A run): the
+spread of its ratios is the noise floor of the machine, to set beside a real run.
 ``--device`` trains the adapters and serves them there (default cpu).
 
-    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--max-tokens 8] [--slots 2] [--scrape-interval 5] [--device cpu]
+    python benchmarks/bench_serve_overhead.py [--pairs 5] [--seconds 20] [--warmup 3] [--max-tokens 8] [--slots 2]
+        [--scrape-interval 5] [--device cpu] [--api completions|chat] [--stream mixed|always|never] [--control]
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("a1", "a2", "tiny-llama")
+PROMPT = "the cat sat on the mat. "
+CHAT_MESSAGES = [{"role": "user", "content": "the cat sat on the mat."}]
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 def free_port() -> int:
@@ -79,14 +89,32 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 180.0) -> 
     raise RuntimeError("serve not ready in time")
 
 
-def one_request(connection: http.client.HTTPConnection, model: str, max_tokens: int, stream: bool) -> bool:
-    body = json.dumps(
-        {"model": model, "prompt": "the cat sat on the mat. ", "max_tokens": max_tokens, "stream": stream}
-    )
-    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+def one_request(
+    connection: http.client.HTTPConnection,
+    model: str,
+    max_tokens: int,
+    stream: bool,
+    api: str = "completions",
+) -> bool:
+    """Send one request and read its whole answer; True if it completed (200 and, streamed, ``data: [DONE]`` seen)."""
+    payload: dict[str, object] = {"model": model, "max_tokens": max_tokens, "stream": stream}
+    if api == "chat":
+        payload["messages"] = CHAT_MESSAGES
+    else:
+        payload["prompt"] = PROMPT
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", PATHS[api], body=json.dumps(payload), headers=headers)
     response = connection.getresponse()
-    response.read()
-    return response.status == 200
+    body = response.read()  # a stream is read to its end (the server closes the chunked body after [DONE])
+    if response.status != 200:
+        return False
+    # A stream that failed midway still has status 200 but ends with an error event instead of [DONE].
+    return not stream or any(line.strip() == b"data: [DONE]" for line in body.splitlines())
+
+
+def streamed(mode: str, i: int) -> bool:
+    """Whether request number ``i`` of a client is streamed under ``--stream mode``."""
+    return mode == "always" or (mode == "mixed" and bool(i % 2))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -96,7 +124,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def closed_loop(
-    port: int, clients: int, seconds: float, warmup: float, max_tokens: int, pid: int
+    port: int,
+    clients: int,
+    seconds: float,
+    warmup: float,
+    max_tokens: int,
+    pid: int,
+    api: str = "completions",
+    stream: str = "mixed",
 ) -> tuple[float, float]:
     """Completed requests per second over ``seconds`` (after ``warmup`` seconds not counted), and
     the server's CPU milliseconds per completed request over the same span."""
@@ -116,7 +151,7 @@ def closed_loop(
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         i = index
         while time.monotonic() < stop_at:
-            ok = one_request(connection, MODELS[i % 3], max_tokens, stream=bool(i % 2))
+            ok = one_request(connection, MODELS[i % 3], max_tokens, stream=streamed(stream, i), api=api)
             if ok and counting_from <= time.monotonic() <= stop_at:
                 counts[index] += 1
             i += 1
@@ -161,7 +196,10 @@ def run_side(directory: Path, telemetry_on: bool, args: argparse.Namespace) -> t
                 args=(args.scrape_interval, f"http://127.0.0.1:{metrics_port}/metrics", stop),
                 daemon=True,
             ).start()
-        return closed_loop(port, args.slots + 1, args.seconds, args.warmup, args.max_tokens, process.pid)
+        clients = args.slots + 1
+        return closed_loop(
+            port, clients, args.seconds, args.warmup, args.max_tokens, process.pid, args.api, args.stream
+        )
     finally:
         stop.set()
         process.send_signal(signal.SIGTERM)
@@ -181,38 +219,83 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=2, help="serve --max-concurrency")
     parser.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between two scrapes")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument(
+        "--api", choices=sorted(PATHS), default="completions",
+        help="POST /v1/completions or /v1/chat/completions (default completions)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stream", choices=("mixed", "always", "never"), default="mixed",
+        help="stream every other request (mixed, the default), every request, or none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--control", action="store_true",
+        help="A/A run: telemetry off on both sides of every pair, so the ratios show the machine's noise",
+    )  # fmt: skip
     return parser
 
 
+def describe(args: argparse.Namespace) -> str:
+    """One line saying what this run measures."""
+    sides = (
+        "CONTROL run (A/A): telemetry OFF on both sides of every pair; the ratios are this machine's noise floor"
+        if args.control
+        else f"telemetry on (scraped every {args.scrape_interval:g} s) vs OTEL_SDK_DISABLED=true"
+    )
+    return (
+        f"POST {PATHS[args.api]}, streamed: {args.stream}, max_tokens {args.max_tokens}, {args.slots} slots, "
+        f"{args.slots + 1} clients, {args.pairs} pairs of {args.seconds:g} s (+{args.warmup:g} s warm-up) "
+        f"on {args.device}; {sides}"
+    )
+
+
 def measure(args: argparse.Namespace, report=print) -> list[tuple[float, float, float, float]]:
-    """Per pair: (req/s on, server CPU ms per request on, req/s off, CPU ms off); ``report`` gets a line per pair."""
+    """Per pair: (req/s on, server CPU ms per request on, req/s off, CPU ms off); ``report`` gets a line per pair.
+
+    With ``args.control`` both sides run with telemetry off: the tuple is then (side A, side B), A being
+    the side that a real run would have had telemetry on (first in even pairs, second in odd ones)."""
+    control = getattr(args, "control", False)
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "saved"
         save(directory, args.device)
         for pair in range(args.pairs):
             order = (True, False) if pair % 2 == 0 else (False, True)
-            results = {side: run_side(directory, side, args) for side in order}
+            results = {side: run_side(directory, side and not control, args) for side in order}
             (on_rate, on_cpu), (off_rate, off_cpu) = results[True], results[False]
             pairs.append((on_rate, on_cpu, off_rate, off_cpu))
-            report(
-                f"pair {pair + 1}: telemetry on {on_rate:.2f} req/s ({on_cpu:.1f} ms server CPU per request), "
-                f"off {off_rate:.2f} req/s ({off_cpu:.1f} ms), ratio {on_rate / off_rate:.3f}"
-            )
+            ratio = f"{on_rate / off_rate:.3f}" if off_rate else "n/a (no request completed)"
+            if control:
+                report(
+                    f"pair {pair + 1} (control, telemetry off on both sides): A {on_rate:.2f} req/s "
+                    f"({on_cpu:.1f} ms server CPU per request), B {off_rate:.2f} req/s ({off_cpu:.1f} ms), "
+                    f"ratio A/B {ratio}"
+                )
+            else:
+                report(
+                    f"pair {pair + 1}: telemetry on {on_rate:.2f} req/s ({on_cpu:.1f} ms server CPU per request), "
+                    f"off {off_rate:.2f} req/s ({off_cpu:.1f} ms), ratio {ratio}"
+                )
     return pairs
 
 
 def main() -> None:
     args = parser().parse_args()
+    print(describe(args), flush=True)
     pairs = measure(args, report=lambda line: print(line, flush=True))
-    ratios = [on / off for on, _, off, _ in pairs]
-    cpu_ratios = [on_cpu / off_cpu for _, on_cpu, _, off_cpu in pairs]
+    ratios = [on / off for on, _, off, _ in pairs if off]
+    cpu_ratios = [on_cpu / off_cpu for _, on_cpu, _, off_cpu in pairs if off_cpu]
+    if not ratios or not cpu_ratios:
+        sys.exit("no request completed on one side of every pair: no ratio to report")
+    if args.control:
+        name, tail = "A/B", "CONTROL run, telemetry off on both sides: this spread is the noise floor"
+    else:
+        name, tail = "on/off", "target >= 0.98"
     print(
-        f"median ratio on/off over {args.pairs} pairs: {statistics.median(ratios):.3f} "
-        f"(range {min(ratios):.3f} to {max(ratios):.3f}; target >= 0.98)"
+        f"median ratio {name} over {len(ratios)} pairs: {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f} to {max(ratios):.3f}; {tail})"
     )
     print(
-        f"median server CPU per request, on/off: {statistics.median(cpu_ratios):.3f} "
+        f"median server CPU per request, {name}: {statistics.median(cpu_ratios):.3f} "
         f"(range {min(cpu_ratios):.3f} to {max(cpu_ratios):.3f}): less sensitive to other load on the machine"
     )
 
