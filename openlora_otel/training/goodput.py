@@ -128,25 +128,31 @@ class PhaseClock:
         with self._lock:
             if self._closed:
                 return
-            self._book(now)
+            elapsed = now - self._since
+            if elapsed > 0.0:
+                self._spent[self._state] += elapsed
+                self._since = now
             self._stack.append((phase, self._state))
             self._state = phase
 
     def _leave(self, phase: str) -> None:
         now = time.perf_counter()
         with self._lock:
-            if self._closed or not self._stack:
+            stack = self._stack
+            if self._closed or not stack:
                 return
-            self._book(now)
-            # Leave the innermost mark of this phase (marks left out of order still unwind).
-            for i in range(len(self._stack) - 1, -1, -1):
-                if self._stack[i][0] == phase:
-                    _, before = self._stack.pop(i)
-                    if i == len(self._stack):  # it was the innermost: back to what it interrupted
-                        self._state = before
-                    else:  # an outer one: the inner mark now returns to what this one interrupted
-                        inner, _ = self._stack[i]
-                        self._stack[i] = (inner, before)
+            elapsed = now - self._since
+            if elapsed > 0.0:
+                self._spent[self._state] += elapsed
+                self._since = now
+            if stack[-1][0] == phase:  # the usual case: the innermost mark ends
+                self._state = stack.pop()[1]
+                return
+            # An outer mark left first: the one inside it now returns to what the outer one interrupted.
+            for i in range(len(stack) - 2, -1, -1):
+                if stack[i][0] == phase:
+                    _, before = stack.pop(i)
+                    stack[i] = (stack[i][0], before)
                     return
 
     # -- steps --------------------------------------------------------------------
