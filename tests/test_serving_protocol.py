@@ -211,3 +211,51 @@ def test_a_model_entry_names_its_base() -> None:
         "adapter": True,
     }  # fmt: skip
     assert protocol.model_entry("tiny-llama", "tiny-llama", 9)["parent"] is None
+
+
+def test_a_failure_no_route_caught_answers_in_the_openai_shape_without_its_text() -> None:
+    """An exception escaping a route is a 500 whose body clients parse (``error``), never its message."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("opentelemetry.instrumentation.fastapi")
+    import asyncio
+    from types import SimpleNamespace
+
+    from openlora_otel import TelemetryConfig, setup_telemetry
+    from openlora_otel.serving.server import ServeOptions, build_app
+
+    class Crashing:
+        models = Served()
+        options = ServeOptions()
+        created = 0
+
+        async def complete(self, request: Any, operation: str = COMPLETION) -> Any:
+            raise RuntimeError("/secret/path and the user's prompt")
+
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
+    try:
+        app = build_app(Crashing(), telemetry)  # type: ignore[arg-type]
+        body = json.dumps({"model": "a1", "prompt": "x"}).encode()
+        sent: list[dict[str, Any]] = []
+        incoming = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = SimpleNamespace(
+            type="http", asgi={"version": "3.0"}, http_version="1.1", method="POST", scheme="http",
+            path="/v1/completions", raw_path=b"/v1/completions", root_path="", query_string=b"",
+            headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            client=("127.0.0.1", 5000), server=("127.0.0.1", 8000),
+        ).__dict__  # fmt: skip
+        with pytest.raises(RuntimeError):  # Starlette re-raises after the response, for the server's log
+            asyncio.run(app(scope, receive, send))
+    finally:
+        telemetry.shutdown()
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 500
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+    assert answer["error"]["type"] == "server_error" and answer["error"]["code"] == "internal_error"
+    assert "secret" not in json.dumps(answer) and "prompt" not in answer["error"]["message"]

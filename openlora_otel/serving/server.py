@@ -459,6 +459,13 @@ def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
         # An unknown path or method answers in OpenAI's error shape too, not FastAPI's {"detail"}.
         return _error(exc.status_code, f"http_{exc.status_code}", str(exc.detail), headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # A failure no route caught still answers in OpenAI's error shape (clients parse `error`), and
+        # says nothing of the exception: its text may hold a path or the prompt. Starlette logs the
+        # traceback after this response is sent.
+        return _error(500, "internal_error", "the server failed on this request; its log says why")
+
     # Inside the HTTP instrumentation's middleware: refusals made before the route runs are measured.
     app.add_middleware(
         RequestLimits,
