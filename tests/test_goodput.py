@@ -254,3 +254,19 @@ def test_marking_is_cheap_and_thread_safe(training) -> None:
     data = reader.get_metrics_data()
     assert spent(data, "evaluation") >= 0.0
     assert all(p.value >= 0 for p in points(data, "openlora.training.time"))
+
+
+def test_steps_after_the_last_collection_are_not_idle_at_shutdown(fake: FakeClock, training) -> None:
+    """The steps since the last collection are still steps when the process ends, the time after them idle."""
+    telemetry, reader = training
+    metrics = telemetry.training
+    first = reader.get_metrics_data()
+    metrics.record_step()
+    for _ in range(4):
+        fake.sleep(1.0)
+        metrics.record_step()
+    fake.sleep(3.0)
+    metrics.close()  # no collection since the steps: the shutdown's final one follows
+    data = reader.get_metrics_data()
+    assert spent(data, "productive") - spent(first, "productive") == pytest.approx(4.0)
+    assert spent(data, "idle") - spent(first, "idle") == pytest.approx(3.0)

@@ -238,15 +238,18 @@ class PhaseClock:
         spent["productive"] = between
         return {phase: seconds for phase, seconds in spent.items() if seconds > 0.0}
 
-    def close(self, now: float) -> None:
-        """The process is ending: from its last step on, time is idle (before any step, it stays start-up)."""
+    def close(self, now: float, *, last_step: float | None = None) -> None:
+        """The process is ending: from its last step on (``last_step``, the ``perf_counter()`` of the latest
+        step recorded, collected or not), time is idle; before any step, it stays start-up."""
         with self._lock:
             if self._closed:
                 return
+            if last_step is None or (self._last_step is not None and self._last_step > last_step):
+                last_step = self._last_step
             if self._state == "productive":
                 # Time after the last step is not a step's: idle from there.
-                if self._last_step is not None and self._last_step > self._since:
-                    self._book(self._last_step)
+                if last_step is not None and last_step > self._since:
+                    self._book(min(last_step, now))
                 self._state = "idle"
             self._stack.clear()
             self._closed = True

@@ -618,7 +618,7 @@ class TrainingMetrics:
         # lands in the window the final collection takes (the collection takes the lock)
         # or is ignored. Both are fine.
         self._closed = True
-        self._clock.close(time.perf_counter())
+        self._clock.close(time.perf_counter(), last_step=self._last_call)
         self._guard_stop.set()
 
     def join_guard(self, timeout_s: float) -> bool:
