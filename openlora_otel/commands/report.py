@@ -118,11 +118,15 @@ def run(args: argparse.Namespace) -> int:
         drawing = render(runs, png=targets.get("png"), html_path=targets.get("html"))
     except ReportError as exc:
         return fail("report", exc)
+    from openlora_otel.report.render import time_lines
+
     for run, summary in zip(runs, drawing.summaries, strict=True):
         print(
             f"run {run.run_id}{f' ({run.name})' if run.name != run.run_id else ''}: {summary.steps} steps, "
             f"from {run.source}"
         )
+        for line in time_lines(run):
+            print(f"  {line}")
     print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")
     for path in targets.values():
         print(f"wrote {path}")
