@@ -26,6 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="draw runs (loss, eval loss, gradient norm, learning rate, throughput, step time, GPU) as PNG and HTML",
         description="Draw one or more runs against the optimizer step: loss and eval loss, gradient norm (mean "
         "and max), learning rate, throughput, step time, and GPU utilization and memory when the run had GPUs. "
+        "From history files, also where the time went: seconds and share per openlora.training.phase, "
+        "goodput, and the steps lost per attempt, summed over ranks and attempts (printed and on the page). "
         "Runs come from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files; every run in them is "
         "drawn, or those --run names) or from a Prometheus server (--prometheus URL --run ID_OR_NAME ...). Several "
         "runs are overlaid, each labelled with its name and the hyperparameters that differ between them. "
