@@ -26,6 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="draw runs (loss, eval loss, gradient norm, learning rate, throughput, step time, GPU) as PNG and HTML",
         description="Draw one or more runs against the optimizer step: loss and eval loss, gradient norm (mean "
         "and max), learning rate, throughput, step time, and GPU utilization and memory when the run had GPUs. "
+        "From history files, also where the time went: seconds and share per openlora.training.phase, "
+        "goodput, and the steps lost per attempt, summed over ranks and attempts (printed and on the page). "
         "Runs come from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files; every run in them is "
         "drawn, or those --run names) or from a Prometheus server (--prometheus URL --run ID_OR_NAME ...). Several "
         "runs are overlaid, each labelled with its name and the hyperparameters that differ between them. "
@@ -118,11 +120,15 @@ def run(args: argparse.Namespace) -> int:
         drawing = render(runs, png=targets.get("png"), html_path=targets.get("html"))
     except ReportError as exc:
         return fail("report", exc)
+    from openlora_otel.report.render import time_lines
+
     for run, summary in zip(runs, drawing.summaries, strict=True):
         print(
             f"run {run.run_id}{f' ({run.name})' if run.name != run.run_id else ''}: {summary.steps} steps, "
             f"from {run.source}"
         )
+        for line in time_lines(run):
+            print(f"  {line}")
     print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")
     for path in targets.values():
         print(f"wrote {path}")

@@ -8,6 +8,12 @@ the Resource's ``openlora.run.id``: ``<run id>.jsonl``, or one
 ``<run id>.rank<N>.jsonl`` per rank under a launcher. A run's curves come from
 its lowest rank (rank 0 when it is there: the ranks of a data-parallel run step
 together, and rank 0 is the one a person reads).
+
+Where the time went (``openlora.training.time`` by phase, ``openlora.training.steps.lost``)
+is read from every process of a run: each rank and each attempt. Attempts of one run id
+append to the same file; their lines are told apart by the Resource
+(``openlora.run.attempt`` and ``service.instance.id``, new in each process), and
+:func:`~openlora_otel.report.model.time_breakdown` sums each process's last values.
 """
 
 from __future__ import annotations
@@ -21,9 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from openlora_otel import history
-from openlora_otel.names import RUN_METRICS
-from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run
-from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
+from openlora_otel.names import ATTR_TRAINING_PHASE, RUN_METRICS, TRAINING_PHASES
+from openlora_otel.report.model import (
+    QUANTITIES,
+    STEPS_LOST_METRIC,
+    TIME_METRIC,
+    ReportError,
+    Row,
+    Run,
+    TimeSample,
+    time_breakdown,
+)
+from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
 from openlora_otel.run import hyperparameters_from
 
 __all__ = ["history_files", "read_runs"]
@@ -32,6 +47,7 @@ _logger = logging.getLogger(__name__)
 
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
 _RUN_INFO = RUN_METRICS[0].name
+_INSTANCE_ATTRIBUTE = "service.instance.id"
 
 
 def history_files(paths: Sequence[str]) -> list[Path]:
@@ -61,6 +77,8 @@ class _Process:
     rows: list[Row] = field(default_factory=list)
     name: str | None = None
     info: tuple[float, dict[str, Any]] | None = None  # (time, attributes) of the latest run.info point
+    # Goodput readings of every process (attempt) of this rank, in file order.
+    time: list[TimeSample] = field(default_factory=list)
 
 
 def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None = None) -> list[Run]:
@@ -109,6 +127,7 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                 rows=sorted(lowest.rows, key=lambda r: r.time_s),
                 rank=lowest.rank,
                 ranks=len(group),
+                time=time_breakdown(sample for p in group for sample in p.time),
             )
         )
     runs.sort(key=lambda run: run.rows[0].time_s)  # oldest first: the order they were run in
@@ -148,6 +167,38 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
             values[quantity.key] = sum(found) / len(found) if quantity.combine == "mean" else max(found)
     if values and snapshot.time_s:
         process.rows.append(Row(snapshot.time_s, values))
+    phases = {
+        str(point.attributes.get(ATTR_TRAINING_PHASE)): float(point.value)
+        for point in snapshot.metrics.get(TIME_METRIC, ())
+        if point.value is not None and point.attributes.get(ATTR_TRAINING_PHASE) in TRAINING_PHASES
+    }
+    if phases:
+        lost = [p.value for p in snapshot.metrics.get(STEPS_LOST_METRIC, ()) if p.value is not None]
+        instance = resource.get(_INSTANCE_ATTRIBUTE)
+        process.time.append(
+            TimeSample(
+                time_s=snapshot.time_s,
+                phases=phases,
+                steps_lost=max(lost, default=0.0),
+                attempt=_attempt(resource.get(RUN_ATTEMPT_ATTRIBUTE)),
+                rank=rank,
+                process=None if instance is None else str(instance),
+            )
+        )
+
+
+def _attempt(value: Any) -> int | None:
+    """``openlora.run.attempt`` as a number (None when absent or not a whole number: lines of one
+    attempt count together, whatever a foreign writer put there)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
 
 
 def _rank(value: Any) -> int | None:

@@ -33,7 +33,17 @@ from openlora_otel.report.model import (
     thin,
 )
 
-__all__ = ["Drawing", "Summary", "html_page", "png_figure", "prepare", "render", "summarize"]
+__all__ = [
+    "TIME_HEADING",
+    "Drawing",
+    "Summary",
+    "html_page",
+    "png_figure",
+    "prepare",
+    "render",
+    "summarize",
+    "time_lines",
+]
 
 # What the table shows for a value the run does not have.
 _NONE = "n/a"
@@ -366,6 +376,9 @@ td.wrap { overflow-wrap: anywhere; }
 code { font-family: "DejaVu Sans Mono", "Liberation Mono", monospace; font-size: .85rem; }
 .swatch { display: inline-block; width: .9rem; height: .9rem; border-radius: 2px; margin-right: .4rem; vertical-align: -0.1rem; }
 figure { margin: .5rem 0 0 0; }
+.bar { display: flex; height: 1.3rem; border-radius: 3px; overflow: hidden; margin: .3rem 0 .2rem 0; }
+.bar span { display: block; height: 100%; }
+table.time { margin-top: .6rem; }
 figcaption { color: #555; font-size: .9rem; }
 """
 
@@ -430,7 +443,108 @@ def html_page(drawing: Drawing) -> str:
         "against the optimizer step.</p>\n"
         "<h2>Runs</h2>\n<table><thead><tr><th>run</th><th>id</th><th>hyperparameters</th><th>steps</th>"
         f"<th>{e(LAST_LOSS)}</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>\n" + "\n".join(sections) + "\n</body></html>\n"
+        f"<tbody>{''.join(rows)}</tbody></table>\n"
+        + _time_section(runs, colors)
+        + "\n".join(sections)
+        + "\n</body></html>\n"
+    )
+
+
+# -- where the time went ----------------------------------------------------------------------
+TIME_HEADING = "Where the time went"
+# One colour per phase (names.TRAINING_PHASES): productive green, the badput causes apart.
+PHASE_COLORS = {
+    "startup": "#9e9e9e",
+    "productive": "#2ca02c",
+    "data_wait": "#ff7f0e",
+    "evaluation": "#1f77b4",
+    "checkpoint_save": "#9467bd",
+    "checkpoint_load": "#c5b0d5",
+    "lost_progress": "#d62728",
+    "idle": "#e0e0e0",
+}
+
+
+def _percent(share: float | None) -> str:
+    return _NONE if share is None else f"{100 * share:.1f} %"
+
+
+def time_lines(run: Run) -> list[str]:
+    """The text of the run's "Where the time went": seconds and share per phase, goodput, attempts."""
+    time = run.time
+    if time is None:
+        return [
+            f"{TIME_HEADING}: not in the data read (openlora.training.time in a run's history files; "
+            "not read from Prometheus)"
+        ]
+    attempts = len(time.attempts)
+    lines = [
+        f"{TIME_HEADING} ({attempts} attempt{'s' if attempts != 1 else ''}, {time.processes} "
+        f"process{'es' if time.processes != 1 else ''}, summed over ranks and attempts):"
+    ]
+    width = max(len(phase) for phase in time.phases)
+    for phase, seconds in time.phases.items():
+        lines.append(f"  {phase:<{width}}  {seconds:12,.1f} s  {_percent(time.share(phase)):>7}")
+    lines.append(f"  {'total':<{width}}  {time.total:12,.1f} s  goodput {_percent(time.goodput)}")
+    for attempt in time.attempts:
+        lines.append(
+            f"  attempt {attempt.label}: {attempt.steps_lost:,} step{'s' if attempt.steps_lost != 1 else ''} "
+            f"lost, {attempt.lost_progress_s:,.1f} s lost_progress, {attempt.seconds:,.1f} s in all"
+            f" ({attempt.processes} process{'es' if attempt.processes != 1 else ''})"
+        )
+    return lines
+
+
+def _time_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
+    """The page's "Where the time went": per run a bar of the phases' shares, then a table of them."""
+    timed = [(run, color, run.time) for run, color in zip(runs, colors, strict=True) if run.time is not None]
+    if not timed:
+        return ""
+    e = html.escape
+    phases = list(PHASE_COLORS)
+    legend = " ".join(
+        f'<span class="swatch" style="background:{PHASE_COLORS[p]}"></span>{e(p)}&nbsp;' for p in phases
+    )
+    bars, rows, attempt_rows = [], [], []
+    for run, color, time in timed:
+        segments = "".join(
+            f'<span style="width:{100 * share:.3f}%;background:{PHASE_COLORS[p]}" '
+            f'title="{e(p)}: {time.phases[p]:,.1f} s ({100 * share:.1f} %)"></span>'
+            for p in phases
+            if (share := time.share(p))
+        )
+        name = f'<span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong>'
+        bars.append(
+            f"<div>{name} goodput {_percent(time.goodput)} of {_duration(time.total)}"
+            f'<div class="bar" role="img" aria-label="{e(run.name)}: time by phase">{segments}</div></div>'
+        )
+        cells = "".join(
+            f'<td class="num">{time.phases[p]:,.1f} s<br><small>{_percent(time.share(p))}</small></td>'
+            for p in phases
+        )
+        rows.append(
+            f'<tr><td class="name">{name}</td>{cells}<td class="num">{time.total:,.1f} s</td>'
+            f'<td class="num"><strong>{_percent(time.goodput)}</strong></td>'
+            f'<td class="num">{len(time.attempts)}</td><td class="num">{time.steps_lost:,}</td></tr>'
+        )
+        for attempt in time.attempts:
+            attempt_rows.append(
+                f'<tr><td class="name">{name}</td><td class="num">{e(attempt.label)}</td>'
+                f'<td class="num">{attempt.processes}</td><td class="num">{attempt.steps_lost:,}</td>'
+                f'<td class="num">{attempt.lost_progress_s:,.1f} s</td><td class="num">{attempt.seconds:,.1f} s</td></tr>'
+            )
+    head = "".join(f"<th>{e(p)}</th>" for p in phases)
+    return (
+        f'<section id="time"><h2>{TIME_HEADING}</h2>\n'
+        '<p class="meta">Wall time of every process of the run (each rank, each attempt) by '
+        "<code>openlora.training.phase</code>, from each process's last values of "
+        "<code>openlora.training.time</code>; goodput is the productive share.</p>\n"
+        f"<p><small>{legend}</small></p>\n" + "".join(bars) + "\n"
+        f'<table class="time"><thead><tr><th>run</th>{head}<th>total</th><th>goodput</th><th>attempts</th>'
+        f"<th>steps lost</th></tr></thead><tbody>{''.join(rows)}</tbody></table>\n"
+        '<table class="time"><thead><tr><th>run</th><th>attempt</th><th>processes</th><th>steps lost</th>'
+        "<th>lost_progress</th><th>time in all</th></tr></thead>"
+        f"<tbody>{''.join(attempt_rows)}</tbody></table></section>\n"
     )
 
 
