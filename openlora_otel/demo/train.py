@@ -314,14 +314,14 @@ def _perplexity(loss: float) -> float:
 
 def _evaluate(model: Any, data: _Data, placement: Placement, training: Any = None) -> float:
     """The eval loss; with ``training``, its time counts as ``evaluation`` in ``openlora.training.time``."""
+    from contextlib import nullcontext
+
     torch = data.torch
-    if training is not None:
-        with training.phase("evaluation"):
-            return _evaluate(model, data, placement)
-    model.eval()
-    with torch.no_grad(), placement.autocast(torch):
-        loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
-    model.train()
+    with training.phase("evaluation") if training is not None else nullcontext():
+        model.eval()
+        with torch.no_grad(), placement.autocast(torch):
+            loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
+        model.train()
     return loss
 
 
