@@ -41,8 +41,8 @@ through it: building the checkpoint, writing it, the barrier) as
 that ``fit(ckpt_path=...)`` resumes from) as ``checkpoint_load``; putting the state
 into the module and optimizers is not marked (``startup``). Both wrappers are
 instance attributes, removed at fit end. At ``on_train_start`` the run's highest
-step is kept in the checkpoint callback's ``dirpath`` (else
-``default_root_dir``) as ``openlora-progress.json``, and a fit resumed from a
+step is kept in the checkpoint callback's ``dirpath`` as
+``openlora-progress.json`` (no file without a checkpoint callback), and a fit resumed from a
 checkpoint (``trainer.global_step > 0``) calls ``resumed``: the steps an earlier
 attempt had done past the checkpoint count as ``lost_progress``.
 """
@@ -180,8 +180,9 @@ class TelemetryCallback(pl.Callback):
         self._owner.telemetry._outcome.forget_exception()  # ... or that raised: this fit may finish
         # Goodput across restarts: the run's highest step next to its checkpoints, and the steps
         # an earlier attempt did past the checkpoint this fit resumed from (if any) are lost.
+        # Only where checkpoints are saved (a fit without them cannot resume; no file in its cwd).
         checkpoint = getattr(trainer, "checkpoint_callback", None)
-        directory = getattr(checkpoint, "dirpath", None) or getattr(trainer, "default_root_dir", None)
+        directory = getattr(checkpoint, "dirpath", None) if checkpoint is not None else None
         if directory:
             start_progress(
                 training,
