@@ -413,3 +413,83 @@ def test_a_signal_before_the_first_step_stops_the_run_cleanly(monkeypatch) -> No
         telemetry.shutdown()
     assert result.interrupted == "SIGINT" and result.exit_code == 130
     assert result.steps == 0 and len(calls) == 1  # no final evaluation after a stop
+
+
+# -- checkpoints, resume and goodput (issue 23) ---------------------------------------------------
+
+
+def _spent(data, phase: str) -> float:
+    return value(data, "openlora.training.time", **{"openlora.training.phase": phase}) or 0.0
+
+
+def test_a_run_stopped_after_its_checkpoint_resumes_and_counts_the_steps_done_again(tmp_path) -> None:
+    directory = str(tmp_path / "ckpt")
+    options = DemoOptions(
+        steps=12, batch_size=2, eval_every=4, quiet=True, checkpoint_dir=directory, checkpoint_every=5
+    )
+    first = InMemoryMetricReader()
+    config = TelemetryConfig(exporters=("none",), run_id="demo-run")
+    telemetry = setup_telemetry(config=config, metric_readers=[first])
+    result = run_demo(DemoOptions(**{**options.__dict__, "stop_at_step": 8}), telemetry, where="memory")
+    data = first.get_metrics_data()
+    telemetry.shutdown()
+    assert result.steps == 8 and result.interrupted == "--stop-at-step" and result.exit_code == 0
+    assert _spent(data, "evaluation") > 0 and _spent(data, "checkpoint_save") > 0
+    assert (tmp_path / "ckpt" / "checkpoint.pt").is_file()
+
+    second = InMemoryMetricReader()
+    telemetry = setup_telemetry(config=config.replace(run_attempt=2), metric_readers=[second])
+    result = run_demo(DemoOptions(**{**options.__dict__, "resume": True}), telemetry, where="memory")
+    data = second.get_metrics_data()
+    telemetry.shutdown()
+    assert result.steps == 12 and result.interrupted is None
+    assert value(data, "openlora.training.steps") == 12 - 5  # resumed at the checkpoint of step 5
+    assert value(data, "openlora.training.steps.lost") == 8 - 5
+    assert _spent(data, "lost_progress") > 0 and _spent(data, "checkpoint_load") > 0
+    assert _spent(data, "productive") > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--checkpoint-dir", "{tmp}", "--hf-trainer"], "drop --hf-trainer"),
+        (["--checkpoint-dir", "{tmp}", "--resume"], "--resume: no checkpoint in"),
+    ],
+)
+def test_checkpoint_options_that_make_no_sense_are_usage_errors(args, message, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *(a.replace("{tmp}", str(tmp_path)) for a in args)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.process
+def test_the_demo_resumed_from_its_checkpoint_reports_the_lost_steps(tmp_path) -> None:
+    """Two attempts of one run, as a user would: stopped after step 8 with a checkpoint at step 5,
+    then --resume. The second attempt keeps the run id, counts attempt 2 and 3 steps lost."""
+    from openlora_otel.history import read_history
+
+    directory = tmp_path / "ckpt"
+    common = ["--steps", "12", "--batch-size", "2", "--eval-every", "4", "--checkpoint-dir", str(directory)]
+    runs = []
+    for attempt, extra in ((1, ["--checkpoint-every", "5", "--stop-at-step", "8"]), (2, ["--resume"])):
+        history = tmp_path / f"history-{attempt}"
+        env = {"OPENLORA_HISTORY_DIR": str(history), "OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "off"}
+        demo = demo_process(*common, *extra, "--quiet", "--device", "cpu", env=env)
+        stdout, stderr = demo.communicate(timeout=600)
+        assert demo.returncode == 0, stderr[-3000:]
+        assert "Traceback" not in stderr
+        [path] = history.iterdir()
+        runs.append((stdout, list(read_history(path))))
+    (first_out, first), (second_out, second) = runs
+    assert "stopped by --stop-at-step after 8 steps" in first_out and "--resume" in first_out
+    assert "12 steps" in second_out
+    assert first[-1].resource["openlora.run.id"] == second[-1].resource["openlora.run.id"]
+    assert (first[-1].resource["openlora.run.attempt"], second[-1].resource["openlora.run.attempt"]) == (1, 2)
+    final = second[-1]
+    assert final.value("openlora.training.steps.lost") == 8 - 5
+    assert final.value("openlora.training.time", **{"openlora.training.phase": "lost_progress"}) > 0
+    assert final.value("openlora.training.time", **{"openlora.training.phase": "checkpoint_load"}) > 0
+    assert first[-1].value("openlora.training.time", **{"openlora.training.phase": "checkpoint_save"}) > 0

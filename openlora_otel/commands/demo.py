@@ -88,6 +88,37 @@ def register(commands: Any) -> None:
         "on the first run into DIR, the base model as DIR/base; later runs train on that base. "
         "`openlora-otel serve DIR` serves them (under torchrun rank 0 saves)",
     )
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save a checkpoint (the LoRA adapter, optimizer and scheduler state, data generator, step) to "
+        "DIR/checkpoint.pt every --checkpoint-every steps, timed as checkpoint_save in "
+        "openlora_training_time_seconds_total; DIR also keeps the run id and attempt (DIR/run.json) and the "
+        "highest step reached (DIR/openlora-progress.json). A new run without --resume starts over in DIR. "
+        "The demo's own loop in one process: not with --hf-trainer or under torchrun",
+    )
+    demo.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        metavar="N",
+        help=f"steps between checkpoints (default {defaults.checkpoint_every}; needs --checkpoint-dir)",
+    )
+    demo.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --checkpoint-dir from its checkpoint (loading it counts as "
+        "checkpoint_load): the same run id (DIR/run.json's, unless OPENLORA_RUN_ID is set) and the next "
+        "attempt (DIR/run.json's + 1, unless OPENLORA_RUN_ATTEMPT is set); the steps the earlier attempt "
+        "did after the checkpoint are done again and count as lost_progress "
+        "(openlora_training_steps_lost_total)",
+    )
+    demo.add_argument(
+        "--stop-at-step",
+        type=positive_int,
+        metavar="N",
+        help="stop after step N as if the run had been killed there (no final evaluation, no --save; exit "
+        "status 0): a run to try --resume on",
+    )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress output; the summary only")
     demo.add_argument(
         "--straggle-rank",
@@ -127,6 +158,19 @@ def run(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     if args.exporter is not None:
         environ["OTEL_METRICS_EXPORTER"] = args.exporter
+    problem = _checkpoint_problem(args)
+    if problem:
+        args.demo_parser.error(problem)
+    if args.resume:
+        from openlora_otel.demo.train import read_run_file
+
+        # The attempt before this one: its run id, and this attempt's number after it.
+        earlier = read_run_file(args.checkpoint_dir) or {}
+        if isinstance(earlier.get("run_id"), str) and earlier["run_id"] and not environ.get("OPENLORA_RUN_ID"):
+            environ["OPENLORA_RUN_ID"] = earlier["run_id"]
+        attempt = earlier.get("attempt")
+        if not environ.get("OPENLORA_RUN_ATTEMPT") and isinstance(attempt, int) and attempt >= 1:
+            environ["OPENLORA_RUN_ATTEMPT"] = str(attempt + 1)
     if environ.get("OPENLORA_HISTORY_DIR") and not environ.get("OPENLORA_HISTORY_INTERVAL"):
         # The demo lasts about a minute: a line a second gives its report a curve, not a dozen points.
         environ["OPENLORA_HISTORY_INTERVAL"] = "1000"
@@ -195,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
         data_delay_ms=args.data_delay_ms or 0.0,
         save_dir=args.save,
         adapter_name=args.run_name if args.save else None,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every or defaults_checkpoint_every(),
+        resume=args.resume,
+        stop_at_step=args.stop_at_step,
     )
     try:
         # The demo says where its metrics are itself (the "metrics:" line below).
@@ -206,6 +254,14 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ConfigError, MissingDependencyError) as exc:
         return fail("demo", exc)
+    if options.checkpoint_dir:
+        from openlora_otel.demo.train import write_run_file
+
+        try:
+            write_run_file(options.checkpoint_dir, telemetry.run_id, config.run_attempt)
+        except OSError as exc:
+            telemetry.shutdown()
+            return fail("demo", f"--checkpoint-dir: {exc}")
     where = telemetry.where_metrics_go()
     if not options.quiet:
         print(f"metrics: {where}", file=sys.stderr)
@@ -230,6 +286,35 @@ def run(args: argparse.Namespace) -> int:
             world_size=ranks.world_size,
         )
     return result.exit_code
+
+
+def defaults_checkpoint_every() -> int:
+    return DemoOptions().checkpoint_every
+
+
+def _checkpoint_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --checkpoint-dir, --checkpoint-every, --resume and --stop-at-step, if anything."""
+    import os
+    from pathlib import Path
+
+    from openlora_otel.demo.train import CHECKPOINT_FILE
+
+    if args.checkpoint_dir is None:
+        if args.resume:
+            return "--resume needs --checkpoint-dir: the directory whose checkpoint to continue from"
+        if args.checkpoint_every is not None:
+            return "--checkpoint-every needs --checkpoint-dir: where to save the checkpoints"
+        return None
+    if args.hf_trainer:
+        return "--checkpoint-dir works with the demo's own loop; drop --hf-trainer"
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return "--checkpoint-dir works in one process; under torchrun drop it"
+    root = Path(args.checkpoint_dir)
+    if root.exists() and not root.is_dir():
+        return f"--checkpoint-dir: {args.checkpoint_dir} exists and is not a directory"
+    if args.resume and not (root / CHECKPOINT_FILE).is_file():
+        return f"--resume: no checkpoint in {args.checkpoint_dir} ({CHECKPOINT_FILE}) to continue from"
+    return None
 
 
 def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | None:
@@ -314,6 +399,8 @@ def _summary(
         )
     elif result.interrupted:
         lines.append(f"stopped by {result.interrupted} after {result.steps} steps; telemetry {flush}")
+        if result.interrupted == "--stop-at-step":
+            lines[-1] += " (continue it with --resume)"
     if result.final_eval_loss != math.inf:  # NaN included: a diverged model's evaluation is shown as it was
         best = f"{result.best_eval_loss:.3f}" if math.isfinite(result.best_eval_loss) else "none finite"
         evaluation = f"eval loss {result.first_eval_loss:.3f} -> {result.final_eval_loss:.3f} (best {best})"

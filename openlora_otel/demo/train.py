@@ -14,6 +14,7 @@ Without PEFT the demo stops with the package and the extra to install.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -35,6 +36,11 @@ from openlora_otel.training.guard import DivergenceGuard
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143, "requested": 1, "diverged": 3}
+# --stop-at-step: a run stopped on purpose (to try --resume); exit status 0.
+STOP_AT_STEP = "--stop-at-step"
+# In --checkpoint-dir: the latest checkpoint, and the run id and attempt that wrote to the directory.
+CHECKPOINT_FILE = "checkpoint.pt"
+RUN_FILE = "run.json"
 # The demo's guard: this many non-finite losses in a row stop the run, checked this often.
 GUARD_NONFINITE_LOSSES = 3
 GUARD_CHECK_INTERVAL_S = 0.5
@@ -74,6 +80,13 @@ class DemoOptions:
     # (layout: openlora_otel/demo/layout.py); rank 0 saves, after a run that was not stopped early.
     save_dir: str | None = None
     adapter_name: str | None = None  # default: seed-<seed>
+    # Checkpoints (the plain loop, one process): the adapter, optimizer, scheduler, data generator and
+    # step, saved to checkpoint_dir/checkpoint.pt every checkpoint_every steps; resume loads it.
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    # Stop after this step as if interrupted (no final evaluation, no --save): a run to resume.
+    stop_at_step: int | None = None
 
     @property
     def saved_adapter_name(self) -> str:
@@ -106,7 +119,8 @@ class DemoResult:
     best_eval_loss: float
     last_train_loss: float | None
     tokens_per_s: float
-    interrupted: str | None  # "SIGINT" / "SIGTERM" / "requested" (stop_event) / "diverged" when stopped early
+    # "SIGINT" / "SIGTERM" / "requested" (stop_event) / "diverged" / "--stop-at-step" when stopped early
+    interrupted: str | None
     stop_detail: str | None = None  # what the divergence guard saw, when it stopped the run
     saved: str | None = None  # the adapter's directory, when --save saved it
 
@@ -298,13 +312,70 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
-def _evaluate(model: Any, data: _Data, placement: Placement) -> float:
+def _evaluate(model: Any, data: _Data, placement: Placement, training: Any = None) -> float:
+    """The eval loss; with ``training``, its time counts as ``evaluation`` in ``openlora.training.time``."""
+    from contextlib import nullcontext
+
     torch = data.torch
-    model.eval()
-    with torch.no_grad(), placement.autocast(torch):
-        loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
-    model.train()
+    with training.phase("evaluation") if training is not None else nullcontext():
+        model.eval()
+        with torch.no_grad(), placement.autocast(torch):
+            loss = float(model(input_ids=data.eval_batch, labels=data.eval_batch).loss)
+        model.train()
     return loss
+
+
+def read_run_file(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``DIR/run.json``: the run id and the attempt that last trained into a checkpoint directory."""
+    import json
+
+    try:
+        data = json.loads((Path(directory) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_run_file(directory: str | os.PathLike[str], run_id: str, attempt: int) -> None:
+    import json
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".{RUN_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"run_id": run_id, "attempt": attempt}))
+    os.replace(tmp, path / RUN_FILE)
+
+
+def _load_checkpoint(options: DemoOptions, model: Any, training: Any, torch: Any) -> dict[str, Any]:
+    """--resume: the latest checkpoint's adapter into ``model``; the rest (optimizer, ...) is returned."""
+    import peft
+
+    with training.phase("checkpoint_load"):
+        state = torch.load(Path(options.checkpoint_dir) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        peft.set_peft_model_state_dict(model, state["adapter"])
+    return state
+
+
+def _save_checkpoint(
+    options: DemoOptions, step: int, model: Any, optimizer: Any, scheduler: Any, data: _Data, training: Any
+) -> None:
+    """The adapter, optimizer, scheduler, data generator and step, replacing DIR/checkpoint.pt atomically."""
+    import peft
+
+    torch = data.torch
+    with training.phase("checkpoint_save"):
+        directory = Path(options.checkpoint_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": step,
+            "adapter": {k: v.detach().cpu() for k, v in peft.get_peft_model_state_dict(model).items()},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "generator": data.generator.get_state(),
+        }
+        tmp = directory / f".{CHECKPOINT_FILE}.{os.getpid()}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, directory / CHECKPOINT_FILE)
 
 
 def run_demo(
@@ -387,17 +458,31 @@ def _run(
             + "\n"
         )
         out.flush()
-    first_eval = _evaluate(model, data, placement)
+    resume_state = _load_checkpoint(options, model, training, torch) if options.resume else None
+    if options.checkpoint_dir:
+        from openlora_otel.integrations._common import start_progress
+
+        # The run's highest step next to its checkpoints; resumed, the steps the earlier attempt did
+        # after the checkpoint (the progress file says how far it got) count as lost_progress.
+        start_progress(
+            training,
+            options.checkpoint_dir,
+            int(resume_state["step"]) if resume_state else 0,
+            run_id=telemetry.run_id,
+        )
+    first_eval = _evaluate(model, data, placement, training)
     training.record_eval(loss=first_eval, perplexity=_perplexity(first_eval))
     if options.hf_trainer:
         result = _train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
     else:
-        result = _train_loop(options, training, model, data, stop, where, out, group, guard, placement)
+        result = _train_loop(
+            options, training, model, data, stop, where, out, group, guard, placement, resume_state
+        )
     if group is not None:
         group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
-        final = _evaluate(model, data, placement)
+        final = _evaluate(model, data, placement, training)
         training.record_eval(loss=final, perplexity=_perplexity(final))
         result.final_eval_loss = final
         if final < result.best_eval_loss:  # a NaN is never the best
@@ -478,6 +563,7 @@ def _train_loop(
     group: TrainingGroup | None = None,
     guard: DivergenceGuard | None = None,
     placement: Placement | None = None,
+    resume_state: dict[str, Any] | None = None,
 ) -> DemoResult:
     torch = data.torch
     placement = placement or Placement(torch.device("cpu"))
@@ -498,15 +584,22 @@ def _train_loop(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    start = 0
+    if resume_state is not None:
+        with training.phase("checkpoint_load"):
+            optimizer.load_state_dict(resume_state["optimizer"])
+            scheduler.load_state_dict(resume_state["scheduler"])
+            data.generator.set_state(resume_state["generator"])
+            start = int(resume_state["step"])
     progress = _Progress(options.steps, where, out, options.quiet)
     tokens_per_step = options.batch_size * options.seq_len
     started = time.perf_counter()
     best_eval = last_eval = math.inf  # inf: no evaluation after the first
     last_loss = None
     loss = None
-    step = 0
+    step = start
     model.train()
-    for step in range(1, options.steps + 1):
+    for step in range(start + 1, options.steps + 1):
         if group is None and stop.signal:
             step -= 1
             break
@@ -544,19 +637,28 @@ def _train_loop(
         training.record_epoch(step * options.batch_size / data.windows_per_epoch)
         elapsed = time.perf_counter() - started
         detached = loss.detach()
-        progress.update(step, lambda detached=detached: float(detached), step * tokens_per_step / elapsed)
+        progress.update(
+            step, lambda detached=detached: float(detached), (step - start) * tokens_per_step / elapsed
+        )
         if sync.agreed:  # some rank wants to stop: every rank learned it in this step's all-reduce
             stop.adopt(sync.agreed)
             break
         if options.eval_every and step % options.eval_every == 0 and step < options.steps:
-            eval_loss = last_eval = _evaluate(model, data, placement)
+            eval_loss = last_eval = _evaluate(model, data, placement, training)
             training.record_eval(loss=eval_loss, perplexity=_perplexity(eval_loss))
             if eval_loss < best_eval:  # a NaN is never the best
                 best_eval = eval_loss
+        if options.checkpoint_dir and options.checkpoint_every and step % options.checkpoint_every == 0:
+            _save_checkpoint(options, step, model, optimizer, scheduler, data, training)
+        if options.stop_at_step is not None and step >= options.stop_at_step and step < options.steps:
+            stop.adopt(STOP_AT_STEP)  # as if the run had been killed here: nothing more happens
+            break
     elapsed = time.perf_counter() - started
     if loss is not None:
         last_loss = float(loss.detach())
-        progress.update(step, lambda: last_loss, step * tokens_per_step / max(elapsed, 1e-9), force=True)
+        progress.update(
+            step, lambda: last_loss, (step - start) * tokens_per_step / max(elapsed, 1e-9), force=True
+        )
     progress.close()
     return DemoResult(
         steps=step,
@@ -565,7 +667,7 @@ def _train_loop(
         final_eval_loss=last_eval,
         best_eval_loss=best_eval,
         last_train_loss=last_loss,
-        tokens_per_s=step * tokens_per_step / max(elapsed, 1e-9),
+        tokens_per_s=(step - start) * tokens_per_step / max(elapsed, 1e-9),
         interrupted=None,
     )
 

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from openlora_otel.telemetry import Telemetry, setup_telemetry
 from openlora_otel.training.arguments import MAX_STEP_TIME_S
+from openlora_otel.training.goodput import ProgressFile
 from openlora_otel.training.metrics import TrainingMetrics
 
 __all__ = [
     "GUARD_SYNC_EVERY",
     "ModelFlops",
+    "OpenMarks",
     "StepClock",
     "TelemetryOwner",
     "describe_lora",
     "model_hyperparameters",
     "safe",
+    "start_progress",
 ]
 
 # Under data parallelism the ranks agree on a guard's trip every this many optimizer steps
@@ -44,6 +49,11 @@ class TelemetryOwner:
     @property
     def training(self) -> TrainingMetrics:
         return self.telemetry.training
+
+    @property
+    def active(self) -> bool:
+        """A Telemetry is held now (reading ``training`` would not set one up)."""
+        return self._telemetry is not None
 
     def flush(self) -> None:
         if self._telemetry is not None:
@@ -125,6 +135,72 @@ class StepClock:
         self._started = self._waited = None
         self._excluded = 0.0
         return step_time, waited
+
+
+class OpenMarks:
+    """Goodput marks (``training.phase(...)``) entered in one hook and left in another.
+
+    A phase is open at most once; :meth:`leave_all` closes whatever a hook pair left open (a
+    flag another callback cleared, a fit that raised). Cheap: the step path tests one list.
+    """
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: list[tuple[str, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def is_open(self, phase: str) -> bool:
+        return any(name == phase for name, _ in self._open)
+
+    def enter(self, training: TrainingMetrics, phase: str) -> None:
+        if self.is_open(phase):
+            return
+        mark = training.phase(phase)
+        mark.__enter__()
+        self._open.append((phase, mark))
+
+    def leave(self, phase: str) -> None:
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i][0] == phase:
+                _, mark = self._open.pop(i)
+                mark.__exit__(None, None, None)
+                return
+
+    def leave_all(self) -> None:
+        while self._open:
+            _, mark = self._open.pop()
+            mark.__exit__(None, None, None)
+
+
+def start_progress(
+    training: TrainingMetrics, directory: Any, step: int, *, run_id: str, write: bool = True
+) -> int:
+    """At train start: keep the run's highest step in ``directory`` and say where this attempt starts.
+
+    ``step``: the global step the trainer starts at (above 0 when it resumed from a checkpoint).
+    The progress file (``openlora-progress.json``) says how far an earlier attempt got; the steps
+    between ``step`` and that are done again (``lost_progress``). Starting at step 0, a file left
+    by another run id is a different run's: it is replaced, and nothing counts as lost (set
+    ``OPENLORA_RUN_ID`` so that the attempts of a run restarted from scratch share one). ``write``:
+    this process keeps the file (one process per node does; every process reads it).
+    Returns the steps lost.
+    """
+    progress = ProgressFile(directory if Path(directory).is_dir() else Path(directory) / ProgressFile.NAME)
+    data = progress.read()
+    reached = data["step"] if data is not None else None
+    if step == 0 and data is not None and data.get("run_id") != run_id:
+        reached = None
+        if write:
+            with contextlib.suppress(OSError):
+                progress.path.unlink()  # the new run's high-water mark starts from nothing
+    if write:
+        training.track_progress(progress.path)
+    if step > 0 or reached:
+        return training.resumed(step, reached=reached if reached is not None else step)
+    return 0
 
 
 class ModelFlops:

@@ -43,6 +43,22 @@ ever comes from ``on_log``. Evaluations (``on_evaluate``) go to
 ``record_eval``; a PEFT LoRA config on the model is described at train start;
 metrics are flushed at train end. Independent of ``report_to``: it works with
 ``"none"`` and next to other reporters.
+
+Goodput (``openlora.training.time``): the Trainer evaluates and then saves right
+after ``on_step_end`` (and ``on_epoch_end``) when ``control.should_evaluate`` /
+``should_save`` say so; the callback reads those flags there and marks
+``evaluation`` from that point to ``on_evaluate``, then ``checkpoint_save`` to
+``on_save`` (which the Trainer calls after writing the checkpoint). So both are
+timed whole, not from a hook that comes after the work; the evaluation's mark
+includes that step's logging (one read of the loss). An evaluation no flag
+announced (``eval_on_start``, ``trainer.evaluate()``) is marked from its first
+``on_prediction_step``. Not marked: a save under ``save_strategy="best"`` (the
+Trainer decides it after the evaluation, with no hook in between) and the
+checkpoint load of ``resume_from_checkpoint`` (done before ``on_train_begin``:
+it counts as ``startup``). At ``on_train_begin`` the run's highest step is kept
+in ``output_dir/openlora-progress.json`` (``track_progress``), and a Trainer that
+resumed from a checkpoint (``state.global_step > 0``) calls ``resumed``: the
+steps an earlier attempt had done past the checkpoint count as ``lost_progress``.
 """
 
 from __future__ import annotations
@@ -57,11 +73,13 @@ from transformers import TrainerCallback
 from openlora_otel.integrations._common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
+    OpenMarks,
     StepClock,
     TelemetryOwner,
     describe_lora,
     model_hyperparameters,
     safe,
+    start_progress,
 )
 from openlora_otel.telemetry import Telemetry
 from openlora_otel.training.guard import DivergenceGuard
@@ -166,6 +184,8 @@ class TelemetryCallback(TrainerCallback):
         self._said_no_loss = False
         self._said_no_input = False
         self._stopped = False  # the guard stopped this run: nothing more is saved or evaluated
+        self._marks = OpenMarks()  # goodput phases open across hooks (evaluation, checkpoint_save)
+        self._save_after_eval = False  # the Trainer saves right after the evaluation it is about to run
 
     @safe
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -219,6 +239,19 @@ class TelemetryCallback(TrainerCallback):
                 every,
             )
         self._stopped = False
+        self._marks.leave_all()
+        self._save_after_eval = False
+        # Goodput across restarts: the run's highest step is kept next to its checkpoints, and a
+        # Trainer resumed from one (global_step > 0 here: the Trainer loaded its state already)
+        # does the steps after it again, up to where the earlier attempt got.
+        if getattr(args, "output_dir", None):
+            start_progress(
+                training,
+                args.output_dir,
+                int(getattr(state, "global_step", 0) or 0),
+                run_id=self._owner.telemetry.run_id,
+                write=bool(getattr(state, "is_local_process_zero", True)),
+            )
         self._clock = StepClock()
         self._clock.idle()
 
@@ -229,6 +262,9 @@ class TelemetryCallback(TrainerCallback):
     @safe
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._clock.batch_started()
+        if self._marks:  # an evaluation or save announced by a flag that a later callback cleared
+            self._marks.leave_all()
+            self._save_after_eval = False
 
     @safe
     def on_optimizer_step(
@@ -298,6 +334,16 @@ class TelemetryCallback(TrainerCallback):
             self._skip_save_and_evaluate(control)
         self._clock.idle()
         self._flops.step(self._owner.training, tokens, samples or self._samples_per_step)
+        self._mark_what_follows(control)
+
+    def _mark_what_follows(self, control: Any) -> None:
+        """After on_step_end and on_epoch_end the Trainer evaluates, then saves, as ``control`` says
+        (DefaultFlowCallback, first in the list, has set the flags by now). Their time starts here."""
+        if control.should_evaluate:
+            self._marks.enter(self._owner.training, "evaluation")
+            self._save_after_eval = bool(control.should_save)
+        elif control.should_save:
+            self._marks.enter(self._owner.training, "checkpoint_save")
 
     @safe
     def on_log(
@@ -324,6 +370,11 @@ class TelemetryCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         self._clock.idle()
+        if self._marks.is_open("evaluation"):
+            self._marks.leave("evaluation")
+            if self._save_after_eval:
+                self._marks.enter(self._owner.training, "checkpoint_save")
+        self._save_after_eval = False
         if not metrics:
             return
         others = {}
@@ -335,7 +386,19 @@ class TelemetryCallback(TrainerCallback):
         self._owner.training.record_eval(loss=_number(metrics.get("eval_loss")), **others)
 
     @safe
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # An evaluation no flag announced (eval_on_start, trainer.evaluate() or predict() in a
+        # script): from its first batch on. Never sets up a Telemetry after train end.
+        if self._owner.active and not self._marks.is_open("evaluation"):
+            self._marks.enter(self._owner.training, "evaluation")
+
+    @safe
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        self._marks.leave("evaluation")
+
+    @safe
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._marks.leave("checkpoint_save")
         self._clock.idle()
 
     @safe
@@ -344,6 +407,7 @@ class TelemetryCallback(TrainerCallback):
             self._skip_save_and_evaluate(control)  # after DefaultFlowCallback's epoch-end save
         if state.epoch is not None:
             self._owner.training.record_epoch(float(state.epoch))
+        self._mark_what_follows(control)
 
     @staticmethod
     def _skip_save_and_evaluate(control: Any) -> None:
@@ -356,6 +420,7 @@ class TelemetryCallback(TrainerCallback):
 
     @safe
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._marks.leave_all()
         self._remove_tap()
         self._owner.finish()
 

@@ -31,6 +31,20 @@ epoch's iterator creation (Lightning makes it before ``on_train_start``).
 Step time runs from the end of the previous step to the end of this one,
 waits included, validation excluded (also one run between the micro-batches
 of a step).
+
+Goodput (``openlora.training.time``): validation during a fit (the sanity check
+included) is marked ``evaluation`` from ``on_validation_start`` to
+``on_validation_end``. Saves and loads are timed exactly by wrapping, for the
+fit, the trainer's ``save_checkpoint`` (every ``ModelCheckpoint`` save goes
+through it: building the checkpoint, writing it, the barrier) as
+``checkpoint_save`` and the strategy's ``load_checkpoint`` (reading the file
+that ``fit(ckpt_path=...)`` resumes from) as ``checkpoint_load``; putting the state
+into the module and optimizers is not marked (``startup``). Both wrappers are
+instance attributes, removed at fit end. At ``on_train_start`` the run's highest
+step is kept in the checkpoint callback's ``dirpath`` as
+``openlora-progress.json`` (no file without a checkpoint callback), and a fit resumed from a
+checkpoint (``trainer.global_step > 0``) calls ``resumed``: the steps an earlier
+attempt had done past the checkpoint count as ``lost_progress``.
 """
 
 from __future__ import annotations
@@ -46,11 +60,13 @@ import torch
 from openlora_otel.integrations._common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
+    OpenMarks,
     StepClock,
     TelemetryOwner,
     describe_lora,
     model_hyperparameters,
     safe,
+    start_progress,
 )
 from openlora_otel.telemetry import Telemetry
 from openlora_otel.training.guard import DivergenceGuard
@@ -105,6 +121,43 @@ class TelemetryCallback(pl.Callback):
         self._loss_parts = 0
         self._automatic = True  # automatic optimization: Lightning divides each micro-batch's loss
         self._muted: list[Any] = []  # checkpoint callbacks silenced after a guard trip
+        self._marks = OpenMarks()  # evaluation, open between the validation hooks
+        self._wrapped: list[tuple[Any, str]] = []  # (object, method) wrapped for this fit
+
+    @safe
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._unwrap()
+        # The fit's saves and its checkpoint read, timed whole (the marks are taken at call time).
+        # A save after train end (ModelCheckpoint's last one, after a Telemetry this callback set up
+        # was shut down) is not marked: no new Telemetry is set up for it.
+        self._wrap(trainer, "save_checkpoint", "checkpoint_save", set_up=False)
+        # Called only when fit(ckpt_path=...) resumes (trainer.ckpt_path is set later, inside the load).
+        self._wrap(trainer.strategy, "load_checkpoint", "checkpoint_load", set_up=True)
+
+    def _wrap(self, target: Any, method: str, phase: str, *, set_up: bool) -> None:
+        original = getattr(target, method)
+        owner = self._owner
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            if not (set_up or owner.active):
+                return original(*args, **kwargs)
+            try:
+                mark = owner.training.phase(phase)
+            except Exception:  # telemetry must not stop a save or a load
+                return original(*args, **kwargs)
+            with mark:
+                return original(*args, **kwargs)
+
+        marked.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(target, method, marked)
+        self._wrapped.append((target, method))
+
+    def _unwrap(self) -> None:
+        for target, method in self._wrapped:
+            target.__dict__.pop(method, None)
+        self._wrapped = []
 
     @safe
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -125,6 +178,19 @@ class TelemetryCallback(pl.Callback):
         self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
         self._unmute_checkpoints()  # a trainer reused after a fit that tripped and then raised
         self._owner.telemetry._outcome.forget_exception()  # ... or that raised: this fit may finish
+        # Goodput across restarts: the run's highest step next to its checkpoints, and the steps
+        # an earlier attempt did past the checkpoint this fit resumed from (if any) are lost.
+        # Only where checkpoints are saved (a fit without them cannot resume; no file in its cwd).
+        checkpoint = getattr(trainer, "checkpoint_callback", None)
+        directory = getattr(checkpoint, "dirpath", None) if checkpoint is not None else None
+        if directory:
+            start_progress(
+                training,
+                directory,
+                int(trainer.global_step),
+                run_id=self._owner.telemetry.run_id,
+                write=int(getattr(trainer, "local_rank", 0) or 0) == 0,
+            )
         self._clock = StepClock()
         self._clock.idle()
 
@@ -132,6 +198,8 @@ class TelemetryCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._marks.leave_all()
+        self._unwrap()
         # The fit ends with this exception. Lightning turns a KeyboardInterrupt (noted as SIGINT) into
         # exit status 1, and a SIGTERM its signal connector took into an exception of its own: the
         # shutdown at exit then reports `terminated`, not `finished` or a failure.
@@ -256,6 +324,7 @@ class TelemetryCallback(pl.Callback):
     @safe
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._unmute_checkpoints()
+        self._unwrap()
 
     @safe
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -264,10 +333,13 @@ class TelemetryCallback(pl.Callback):
     @safe
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.pause()
+        if trainer.state.fn == "fit":  # not trainer.validate(): no fit, no Telemetry to set up for it
+            self._marks.enter(self._owner.training, "evaluation")
 
     @safe
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock.resume()  # validation is neither the step nor waiting for its data
+        self._marks.leave("evaluation")
         if trainer.sanity_checking:
             return
         metrics: dict[str, float] = {}
@@ -285,6 +357,7 @@ class TelemetryCallback(pl.Callback):
 
     @safe
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._marks.leave_all()
         self._owner.finish()
 
     def _count_tokens(self, batch: Any) -> int:
