@@ -145,6 +145,12 @@ def test_the_progress_file_keeps_the_highest_step(tmp_path) -> None:
     assert json.loads(again.path.read_text()) == {"run_id": "r", "step": 12, "attempt": 2, "time": pytest.approx(time.time(), abs=60)}
 
 
+def test_a_progress_file_of_another_run_is_replaced(tmp_path) -> None:
+    ProgressFile(tmp_path).write(500, run_id="old-run", attempt=1)
+    ProgressFile(tmp_path).write(3, run_id="new-run", attempt=1)
+    assert json.loads((tmp_path / "openlora-progress.json").read_text())["step"] == 3
+
+
 @pytest.mark.parametrize("content", ["not json", '{"step": "ten"}', '{"step": -1}', "[1]", '{"step": true}'])
 def test_a_bad_progress_file_is_ignored_with_one_warning(tmp_path, caplog, content: str) -> None:
     (tmp_path / "openlora-progress.json").write_text(content)

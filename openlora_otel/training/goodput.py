@@ -299,13 +299,14 @@ class ProgressFile:
         return None if data is None else data["step"]
 
     def write(self, step: int, *, run_id: str, attempt: int) -> None:
-        """Record ``step`` if it is higher than what this object last wrote (and than the file holds)."""
+        """Record ``step`` if it is higher than what this object last wrote and than the file holds for
+        ``run_id`` (a file another run id left is replaced)."""
         if step <= self._written:
             return
         if self._written < 0:
-            previous = self.reached()
-            if previous is not None and previous > step:
-                self._written = previous
+            previous = self.read()
+            if previous is not None and previous.get("run_id") == run_id and previous["step"] > step:
+                self._written = previous["step"]
                 return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
