@@ -753,7 +753,9 @@ def _check_every_query(
         # evaluation or two behind the one before.
         wait_until(
             lambda: prometheus.query("run:openlora_training_energy_per_step_joules:2m")
-            and prometheus.query("rank:openlora_training_energy_per_token_joules:2m"),
+            and prometheus.query("rank:openlora_training_energy_per_token_joules:2m")
+            and prometheus.query("run:openlora_training_goodput:ratio1h")
+            and prometheus.query("run:openlora_training_steps_lost:increase1h"),
             timeout=60,
         )
         # Both runs selected in the run variable, offered by their names; the legends' hyperparameter

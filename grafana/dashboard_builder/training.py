@@ -405,6 +405,93 @@ def training_metrics(grid: Grid) -> list[dict[str, Any]]:
     return panels
 
 
+def where_the_time_went(grid: Grid) -> list[dict[str, Any]]:
+    """Goodput: each run's wall time by cause (openlora_training_time_seconds_total by
+    openlora_training_phase), its productive share, the steps restarts made it do again: the row, next
+    on the grid."""
+    panels: list[dict[str, Any]] = [row("Where the time went", grid.header())]
+    time = f"attempt:openlora_training_time_seconds_total:by_run{{{ENERGY_SEL}}}"
+    rate = f"sum by (openlora_run_id, openlora_training_phase) (rate({time}[$__rate_interval]))"
+    share = f"{rate} / on (openlora_run_id) group_left () sum by (openlora_run_id) ({rate})"
+    # Each attempt's rise over the range (its counter never resets), as the Energy row does it.
+    series = f"attempt:openlora_training_time_seconds_total:by_run{{{ENERGY_SEL}{{phase}}}}[$__range]"
+    over_range = f"sum by (openlora_run_id) (max_over_time({series}) - min_over_time({series}))"
+    productive = over_range.replace("{phase}", ', openlora_training_phase="productive"')
+    everything = over_range.replace("{phase}", "")
+    goodput_steps = thresholds((None, "red"), (0.5, "yellow"), (0.8, "green"))
+    panels += [
+        panel(
+            "timeseries",
+            "Time by cause",
+            "Share of each run's wall time (all ranks and attempts) in each phase of openlora_training_time_seconds_total "
+            "(attempt:openlora_training_time_seconds_total:by_run: the counter with the run and attempt): productive "
+            "is goodput; startup, data_wait, evaluation, checkpoint_save, checkpoint_load, lost_progress (steps "
+            "redone after a restart) and idle (a stall, the time after the last step) are badput. The README's "
+            "OpenloraLowGoodput runbook says what to do about each.",
+            "percentunit",
+            [target(f"({share}){RUN_NAME}", "{{openlora_run_name}} {{openlora_training_phase}}")],
+            at=grid.cell(8, 8),
+            defaults={"min": 0, "max": 1, "custom": {"stacking": {"mode": "normal"}, "fillOpacity": 60}},
+        ),
+        panel(
+            "stat",
+            "Goodput over the range",
+            "Productive share of each run's wall time over the time range (the whole run when the range covers "
+            "it), all ranks and attempts: the rise of openlora_training_time_seconds_total{openlora_training_phase="
+            '"productive"} / the rise of all its phases, each attempt\'s from its first to its last sample in the '
+            "range (attempt:openlora_training_time_seconds_total:by_run).",
+            "percentunit",
+            [target(f"({productive} / ({everything} > 0)){RUN_NAME}", ENERGY_RUN_LEGEND)],
+            at=grid.cell(4, 8),
+            defaults={
+                "min": 0,
+                "max": 1,
+                "decimals": 1,
+                "thresholds": goodput_steps,
+                "color": {"mode": "thresholds"},
+            },
+        ),
+        panel(
+            "timeseries",
+            "Goodput, last hour",
+            "Productive share of each run's time over the hour before each point (run:openlora_training_goodput:ratio1h, "
+            "all ranks and attempts). OpenloraLowGoodput fires under 50% for 15 minutes while the run reports.",
+            "percentunit",
+            [
+                target(
+                    f"run:openlora_training_goodput:ratio1h{{{RUN_ENERGY_SEL}}}{RUN_NAME}", ENERGY_RUN_LEGEND
+                )
+            ],
+            at=grid.cell(6, 8),
+            defaults={"min": 0, "max": 1, "thresholds": goodput_steps},
+        ),
+        panel(
+            "bargauge",
+            "Steps lost per attempt",
+            "Steps each attempt of a run did again because it resumed from a checkpoint older than the step an "
+            "earlier attempt reached (openlora_training_steps_lost_total, counted from 0 by each attempt; "
+            "attempt:openlora_training_steps_lost_total:by_run carries the attempt): the most of one rank per "
+            "attempt, every rank redoes the same steps. The run's total over the last hour is "
+            "run:openlora_training_steps_lost:increase1h.",
+            "none",
+            [
+                target(
+                    "max by (openlora_run_id, openlora_run_attempt) (max_over_time("
+                    f"attempt:openlora_training_steps_lost_total:by_run{{{ENERGY_SEL}}}[$__range])){RUN_NAME}",
+                    "{{openlora_run_name}} attempt {{openlora_run_attempt}}",
+                ),
+                target(
+                    f"run:openlora_training_steps_lost:increase1h{{{RUN_ENERGY_SEL}}}{RUN_NAME}",
+                    "{{openlora_run_name}} last hour",
+                ),
+            ],
+            at=grid.cell(6, 8),
+            defaults={"min": 0, "decimals": 0},
+        ),
+    ]
+    return panels
+
+
 def build() -> dict[str, Any]:
     """The training dashboard: one run or several, each rank's training, GPUs and host."""
     grid = Grid()
@@ -414,6 +501,7 @@ def build() -> dict[str, Any]:
         *training_metrics(grid),
         *input_and_compute(grid),
         *evaluation_and_divergence(grid),
+        *where_the_time_went(grid),
         *gpu(grid, gpu_legend),
         *energy(grid),
         *gpu_activity(grid, gpu_legend),
