@@ -112,14 +112,14 @@ def test_divergence_names_each_event_by_its_first_step_and_what_stopped_the_run(
         })
         for step in (10, 20, 30, 40)
     ]
-    found = divergence(curves(rows), "stopped_by_guard")
+    found = divergence(rows, "stopped_by_guard")
     assert found is not None and found.step == 30.0
     assert found.text == (
         "non-finite loss by step 30; non-finite gradient norm by step 40; "
         "guard tripped (nonfinite_loss) by step 40; stopped by the divergence guard"
     )
-    assert divergence(curves(rows[:2]), "finished") is None
-    only = divergence({}, "stopped_by_guard")
+    assert divergence(rows[:2], "finished") is None
+    only = divergence([], "stopped_by_guard")
     assert only is not None and only.step is None and only.text == "stopped by the divergence guard"
 
 
@@ -287,3 +287,38 @@ def test_the_vendored_chart_library_is_package_data_with_its_licence() -> None:
     assert folder.joinpath("uPlot.iife.min.js").read_text().startswith(f"/*! https://github.com/leeoniya/uPlot (v{UPLOT_VERSION})")
     assert "MIT License" in folder.joinpath("LICENSE").read_text()
     assert UPLOT_VERSION in folder.joinpath("README.md").read_text()
+
+
+def test_a_run_the_guard_stopped_says_so_from_its_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real guard trips on the NaN losses; the history's counters and outcome make the mark's text."""
+    import time
+
+    from openlora_otel.training.guard import DivergenceGuard
+
+    config = TelemetryConfig(
+        exporters=("none",),
+        host_metrics=False,
+        gpu_metrics="off",
+        quiet=True,
+        history_dir=str(tmp_path),
+        history_interval_ms=A_DAY_MS,
+    )
+    telemetry = setup_telemetry(run_id="g1", run_name="guarded", config=config)
+    try:
+        guard = telemetry.training.attach_guard(DivergenceGuard(nonfinite_losses=1, check_interval_s=0.05))
+        for step in range(1, 11):
+            telemetry.training.record_step(loss=math.nan if step >= 6 else 1.0, grad_norm=1.0, tokens=10)
+            if step % 5 == 0:
+                telemetry.force_flush()
+        deadline = time.monotonic() + 30
+        while not guard.tripped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard.tripped
+    finally:
+        telemetry.shutdown()
+    (run,) = read_runs([str(tmp_path)])
+    assert run.outcome == "stopped_by_guard"
+    assert run_report(str(tmp_path), "--out", str(tmp_path) + "/", "--format", "html") == 0
+    expected = "non-finite loss by step 10; guard tripped (nonfinite_loss) by step 10; stopped by the divergence guard"
+    assert f"  diverged: {expected}" in capsys.readouterr().out
+    assert page_json((tmp_path / "openlora-report.html").read_text())["runs"][0]["mark"]["text"] == f"guarded: {expected}"

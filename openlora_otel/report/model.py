@@ -565,18 +565,29 @@ class Divergence:
         return "; ".join(parts)
 
 
-def divergence(run_curves: dict[str, Curve], outcome: str | None = None) -> Divergence | None:
+def divergence(rows: Iterable[Row], outcome: str | None = None) -> Divergence | None:
     """Where the run diverged: each of a non-finite loss, a non-finite gradient norm and a guard trip
-    (per reason) at the first step its counter was above 0, earliest first, and how the run ended.
-    None when none was counted and the outcome is not ``stopped_by_guard``."""
+    (per reason) at the step of the first row whose counter was above 0, earliest first, and how the
+    run ended. None when none was counted and the outcome is not ``stopped_by_guard``.
+
+    From the rows, not the curves: a trip counted after the last step (the guard checks on its own
+    thread; the final line has it) is in a row of a step the curves already took."""
     candidates = [
         ("loss_nonfinite", "non-finite loss"),
         ("grad_norm_nonfinite", "non-finite gradient norm"),
         *((f"guard_trips_{r}", f"guard tripped ({r})") for r in GUARD_REASONS),
     ]
+    ordered = sorted(rows, key=lambda r: r.time_s)
     events = []
     for order, (key, what) in enumerate(candidates):
-        step = next((s for s, count in run_curves.get(key, []) if count > 0), None)
+        step = next(
+            (
+                r.values["steps"]
+                for r in ordered
+                if r.values.get(key, 0.0) > 0 and math.isfinite(r.values.get("steps", math.nan))
+            ),
+            None,
+        )
         if step is not None:
             events.append((step, order, what))
     if not events and outcome != "stopped_by_guard":

@@ -121,7 +121,7 @@ def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
         final_eval_loss=last("eval_loss"),
         seconds=max(stamps) - min(stamps) if len(stamps) > 1 else None,
         nonfinite_from=nonfinite_from(run_curves),
-        divergence=divergence(run_curves, run.outcome),
+        divergence=divergence(run.rows, run.outcome),
     )
 
 
