@@ -700,7 +700,10 @@ def test_report_from_the_history_files_of_two_real_demo_runs(
     out = tmp_path / "out"
     out.mkdir()
     assert run_report(str(history), "--out", str(out)) == 0
-    assert "panels: Loss, Gradient norm, Learning rate, Throughput, Step time" in capsys.readouterr().out
+    # The demo records the perplexity of each evaluation too: its own panel, after the loss.
+    assert "panels: Loss, Eval perplexity, Gradient norm, Learning rate, Throughput, Step time" in (
+        capsys.readouterr().out
+    )
     page = (out / "openlora-report.html").read_text()
     assert "<strong>learning_rate=0.003</strong>" in page and "<strong>learning_rate=0.001</strong>" in page
     assert (out / "openlora-report.png").stat().st_size > 50_000
