@@ -12,6 +12,7 @@ from openlora_otel._args import fail
 from openlora_otel.report.model import ReportError, Run
 
 FORMATS = ("png", "html")
+X_AXES = ("step", "time", "elapsed")  # render.X_AXES, without importing matplotlib for --help
 DEFAULT_STEM = "openlora-report"
 
 
@@ -23,16 +24,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Add the ``report`` command to the CLI's subcommands."""
     parser = subparsers.add_parser(
         "report",
-        help="draw runs (loss, eval loss, gradient norm, learning rate, throughput, step time, GPU) as PNG and HTML",
-        description="Draw one or more runs against the optimizer step: loss and eval loss, gradient norm (mean "
+        help="draw runs (loss, eval metrics, gradient norm, learning rate, throughput, step time, GPU) as PNG and "
+        "an interactive HTML page",
+        description="Draw one or more runs against the optimizer step (or the wall time, --x): loss and eval loss, "
+        "the other evaluation metrics (accuracy, perplexity, ...: a panel each), gradient norm (mean "
         "and max), learning rate, throughput, step time, and GPU utilization and memory when the run had GPUs. "
+        "A run that diverged (non-finite loss or gradient norm counted, a divergence guard tripped) is marked "
+        "where it did, with what stopped it (openlora.run.outcome, e.g. stopped_by_guard). "
         "From history files, also where the time went: seconds and share per openlora.training.phase, "
         "goodput, and the steps lost per attempt, summed over ranks and attempts (printed and on the page). "
         "Runs come from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files; every run in them is "
         "drawn, or those --run names) or from a Prometheus server (--prometheus URL --run ID_OR_NAME ...). Several "
         "runs are overlaid, each labelled with its name and the hyperparameters that differ between them. "
         "Writes openlora-report.png and openlora-report.html in the current directory unless --out says "
-        "otherwise; the HTML page is self-contained (inline SVG, no network). "
+        "otherwise. The HTML page is interactive and self-contained: charts drawn by uPlot (MIT, inlined "
+        "with the data), drag to zoom, double-click to zoom out, hover for values, boxes to turn runs on and "
+        "off, the x axis and the smoothing chosen on the page; it requests nothing from the network. "
         "Exit status: 0 written, 2 usage error, unknown run, unreadable input or unreachable server.",
     )
     parser.add_argument(
@@ -67,8 +74,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="LIST",
         help="png, html, or both comma-separated (default %(default)s)",
     )
+    parser.add_argument(
+        "--x",
+        default="step",
+        choices=X_AXES,
+        help="the x axis: the optimizer step, the wall time (UTC) the step was reached, or the seconds since "
+        "the run's first step (default %(default)s; the page can switch)",
+    )
+    parser.add_argument(
+        "--smooth",
+        default=0.0,
+        type=_weight,
+        metavar="W",
+        help="smooth the lines as TensorBoard does: an exponential moving average with weight W from 0 (off) "
+        "to 0.99, debiased so it starts at the first value; the raw line is drawn faint behind. Evaluation "
+        "points are not smoothed (default %(default)s; the page has a slider)",
+    )
     parser.set_defaults(report_parser=parser)
     return parser
+
+
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (0 to 0.99)") from None
+    if not 0.0 <= value <= 0.99:
+        raise argparse.ArgumentTypeError(f"{text!r} is not from 0 (off) to 0.99")
+    return value
 
 
 def output_paths(out: str | None, formats: tuple[str, ...]) -> dict[str, Path]:
@@ -117,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ReportError(f"--out: the directory {path.parent} does not exist")
         from openlora_otel.report.render import render
 
-        drawing = render(runs, png=targets.get("png"), html_path=targets.get("html"))
+        drawing = render(
+            runs, png=targets.get("png"), html_path=targets.get("html"), x=args.x, smoothing=args.smooth
+        )
     except ReportError as exc:
         return fail("report", exc)
     from openlora_otel.report.render import time_lines
@@ -127,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
             f"run {run.run_id}{f' ({run.name})' if run.name != run.run_id else ''}: {summary.steps} steps, "
             f"from {run.source}"
         )
+        if summary.divergence is not None:
+            print(f"  diverged: {summary.divergence.text}")
         for line in time_lines(run):
             print(f"  {line}")
     print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")

@@ -9,6 +9,10 @@ the Resource's ``openlora.run.id``: ``<run id>.jsonl``, or one
 its lowest rank (rank 0 when it is there: the ranks of a data-parallel run step
 together, and rank 0 is the one a person reads).
 
+Evaluation metrics beyond the loss (``openlora.training.eval.value``) become ``eval.<metric>``
+values per ``openlora.eval.metric``; the run's outcome is its lowest rank's latest
+``openlora.run.outcome``.
+
 Where the time went (``openlora.training.time`` by phase, ``openlora.training.steps.lost``)
 is read from every process of a run: each rank and each attempt. Attempts of one run id
 append to the same file; their lines are told apart by the Resource
@@ -27,8 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from openlora_otel import history
-from openlora_otel.names import ATTR_TRAINING_PHASE, RUN_METRICS, TRAINING_PHASES
+from openlora_otel.names import (
+    ATTR_EVAL_METRIC,
+    ATTR_RUN_OUTCOME,
+    ATTR_TRAINING_PHASE,
+    RUN_METRICS,
+    TRAINING_PHASES,
+)
 from openlora_otel.report.model import (
+    EVAL_PREFIX,
     QUANTITIES,
     STEPS_LOST_METRIC,
     TIME_METRIC,
@@ -47,6 +58,8 @@ _logger = logging.getLogger(__name__)
 
 _RANK_IN_NAME = re.compile(r"\.rank(\d+)$")
 _RUN_INFO = RUN_METRICS[0].name
+_OUTCOME = "openlora.run.outcome"
+_EVAL_VALUE = "openlora.training.eval.value"
 _INSTANCE_ATTRIBUTE = "service.instance.id"
 
 
@@ -77,6 +90,7 @@ class _Process:
     rows: list[Row] = field(default_factory=list)
     name: str | None = None
     info: tuple[float, dict[str, Any]] | None = None  # (time, attributes) of the latest run.info point
+    outcome: tuple[float, str] | None = None  # (time, openlora.run.outcome) of the latest outcome point
     # Goodput readings of every process (attempt) of this rank, in file order.
     time: list[TimeSample] = field(default_factory=list)
 
@@ -128,6 +142,7 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                 rank=lowest.rank,
                 ranks=len(group),
                 time=time_breakdown(sample for p in group for sample in p.time),
+                outcome=lowest.outcome[1] if lowest.outcome else None,
             )
         )
     runs.sort(key=lambda run: run.rows[0].time_s)  # oldest first: the order they were run in
@@ -154,7 +169,15 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     for point in snapshot.metrics.get(_RUN_INFO, ()):
         if process.info is None or point.time_s >= process.info[0]:
             process.info = (point.time_s, dict(point.attributes))
+    for point in snapshot.metrics.get(_OUTCOME, ()):
+        outcome = point.attributes.get(ATTR_RUN_OUTCOME)
+        if outcome is not None and (process.outcome is None or point.time_s >= process.outcome[0]):
+            process.outcome = (point.time_s, str(outcome))
     values: dict[str, float] = {}
+    for point in snapshot.metrics.get(_EVAL_VALUE, ()):
+        metric = point.attributes.get(ATTR_EVAL_METRIC)
+        if metric is not None and point.value is not None:
+            values[f"{EVAL_PREFIX}{metric}"] = float(point.value)
     for quantity in QUANTITIES:
         found = []
         for point in snapshot.metrics.get(quantity.otel_name, ()):

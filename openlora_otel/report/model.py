@@ -18,13 +18,15 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from openlora_otel.names import GPU_METRICS, TRAINING_METRICS, TRAINING_PHASES, MetricSpec
+from openlora_otel.names import GPU_METRICS, GUARD_REASONS, TRAINING_METRICS, TRAINING_PHASES, MetricSpec
 
 __all__ = [
+    "EVAL_PREFIX",
     "PANELS",
     "QUANTITIES",
     "AttemptTime",
     "Curve",
+    "Divergence",
     "Line",
     "Panel",
     "Quantity",
@@ -36,7 +38,11 @@ __all__ = [
     "common_hyperparameters",
     "curves",
     "differing_hyperparameters",
+    "divergence",
+    "eval_panels",
     "legend_labels",
+    "smooth",
+    "step_times",
     "thin",
     "time_breakdown",
 ]
@@ -108,6 +114,12 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("loss_max", "openlora.training.loss.max"),
     # Steps whose loss was NaN or infinite so far: the window means leave them out, this does not.
     Quantity("loss_nonfinite", "openlora.training.loss.nonfinite"),
+    Quantity("grad_norm_nonfinite", "openlora.training.gradient_norm.nonfinite"),
+    # The divergence guard's trips so far, per openlora.guard.reason.
+    *(
+        Quantity(f"guard_trips_{reason}", "openlora.training.guard.trips", where=(("openlora.guard.reason", reason),))
+        for reason in GUARD_REASONS
+    ),
     Quantity("eval_loss", "openlora.training.eval.loss"),
     Quantity("grad_norm", "openlora.training.gradient_norm"),
     Quantity("grad_norm_max", "openlora.training.gradient_norm.max"),
@@ -145,6 +157,8 @@ class Run:
     ranks: int = 1
     # Where the time went (openlora.training.time), over every rank and attempt; None: not recorded.
     time: TimeBreakdown | None = None
+    # How it ended (openlora.run.outcome of its lowest rank's latest line); None: not recorded.
+    outcome: str | None = None
 
 
 # -- where the time went ---------------------------------------------------------------------
@@ -281,6 +295,12 @@ def time_breakdown(samples: Iterable[TimeSample]) -> TimeBreakdown | None:
 Curve = list[tuple[float, float]]
 # Raw values that are not curves themselves (the eval loss has its own rule).
 _DERIVED_FROM = frozenset({"eval_loss", "steps", "step_time_sum", "step_time_count", "tokens"})
+# Row keys of openlora.training.eval.value: this prefix and the openlora.eval.metric (``eval.accuracy``).
+EVAL_PREFIX = "eval."
+
+
+def _is_eval(key: str) -> bool:
+    return key == "eval_loss" or key.startswith(EVAL_PREFIX)
 
 
 def curves(rows: Iterable[Row]) -> dict[str, Curve]:
@@ -288,9 +308,10 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
 
     Gauges cover the steps since the previous collection and are repeated while no
     step happens (a lingering process, a pause), so each gets the value of the
-    first row that saw a new step count. The eval loss is the exception: an
-    evaluation can end after the last step, so it takes the last row of a step
-    and is kept only where it changed (one point per evaluation). Between two
+    first row that saw a new step count. The eval loss and the other eval metrics
+    (``eval.<metric>``) are the exception: an
+    evaluation can end after the last step, so they take the last row of a step
+    and are kept only where they changed (one point per evaluation). Between two
     such rows, step time is the histogram's sum over its count (mean seconds per
     step) and throughput the tokens counted over the time between their latest steps
     (``last_step_time``; the rows' times when it is missing).
@@ -303,20 +324,21 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
         step = row.values.get("steps")
         if step is None or not math.isfinite(step):
             continue
-        eval_loss = row.values.get("eval_loss")
-        if eval_loss is not None:
-            points = out.setdefault("eval_loss", [])
+        for key, value in row.values.items():
+            if not _is_eval(key):
+                continue
+            points = out.setdefault(key, [])
             if points and points[-1][0] == step:
-                points[-1] = (step, eval_loss)
-            elif not points or points[-1][1] != eval_loss:
-                points.append((step, eval_loss))
+                points[-1] = (step, value)
+            elif not points or not _same(points[-1][1], value):
+                points.append((step, value))
         if step == previous_step:
             continue
         if previous_step is not None and step < previous_step:  # a restarted process: counters start over
             previous_hist = previous_tokens = None
         previous_step = step
         for key, value in row.values.items():
-            if key in _DERIVED_FROM:
+            if key in _DERIVED_FROM or _is_eval(key):
                 continue
             out.setdefault(key, []).append((step, value))
         total, count = row.values.get("step_time_sum"), row.values.get("step_time_count")
@@ -338,6 +360,53 @@ def curves(rows: Iterable[Row]) -> dict[str, Curve]:
                     (step, (tokens - previous_tokens[1]) / (at - previous_tokens[0]))
                 )
             previous_tokens = (at, tokens)
+    return out
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def step_times(rows: Iterable[Row]) -> dict[float, float]:
+    """When each step drawn was reached: step -> Unix seconds, for an x axis by wall time.
+
+    The time of the first row that saw the step count (the row :func:`curves` takes a step's
+    gauges from): its latest step's timestamp (``last_step_time``) when it has one, else the
+    row's own time.
+    """
+    out: dict[float, float] = {}
+    for row in sorted(rows, key=lambda r: r.time_s):
+        step = row.values.get("steps")
+        if step is None or not math.isfinite(step) or step in out:
+            continue
+        at = row.values.get("last_step_time")
+        at = at if at is not None and math.isfinite(at) and at > 0 else row.time_s
+        if math.isfinite(at):
+            out[step] = at
+    return out
+
+
+def smooth(points: Curve, weight: float) -> Curve:
+    """TensorBoard's smoothing: an exponential moving average with weight ``weight`` (0 to below 1),
+    debiased so that it starts at the first value rather than at 0.
+
+    ``s_n = weight * s_(n-1) + (1 - weight) * y_n``, drawn as ``s_n / (1 - weight ** k)`` where ``k``
+    counts the finite values so far. A NaN or infinite value is kept as it is and leaves the average
+    alone (a diverged stretch shows as the gap it is). ``weight`` 0 returns the points unchanged.
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"the smoothing weight is {weight!r}: expected 0 <= weight < 1")
+    if weight == 0.0:
+        return list(points)
+    out: Curve = []
+    last, count = 0.0, 0
+    for x, y in points:
+        if not math.isfinite(y):
+            out.append((x, y))
+            continue
+        last = last * weight + (1.0 - weight) * y
+        count += 1
+        out.append((x, last / (1.0 - weight**count)))
     return out
 
 
@@ -370,6 +439,7 @@ class Line:
     marker: str | None = None
     alpha: float = 1.0
     fold: str = "mean"
+    smooth: bool = True  # --smooth applies (not to the sparse evaluation points)
 
 
 @dataclass(frozen=True)
@@ -393,7 +463,7 @@ PANELS: tuple[Panel, ...] = (
         (
             Line("loss", "train (mean per interval)"),
             Line("loss_max", "train (max per interval)", ":", 1.2, alpha=0.7, fold="max"),
-            Line("eval_loss", "eval", "--", 1.6, marker="o"),
+            Line("eval_loss", "eval", "--", 1.6, marker="o", smooth=False),
         ),
         "Training loss (mean, and max, over the steps of each collection interval) and the loss of each "
         "evaluation, against the optimizer step.",
@@ -448,6 +518,81 @@ PANELS: tuple[Panel, ...] = (
         scale=1 / 2**30,
     ),
 )
+
+
+def eval_panels(keys: Iterable[str]) -> list[Panel]:
+    """A panel per evaluation metric other than the loss (``eval.<metric>`` curve keys), by name."""
+    panels = []
+    for key in sorted({k for k in keys if k.startswith(EVAL_PREFIX)}):
+        metric = key[len(EVAL_PREFIX) :]
+        percent = metric.lower() in ("accuracy", "acc", "exact_match", "f1")
+        panels.append(
+            Panel(
+                "eval-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in metric),
+                f"Eval {metric}",
+                metric,
+                (Line(key, metric, "--", 1.6, marker="o", smooth=False),),
+                f"The evaluation metric {metric!r} (openlora.training.eval.value with "
+                f"openlora.eval.metric={metric!r}) of each evaluation, against the step it ran at.",
+                ylim=(0.0, 1.05) if percent else None,
+            )
+        )
+    return panels
+
+
+# -- divergence ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Divergence:
+    """Where a run went wrong and what stopped it, for its marker and the table."""
+
+    # (what, the first step it was counted by), earliest first: "non-finite loss", "non-finite
+    # gradient norm", "guard tripped (nonfinite_loss)"; empty when only the outcome says so.
+    events: tuple[tuple[str, float], ...]
+    outcome: str | None  # how the run ended (openlora.run.outcome), when recorded
+
+    @property
+    def step(self) -> float | None:
+        """Where the marker goes: the first event's step."""
+        return self.events[0][1] if self.events else None
+
+    @property
+    def text(self) -> str:
+        parts = [f"{what} by step {step:,.0f}" for what, step in self.events]
+        if self.outcome == "stopped_by_guard":
+            parts.append("stopped by the divergence guard")
+        elif self.outcome and self.outcome != "running":
+            parts.append(f"run {self.outcome}")
+        return "; ".join(parts)
+
+
+def divergence(rows: Iterable[Row], outcome: str | None = None) -> Divergence | None:
+    """Where the run diverged: each of a non-finite loss, a non-finite gradient norm and a guard trip
+    (per reason) at the step of the first row whose counter was above 0, earliest first, and how the
+    run ended. None when none was counted and the outcome is not ``stopped_by_guard``.
+
+    From the rows, not the curves: a trip counted after the last step (the guard checks on its own
+    thread; the final line has it) is in a row of a step the curves already took."""
+    candidates = [
+        ("loss_nonfinite", "non-finite loss"),
+        ("grad_norm_nonfinite", "non-finite gradient norm"),
+        *((f"guard_trips_{r}", f"guard tripped ({r})") for r in GUARD_REASONS),
+    ]
+    ordered = sorted(rows, key=lambda r: r.time_s)
+    events = []
+    for order, (key, what) in enumerate(candidates):
+        step = next(
+            (
+                r.values["steps"]
+                for r in ordered
+                if r.values.get(key, 0.0) > 0 and math.isfinite(r.values.get("steps", math.nan))
+            ),
+            None,
+        )
+        if step is not None:
+            events.append((step, order, what))
+    if not events and outcome != "stopped_by_guard":
+        return None
+    return Divergence(tuple((what, step) for step, _, what in sorted(events)), outcome)
 
 
 # -- legends -------------------------------------------------------------------------------

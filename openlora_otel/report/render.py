@@ -2,20 +2,23 @@
 
 matplotlib is imported here only, and through its object API (``Figure``), so
 the report sets no global backend and needs no display. The HTML page holds
-each panel as inline SVG (text as paths, so it reads the same without the
-fonts it was drawn with) and the table of runs; it loads nothing from anywhere.
+the table of runs and an interactive chart per panel, drawn in the browser by
+uPlot (MIT, vendored under ``vendor/uplot``) from the curves embedded as JSON:
+zoom by dragging, values on hover, runs toggled, the x axis and the smoothing
+chosen on the page. Everything is inline and a Content-Security-Policy forbids
+any request: it loads nothing from anywhere.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import html
-import io
+import json
 import math
-import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +26,29 @@ from openlora_otel._version import __version__
 from openlora_otel.report.model import (
     PANELS,
     Curve,
+    Divergence,
     Panel,
     ReportError,
     Run,
     common_hyperparameters,
     curves,
     differing_hyperparameters,
+    divergence,
+    eval_panels,
     legend_labels,
+    smooth,
+    step_times,
     thin,
 )
 
 __all__ = [
     "TIME_HEADING",
+    "UPLOT_VERSION",
+    "X_AXES",
     "Drawing",
     "Summary",
     "html_page",
+    "page_data",
     "png_figure",
     "prepare",
     "render",
@@ -64,6 +75,11 @@ _RC = {
 }
 
 
+# What the x axis can be: the optimizer step, the wall time (UTC), the seconds since the run's first step.
+X_AXES = ("step", "time", "elapsed")
+_XLABEL = {"step": "step", "time": "wall time (UTC)", "elapsed": "seconds since the run's first step"}
+UPLOT_VERSION = "1.6.32"
+
 # The last collection interval's mean loss: the demo's "last train loss" is its last step's.
 LAST_LOSS = "last loss (interval mean)"
 
@@ -77,6 +93,7 @@ class Summary:
     final_eval_loss: float | None
     seconds: float | None
     nonfinite_from: float | None = None  # the step by which the first NaN / infinite loss was counted
+    divergence: Divergence | None = None  # non-finite values, guard trips, what stopped it
 
     @property
     def last_loss_text(self) -> str:
@@ -104,6 +121,7 @@ def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
         final_eval_loss=last("eval_loss"),
         seconds=max(stamps) - min(stamps) if len(stamps) > 1 else None,
         nonfinite_from=nonfinite_from(run_curves),
+        divergence=divergence(run.rows, run.outcome),
     )
 
 
@@ -134,27 +152,55 @@ class Drawing:
     labels: list[str]
     colors: list[str]
     summaries: list[Summary]
+    times: list[dict[float, float]]  # per run: step -> Unix seconds (model.step_times)
+    x: str = "step"  # one of X_AXES: the PNG's x axis, the page's first
+    smoothing: float = 0.0  # the EMA weight (model.smooth) of the PNG, the page's first
+
+    def x_of(self, index: int) -> Callable[[float], Any]:
+        """Run ``index``'s step -> its x value on the PNG (None where the step has no time)."""
+        if self.x == "step":
+            return lambda step: step
+        times = self.times[index]
+        if self.x == "elapsed":
+            start = min(times.values(), default=0.0)
+            return lambda step: None if step not in times else times[step] - start
+        return lambda step: (
+            None if step not in times else _dt.datetime.fromtimestamp(times[step], _dt.UTC).replace(tzinfo=None)
+        )
 
 
-def prepare(runs: Sequence[Run]) -> Drawing:
+def prepare(runs: Sequence[Run], *, x: str = "step", smoothing: float = 0.0) -> Drawing:
     """Curves, the panels that have data in some run (the others are left out, not drawn empty), legends."""
+    if x not in X_AXES:
+        raise ReportError(f"the x axis {x!r} is not one of {', '.join(X_AXES)}")
+    smooth([], smoothing)  # checks the weight
     run_curves = [curves(run.rows) for run in runs]
+    # The evaluation metrics other than the loss, each in its panel, right after the loss.
+    panels = [*PANELS[:1], *eval_panels(key for c in run_curves for key in c), *PANELS[1:]]
     return Drawing(
         runs=runs,
         curves=run_curves,
-        panels=[
-            panel for panel in PANELS if any(c.get(line.key) for c in run_curves for line in panel.lines)
-        ],
+        panels=[panel for panel in panels if any(c.get(line.key) for c in run_curves for line in panel.lines)],
         labels=legend_labels(runs),
         colors=[_COLORS[i % len(_COLORS)] for i in range(len(runs))],
         summaries=[summarize(run, c) for run, c in zip(runs, run_curves, strict=True)],
+        times=[step_times(run.rows) for run in runs],
+        x=x,
+        smoothing=smoothing,
     )
 
 
-def render(runs: Sequence[Run], *, png: Path | None, html_path: Path | None) -> Drawing:
-    """Write the PNG and/or the HTML page of ``runs``."""
+def render(
+    runs: Sequence[Run],
+    *,
+    png: Path | None,
+    html_path: Path | None,
+    x: str = "step",
+    smoothing: float = 0.0,
+) -> Drawing:
+    """Write the PNG and/or the HTML page of ``runs`` (``x`` and ``smoothing``: see :func:`prepare`)."""
     matplotlib = _matplotlib()
-    drawing = prepare(runs)
+    drawing = prepare(runs, x=x, smoothing=smoothing)
     with matplotlib.rc_context(_RC):  # savefig reads some of them (svg.fonttype) when it writes
         if png is not None:
             png_figure(drawing).savefig(png, format="png", dpi=100)
@@ -164,24 +210,51 @@ def render(runs: Sequence[Run], *, png: Path | None, html_path: Path | None) -> 
 
 
 # -- drawing -------------------------------------------------------------------------------
-def _draw(ax: Any, panel: Panel, run_curves: Sequence[dict[str, Curve]], colors: Sequence[str]) -> None:
-    """One panel's lines for every run, its title, axis labels and the key to its line styles."""
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter
-
-    scale, ylabel = panel.scale, panel.ylabel
+def _panel_scale(panel: Panel, run_curves: Sequence[dict[str, Curve]]) -> tuple[float, str]:
+    """The factor the panel's values are drawn at and its y label (step time in ms when below 1 s)."""
     if panel.key == "step_time":  # a CPU demo's step is ~0.1 s, a large model's many seconds
         values = [y for c in run_curves for _, y in c.get("step_time", [])]
         if values and max(values) < 1.0:
-            scale, ylabel = 1000.0, "milliseconds per step"
+            return 1000.0, "milliseconds per step"
+    return panel.scale, panel.ylabel
+
+
+def _draw(ax: Any, panel: Panel, drawing: Drawing, *, label_marks: bool = True) -> None:
+    """One panel's lines for every run, its title, axis labels and the key to its line styles.
+
+    With smoothing, each smoothed line is drawn over its raw values, faint. A run that diverged
+    gets a dashed vertical line where it did; ``label_marks`` says what happened next to it.
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    run_curves, colors = drawing.curves, drawing.colors
+    scale, ylabel = _panel_scale(panel, run_curves)
     styles = []
-    for curve_set, color in zip(run_curves, colors, strict=True):
+    for index, (curve_set, color) in enumerate(zip(run_curves, colors, strict=True)):
+        x_of = drawing.x_of(index)
         for line in panel.lines:
-            points = thin(curve_set.get(line.key, []), MAX_POINTS, line.fold)
+            points = [
+                (x, y)
+                for step, y in thin(curve_set.get(line.key, []), MAX_POINTS, line.fold)
+                if (x := x_of(step)) is not None
+            ]
             if not points:
                 continue
             if line not in styles:
                 styles.append(line)
+            smoothed = line.smooth and drawing.smoothing > 0
+            if smoothed:
+                ax.plot(
+                    [x for x, _ in points],
+                    [y * scale for _, y in points],
+                    line.style,
+                    color=color,
+                    linewidth=1.0,
+                    alpha=0.25 * line.alpha,
+                    gid="raw",
+                )
+                points = smooth(points, drawing.smoothing)
             ax.plot(
                 [x for x, _ in points],
                 [y * scale for _, y in points],
@@ -193,28 +266,40 @@ def _draw(ax: Any, panel: Panel, run_curves: Sequence[dict[str, Curve]], colors:
                 markersize=4,
             )
     ax.set_title(panel.title, loc="left")
-    ax.set_xlabel("step")
+    ax.set_xlabel(_XLABEL[drawing.x])
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+    if drawing.x == "time":
+        from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+
+        locator = AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+    else:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
     if panel.key == "learning_rate":
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: _compact(y)))
     elif panel.key in ("throughput", "gpu_memory"):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 100 else f"{y:,.3g}"))
-    if panel.key == "loss":  # where a run went non-finite: its mean line just stops there
-        for curve_set, color in zip(run_curves, colors, strict=True):
-            step = nonfinite_from(curve_set)
-            if step is not None:
-                ax.axvline(step, color=color, linestyle=(0, (2, 2)), linewidth=1.4, gid="nonfinite")
-                ax.annotate(
-                    f"non-finite loss by step {step:,.0f}",
-                    xy=(step, 1.0),
-                    xycoords=("data", "axes fraction"),
-                    xytext=(4, -4),
-                    textcoords="offset points",
-                    va="top",
-                    fontsize=9,
-                    color=color,
-                )
+    # Where a run diverged (its mean loss line just stops there): a line on every panel, said on the loss's.
+    for index, (summary, color) in enumerate(zip(drawing.summaries, colors, strict=True)):
+        diverged = summary.divergence
+        if diverged is None or diverged.step is None:
+            continue
+        x = drawing.x_of(index)(diverged.step)
+        if x is None:
+            continue
+        ax.axvline(x, color=color, linestyle=(0, (2, 2)), linewidth=1.4, gid="nonfinite")
+        if label_marks and panel.key == "loss":
+            ax.annotate(
+                diverged.text,
+                xy=(x, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, -4),
+                textcoords="offset points",
+                va="top",
+                fontsize=9,
+                color=color,
+            )
     if panel.ylim:
         ax.set_ylim(*panel.ylim)
     elif panel.key == "gpu_memory":  # from zero: how full, not how much it wobbled
@@ -257,7 +342,7 @@ def png_figure(drawing: Drawing) -> Any:
 def _png_figure(drawing: Drawing) -> Any:
     from matplotlib.figure import Figure
 
-    runs, run_curves, panels = drawing.runs, drawing.curves, drawing.panels
+    runs, panels = drawing.runs, drawing.panels
     labels, colors, summaries = drawing.labels, drawing.colors, drawing.summaries
 
     slots = len(panels) + 1  # the last one holds the table of runs
@@ -282,7 +367,7 @@ def _png_figure(drawing: Drawing) -> Any:
         header.text(0.5, 0.02, subtitle, ha="center", va="bottom", fontsize=10, color="#333333")
     grid = body.add_gridspec(rows, 2)
     for i, panel in enumerate(panels):
-        _draw(body.add_subplot(grid[i // 2, i % 2]), panel, run_curves, colors)
+        _draw(body.add_subplot(grid[i // 2, i % 2]), panel, drawing)
     index = len(panels)
     table_ax = body.add_subplot(grid[index // 2, :] if index % 2 == 0 else grid[index // 2, 1])
     _table(table_ax, runs, colors, summaries)
@@ -323,43 +408,6 @@ def _table(ax: Any, runs: Sequence[Run], colors: Sequence[str], summaries: Seque
     table.auto_set_column_width(list(range(6)))
 
 
-def _panel_figure(
-    panel: Panel, run_curves: Sequence[dict[str, Curve]], labels: Sequence[str], colors: Sequence[str]
-) -> Any:
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(10, 4.2), layout="constrained")
-    ax = figure.add_subplot()
-    _draw(ax, panel, run_curves, colors)
-    ax.set_title("", loc="left")  # the page's heading says it
-    figure.legend(
-        handles=_run_handles(labels, colors),
-        loc="outside upper center",
-        ncols=min(len(labels), 3),
-        frameon=False,
-    )
-    return figure
-
-
-def _svg(matplotlib: Any, figure: Any, panel: Panel, labels: Sequence[str]) -> str:
-    buffer = io.StringIO()
-    # A salt per panel: clip-path ids are hashes, and two panels inline in one page must not share one.
-    with matplotlib.rc_context({"svg.hashsalt": f"openlora-{panel.key}"}):
-        figure.savefig(buffer, format="svg", metadata={"Date": None})
-    text = buffer.getvalue()
-    text = text[text.index("<svg") :]
-    text = re.sub(r"<metadata>.*?</metadata>", "", text, count=1, flags=re.DOTALL)  # RDF: the date, the tool
-    # Scale with the page: drop the fixed size, the viewBox keeps the proportions. The label says
-    # what the paths draw (text is drawn as paths): the panel and the runs, in their order.
-    label = html.escape(f"{panel.title}: {'; '.join(labels)}", quote=True)
-    return re.sub(
-        r'<svg([^>]*?) width="[^"]*" height="[^"]*"',
-        lambda match: f'<svg{match.group(1)} role="img" aria-label="{label}" style="width:100%;height:auto"',
-        text,
-        count=1,
-    )
-
-
 # -- the page ------------------------------------------------------------------------------
 _CSS = """
 body { font-family: "DejaVu Sans", "Liberation Sans", Arial, Helvetica, sans-serif; color: #1a1a1a;
@@ -380,23 +428,274 @@ figure { margin: .5rem 0 0 0; }
 .bar span { display: block; height: 100%; }
 table.time { margin-top: .6rem; }
 figcaption { color: #555; font-size: .9rem; }
+.controls { position: sticky; top: 0; z-index: 10; background: #fff; border-bottom: 1px solid #ddd;
+            padding: .4rem 0; font-size: .92rem; display: flex; flex-wrap: wrap; gap: .3rem 1.4rem; }
+.controls label { white-space: nowrap; cursor: pointer; }
+.controls input[type=range] { vertical-align: middle; width: 9rem; }
+.chart { min-height: 320px; }
+.chart .u-legend { font-size: .85rem; }
+.mark { position: absolute; top: 0; bottom: 0; width: 0; border-left: 2px dashed; pointer-events: none; }
+.mark span { position: absolute; top: 2px; left: 4px; font-size: .8rem; white-space: nowrap; background: #ffffffcc; }
+p.diverged { border-left: 4px solid #d62728; padding: .3rem .6rem; background: #fdf0f0; }
 """
+
+# The page's own script: builds one uPlot chart per panel from the JSON in #report-data. It writes
+# what it read with textContent only (never as HTML); the page's Content-Security-Policy forbids
+# every request, so nothing it does can reach the network.
+_SCRIPT = r"""
+(function () {
+  "use strict";
+  var data = JSON.parse(document.getElementById("report-data").textContent);
+  var shown = data.runs.map(function () { return true; });
+  var state = { x: data.x, smooth: data.smooth };
+  var charts = [];
+  var DASH = { "-": [], ":": [2, 3], "--": [6, 4], "-.": [6, 3, 2, 3] };
+  var XLABEL = { step: "step", time: "wall time", elapsed: "seconds since the run's first step" };
+
+  function smooth(ys, w) {  // model.smooth: TensorBoard's debiased EMA; non-finite values kept as they are
+    if (!(w > 0)) return ys;
+    var last = 0, n = 0;
+    return ys.map(function (y) {
+      if (y === null || !isFinite(y)) return y;
+      last = last * w + (1 - w) * y; n += 1;
+      return last / (1 - Math.pow(w, n));
+    });
+  }
+  function alpha(color, a) {
+    return color + ("0" + Math.round(255 * a).toString(16)).slice(-2);
+  }
+  function num(v) {
+    if (v === null || v === undefined || !isFinite(v)) return v === null ? "NaN" : "-";
+    return Math.abs(v) >= 1000 ? Math.round(v).toLocaleString("en-US") : String(Number(v.toPrecision(4)));
+  }
+  function xsOf(points, run) {
+    if (state.x === "step") return points[0];
+    if (state.x === "time") return points[1];
+    return points[1].map(function (t) { return t - run.t0; });
+  }
+  function markX(run) {
+    var m = run.mark;
+    if (!m || m.step === null) return null;
+    return state.x === "step" ? m.step : state.x === "time" ? m.time : m.time - run.t0;
+  }
+
+  function build(panel, host) {
+    var tables = [], series = [{
+      label: XLABEL[state.x],
+      value: state.x === "time" ? "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" : function (u, v) { return num(v); }
+    }], owner = [null];
+    data.runs.forEach(function (run, r) {
+      panel.lines.forEach(function (line) {
+        var points = line.runs[r];
+        if (!points) return;
+        var xs = xsOf(points, run), ys = points[2];
+        var smoothed = line.smooth && state.smooth > 0;
+        var common = { dash: DASH[line.style] || [], show: shown[r], spanGaps: false,
+                       value: function (u, v) { return num(v); } };
+        if (smoothed) {
+          tables.push([xs, ys]); owner.push(r);
+          series.push(Object.assign({}, common, { label: run.label + ": " + line.label + " (raw)",
+            stroke: alpha(run.color, 0.25 * line.alpha), width: 1, points: { show: false } }));
+          ys = smooth(ys, state.smooth);
+        }
+        tables.push([xs, ys]); owner.push(r);
+        series.push(Object.assign({}, common, {
+          label: run.label + ": " + line.label + (smoothed ? " (smoothed)" : ""),
+          stroke: alpha(run.color, line.alpha), width: line.width,
+          points: line.marker ? { show: true, size: 6, fill: run.color } : { show: false }
+        }));
+      });
+    });
+    var joined = uPlot.join(tables);
+    var y = {};
+    if (panel.ylim) y.range = [panel.ylim[0], panel.ylim[1]];
+    else if (panel.zero) y.range = function (u, lo, hi) { return [0, hi > 0 ? hi * 1.05 : 1]; };
+    var marks = [];
+    var opts = {
+      width: Math.max(320, host.clientWidth || 900), height: 300,
+      series: series,
+      scales: { x: { time: state.x === "time" }, y: y },
+      axes: [{ label: XLABEL[state.x] }, { label: panel.ylabel, size: 70,
+               values: function (u, ticks) { return ticks.map(num); } }],
+      cursor: { sync: { key: "openlora-report", setSeries: false } },
+      legend: { live: true },
+      hooks: { draw: [function (u) {
+        marks.forEach(function (m) {
+          var x = markX(data.runs[m.run]);
+          var pos = x === null ? NaN : u.valToPos(x, "x");
+          var inside = shown[m.run] && isFinite(pos) && pos >= 0 && pos <= u.over.clientWidth;
+          m.el.style.display = inside ? "" : "none";
+          if (inside) m.el.style.left = pos + "px";
+        });
+      }] }
+    };
+    var chart = new uPlot(opts, joined, host);
+    data.runs.forEach(function (run, r) {  // where a run diverged: on every panel, said on the first
+      if (markX(run) === null) return;
+      var el = document.createElement("div");
+      el.className = "mark";
+      el.dataset.run = String(r);
+      el.style.borderColor = run.color;
+      el.title = run.label + ": " + run.mark.text;
+      if (panel.key === data.panels[0].key) {
+        var text = document.createElement("span");
+        text.style.color = run.color;
+        text.textContent = run.mark.text;
+        el.appendChild(text);
+      }
+      chart.over.appendChild(el);
+      marks.push({ run: r, el: el });
+    });
+    chart.redraw(false, false);
+    return { chart: chart, owner: owner, host: host };
+  }
+
+  function buildAll() {
+    charts.forEach(function (c) { c.chart.destroy(); });
+    charts = data.panels.map(function (panel) {
+      return build(panel, document.getElementById("chart-" + panel.key));
+    });
+    document.body.dataset.charts = String(charts.length);
+  }
+
+  function showRun(r, on) {
+    shown[r] = on;
+    charts.forEach(function (c) {
+      c.owner.forEach(function (owner, i) { if (owner === r) c.chart.setSeries(i, { show: on }); });
+      c.chart.redraw(false, false);
+    });
+  }
+
+  var controls = document.getElementById("controls");
+  controls.querySelectorAll("input[name=x]").forEach(function (input) {
+    input.checked = input.value === state.x;
+    input.addEventListener("change", function () { state.x = input.value; buildAll(); });
+  });
+  var weight = document.getElementById("smooth"), shownWeight = document.getElementById("smooth-value");
+  weight.value = String(state.smooth);
+  shownWeight.textContent = state.smooth.toFixed(2);
+  weight.addEventListener("input", function () {
+    state.smooth = Math.min(0.99, Math.max(0, Number(weight.value)));
+    shownWeight.textContent = state.smooth.toFixed(2);
+    buildAll();
+  });
+  controls.querySelectorAll("input[data-run]").forEach(function (input) {
+    input.addEventListener("change", function () { showRun(Number(input.dataset.run), input.checked); });
+  });
+  var resizing = null;
+  window.addEventListener("resize", function () {
+    clearTimeout(resizing);
+    resizing = setTimeout(function () {
+      charts.forEach(function (c) { c.chart.setSize({ width: Math.max(320, c.host.clientWidth), height: 300 }); });
+    }, 150);
+  });
+  buildAll();
+})();
+"""
+# Nothing leaves the page: no source, style, image, font or connection but what is inline.
+_CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+
+
+def _vendored(name: str) -> str:
+    text = resources.files("openlora_otel.report").joinpath("vendor", "uplot", name).read_text(encoding="utf-8")
+    if "</script" in text.lower() or "</style" in text.lower():  # would end the element it is inlined in
+        raise ReportError(f"the vendored {name} cannot be inlined: it holds a closing tag")
+    return text
+
+
+def _json_number(value: float, digits: int = 7) -> float | None:
+    """A value for the page's JSON: None (null) for NaN and infinities, else ``digits`` significant digits."""
+    return float(f"{value:.{digits}g}") if math.isfinite(value) else None
+
+
+def page_data(drawing: Drawing) -> dict[str, Any]:
+    """What the page's charts are drawn from (embedded as JSON): the runs, and per panel and line each
+    run's points as ``[steps, times, values]`` (times in Unix seconds, values scaled for the axis,
+    null where not finite), thinned to :data:`MAX_POINTS`."""
+    runs = []
+    for index, (label, color, summary) in enumerate(zip(drawing.labels, drawing.colors, drawing.summaries, strict=True)):
+        times = drawing.times[index]
+        diverged = summary.divergence
+        mark = None
+        if diverged is not None:
+            step = diverged.step
+            mark = {
+                "step": step,
+                "time": times.get(step) if step is not None else None,
+                "text": f"{drawing.runs[index].name}: {diverged.text}",
+            }
+        runs.append(
+            {
+                "label": label,
+                "name": drawing.runs[index].name,
+                "color": color,
+                "t0": min(times.values(), default=0.0),
+                "mark": mark,
+            }
+        )
+    panels = []
+    for panel in drawing.panels:
+        scale, ylabel = _panel_scale(panel, drawing.curves)
+        lines = []
+        for line in panel.lines:
+            per_run: list[list[list[float | None]] | None] = []
+            for index, curve_set in enumerate(drawing.curves):
+                times = drawing.times[index]
+                points = [
+                    (step, times[step], y)
+                    for step, y in thin(curve_set.get(line.key, []), MAX_POINTS, line.fold)
+                    if step in times
+                ]
+                per_run.append(
+                    [
+                        [step for step, _, _ in points],
+                        [round(t, 3) for _, t, _ in points],
+                        [_json_number(y * scale) for _, _, y in points],
+                    ]
+                    if points
+                    else None
+                )
+            if any(per_run):
+                lines.append(
+                    {
+                        "key": line.key,
+                        "label": line.label,
+                        "style": line.style,
+                        "width": line.width,
+                        "alpha": line.alpha,
+                        "marker": line.marker is not None,
+                        "smooth": line.smooth,
+                        "runs": per_run,
+                    }
+                )
+        panels.append(
+            {
+                "key": panel.key,
+                "title": panel.title,
+                "ylabel": ylabel,
+                "ylim": list(panel.ylim) if panel.ylim else None,
+                "zero": panel.key == "gpu_memory",
+                "lines": lines,
+            }
+        )
+    return {"x": drawing.x, "smooth": drawing.smoothing, "runs": runs, "panels": panels}
+
+
+def _script_json(value: Any) -> str:
+    """``value`` as JSON that is safe inside a <script> element: no ``<``, ``>`` or ``&`` appear as such."""
+    text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    return (
+        text.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
 
 
 def html_page(drawing: Drawing) -> str:
-    """The report as one HTML page: the table of runs, then a heading and an inline SVG per panel."""
-    matplotlib = _matplotlib()
+    """The report as one HTML page: the table of runs, the controls, then a heading and a chart per panel."""
     runs, panels, colors, summaries = drawing.runs, drawing.panels, drawing.colors, drawing.summaries
-    with matplotlib.rc_context(_RC):
-        svgs = [
-            _svg(
-                matplotlib,
-                _panel_figure(panel, drawing.curves, drawing.labels, colors),
-                panel,
-                drawing.labels,
-            )
-            for panel in panels
-        ]
     e = html.escape
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     differing = differing_hyperparameters(runs) if len(runs) > 1 else []
@@ -427,26 +726,60 @@ def html_page(drawing: Drawing) -> str:
             f'<td class="wrap"><small>{e(rank + run.source)}</small></td>'
             "</tr>"
         )
+    diverged = [
+        f'<p class="diverged"><span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong> '
+        f"diverged: {e(summary.divergence.text)}</p>"
+        for run, color, summary in zip(runs, colors, summaries, strict=True)
+        if summary.divergence is not None
+    ]
+    label_of = dict(zip((id(run) for run in runs), drawing.labels, strict=True))
+    toggles = "".join(
+        f'<label><input type="checkbox" data-run="{i}" checked> <span class="swatch" style="background:{color}">'
+        f"</span>{e(label_of[id(run)])}</label>"
+        for i, (run, color) in enumerate(zip(runs, colors, strict=True))
+    )
+    radios = "".join(
+        f'<label><input type="radio" name="x" value="{x}"{" checked" if x == drawing.x else ""}> {e(name)}</label>'
+        for x, name in (("step", "step"), ("time", "wall time"), ("elapsed", "time since start"))
+    )
+    controls = (
+        f'<div class="controls" id="controls"><span>Runs: {toggles}</span><span>x axis: {radios}</span>'
+        f'<label>smoothing <input type="range" id="smooth" min="0" max="0.99" step="0.01" '
+        f'value="{drawing.smoothing}"> <output id="smooth-value">{drawing.smoothing:.2f}</output></label></div>\n'
+        "<noscript><p>The charts are drawn by the script in this page: allow JavaScript to see them "
+        "(the PNG written beside it has them too).</p></noscript>\n"
+    )
     sections = []
-    for panel, svg in zip(panels, svgs, strict=True):
+    for panel in panels:
+        label = e(f"{panel.title}: {'; '.join(drawing.labels)}", quote=True)
         sections.append(
             f'<section id="{panel.key}"><h2>{e(panel.title)}</h2>'
-            f"<figure>{svg}<figcaption>{e(panel.description)} x axis: optimizer step.</figcaption></figure></section>"
+            f'<figure><div class="chart" id="chart-{panel.key}" role="img" aria-label="{label}"></div>'
+            f"<figcaption>{e(panel.description)}</figcaption></figure></section>"
         )
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(_title(runs))}</title><style>{_CSS}</style></head>\n<body>\n"
+        f"<title>{e(_title(runs))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
+        "</head>\n<body>\n"
         f"<h1>{e(_title(runs))}</h1>\n"
         f'<p class="meta">Written by openlora-otel {e(__version__)} on {now}. Curves of each run\'s lowest rank, '
-        "against the optimizer step.</p>\n"
+        "against the optimizer step, the wall time or the time since the run's first step. Drag across a chart "
+        "to zoom, double-click to zoom back out; hover for the values; the boxes turn runs on and off. "
+        f"Charts drawn by uPlot {UPLOT_VERSION} (MIT licence, in this page).</p>\n"
         "<h2>Runs</h2>\n<table><thead><tr><th>run</th><th>id</th><th>hyperparameters</th><th>steps</th>"
         f"<th>{e(LAST_LOSS)}</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>\n"
+        + "".join(diverged)
         + _time_section(runs, colors)
+        + controls
         + "\n".join(sections)
-        + "\n</body></html>\n"
+        + f'\n<script type="application/json" id="report-data">{_script_json(page_data(drawing))}</script>\n'
+        + f"<script>/* uPlot {UPLOT_VERSION}, MIT licence (c) Leon Sorokin: https://github.com/leeoniya/uPlot */\n"
+        + _vendored("uPlot.iife.min.js")
+        + f"</script>\n<script>{_SCRIPT}</script>\n</body></html>\n"
     )
 
 
