@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openlora_otel import stack
 from openlora_otel.commands import rules as rules_command
 from openlora_otel.stack import DEFAULT_RUNBOOK_BASE, rules_text
 
@@ -127,14 +126,3 @@ def test_rules_command_replaces_the_runbook_base_and_nothing_else(tmp_path: Path
             run_rules("--runbook-base", bad)
         assert exited.value.code == 2
 
-
-def test_stack_writes_the_rules_with_its_runbook_base(tmp_path: Path) -> None:
-    from tests.test_stack import run_stack
-
-    base = "http://127.0.0.1:8000/runbooks/"
-    code, _, err = run_stack("--dir", str(tmp_path / "s"), "--runbook-base", base)
-    assert code == 0, err
-    assert (tmp_path / "s" / "rules" / "openlora.yml").read_text() == stack.rules_text(base)
-    code, _, err = run_stack("--dir", str(tmp_path / "d"))
-    assert code == 0, err
-    assert (tmp_path / "d" / "rules" / "openlora.yml").read_text() == rules_text()
