@@ -1,5 +1,5 @@
 """The ``openlora-otel`` command line: a dispatcher over :mod:`openlora_otel.commands` (``demo``, ``serve``,
-``doctor``, ``env``, ``metrics``, ``stack``, ``report``, ``load``)."""
+``doctor``, ``env``, ``metrics``, ``rules``, ``stack``, ``report``, ``load``)."""
 
 from __future__ import annotations
 

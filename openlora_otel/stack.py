@@ -18,6 +18,7 @@ name and id.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -37,9 +38,11 @@ from openlora_otel.config import DEFAULT_PROMETHEUS_PORT as _DEFAULT_METRICS_POR
 from openlora_otel.redaction import redact_url
 
 __all__ = [
+    "DEFAULT_RUNBOOK_BASE",
     "AlertPrinter",
     "StackPlan",
     "alertmanager_config",
+    "check_runbook_base",
     "prometheus_config",
     "receive_only",
     "rules_text",
@@ -64,9 +67,28 @@ PROMETHEUS_BINARIES = ("prometheus",)
 ALERTMANAGER_BINARIES = ("prometheus-alertmanager", "alertmanager")
 
 
-def rules_text() -> str:
-    """The alerting and recording rules shipped in the package (``openlora_otel/rules/openlora.yml``)."""
-    return (resources.files("openlora_otel") / "rules" / "openlora.yml").read_text(encoding="utf-8")
+# Where the docs site is meant to be published: its runbooks page, which every runbook_url of the shipped
+# rules starts with (the alert's name in lower case is the anchor). docs/runbooks.md says the same.
+DEFAULT_RUNBOOK_BASE = "https://openlora.github.io/openlora-otel/runbooks/"
+_RUNBOOK_URL = re.compile(r'^(\s*runbook_url: )"' + re.escape(DEFAULT_RUNBOOK_BASE) + r'#([a-z0-9]+)"$', re.M)
+
+
+def check_runbook_base(base: str) -> str:
+    """``base`` when it can start a runbook URL (no whitespace, quote or ``#``), else ValueError."""
+    if not base or any(c.isspace() or c in "\"'#\\" for c in base):
+        raise ValueError(f"a runbook base is a URL without whitespace, quotes or '#', got {base!r}")
+    return base
+
+
+def rules_text(runbook_base: str | None = None) -> str:
+    """The alerting and recording rules shipped in the package (``openlora_otel/rules/openlora.yml``),
+    with every ``runbook_url`` starting with ``runbook_base`` instead of :data:`DEFAULT_RUNBOOK_BASE`
+    when it is given (the anchor, the alert's name in lower case, stays)."""
+    text = (resources.files("openlora_otel") / "rules" / "openlora.yml").read_text(encoding="utf-8")
+    if runbook_base is None or runbook_base == DEFAULT_RUNBOOK_BASE:
+        return text
+    base = check_runbook_base(runbook_base)
+    return _RUNBOOK_URL.sub(lambda m: f'{m.group(1)}"{base}#{m.group(2)}"', text)
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,7 @@ class StackPlan:
     receiver_port: int = DEFAULT_RECEIVER_PORT
     scrape_interval: str = DEFAULT_SCRAPE_INTERVAL
     evaluation_interval: str = DEFAULT_EVALUATION_INTERVAL
+    runbook_base: str = DEFAULT_RUNBOOK_BASE
 
     @property
     def scraped(self) -> str:
@@ -207,7 +230,7 @@ def alertmanager_config(webhook_url: str) -> str:
 def write(plan: StackPlan) -> list[Path]:
     """Write the three files (the rules copied from the package); returns their paths."""
     plan.rules_path.parent.mkdir(parents=True, exist_ok=True)
-    plan.rules_path.write_text(rules_text(), encoding="utf-8")
+    plan.rules_path.write_text(rules_text(plan.runbook_base), encoding="utf-8")
     plan.prometheus_config_path.write_text(prometheus_config(plan), encoding="utf-8")
     # The webhook URL may carry a token: readable by this user only.
     path = plan.alertmanager_config_path

@@ -82,6 +82,16 @@ def test_the_package_ships_the_one_rules_file(tmp_path: Path) -> None:
         assert sources <= set(archive.namelist()), sources - set(archive.namelist())
 
 
+def test_stack_writes_the_rules_with_its_runbook_base(tmp_path: Path) -> None:
+    base = "http://127.0.0.1:8000/runbooks/"
+    code, _, err = run_stack("--dir", str(tmp_path / "s"), "--runbook-base", base)
+    assert code == 0, err
+    assert (tmp_path / "s" / "rules" / "openlora.yml").read_text() == stack.rules_text(base)
+    code, _, err = run_stack("--dir", str(tmp_path / "d"))
+    assert code == 0, err
+    assert (tmp_path / "d" / "rules" / "openlora.yml").read_text() == RULES.read_text()
+
+
 def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:
     code, out, err = run_stack("--dir", str(tmp_path / "stack"), "--ranks", "4", "--port", "9500")
     assert code == 0, err

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
+from openlora_otel.commands.rules import add_runbook_base_argument
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.discovery import scrape_address
 from openlora_otel.redaction import redact_url
@@ -143,6 +144,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=DEFAULT_EVALUATION_INTERVAL,
         help="(default %(default)s)",
     )
+    add_runbook_base_argument(parser)
     parser.set_defaults(stack_parser=parser)
     return parser
 
@@ -185,6 +187,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         receiver_port=args.receiver_port,
         scrape_interval=args.scrape_interval,
         evaluation_interval=args.evaluation_interval,
+        runbook_base=args.runbook_base,
     )
     try:
         paths = write(plan)
