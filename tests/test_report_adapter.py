@@ -237,3 +237,70 @@ def test_png_and_page_put_the_serving_panels_beside_the_training_run(tmp_path: P
     assert embedded["serving"] == json.loads(json.dumps(data))
     # Nothing but inline content: the page still loads nothing.
     assert "http://" not in text.split("<script>")[0].replace("http://127.0.0.1:9464", "")
+
+
+# -- end to end: trained, saved, served, scraped, reported -----------------------------------------
+@pytest.mark.e2e
+@pytest.mark.process
+def test_report_on_a_served_demo_adapter(tmp_path: Path) -> None:
+    """The demo trains and saves ``a1`` (its history in files); serve serves it on the CPU; a real
+    Prometheus with the shipped rules scrapes serve; the report names the training run, draws its
+    curves from the files, and shows the adapter's latency and tokens/s (energy: none, no GPU)."""
+    for module in ("torch", "transformers", "peft", "fastapi", "uvicorn"):
+        pytest.importorskip(module)
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
+    from tests.support.serving import ServeProcess, save_demo
+
+    prometheus_binary()
+    saved, history = tmp_path / "saved", tmp_path / "history"
+    printed = save_demo(
+        saved, "a1", steps=12, env={"OPENLORA_HISTORY_DIR": str(history), "OPENLORA_HISTORY_INTERVAL": "100"}
+    )
+    run_id = re.search(r"run (\w+) \(a1\)", printed).group(1)
+    serve = ServeProcess(
+        saved, workdir=tmp_path, env={"OMP_NUM_THREADS": "1", "OTEL_METRICS_EXPORTER": "prometheus"}
+    )
+    prometheus = None
+    try:
+        serve.wait_ready(timeout=120)
+        prometheus = Prometheus(tmp_path, [f"127.0.0.1:{serve.metrics_port}"], rule_files=[str(RULES)])
+        assert prometheus.wait_for(f'{INFO}{{openlora_training_run_id="{run_id}"}}', timeout=30)
+        count = 'sum(gen_ai_server_request_duration_seconds_count{openlora_adapter_name="a1"})'
+        # Two batches with scrapes between: the series exist before the second, whose rate shows.
+        for sent in (3, 6):
+            for _ in range(3):
+                status, _, body = serve.complete({"model": "a1", "prompt": "the quick brown fox", "max_tokens": 8})
+                assert status == 200, body
+            assert prometheus.wait_for(f"{count} >= {sent}", timeout=30), serve.log()[-2000:]
+            time.sleep(2.5)
+
+        out = tmp_path / "out"
+        out.mkdir()
+        code, text, err = report(
+            str(history), "--prometheus", prometheus.url, "--adapter", "a1", "--since", "10m", "--out", str(out)
+        )
+        assert code == 0, err
+        assert f"adapter a1: trained by run {run_id} (a1), base model tiny-llama (fingerprint " in text
+        assert "final eval loss 3." in text
+        assert f"run {run_id} (a1): 12 steps, from {history}" in text  # the curves from the files
+        latency = re.search(r"request latency p50 (\S+ m?s), p95 (\S+ m?s); time to first token p50 (\S+ m?s)", text)
+        assert latency, text
+        tokens = re.search(r"output tokens ([\d,]+), ([\d.,]+) tokens/s while serving", text)
+        assert tokens and float(tokens.group(2).replace(",", "")) > 0, text
+        assert f"energy per output token: {NO_ENERGY}" in text  # serve on the CPU: no GPU energy
+        assert "Serving: request latency" in text and "Loss" in text
+        page = (out / "openlora-report.html").read_text()
+        serving_column = page.split('<div class="col" id="serving-panels">')[1]
+        for key in ("serving-latency", "serving-ttft", "serving-tokens"):
+            assert f'id="chart-{key}"' in serving_column, key
+        assert NO_ENERGY in serving_column and 'id="chart-loss"' in page
+        assert (out / "openlora-report.png").stat().st_size > 50_000
+
+        # An adapter not there: exit 2, named, with what is there.
+        code, _, err = report("--prometheus", prometheus.url, "--adapter", "nope", "--out", str(out))
+        assert code == 2
+        assert f"no adapter 'nope' on Prometheus at {prometheus.url}" in err and "the adapters there are: a1" in err
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        serve.stop(timeout=30)
