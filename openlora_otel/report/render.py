@@ -470,7 +470,7 @@ def _draw_serving(ax: Any, panel: Panel, drawing: Drawing) -> None:
     ax.set_ylabel(panel.ylabel)
     if not styles:
         note = NO_ENERGY if panel.key == "serving-energy" else "no data: no request to the adapter in the range"
-        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(note, 60)), ha="center", va="center", transform=ax.transAxes,
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(note, 48)), ha="center", va="center", transform=ax.transAxes,
                 fontsize=9, color="#555555")
         ax.set_xticks([])
         ax.set_yticks([])
@@ -497,7 +497,7 @@ def _adapter_text(ax: Any, drawing: Drawing) -> None:
     y = 0.98
     for item, color in zip(drawing.serving, drawing.serving_colors, strict=True):
         text = "\n".join(
-            wrapped for line in summary_lines(item) for wrapped in textwrap.wrap(line, 95, subsequent_indent="    ")
+            wrapped for line in summary_lines(item) for wrapped in textwrap.wrap(line, 72, subsequent_indent="    ")
         )
         ax.text(0.0, y, text, transform=ax.transAxes, va="top", ha="left", fontsize=8.5, color=color,
                 family="monospace")
