@@ -59,7 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--prometheus",
         metavar="URL",
-        help="read the --run runs from this Prometheus server (for example http://127.0.0.1:9090)",
+        help="read the --run runs, and the --adapter adapters, from this Prometheus server (for example "
+        "http://127.0.0.1:9090)",
     )
     parser.add_argument(
         "--run",
@@ -75,7 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=[],
         metavar="NAME",
         help="with --prometheus: a served adapter (openlora_adapter_name); draws the run that trained it and "
-        "the adapter's serving latency, tokens/s and energy per token; repeat for several",
+        "the adapter's serving latency, tokens/s and energy per token; repeat for several. Of the history files "
+        "given, only the adapters' training runs are drawn",
     )
     parser.add_argument(
         "--since",
