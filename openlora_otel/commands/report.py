@@ -11,6 +11,8 @@ from typing import Any
 from openlora_otel._args import fail
 from openlora_otel.report.model import ReportError, Run
 
+DEFAULT_SINCE = "1h"  # report.serving.DEFAULT_SINCE, without importing it for --help
+
 FORMATS = ("png", "html")
 X_AXES = ("step", "time", "elapsed")  # render.X_AXES, without importing matplotlib for --help
 DEFAULT_STEM = "openlora-report"
@@ -40,7 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "otherwise. The HTML page is interactive and self-contained: charts drawn by uPlot (MIT, inlined "
         "with the data), drag to zoom, double-click to zoom out, hover for values, boxes to turn runs on and "
         "off, the x axis and the smoothing chosen on the page; it requests nothing from the network. "
-        "Exit status: 0 written, 2 usage error, unknown run, unreadable input or unreachable server.",
+        "Given --prometheus URL --adapter NAME: the served adapter next to the run that trained it. Its "
+        "openlora_inference_adapter_info series names its training run (id and name), base model and final eval "
+        "loss; that run's curves come from the history files given when they hold it, else from the same "
+        "Prometheus; beside them, on a wall-time axis over --since, the adapter's request latency and time to "
+        "first token (p50, p95), output tokens/s and joules per output token (the openlora-energy rules; empty, "
+        "with a note, when the server had no GPU energy counter), with those figures over the range printed. "
+        "Exit status: 0 written, 2 usage error, unknown run or adapter, unreadable input or unreachable server.",
     )
     parser.add_argument(
         "paths",
@@ -51,7 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--prometheus",
         metavar="URL",
-        help="read the --run runs from this Prometheus server (for example http://127.0.0.1:9090)",
+        help="read the --run runs, and the --adapter adapters, from this Prometheus server (for example "
+        "http://127.0.0.1:9090)",
     )
     parser.add_argument(
         "--run",
@@ -60,6 +69,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="ID_OR_NAME",
         help="a run id (openlora_run_id) or run name; repeat to compare runs. With --prometheus: the runs to read "
         "from it; without: the runs to keep from the files",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --prometheus: a served adapter (openlora_adapter_name); draws the run that trained it and "
+        "the adapter's serving latency, tokens/s and energy per token; repeat for several. Of the history files "
+        "given, only the adapters' training runs are drawn",
+    )
+    parser.add_argument(
+        "--since",
+        default=DEFAULT_SINCE,
+        type=_since,
+        metavar="DURATION",
+        help="with --adapter: the serving range, up to now: a number and s, m, h, d or w (default %(default)s)",
     )
     parser.add_argument(
         "--out",
@@ -92,6 +117,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.set_defaults(report_parser=parser)
     return parser
+
+
+def _since(text: str) -> str:
+    from openlora_otel.report.serving import parse_duration
+
+    try:
+        parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _weight(text: str) -> float:
@@ -131,17 +166,21 @@ def run(args: argparse.Namespace) -> int:
         formats = _formats(args.format)
     except ValueError as exc:
         parser.error(f"argument --format: {exc}")
+    if args.adapter and not args.prometheus:
+        parser.error("--adapter needs --prometheus URL (the server that scraped the adapter's server)")
     if not args.paths and not args.prometheus:
         parser.error(
             "nothing to draw: give history files or directories, or --prometheus URL --run ID_OR_NAME"
         )
-    if args.prometheus and not args.run:
+    if args.prometheus and not args.run and not args.adapter:
         parser.error(
-            "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it to compare runs)"
+            "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it to compare runs) "
+            "or --adapter NAME"
         )
     skipped: dict[str, int] = {}
+    serving: list[Any] = []
     try:
-        runs = _runs(args, skipped)
+        runs = _runs(args, skipped, serving)
         targets = output_paths(args.out, formats)
         if args.out and args.out.endswith(("/", "\\")):  # a directory by its spelling: made if missing
             _make_directory(Path(args.out))
@@ -151,7 +190,12 @@ def run(args: argparse.Namespace) -> int:
         from openlora_otel.report.render import render
 
         drawing = render(
-            runs, png=targets.get("png"), html_path=targets.get("html"), x=args.x, smoothing=args.smooth
+            runs,
+            png=targets.get("png"),
+            html_path=targets.get("html"),
+            x=args.x,
+            smoothing=args.smooth,
+            serving=serving,
         )
     except ReportError as exc:
         return fail("report", exc)
@@ -166,7 +210,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  diverged: {summary.divergence.text}")
         for line in time_lines(run):
             print(f"  {line}")
-    print(f"panels: {', '.join(panel.title for panel in drawing.panels)}")
+    if serving:
+        from openlora_otel.report.serving import summary_lines
+
+        for adapter in serving:
+            for line in summary_lines(adapter):
+                print(line)
+    print(f"panels: {', '.join(panel.title for panel in [*drawing.panels, *drawing.serving_panels])}")
     for path in targets.values():
         print(f"wrote {path}")
     for source, count in skipped.items():  # drawn without them: say so, after what was drawn
@@ -186,13 +236,18 @@ def _make_directory(path: Path) -> None:
         raise ReportError(f"--out: cannot create the directory {path}: {exc.strerror or exc}") from None
 
 
-def _runs(args: argparse.Namespace, skipped: dict[str, int]) -> list[Run]:
-    """The runs to draw; ``skipped`` gets the bad lines of each history file that had some."""
+def _runs(args: argparse.Namespace, skipped: dict[str, int], serving: list[Any]) -> list[Run]:
+    """The runs to draw; ``skipped`` gets the bad lines of each history file that had some, ``serving``
+    each --adapter's serving (its training run is among the runs when found)."""
     runs: list[Run] = []
+    found: list[Run] = []
     if args.paths:
         from openlora_otel.report.history import read_runs
 
         found = read_runs(args.paths, skipped=skipped)
+    if args.adapter:
+        return _adapter_runs(args, found, serving)
+    if args.paths:
         if args.run and not args.prometheus:
             kept = [run for run in found if run.run_id in args.run or run.name in args.run]
             missing = [w for w in args.run if not any(w in (run.run_id, run.name) for run in found)]
@@ -207,4 +262,36 @@ def _runs(args: argparse.Namespace, skipped: dict[str, int]) -> list[Run]:
         from openlora_otel.report.prometheus import read_prometheus
 
         runs += read_prometheus(args.prometheus, args.run)
+    return runs
+
+
+def _adapter_runs(args: argparse.Namespace, found: list[Run], serving: list[Any]) -> list[Run]:
+    """The --adapter serving (into ``serving``) and the runs to draw: each adapter's training run, from
+    the files read (``found``) when they hold it, else from the Prometheus; then the --run runs."""
+    from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
+    from openlora_otel.report.serving import parse_duration, read_adapter
+
+    source = PrometheusSource(args.prometheus)
+    since = parse_duration(args.since)
+    runs: list[Run] = []
+    for name in dict.fromkeys(args.adapter):
+        adapter = read_adapter(source, name, since)
+        serving.append(adapter)
+        run_id = adapter.adapter.run_id
+        if run_id is None or any(run.run_id == run_id for run in runs):
+            continue
+        in_files = [run for run in found if run.run_id == run_id]
+        if in_files:
+            runs += in_files
+            continue
+        try:
+            runs.append(source.run(run_id))
+        except ReportError:
+            where = f"in {', '.join(args.paths)} nor " if args.paths else ""
+            adapter.notes.append(
+                f"its training run {run_id} is not {where}on Prometheus at {source.shown}: serving only "
+                "(give the run's history files, OPENLORA_HISTORY_DIR, to draw its curves)"
+            )
+    if args.run:
+        runs += [run for run in read_prometheus(args.prometheus, args.run) if run.run_id not in {r.run_id for r in runs}]
     return runs

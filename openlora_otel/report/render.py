@@ -17,7 +17,7 @@ import json
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,10 @@ class Drawing:
     times: list[dict[float, float]]  # per run: step -> Unix seconds (model.step_times)
     x: str = "step"  # one of X_AXES: the PNG's x axis, the page's first
     smoothing: float = 0.0  # the EMA weight (model.smooth) of the PNG, the page's first
+    # --adapter: each adapter's serving (report.serving.AdapterServing), its colour, the serving panels.
+    serving: Sequence[Any] = ()
+    serving_colors: list[str] = field(default_factory=list)
+    serving_panels: list[Panel] = field(default_factory=list)
 
     def x_of(self, index: int) -> Callable[[float], Any]:
         """Run ``index``'s step -> its x value on the PNG (None where the step has no time)."""
@@ -169,12 +173,26 @@ class Drawing:
         )
 
 
-def prepare(runs: Sequence[Run], *, x: str = "step", smoothing: float = 0.0) -> Drawing:
-    """Curves, the panels that have data in some run (the others are left out, not drawn empty), legends."""
+def prepare(
+    runs: Sequence[Run], *, x: str = "step", smoothing: float = 0.0, serving: Sequence[Any] = ()
+) -> Drawing:
+    """Curves, the panels that have data in some run (the others are left out, not drawn empty), legends.
+
+    ``serving``: the --adapter adapters (report.serving.AdapterServing); each gets its training run's
+    colour, and every serving panel is kept (an empty one says why)."""
     if x not in X_AXES:
         raise ReportError(f"the x axis {x!r} is not one of {', '.join(X_AXES)}")
     smooth([], smoothing)  # checks the weight
     run_curves = [curves(run.rows) for run in runs]
+    colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
+    serving_colors = []
+    for item in serving:
+        owner = next((i for i, run in enumerate(runs) if run.run_id == item.adapter.run_id), None)
+        serving_colors.append(
+            colors[owner] if owner is not None else _COLORS[(len(runs) + len(serving_colors)) % len(_COLORS)]
+        )
+    if serving:
+        from openlora_otel.report.serving import SERVING_PANELS
     # The evaluation metrics other than the loss, each in its panel, right after the loss.
     panels = [*PANELS[:1], *eval_panels(key for c in run_curves for key in c), *PANELS[1:]]
     return Drawing(
@@ -182,11 +200,14 @@ def prepare(runs: Sequence[Run], *, x: str = "step", smoothing: float = 0.0) -> 
         curves=run_curves,
         panels=[panel for panel in panels if any(c.get(line.key) for c in run_curves for line in panel.lines)],
         labels=legend_labels(runs),
-        colors=[_COLORS[i % len(_COLORS)] for i in range(len(runs))],
+        colors=colors,
         summaries=[summarize(run, c) for run, c in zip(runs, run_curves, strict=True)],
         times=[step_times(run.rows) for run in runs],
         x=x,
         smoothing=smoothing,
+        serving=serving,
+        serving_colors=serving_colors,
+        serving_panels=list(SERVING_PANELS) if serving else [],
     )
 
 
@@ -197,10 +218,11 @@ def render(
     html_path: Path | None,
     x: str = "step",
     smoothing: float = 0.0,
+    serving: Sequence[Any] = (),
 ) -> Drawing:
-    """Write the PNG and/or the HTML page of ``runs`` (``x`` and ``smoothing``: see :func:`prepare`)."""
+    """Write the PNG and/or the HTML page of ``runs`` (``x``, ``smoothing``, ``serving``: see :func:`prepare`)."""
     matplotlib = _matplotlib()
-    drawing = prepare(runs, x=x, smoothing=smoothing)
+    drawing = prepare(runs, x=x, smoothing=smoothing, serving=serving)
     with matplotlib.rc_context(_RC):  # savefig reads some of them (svg.fonttype) when it writes
         if png is not None:
             png_figure(drawing).savefig(png, format="png", dpi=100)
@@ -347,6 +369,8 @@ def _png_figure(drawing: Drawing) -> Any:
 
     slots = len(panels) + 1  # the last one holds the table of runs
     rows = math.ceil(slots / 2)
+    if drawing.serving:  # training on the left, serving on the right, the tables below both
+        rows = max(len(panels), len(drawing.serving_panels)) + 1
     common = common_hyperparameters(runs)
     lead = "Hyperparameters: " if len(runs) == 1 else "Same in every run: "
     subtitle = "\n".join(textwrap.wrap(lead + _pairs(common), 150)) if common else ""
@@ -355,7 +379,7 @@ def _png_figure(drawing: Drawing) -> Any:
     figure = Figure(figsize=(14, header_in + body_in), layout="constrained")
     header, body = figure.subfigures(2, 1, height_ratios=[header_in, body_in])
     # The title, the runs' colours and what they share, above every panel: read once, used for all.
-    header.suptitle(_title(runs), fontsize=16, fontweight="bold")
+    header.suptitle(_title(runs, drawing.serving), fontsize=16, fontweight="bold")
     header.legend(
         handles=_run_handles(labels, colors),
         loc="center",
@@ -366,6 +390,15 @@ def _png_figure(drawing: Drawing) -> Any:
     if subtitle:
         header.text(0.5, 0.02, subtitle, ha="center", va="bottom", fontsize=10, color="#333333")
     grid = body.add_gridspec(rows, 2)
+    if drawing.serving:
+        for i, panel in enumerate(panels):
+            _draw(body.add_subplot(grid[i, 0]), panel, drawing)
+        for i, panel in enumerate(drawing.serving_panels):
+            _draw_serving(body.add_subplot(grid[i, 1]), panel, drawing)
+        if runs:
+            _table(body.add_subplot(grid[rows - 1, 0]), runs, colors, summaries)
+        _adapter_text(body.add_subplot(grid[rows - 1, 1] if runs else grid[rows - 1, :]), drawing)
+        return figure
     for i, panel in enumerate(panels):
         _draw(body.add_subplot(grid[i // 2, i % 2]), panel, drawing)
     index = len(panels)
@@ -408,6 +441,69 @@ def _table(ax: Any, runs: Sequence[Run], colors: Sequence[str], summaries: Seque
     table.auto_set_column_width(list(range(6)))
 
 
+def _draw_serving(ax: Any, panel: Panel, drawing: Drawing) -> None:
+    """One serving panel: each adapter's lines in its colour against the wall time; a note when empty."""
+    from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+    from matplotlib.lines import Line2D
+
+    from openlora_otel.report.serving import NO_ENERGY
+
+    styles = []
+    for item, color in zip(drawing.serving, drawing.serving_colors, strict=True):
+        for line in panel.lines:
+            points = [(t, y) for t, y in thin(item.curves.get(line.key, []), MAX_POINTS, "mean") if math.isfinite(y)]
+            if not points:
+                continue
+            if line not in styles:
+                styles.append(line)
+            ax.plot(
+                [_dt.datetime.fromtimestamp(t, _dt.UTC).replace(tzinfo=None) for t, _ in points],
+                [y for _, y in points],
+                line.style,
+                color=color,
+                linewidth=line.width,
+                marker="o" if len(points) < 3 else None,
+                markersize=3,
+            )
+    ax.set_title(panel.title, loc="left")
+    ax.set_xlabel("wall time (UTC)")
+    ax.set_ylabel(panel.ylabel)
+    if not styles:
+        note = NO_ENERGY if panel.key == "serving-energy" else "no data: no request to the adapter in the range"
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(note, 48)), ha="center", va="center", transform=ax.transAxes,
+                fontsize=9, color="#555555")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    locator = AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
+    ax.set_ylim(bottom=0)
+    if len(styles) > 1:
+        ax.legend(
+            handles=[Line2D([], [], color="#444444", linestyle=s.style, linewidth=s.width) for s in styles],
+            labels=[s.label for s in styles],
+            loc="best",
+            framealpha=0.85,
+        )
+
+
+def _adapter_text(ax: Any, drawing: Drawing) -> None:
+    """The adapters' summaries (report.serving.summary_lines) as text."""
+    from openlora_otel.report.serving import summary_lines
+
+    ax.axis("off")
+    ax.set_title("Adapters", loc="left")
+    y = 0.98
+    for item, color in zip(drawing.serving, drawing.serving_colors, strict=True):
+        text = "\n".join(
+            wrapped for line in summary_lines(item) for wrapped in textwrap.wrap(line, 72, subsequent_indent="    ")
+        )
+        ax.text(0.0, y, text, transform=ax.transAxes, va="top", ha="left", fontsize=8.5, color=color,
+                family="monospace")
+        y -= 0.1 * (text.count("\n") + 1) + 0.05
+
+
 # -- the page ------------------------------------------------------------------------------
 _CSS = """
 body { font-family: "DejaVu Sans", "Liberation Sans", Arial, Helvetica, sans-serif; color: #1a1a1a;
@@ -437,6 +533,9 @@ figcaption { color: #555; font-size: .9rem; }
 .mark { position: absolute; top: 0; bottom: 0; width: 0; border-left: 2px dashed; pointer-events: none; }
 .mark span { position: absolute; top: 2px; left: 4px; font-size: .8rem; white-space: nowrap; background: #ffffffcc; }
 p.diverged { border-left: 4px solid #d62728; padding: .3rem .6rem; background: #fdf0f0; }
+body.wide { max-width: 1600px; }
+.columns { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1.5rem; }
+p.nodata { color: #555; border: 1px dashed #ccc; padding: 1rem; min-height: 4rem; }
 """
 
 # The page's own script: builds one uPlot chart per panel from the JSON in #report-data. It writes
@@ -550,12 +649,42 @@ _SCRIPT = r"""
     return { chart: chart, owner: owner, host: host };
   }
 
+  function buildServing(panel, host) {  // an adapter's serving: always against the wall time
+    var tables = [], series = [{ label: "wall time", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" }];
+    data.serving.adapters.forEach(function (adapter, a) {
+      panel.lines.forEach(function (line) {
+        var points = line.adapters[a];
+        if (!points) return;
+        tables.push([points[0], points[1]]);
+        series.push({ label: adapter.label + ": " + line.label, stroke: adapter.color, width: line.width,
+                      dash: DASH[line.style] || [], spanGaps: false, points: { show: points[0].length < 3 },
+                      value: function (u, v) { return num(v); } });
+      });
+    });
+    var chart = new uPlot({
+      width: Math.max(320, host.clientWidth || 600), height: 300, series: series,
+      scales: { x: { time: true }, y: { range: function (u, lo, hi) { return [0, hi > 0 ? hi * 1.05 : 1]; } } },
+      axes: [{ label: "wall time" }, { label: panel.ylabel, size: 70,
+               values: function (u, ticks) { return ticks.map(num); } }],
+      cursor: { sync: { key: "openlora-serving", setSeries: false } },
+      legend: { live: true }
+    }, uPlot.join(tables), host);
+    return { chart: chart, owner: [], host: host };
+  }
+
   function buildAll() {
     charts.forEach(function (c) { c.chart.destroy(); });
     charts = data.panels.map(function (panel) {
       return build(panel, document.getElementById("chart-" + panel.key));
     });
     document.body.dataset.charts = String(charts.length);
+    if (data.serving) {
+      var serving = data.serving.panels.map(function (panel) {
+        return buildServing(panel, document.getElementById("chart-" + panel.key));
+      });
+      document.body.dataset.servingCharts = String(serving.length);
+      charts = charts.concat(serving);
+    }
   }
 
   function showRun(r, on) {
@@ -678,7 +807,116 @@ def page_data(drawing: Drawing) -> dict[str, Any]:
                 "lines": lines,
             }
         )
-    return {"x": drawing.x, "smooth": drawing.smoothing, "runs": runs, "panels": panels}
+    return {
+        "x": drawing.x,
+        "smooth": drawing.smoothing,
+        "runs": runs,
+        "panels": panels,
+        "serving": serving_data(drawing) if drawing.serving else None,
+    }
+
+
+def serving_data(drawing: Drawing) -> dict[str, Any]:
+    """The serving charts' data: the adapters, and per panel with data and line each adapter's
+    ``[times, values]`` (Unix seconds; null where not finite), thinned to :data:`MAX_POINTS`."""
+    adapters = [
+        {"label": item.adapter.name, "color": color}
+        for item, color in zip(drawing.serving, drawing.serving_colors, strict=True)
+    ]
+    panels = []
+    for panel in drawing.serving_panels:
+        lines = []
+        for line in panel.lines:
+            per_adapter: list[list[list[float | None]] | None] = []
+            for item in drawing.serving:
+                points = thin(item.curves.get(line.key, []), MAX_POINTS, "mean")
+                per_adapter.append(
+                    [[round(t, 3) for t, _ in points], [_json_number(y) for _, y in points]]
+                    if any(math.isfinite(y) for _, y in points)
+                    else None
+                )
+            if any(per_adapter):
+                lines.append({"key": line.key, "label": line.label, "style": line.style, "width": line.width,
+                              "adapters": per_adapter})
+        if lines:
+            panels.append({"key": panel.key, "title": panel.title, "ylabel": panel.ylabel, "lines": lines})
+    return {"adapters": adapters, "panels": panels}
+
+
+def _serving_sections(drawing: Drawing) -> list[str]:
+    """A heading and a chart per serving panel; a panel without data says why instead."""
+    from openlora_otel.report.serving import NO_ENERGY
+
+    e = html.escape
+    with_data = {panel["key"] for panel in serving_data(drawing)["panels"]}
+    sections = []
+    for panel in drawing.serving_panels:
+        if panel.key in with_data:
+            body = (
+                f'<div class="chart" id="chart-{panel.key}" role="img" '
+                f'aria-label="{e(panel.title, quote=True)}"></div>'
+            )
+        else:
+            note = NO_ENERGY if panel.key == "serving-energy" else "no data: no request to the adapter in the range"
+            body = f'<p class="nodata">{e(note)}</p>'
+        sections.append(
+            f'<section id="{panel.key}"><h2>{e(panel.title)}</h2><figure>{body}'
+            f"<figcaption>{e(panel.description)}</figcaption></figure></section>"
+        )
+    return sections
+
+
+def _adapters_section(drawing: Drawing) -> str:
+    """The page's table of adapters: where each came from and its serving figures over the range."""
+    if not drawing.serving:
+        return ""
+    from openlora_otel.report.serving import NO_ENERGY
+
+    e = html.escape
+    rows = []
+    for item, color in zip(drawing.serving, drawing.serving_colors, strict=True):
+        s = item.summary
+        adapter = item.adapter
+        run = (
+            f"<code>{e(adapter.run_id)}</code>" + (f" ({e(adapter.run_name)})" if adapter.run_name else "")
+            if adapter.run_id
+            else "not recorded"
+        )
+        energy = f"{s.joules_per_token:.4g} J" if s.joules_per_token is not None else NO_ENERGY
+
+        def seconds(value: float | None) -> str:
+            return _NONE if value is None else f"{value:.3g} s"
+
+        rows.append(
+            "<tr>"
+            f'<td class="name"><span class="swatch" style="background:{color}"></span><strong>{e(adapter.name)}</strong></td>'
+            f"<td>{run}</td>"
+            f"<td>{e(adapter.base_model or _NONE)}<br><small><code>{e(adapter.base_fingerprint or '')}</code></small></td>"
+            f'<td class="num">{e(adapter.final_eval_loss or _NONE)}</td>'
+            f'<td class="num">{_NONE if s.requests is None else f"{s.requests:,.0f}"}</td>'
+            f'<td class="num">{seconds(s.latency_p50)} / {seconds(s.latency_p95)}</td>'
+            f'<td class="num">{seconds(s.ttft_p50)} / {seconds(s.ttft_p95)}</td>'
+            f'<td class="num">{_NONE if s.tokens_per_s is None else f"{s.tokens_per_s:,.1f}"}</td>'
+            f'<td class="wrap">{e(energy)}</td>'
+            "</tr>"
+        )
+    notes = "".join(
+        f"<p class=\"meta\"><strong>{e(item.adapter.name)}</strong>: {e(note)}</p>"
+        for item in drawing.serving
+        for note in item.notes
+    )
+    start = min(item.start for item in drawing.serving)
+    end = max(item.end for item in drawing.serving)
+    stamp = lambda t: _dt.datetime.fromtimestamp(t, _dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")  # noqa: E731
+    return (
+        '<section id="adapters"><h2>Adapters</h2>\n'
+        f'<p class="meta">Each adapter\'s training run (its openlora_inference_adapter_info series) and how it '
+        f"served from {e(stamp(start))} to {e(stamp(end))}: successful requests' latency and time to first "
+        "token (p50 / p95 over the range), output tokens/s while serving, joules per output token.</p>\n"
+        "<table><thead><tr><th>adapter</th><th>training run</th><th>base model</th><th>final eval loss</th>"
+        "<th>requests</th><th>latency p50 / p95</th><th>first token p50 / p95</th><th>output tokens/s</th>"
+        f"<th>energy per output token</th></tr></thead><tbody>{''.join(rows)}</tbody></table>\n{notes}</section>\n"
+    )
 
 
 def _script_json(value: Any) -> str:
@@ -762,9 +1000,10 @@ def html_page(drawing: Drawing) -> str:
         '<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(_title(runs))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
-        "</head>\n<body>\n"
-        f"<h1>{e(_title(runs))}</h1>\n"
+        f"<title>{e(_title(runs, drawing.serving))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
+        "</head>\n"
+        + ('<body class="wide">\n' if drawing.serving else "<body>\n")
+        + f"<h1>{e(_title(runs, drawing.serving))}</h1>\n"
         f'<p class="meta">Written by openlora-otel {e(__version__)} on {now}. Curves of each run\'s lowest rank, '
         "against the optimizer step, the wall time or the time since the run's first step. Drag across a chart "
         "to zoom, double-click to zoom back out; hover for the values; the boxes turn runs on and off. "
@@ -773,9 +1012,18 @@ def html_page(drawing: Drawing) -> str:
         f"<th>{e(LAST_LOSS)}</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>\n"
         + "".join(diverged)
+        + _adapters_section(drawing)
         + _time_section(runs, colors)
         + controls
-        + "\n".join(sections)
+        + (
+            '<div class="columns"><div class="col" id="training-panels"><h2>Training</h2>'
+            + "\n".join(sections)
+            + '</div>\n<div class="col" id="serving-panels"><h2>Serving</h2>'
+            + "\n".join(_serving_sections(drawing))
+            + "</div></div>"
+            if drawing.serving
+            else "\n".join(sections)
+        )
         + f'\n<script type="application/json" id="report-data">{_script_json(page_data(drawing))}</script>\n'
         + f"<script>/* uPlot {UPLOT_VERSION}, MIT licence (c) Leon Sorokin: https://github.com/leeoniya/uPlot */\n"
         + _vendored("uPlot.iife.min.js")
@@ -882,7 +1130,10 @@ def _time_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
 
 
 # -- text ----------------------------------------------------------------------------------
-def _title(runs: Sequence[Run]) -> str:
+def _title(runs: Sequence[Run], serving: Sequence[Any] = ()) -> str:
+    if serving:
+        adapters = ", ".join(dict.fromkeys(item.adapter.name for item in serving))
+        return f"Adapter report: {_short(adapters, 80)}"
     names = ", ".join(dict.fromkeys(run.name for run in runs))
     return f"Training report: {_short(names, 80)}"
 

@@ -24,8 +24,17 @@ from tests.support.processes import child_env, free_port, reap
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def save_demo(directory: Path, name: str, *, seed: int = 0, steps: int = 4, timeout: float = 300) -> str:
-    """Train a tiny adapter with ``openlora-otel demo --save directory --run-name name``; its output."""
+def save_demo(
+    directory: Path,
+    name: str,
+    *,
+    seed: int = 0,
+    steps: int = 4,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Train a tiny adapter with ``openlora-otel demo --save directory --run-name name`` (more ``env`` for
+    the demo: a history directory, say); its output."""
     argv = [
         sys.executable,
         "-m",
@@ -34,7 +43,7 @@ def save_demo(directory: Path, name: str, *, seed: int = 0, steps: int = 4, time
         *("--steps", str(steps), "--batch-size", "2", "--eval-every", "0", "--exporter", "none", "-q"),
         *("--save", str(directory), "--run-name", name, "--seed", str(seed)),
     ]
-    done = subprocess.run(argv, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, env=child_env(**(env or {})), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
