@@ -557,7 +557,10 @@ def docs_promql(*blocks: tuple[str, str]) -> list[str]:
 
 
 # The documentation's PromQL that compares runs by a hyperparameter (run names, the dashboards' runs).
-COMPARE_RUNS_BLOCKS = (("README.md", "run-names-promql"), ("README.md", "dashboard-runs-promql"))
+COMPARE_RUNS_BLOCKS = (
+    ("docs/concepts/run-identity.md", "run-names-promql"),
+    ("docs/reference/dashboards.md", "dashboard-runs-promql"),
+)
 
 
 def test_the_documented_promql_to_compare_runs_is_found() -> None:

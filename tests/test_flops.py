@@ -20,7 +20,7 @@ from tests.support import docs_text
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-MFU_PAGE = "README.md"  # the page with the peak table
+MFU_PAGE = "docs/reference/mfu.md"  # the page with the peak table
 
 
 def _torch() -> Any:

@@ -40,7 +40,7 @@ from tests.support.processes import child_env, free_port
 from tests.support.readings import points
 
 ROOT = Path(__file__).resolve().parent.parent
-HOST_PAGE = "README.md"  # the page that describes the host metrics
+HOST_PAGE = "docs/reference/host-metrics.md"  # the page that describes the host metrics
 SYSTEM_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("system.")}
 PROCESS_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("process.")}
 

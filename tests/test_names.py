@@ -74,7 +74,7 @@ def test_the_documented_table_lists_every_name_that_differs_between_the_paths() 
     from openlora_otel.hardware.host import HOST_METRICS
     from openlora_otel.names import GPU_METRICS, INFERENCE_METRICS
 
-    table = docs_text.marked("README.md", "names-table")
+    table = docs_text.marked("docs/concepts/names.md", "names-table")
     rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()]
     specs = (*ALL, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
     differ = [[s.name, s.prometheus, s.prometheus_collector] for s in specs if s.prometheus != s.prometheus_collector]

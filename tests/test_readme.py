@@ -16,9 +16,9 @@ from tests.support.processes import child_env
 ROOT = Path(__file__).resolve().parent.parent
 README = docs_text.text("README.md")
 # The pages that carry the generated tables and the AIPerf install line.
-CONFIGURATION_PAGE = "README.md"
-METRICS_PAGE = "README.md"
-TESTING_PAGE = "README.md"
+CONFIGURATION_PAGE = "docs/reference/configuration.md"
+METRICS_PAGE = "docs/reference/metrics.md"
+TESTING_PAGE = "docs/testing.md"
 
 
 def block(marker: str) -> str:
