@@ -150,7 +150,7 @@ def test_torchs_flop_counter_agrees_with_the_demo_count_up_to_the_documented_ski
     model = build_model(DemoOptions(), CharTokenizer().vocab_size)
     # Layer 0's q/k/v read the embedding's output, which needs no gradient: autograd skips the input
     # gradient of those three base weights (128x128) and of their LoRA A (128 -> 8). The estimate
-    # counts it, as the README says.
+    # counts it, as docs/reference/mfu.md says.
     skipped = 2 * 3 * DEMO_HIDDEN * DEMO_HIDDEN + 2 * 3 * DEMO_HIDDEN * DEMO_R
     assert skipped == 104_448
     assert _measured_per_token(model, DEMO_VOCAB, DEMO_SEQ) == DEMO_PER_TOKEN - skipped
