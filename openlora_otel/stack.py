@@ -198,7 +198,7 @@ def alertmanager_config(webhook_url: str) -> str:
     return (
         "# Written by `openlora-otel stack`; running it again rewrites it. The routes, grouping and\n"
         "# inhibition of collector/alertmanager.yml; Slack and email receivers are shown there\n"
-        '# (secrets read from files) and in the README, section "Alerts: Alertmanager and receivers".\n'
+        '# (secrets read from files) and in docs/how-to/alerts.md.\n'
         "global:\n"
         "  resolve_timeout: 5m\n"
         "\n"

@@ -336,12 +336,12 @@ def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_wa
         server.stop()
 
 
-# -- a real run gone NaN, through the stack the README starts ---------------------------------------------
+# -- a real run gone NaN, through the stack docs/how-to/local-stack.md starts ------------------------------
 
 
 @pytest.mark.e2e
 def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Path, webhook: Webhook) -> None:
-    """README: `openlora-otel stack --dir DIR --start`, then `openlora-otel demo --nan-at-step N --run-name NAME`.
+    """docs/how-to/local-stack.md: `openlora-otel stack --dir DIR --start`, then `openlora-otel demo --nan-at-step N --run-name NAME`.
 
     The demo's loss is NaN from step 20; its divergence guard stops it within a second (exit 3)
     after one final scrape. That scrape is the only one that sees the NaNs: OpenloraLossNonFinite and
@@ -394,7 +394,7 @@ def test_a_run_gone_nan_reaches_a_webhook_with_its_run_name_and_id(tmp_path: Pat
             env=child_env(
                 OPENLORA_RUN_ID=run_id,
                 OTEL_EXPORTER_PROMETHEUS_PORT=str(metrics_port),
-                # As the README's example: the run may be over before the first scrape.
+                # As the docs' example: the run may be over before the first scrape.
                 OPENLORA_PROMETHEUS_EXPECT_SCRAPE="true",
                 OMP_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT),

@@ -108,7 +108,7 @@ def test_gateway_remote_writes_with_no_credentials_in_the_file() -> None:
 
 
 def test_gateway_names_series_as_the_collector_path_does() -> None:
-    """Same naming knobs as the single collector's prometheus exporter: the README's collector column holds."""
+    """Same naming knobs as the single collector's prometheus exporter: the docs' collector column holds."""
     exporter = gateway()["exporters"]["prometheus_remote_write"]
     single = checks.load(SINGLE)["exporters"]["prometheus"]
     for key in ("namespace", "const_labels", "external_labels"):

@@ -23,6 +23,7 @@ import yaml
 from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
+from tests.support import docs_text
 from tests.support.built import built
 from tests.support.dashboards import http_variable_options, run_every_query, substitute
 from tests.support.metrics_paths import METRIC_PATHS
@@ -540,21 +541,13 @@ telemetry.shutdown()
 """
 
 
-def readme_promql(*sections: str) -> list[str]:
-    """The expressions of the ```promql blocks in the README sections titled ``sections``: the lines
-    up to a comment line or the block's end are one expression."""
+def docs_promql(*blocks: tuple[str, str]) -> list[str]:
+    """The expressions of the marked ```promql blocks, each ``(file, marker)``: the lines up to a
+    comment line or the block's end are one expression."""
     exprs: list[str] = []
-    current: list[str] = []
-    title, fence = "", None
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            fence = line[3:] if fence is None else None
-            exprs += [" ".join(current)] if current else []
-            current = []
-        elif fence is None:
-            if line.startswith("#"):  # a heading (comment lines are inside blocks)
-                title = line.lstrip("#").strip()
-        elif fence == "promql" and title in sections:
+    for path, marker in blocks:
+        current: list[str] = []
+        for line in [*docs_text.fenced(path, marker, "promql").splitlines(), "#"]:
             if line.startswith("#"):
                 exprs += [" ".join(current)] if current else []
                 current = []
@@ -563,8 +556,17 @@ def readme_promql(*sections: str) -> list[str]:
     return exprs
 
 
-# The README sections whose PromQL compares runs by a hyperparameter.
-COMPARE_RUNS_SECTIONS = ("Run names and hyperparameters", "Runs by name on the dashboards")
+# The documentation's PromQL that compares runs by a hyperparameter (run names, the dashboards' runs).
+COMPARE_RUNS_BLOCKS = (
+    ("docs/concepts/run-identity.md", "run-names-promql"),
+    ("docs/reference/dashboards.md", "dashboard-runs-promql"),
+)
+
+
+def test_the_documented_promql_to_compare_runs_is_found() -> None:
+    """The blocks the end-to-end test runs (below) are there: each expression joins the run info."""
+    compare = docs_promql(*COMPARE_RUNS_BLOCKS)
+    assert len(compare) >= 3 and all("openlora_run_info" in expr for expr in compare), compare
 # Both runs by name and learning rate (the main run keeps the demo's default, 3e-3).
 RUN_NAMES = {"dash-run": "dash", "diverged-run": "diverged"}
 LR = "openlora_hparam_learning_rate"
@@ -683,7 +685,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
             _check_every_query(
                 telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0]
             )
-            # The series names are the ones names.py gives for the path (the README's table is made
+            # The series names are the ones names.py gives for the path (the docs' table is made
             # from them): checked here against what the real Collector and Prometheus 3's receiver made.
             observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
             assert_series_names_follow_the_path(observed, path)
@@ -791,8 +793,8 @@ def _check_every_query(
             for s in prometheus.query(mean_loss)
         }
         assert labelled == {("dash-run", "dash", "0.003"), ("diverged-run", "diverged", "0.001")}, labelled
-        # The README's PromQL to compare runs by a hyperparameter, on the same two runs.
-        compare = readme_promql(*COMPARE_RUNS_SECTIONS)
+        # The documentation's PromQL to compare runs by a hyperparameter, on the same two runs.
+        compare = docs_promql(*COMPARE_RUNS_BLOCKS)
         assert len(compare) >= 3, compare
         for expr in compare:
             found = prometheus.query(substitute(expr, run="(dash-run|diverged-run)"))

@@ -58,14 +58,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.process
 def test_site_builds_strict_with_every_page_and_runbook_anchor(site: Path) -> None:
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("index.html"))
-    assert pages == [
-        "index.html",
-        "reference/api/index.html",
-        "reference/cli/index.html",
-        "reference/configuration/index.html",
-        "reference/metrics/index.html",
-        "runbooks/index.html",
-    ]
+    # One built page per page of the nav (tests/test_docs.py: the nav lists every page under docs/).
+    nav = re.findall(r"^\s+- (?:[^:\n]+|\"[^\"]+\"): ([\w/-]+)\.md$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert "runbooks" in nav and len(nav) > 20
+    assert pages == sorted("index.html" if page == "index" else f"{page}/index.html" for page in nav)
     # Every rule's runbook_url: the base, then an anchor the built page has.
     runbooks = (site / "runbooks" / "index.html").read_text()
     alerts = [r for g in yaml.safe_load(rules_text())["groups"] for r in g["rules"] if "alert" in r]

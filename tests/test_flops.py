@@ -1,4 +1,4 @@
-"""Model FLOPs per token against hand counts, and the GPU peak table (names, dtypes, the README's copy)."""
+"""Model FLOPs per token against hand counts, and the GPU peak table (names, dtypes, the documented copy)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from openlora_otel.training.flops import (
     peak_table_markdown,
     training_flops_per_token,
 )
+from tests.support import docs_text
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+MFU_PAGE = "docs/reference/mfu.md"  # the page with the peak table
 
 
 def _torch() -> Any:
@@ -149,7 +150,7 @@ def test_torchs_flop_counter_agrees_with_the_demo_count_up_to_the_documented_ski
     model = build_model(DemoOptions(), CharTokenizer().vocab_size)
     # Layer 0's q/k/v read the embedding's output, which needs no gradient: autograd skips the input
     # gradient of those three base weights (128x128) and of their LoRA A (128 -> 8). The estimate
-    # counts it, as the README says.
+    # counts it, as docs/reference/mfu.md says.
     skipped = 2 * 3 * DEMO_HIDDEN * DEMO_HIDDEN + 2 * 3 * DEMO_HIDDEN * DEMO_R
     assert skipped == 104_448
     assert _measured_per_token(model, DEMO_VOCAB, DEMO_SEQ) == DEMO_PER_TOKEN - skipped
@@ -463,5 +464,5 @@ def test_float32_follows_torchs_tf32_setting(fake_gpu: dict[int, str]) -> None:
     assert device_peak_flops("cuda:0", torch.float32) == 15.7e12
 
 
-def test_readme_peak_table_matches_the_module() -> None:
-    assert peak_table_markdown() in README
+def test_documented_peak_table_matches_the_module() -> None:
+    assert peak_table_markdown() in docs_text.text(MFU_PAGE)

@@ -144,7 +144,7 @@ def test_guard_check_with_a_read_back_slower_than_the_poll(monkeypatch) -> None:
     """Each check starts a new read-back, polls it for 0.2 s (_READBACK_WAIT_S), then drops it and
     returns; the next check starts over. When the device is always more than 0.2 s behind the host
     (a deep kernel queue: the host runs ahead), no check ever completes, and with no reader (exporter
-    none, which the README says the own check covers) the guard never trips. README promises a lag of
+    none, which the docs say the own check covers) the guard never trips. The docs promise a lag of
     check_interval_s plus one device read-back. Simulated on CPU: a read-back takes 0.3 s to land."""
     import time
 

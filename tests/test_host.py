@@ -1,4 +1,4 @@
-"""Host and process metrics: the selection, the torchrun rule, the variables, the lifecycle, and the README's queries."""
+"""Host and process metrics: the selection, the torchrun rule, the variables, the lifecycle, and the documented queries."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ from openlora_otel.hardware.host import (
     SYSTEM_SELECTION,
     start_host_metrics,
 )
+from tests.support import docs_text
 from tests.support.processes import child_env, free_port
 from tests.support.readings import points
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+HOST_PAGE = "docs/reference/host-metrics.md"  # the page that describes the host metrics
 SYSTEM_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("system.")}
 PROCESS_NAMES = {spec.name for spec in HOST_METRICS if spec.name.startswith("process.")}
 
@@ -214,7 +215,8 @@ def test_series_count_is_the_documented_formula() -> None:
         "process.memory.usage": 1,
         "process.disk.io": 2,
     }
-    assert "`C + 2 + 2D + 2N` system series" in README and "and 5 per\n  process" in README
+    section = docs_text.marked(HOST_PAGE, "host-metrics")
+    assert "`C + 2 + 2D + 2N` system series" in section and "and 5 per\n  process" in section
 
 
 def test_values_are_this_process_and_this_node() -> None:
@@ -538,26 +540,16 @@ print("ok")
     assert result.stdout.strip() == "ok"
 
 
-# -- README ------------------------------------------------------------------
+# -- the documentation ---------------------------------------------------------
 
 
-def readme_section() -> str:
-    start = README.index("## Host and process metrics\n")
-    return README[start : README.index("\n## ", start + 1)]
+def docs_queries() -> list[str]:
+    block = docs_text.fenced(HOST_PAGE, "host-queries", "promql")
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
 
 
-def readme_queries() -> list[str]:
-    match = re.search(
-        r"<!-- host-queries:start -->\n```promql\n(.*?)\n```\n<!-- host-queries:end -->", README, re.S
-    )
-    assert match, "README has no host-queries block"
-    return [line for line in match.group(1).splitlines() if line and not line.startswith("#")]
-
-
-def test_readme_section_follows_gpu_metrics_and_names_both_paths() -> None:
-    headings = re.findall(r"^## (.+)$", README, re.M)
-    assert headings[headings.index("GPU metrics") + 1] == "Host and process metrics"
-    section = readme_section()
+def test_docs_section_names_both_paths() -> None:
+    section = docs_text.marked(HOST_PAGE, "host-metrics")
     for spec in HOST_METRICS:
         row = next(line for line in section.splitlines() if line.startswith(f"| `{spec.name}` |"))
         assert f"`{spec.prometheus}`" in row, spec.name
@@ -565,7 +557,7 @@ def test_readme_section_follows_gpu_metrics_and_names_both_paths() -> None:
         assert (f"`{collector}`" in row) if collector != spec.prometheus else ("| same |" in row), spec.name
     for variable in ("OPENLORA_HOST_METRICS", "OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS", "LOCAL_RANK"):
         assert variable in section
-    assert len(readme_queries()) >= 9
+    assert len(docs_queries()) >= 9
 
 
 # -- a real Prometheus ---------------------------------------------------------
@@ -584,7 +576,7 @@ os._exit(0)
 
 
 @pytest.mark.e2e
-def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_data(tmp_path: Path) -> None:
+def test_prometheus_scrapes_the_documented_names_and_queries_return_data(tmp_path: Path) -> None:
     from tests.support.prometheus_server import Prometheus, prometheus_binary
 
     prometheus_binary()
@@ -643,10 +635,10 @@ def test_prometheus_scrapes_the_documented_names_and_the_readme_queries_return_d
         assert labels["network_io_direction"] in {"receive", "transmit"}
 
         deadline = time.monotonic() + 30
-        for query in readme_queries():
+        for query in docs_queries():
             expected = {node} if "system_" in query else {node, other}
             found, result = instances_of(query.replace("$__rate_interval", "5s"), expected, deadline)
-            assert found == expected, f"README query answered for {found}, not {expected}: {query}"
+            assert found == expected, f"documented query answered for {found}, not {expected}: {query}"
             if "host_name" in query:
                 assert all(s["metric"].get("host_name") for s in result)
     finally:

@@ -9,6 +9,7 @@ import pytest
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, RUN_METRICS, TRAINING_METRICS, prometheus_name
 from openlora_otel.training.guard import DivergenceGuard
+from tests.support import docs_text
 from tests.support.readings import served_series
 
 ALL = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS)
@@ -68,14 +69,12 @@ def test_pull_endpoint_serves_exactly_the_documented_names() -> None:
         assert expected in served, (spec.name, expected, sorted(served))
 
 
-def test_the_readmes_table_lists_every_name_that_differs_between_the_paths() -> None:
-    from pathlib import Path
+def test_the_documented_table_lists_every_name_that_differs_between_the_paths() -> None:
 
     from openlora_otel.hardware.host import HOST_METRICS
     from openlora_otel.names import GPU_METRICS, INFERENCE_METRICS
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("<!-- names-table:start -->\n", 1)[1].split("<!-- names-table:end -->", 1)[0]
+    table = docs_text.marked("docs/concepts/names.md", "names-table")
     rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()]
     specs = (*ALL, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
     differ = [[s.name, s.prometheus, s.prometheus_collector] for s in specs if s.prometheus != s.prometheus_collector]

@@ -11,7 +11,7 @@
   holds on its own metrics, and once the limit is lifted the steps all arrive;
 - VictoriaMetrics' own OTLP ingestion, which the dashboards do not work on: what it makes instead.
 
-The losses are printed (pytest -s) and stated in the README ("Faults on the push paths").
+The losses are printed (pytest -s) and stated in docs/how-to/collector.md ("Faults on the push paths").
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def test_a_collector_over_its_memory_limit_refuses_points_and_nothing_is_lost_af
 
 
 def test_victoriametrics_otlp_ingestion_labels_every_series_and_makes_no_target_info(tmp_path: Path) -> None:
-    """Why the dashboards do not run on VictoriaMetrics' own OTLP ingestion (README): no target_info, no
+    """Why the dashboards do not run on VictoriaMetrics' own OTLP ingestion (docs/how-to/prometheus-otlp.md): no target_info, no
     job or instance; the Resource is on every series instead. Send to it through the gateway's remote
     write (tests/support/metrics_paths.py, ``gateway``) and they do."""
     with MetricsPath("otlp", 0, tmp_path) as metrics:

@@ -10,20 +10,23 @@ from pathlib import Path
 import pytest
 
 from openlora_otel.commands.env import variables_markdown
+from tests.support import docs_text
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+README = docs_text.text("README.md")
+# The pages that carry the generated tables and the AIPerf install line.
+CONFIGURATION_PAGE = "docs/reference/configuration.md"
+METRICS_PAGE = "docs/reference/metrics.md"
+TESTING_PAGE = "docs/testing.md"
 
 
 def block(marker: str) -> str:
-    match = re.search(rf"<!-- {marker}:start -->\n```bash\n(.*?)\n```\n<!-- {marker}:end -->", README, re.S)
-    assert match, f"README has no {marker} block"
-    return match.group(1)
+    return docs_text.fenced("README.md", marker, "bash")
 
 
 def test_environment_table_matches_the_config_module() -> None:
-    assert variables_markdown() in README
+    assert variables_markdown() in docs_text.text(CONFIGURATION_PAGE)
 
 
 @pytest.mark.process
@@ -53,7 +56,8 @@ def test_ci_installs_the_aiperf_the_tests_and_readme_name() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^aiperf_version=(\S+)$", ci, re.M).group(1) == VERSION
     assert '.venv-aiperf/bin/pip install -q "aiperf==$aiperf_version"' in ci
-    assert f"python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf=={VERSION}" in README
+    install = f"python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf=={VERSION}"
+    assert install in docs_text.text(TESTING_PAGE)
     assert ".venv-aiperf/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
@@ -107,5 +111,5 @@ def test_quickstart_example_runs_and_serves() -> None:
 def test_metric_table_matches_the_names_module() -> None:
     from openlora_otel.commands.metrics import metrics_markdown, seeds_markdown
 
-    assert metrics_markdown() in README
-    assert seeds_markdown() in README
+    assert metrics_markdown() in docs_text.text(METRICS_PAGE)
+    assert seeds_markdown() in docs_text.text(METRICS_PAGE)

@@ -573,7 +573,7 @@ def test_throughput_is_tokens_over_the_time_between_points_when_a_step_outlasts_
 
 
 def test_throughput_is_steady_when_the_lines_and_the_steps_do_not_line_up() -> None:
-    # A step every 0.15 s of 100 tokens (667 tokens/s, steady), a line every 0.2 s (the README's
+    # A step every 0.15 s of 100 tokens (667 tokens/s, steady), a line every 0.2 s (the docs'
     # OPENLORA_HISTORY_INTERVAL=200): lines see one or two new steps in turn. Over the lines' own
     # times that reads 500 and 1,000 tokens/s in turn; over the steps' times it is the real rate.
     rows = []
@@ -652,7 +652,7 @@ def test_html_page_in_headless_chromium(two_runs: Path, tmp_path: Path) -> None:
 def test_report_from_the_history_files_of_two_real_demo_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The README's commands: two demo runs with another learning rate each, no server, then the report."""
+    """docs/how-to/run-history.md's commands: two demo runs with another learning rate each, no server, then the report."""
     needs_the_demo()
     history = tmp_path / "runs"
     env = {

@@ -16,7 +16,7 @@ from tests.support.prometheus_server import Prometheus, prometheus_binary
 
 @pytest.mark.e2e
 def test_two_runs_one_after_the_other_on_the_same_port_are_read_apart(tmp_path: Path) -> None:
-    """The README's case: `demo --run-name a`, then `demo --run-name b`, both on the default port,
+    """The docs' case (docs/how-to/run-history.md): `demo --run-name a`, then `demo --run-name b`, both on the default port,
     one Prometheus scraping it. Each run's curves are its own: run a does not get b's steps."""
     prometheus_binary()
     needs_the_demo()

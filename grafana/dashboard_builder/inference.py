@@ -323,7 +323,7 @@ def energy(grid: Grid) -> list[dict[str, Any]]:
             "the server's GPU energy (hw_energy_joules_total; a GPU several servers report split by their "
             "output tokens) given to its adapters by the output tokens each generated, over those tokens. "
             "Within one server and window every adapter gets the same figure; they differ across servers, "
-            "GPUs and time. Idle power and prompt tokens are in it: see the README's Energy section.",
+            "GPUs and time. Idle power and prompt tokens are in it: see the Energy section of the docs' GPU metrics page.",
             "joule",
             [target(f"{per_token}{{{ADAPTER_SEL}}}{SERVING}", "{{openlora_adapter_name}} {{instance}}")],
             at=grid.cell(12, 8),

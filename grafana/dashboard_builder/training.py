@@ -167,7 +167,7 @@ def energy(grid: Grid) -> list[dict[str, Any]]:
             f"per GPU the rise of its energy counter from the range's first to its last sample ({counter}: "
             f"hw_energy_joules_total with the rank's run) times the rank's average share of it ({share}: its share "
             "of the tokens trained on that GPU; 1 for a GPU the rank has to itself), summed. NVML counts the "
-            "whole GPU, idle power included; the README's Energy section has the method and its limits.",
+            "whole GPU, idle power included; the Energy section of the docs' GPU metrics page has the method and its limits.",
             "kwatth",
             [target(kwh, ENERGY_RUN_LEGEND)],
             at=grid.cell(6, 6),
@@ -426,8 +426,8 @@ def where_the_time_went(grid: Grid) -> list[dict[str, Any]]:
             "Share of each run's wall time (all ranks and attempts) in each phase of openlora_training_time_seconds_total "
             "(attempt:openlora_training_time_seconds_total:by_run: the counter with the run and attempt): productive "
             "is goodput; startup, data_wait, evaluation, checkpoint_save, checkpoint_load, lost_progress (steps "
-            "redone after a restart) and idle (a stall, the time after the last step) are badput. The README's "
-            "OpenloraLowGoodput runbook says what to do about each.",
+            "redone after a restart) and idle (a stall, the time after the last step) are badput. The "
+            "OpenloraLowGoodput section of the docs' Alert runbooks page says what to do about each.",
             "percentunit",
             [target(f"({share}){RUN_NAME}", "{{openlora_run_name}} {{openlora_training_phase}}")],
             at=grid.cell(8, 8),

@@ -269,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
             # Only where a stack could see them: not for `none`, the console or a history file alone.
             print(
                 "full stack (collector, Prometheus, Grafana): cd collector && "
-                "GRAFANA_ADMIN_PASSWORD=... docker compose up -d, then open http://localhost:3000 (see the README)",
+                "GRAFANA_ADMIN_PASSWORD=... docker compose up -d, then open http://localhost:3000 "
+                "(see docs/how-to/local-stack.md)",
                 file=sys.stderr,
             )
     try:

@@ -1,4 +1,4 @@
-"""``openlora-otel env``: the tables of environment variables by group, as Markdown (the README carries the same)."""
+"""``openlora-otel env``: the tables of environment variables by group, as Markdown (docs/reference/configuration.md carries the same)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def variables_markdown() -> str:
-    """The environment tables as Markdown, one per group of :data:`~openlora_otel.config.GROUPS`; the
-    README carries the same."""
+    """The environment tables as Markdown, one per group of :data:`~openlora_otel.config.GROUPS`;
+    docs/reference/configuration.md carries the same."""
     blocks = []
     for group in GROUPS:
         rows = [f"**{group}**", "", "| Variable | Default | Meaning |", "| --- | --- | --- |"]

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     # The HTTP instrumentation reads this variable itself; unless the user chose, the stable HTTP
-    # conventions (seconds, the route, no client-sent Host header in the labels). See the README.
+    # conventions (seconds, the route, no client-sent Host header in the labels). See docs/how-to/serving.md.
     os.environ.setdefault(_server.HTTP_SEMCONV_VARIABLE, _server.HTTP_SEMCONV_DEFAULT)
     # service.name is openlora-serve unless the environment names the service.
     named = config.service_name != DEFAULT_SERVICE_NAME or bool(environ.get("OTEL_SERVICE_NAME"))

@@ -2,7 +2,7 @@
 
 Every variable openlora-otel understands is a row of :data:`VARIABLES` (:mod:`.variables`) with its
 group, default, meaning and reader; :meth:`TelemetryConfig.from_env` reads them into one frozen
-:class:`TelemetryConfig`, whose field defaults come from the same rows, and the README's table and
+:class:`TelemetryConfig`, whose field defaults come from the same rows, and the docs' Configuration page and
 ``openlora-otel env`` are printed from them. Nothing else in the package reads ``os.environ``.
 
 The standard ``OTEL_*`` variables are parsed as the OpenTelemetry specification

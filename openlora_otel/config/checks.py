@@ -52,7 +52,7 @@ MAX_RANK = 2**31 - 1
 
 
 def _ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
-    """``100 to 86400000 (1 day)``: an accepted range as the README table and errors say it."""
+    """``100 to 86400000 (1 day)``: an accepted range as the docs' table and errors say it."""
     low, high = bounds
     human = {86_400_000: "1 day", 600_000: "10 min", 60_000: "1 min"}.get(int(high), f"{high / 1000:g} s")
     return f"{low * scale:.15g} to {high * scale:.15g} ({human})"

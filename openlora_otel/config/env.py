@@ -62,7 +62,7 @@ class Env:
         """``read`` every one of ``names`` (so each set one is validated); the first set one wins.
 
         The per-signal variable overrides the base one, but the base one is still
-        checked: the README promises that every variable is validated.
+        checked: the docs promise that every variable is validated.
         """
         results = [(name, read(name)) for name in names if self.get(name)]
         if results:

@@ -2,7 +2,7 @@
 the :class:`~openlora_otel.config.TelemetryConfig` field it sets and the reader that parses it.
 
 Each default is written here once: the config's field defaults, :meth:`TelemetryConfig.from_env`,
-the README's table and ``openlora-otel env`` all take it from this table. Most variables set one field
+the docs' Configuration page and ``openlora-otel env`` all take it from this table. Most variables set one field
 and are read by a loop over the table; those read together (the OTLP ones with their per-signal
 twins, the port with its rank offset, the run id with the launcher's, the Resource's attributes) have
 no ``read`` and are resolved by ``from_env`` itself, with their defaults from here.

@@ -19,7 +19,7 @@ compares every one with the semconv package. Why it is built this way:
 - **A bounded selection.** A node's full set is about thirty metrics, some per
   logical CPU and per state. :data:`SYSTEM_SELECTION` and
   :data:`PROCESS_SELECTION` keep what a training run needs, with the values of
-  each metric's breakdown; the README counts the series.
+  each metric's breakdown; docs/reference/host-metrics.md counts the series.
   ``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS`` (the variable the package
   read, kept so existing deployments keep their exclusions) is applied to this
   selection with the package's rule: fnmatch globs over the metric names.

@@ -19,7 +19,7 @@ backward pass: everything then costs the forward 2N only.
 Nothing here imports torch at module level (``import openlora_otel`` stays
 free of it): the module walk is duck-typed, and :func:`device_peak_flops`
 imports torch when called. The peak table holds datasheet dense figures; the
-README's table is generated from it (:func:`peak_table_markdown`).
+The docs' MFU page carries the table, checked against it (:func:`peak_table_markdown`).
 """
 
 from __future__ import annotations
@@ -571,7 +571,7 @@ def _tf32_matmuls(torch: Any) -> bool:
 
 
 def peak_table_markdown() -> str:
-    """The peak table as Markdown (TFLOP/s); the README carries the same table."""
+    """The peak table as Markdown (TFLOP/s); docs/reference/mfu.md carries the same table."""
     rows = [
         "| GPU | Name as NVML / torch report it | FP32 | TF32 | BF16 | FP16 | FP8 | Source |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
