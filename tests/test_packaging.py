@@ -52,11 +52,14 @@ def test_ci_builds_with_the_dev_extra_pins() -> None:
     assert ci.index("build/packaging/wheel-venv") < ci.index('bash -c "$test_command"')
 
 
+STALE = "built before these files existed? run the packaging lines of .ci/run again"
+
+
 def test_wheel_holds_the_modules_the_rules_and_py_typed() -> None:
     _, wheel = artifacts()
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        assert modules() <= names, sorted(modules() - names)
+        assert modules() <= names, f"missing: {sorted(modules() - names)} ({STALE})"
         for name in PACKAGE_DATA:
             assert archive.read(name) == (ROOT / name).read_bytes(), name
         info = f"openlora_otel-{__version__}.dist-info"
@@ -76,7 +79,7 @@ def test_sdist_holds_the_sources_the_rules_and_py_typed() -> None:
         names = {name.removeprefix(top + "/") for name in archive.getnames()}
         for name in (*PACKAGE_DATA, "pyproject.toml", "README.md", "PKG-INFO"):
             assert name in names, name
-        assert modules() <= names, sorted(modules() - names)
+        assert modules() <= names, f"missing: {sorted(modules() - names)} ({STALE})"
         rules = archive.extractfile(f"{top}/openlora_otel/rules/openlora.yml").read()
     assert rules == (ROOT / "openlora_otel" / "rules" / "openlora.yml").read_bytes()
 
