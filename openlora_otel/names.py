@@ -289,8 +289,8 @@ RUN_METRICS: tuple[MetricSpec, ...] = (
         "",
         "1; attribute `openlora.run.outcome`: `running` while the process runs, then, in the final "
         "collection, how the run ended: `finished`, `stopped_by_guard`, `terminated` (with `openlora.run.signal`: "
-        "`SIGTERM`, `SIGINT`) or `failed` (with `error.type`, the exception's type). Carries `openlora.run.id`, "
-        "so that it names its run after the target is gone. A run gone while `running` is `vanished` "
+        "`SIGTERM`, `SIGINT`) or `failed` (with `error.type`, the exception's type). Carries `openlora.run.id` and "
+        "`openlora.run.attempt`, so that it names its run and attempt after the target is gone. A run gone while `running` is `vanished` "
         "(derived by the rules).",
     ),
 )

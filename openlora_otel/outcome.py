@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel.names import ATTR_ERROR_TYPE, ATTR_RUN_OUTCOME, ATTR_RUN_SIGNAL, RUN_METRICS
-from openlora_otel.resource import RUN_ID_ATTRIBUTE
+from openlora_otel.resource import RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["MAX_ERROR_TYPE_LENGTH", "RunOutcome", "error_type"]
 
@@ -61,12 +61,18 @@ class RunOutcome:
     runs at the start of the shutdown; the first decision stays.
     """
 
-    def __init__(self, meter: Meter, *, run_id: str) -> None:
+    def __init__(self, meter: Meter, *, run_id: str, attempt: int = 1) -> None:
         self._run_id = run_id
+        self._attempt = attempt
         self._lock = threading.Lock()
         self._signal: str | None = None
         self._error: str | None = None
-        self._attributes: dict[str, str] = {RUN_ID_ATTRIBUTE: run_id, ATTR_RUN_OUTCOME: "running"}
+        # The attempt too: each attempt of a restarted run ends on its own (one vanished, the next finished).
+        self._attributes: dict[str, str | int] = {
+            RUN_ID_ATTRIBUTE: run_id,
+            RUN_ATTEMPT_ATTRIBUTE: attempt,
+            ATTR_RUN_OUTCOME: "running",
+        }
         self._decided = False
         meter.create_observable_gauge(
             _SPEC.name, callbacks=[self._observe], unit=_SPEC.unit, description=_SPEC.description
@@ -78,7 +84,7 @@ class RunOutcome:
         return self._attributes[ATTR_RUN_OUTCOME]
 
     @property
-    def attributes(self) -> dict[str, str]:
+    def attributes(self) -> dict[str, str | int]:
         return dict(self._attributes)
 
     def note_signal(self, signum: int) -> None:
@@ -113,7 +119,7 @@ class RunOutcome:
             if self._decided:
                 return self.outcome
             self._decided = True
-            attributes = {RUN_ID_ATTRIBUTE: self._run_id}
+            attributes: dict[str, str | int] = {RUN_ID_ATTRIBUTE: self._run_id, RUN_ATTEMPT_ATTRIBUTE: self._attempt}
             if self._signal is not None:
                 attributes[ATTR_RUN_OUTCOME] = "terminated"
                 attributes[ATTR_RUN_SIGNAL] = self._signal

@@ -83,7 +83,7 @@ class Telemetry:
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
         self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
-        self._outcome = RunOutcome(self._meter, run_id=run_id)
+        self._outcome = RunOutcome(self._meter, run_id=run_id, attempt=self._config.run_attempt)
         # An exception printed before setup (an earlier one in a REPL) is not this run's.
         self._last_value_at_setup = getattr(sys, "last_value", None)
         atexit.register(self._shutdown_at_exit)

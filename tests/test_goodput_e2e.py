@@ -1,5 +1,5 @@
 """A demo interrupted and resumed, pulled by a real Prometheus (2.42 and 3.16) evaluating the shipped rules:
-its goodput over both attempts, the steps the second did again, and the same in `openlora-otel report`
+how each attempt ended, its goodput over both attempts, the steps the second did again, and the same in `openlora-otel report`
 from the two attempts' history lines. The promtool cases are in tests/rules/goodput_test.yml."""
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_pa
         # Both attempts of the run, on the same host:port, told apart by openlora.run.attempt.
         attempts = prometheus.query(f"count by (openlora_run_attempt) (last_over_time(target_info{{{run}}}[10m]))")
         assert {s["metric"]["openlora_run_attempt"] for s in attempts} == {"1", "2"}, attempts
+
+        # How each attempt ended, each under its own attempt number (--stop-at-step ends the first cleanly).
+        ended = prometheus.wait_for(f'count(run:openlora_run:outcome{{{run}}}) == 2', timeout=60)
+        assert ended, prometheus.query(f"run:openlora_run:outcome{{{run}}}")
+        outcomes = prometheus.query(f"run:openlora_run:outcome{{{run}}}")
+        assert {(s["metric"]["openlora_run_attempt"], s["metric"]["openlora_run_outcome"]) for s in outcomes} == {
+            ("1", "finished"),
+            ("2", "finished"),
+        }
 
         lost = _one(prometheus, f"run:openlora_training_steps_lost:increase1h{{{run}}} > 0")
         assert lost == STOP_AT - CHECKPOINT_EVERY

@@ -66,10 +66,10 @@ def final():
 def test_running_during_the_run_then_finished_in_the_final_collection(final) -> None:
     final.training.record_step(loss=1.0, tokens=5)
     final.force_flush()
-    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.outcome": "running"}
+    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.attempt": 1, "openlora.run.outcome": "running"}
     assert final.outcome == "running"
     assert final.shutdown()
-    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.outcome": "finished"}
+    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.attempt": 1, "openlora.run.outcome": "finished"}
     assert final.outcome == "finished"
 
 
@@ -79,6 +79,7 @@ def test_an_exception_in_the_with_block_is_failed_with_its_type_never_its_messag
     outcome = final.final_outcome()
     assert outcome == {
         "openlora.run.id": "run-x",
+        "openlora.run.attempt": 1,
         "openlora.run.outcome": "failed",
         "error.type": "ValueError",
     }
@@ -90,6 +91,7 @@ def test_ctrl_c_in_the_with_block_is_terminated_by_sigint(final) -> None:
         raise KeyboardInterrupt
     assert final.final_outcome() == {
         "openlora.run.id": "run-x",
+        "openlora.run.attempt": 1,
         "openlora.run.outcome": "terminated",
         "openlora.run.signal": "SIGINT",
     }
@@ -120,7 +122,7 @@ def test_a_latched_guard_trip_is_stopped_by_guard_even_when_an_exception_follows
     assert guard.tripped
     with pytest.raises(RuntimeError), final:
         raise RuntimeError("the loop noticed the NaNs too")
-    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.outcome": "stopped_by_guard"}
+    assert final.final_outcome() == {"openlora.run.id": "run-x", "openlora.run.attempt": 1, "openlora.run.outcome": "stopped_by_guard"}
 
 
 def test_a_guard_reset_after_its_trip_is_finished(final) -> None:
@@ -188,7 +190,7 @@ def _final_outcome(receiver: HttpReceiver) -> dict:
     outcomes = receiver.metrics().get(OUTCOME, [])
     assert outcomes, receiver.metrics().keys()
     _, point = outcomes[-1]
-    return {a.key: a.value.string_value for a in point.attributes}
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in point.attributes}
 
 
 @pytest.mark.process
@@ -213,6 +215,7 @@ def test_an_uncaught_exception_without_the_context_manager_is_failed() -> None:
         assert result.returncode == 1 and "MemoryError" in result.stderr
         assert _final_outcome(receiver) == {
             "openlora.run.id": "child-run",
+            "openlora.run.attempt": 1,
             "openlora.run.outcome": "failed",
             "error.type": "MemoryError",
         }
@@ -228,6 +231,7 @@ def test_sigterm_is_terminated_with_the_signal_name() -> None:
         assert result.returncode == 143, result.stderr[-2000:]
         assert _final_outcome(receiver) == {
             "openlora.run.id": "child-run",
+            "openlora.run.attempt": 1,
             "openlora.run.outcome": "terminated",
             "openlora.run.signal": "SIGTERM",
         }
