@@ -299,9 +299,13 @@ def test_every_documented_otel_variable_has_an_invalid_case() -> None:
         ({"TORCHELASTIC_RESTART_COUNT": "0"}, 1),
         ({"TORCHELASTIC_RESTART_COUNT": "2"}, 3),
         ({"SLURM_RESTART_COUNT": "4"}, 5),
-        # The explicit setting wins, then torchrun (inside a Slurm job torchrun restarts the workers).
+        # The explicit setting wins.
         ({"OPENLORA_RUN_ATTEMPT": "7", "TORCHELASTIC_RESTART_COUNT": "2"}, 7),
-        ({"TORCHELASTIC_RESTART_COUNT": "1", "SLURM_RESTART_COUNT": "5"}, 2),
+        # srun torchrun: a requeue starts torchrun's count at 0 again; its attempts follow all that
+        # torchrun may have made before (max restarts + 1 per requeue).
+        ({"TORCHELASTIC_RESTART_COUNT": "1", "SLURM_RESTART_COUNT": "5"}, 7),
+        ({"TORCHELASTIC_RESTART_COUNT": "0", "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}, 5),
+        ({"TORCHELASTIC_RESTART_COUNT": "3", "SLURM_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3"}, 4),
     ],
 )
 def test_run_attempt_from_the_setting_or_the_launcher(environ: dict[str, str], attempt: int) -> None:

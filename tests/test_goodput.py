@@ -276,3 +276,91 @@ def test_steps_after_the_last_collection_are_not_idle_at_shutdown(fake: FakeCloc
     data = reader.get_metrics_data()
     assert spent(data, "productive") - spent(first, "productive") == pytest.approx(4.0)
     assert spent(data, "idle") - spent(first, "idle") == pytest.approx(3.0)
+
+
+# -- what a review found ----------------------------------------------------------------------------
+
+
+def test_track_progress_on_a_directory_not_made_yet_writes_inside_it(fake: FakeClock, training, tmp_path) -> None:
+    telemetry, reader = training
+    checkpoints = tmp_path / "ckpt"  # the script makes it later, with its first checkpoint
+    telemetry.training.track_progress(checkpoints)
+    telemetry.training.record_step()
+    reader.get_metrics_data()
+    assert (checkpoints / "openlora-progress.json").is_file()
+    checkpoints.mkdir(exist_ok=True)  # the script's own makedirs still works
+
+
+def test_a_step_count_past_int64_in_the_file_is_ignored(tmp_path, caplog) -> None:
+    (tmp_path / "openlora-progress.json").write_text('{"run_id": "r", "step": 18446744073709551616}')
+    assert ProgressFile(tmp_path).reached() is None
+    (tmp_path / "openlora-progress.json").write_text("[" * 100_000 + "]" * 100_000)  # deeper than json allows
+    assert ProgressFile(tmp_path).reached() is None
+
+
+def test_a_later_clock_in_the_process_starts_when_it_is_built() -> None:
+    PhaseClock()  # the process's first clock (here or earlier in this test process) took its start
+    later = PhaseClock()
+    assert later.take(time.perf_counter())["startup"] < 5.0
+
+
+def test_a_step_inside_a_mark_after_a_stall_returns_to_steps(fake: FakeClock) -> None:
+    clock = PhaseClock(started=fake.now)
+    clock.first_step(fake.now)
+    clock.take(fake.now, steps=1, last_step=fake.now)
+    fake.sleep(STALL_S + 40.0)
+    clock.take(fake.now)  # stalled: idle
+    with clock.phase("checkpoint_save"):
+        fake.sleep(10.0)
+        clock.unstall(fake.now)  # a step arrives while a background save is marked
+        fake.sleep(5.0)
+    fake.sleep(3.0)
+    assert clock.take(fake.now, steps=1, last_step=fake.now) == pytest.approx(
+        {"checkpoint_save": 15.0, "productive": 3.0}
+    )
+    assert not clock.stalled
+
+
+def test_after_close_a_late_step_does_not_turn_idle_time_productive(fake: FakeClock) -> None:
+    clock = PhaseClock(started=fake.now)
+    clock.first_step(fake.now)
+    clock.take(fake.now, steps=1, last_step=fake.now)
+    fake.sleep(STALL_S + 10.0)
+    clock.take(fake.now)
+    clock.close(fake.now)
+    clock.unstall(fake.now)  # the training thread still stepping after a SIGTERM shutdown
+    fake.sleep(50.0)
+    assert clock.take(fake.now) == pytest.approx({"idle": 50.0})
+
+
+def test_a_long_evaluation_is_no_stall(fake: FakeClock) -> None:
+    clock = PhaseClock(started=fake.now)
+    clock.first_step(fake.now)
+    clock.take(fake.now, steps=1, last_step=fake.now)
+    with clock.phase("evaluation"):
+        fake.sleep(600.0)
+    fake.sleep(2.0)
+    assert clock.take(fake.now) == pytest.approx({"evaluation": 600.0, "productive": 2.0})
+
+
+def test_the_first_steps_data_wait_is_start_up_not_taken_from_the_steps(fake: FakeClock, training) -> None:
+    telemetry, reader = training
+    metrics = telemetry.training
+    first = reader.get_metrics_data()
+    fake.sleep(20.0)
+    metrics.record_step(data_time_s=20.0)  # the first batch took 20 s: start-up
+    for _ in range(10):
+        fake.sleep(1.0)
+        metrics.record_step(data_time_s=0.1)
+    data = reader.get_metrics_data()
+    assert spent(data, "productive") - spent(first, "productive") == pytest.approx(9.0)
+    assert spent(data, "data_wait") - spent(first, "data_wait") == pytest.approx(1.0)
+
+
+def test_a_new_run_at_step_0_ignores_another_runs_progress_file(training, tmp_path) -> None:
+    (tmp_path / "openlora-progress.json").write_text(json.dumps({"run_id": "other-run", "step": 500}))
+    telemetry, _ = training
+    telemetry.training.track_progress(tmp_path)
+    assert telemetry.training.resumed(0) == 0
+    # Resuming from a checkpoint in that directory is this run's: its file counts.
+    assert telemetry.training.resumed(400) == 100

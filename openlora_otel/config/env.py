@@ -314,12 +314,20 @@ def run_name(env: Env, name: str) -> str | None:
 
 def run_attempt(env: Env, name: str) -> int | None:
     """The run's attempt: ``OPENLORA_RUN_ATTEMPT``, else a launcher's restart count plus one
-    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``); None when none is set."""
+    (torchrun's ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT``; both under ``srun
+    torchrun``, counted with ``TORCHELASTIC_MAX_RESTARTS``); None when none is set."""
     attempt = env.integer(name, minimum=1, maximum=MAX_RUN_ATTEMPT)
     if attempt is not None:
         return attempt
-    for restarts in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        count = env.integer(restarts, minimum=0, maximum=MAX_RUN_ATTEMPT - 1)
-        if count is not None:
-            return count + 1
+    torchrun = env.integer("TORCHELASTIC_RESTART_COUNT", minimum=0, maximum=MAX_RUN_ATTEMPT - 1)
+    slurm = env.integer("SLURM_RESTART_COUNT", minimum=0, maximum=MAX_RUN_ATTEMPT - 1)
+    if torchrun is not None and slurm is not None:
+        # torchrun inside a Slurm job: a requeue starts torchrun's count at 0 again, so the attempts of
+        # each requeue come after all those torchrun may have made before it.
+        most = env.integer("TORCHELASTIC_MAX_RESTARTS", minimum=0, maximum=MAX_RUN_ATTEMPT - 1) or 0
+        return min(slurm * (most + 1) + torchrun + 1, MAX_RUN_ATTEMPT)
+    if torchrun is not None:
+        return torchrun + 1
+    if slurm is not None:
+        return slurm + 1
     return None

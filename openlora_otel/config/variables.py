@@ -329,7 +329,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_RUN_ATTEMPT",
         RUN,
-        f"Which attempt of the run this process is, 1 to {MAX_RUN_ATTEMPT}: the Resource attribute `openlora.run.attempt`. Restarts of one run keep its run id (set `OPENLORA_RUN_ID`, or let torchrun or Slurm give it) and count attempts, so that goodput adds up across them. Unset: torchrun's `TORCHELASTIC_RESTART_COUNT` + 1, else Slurm's `SLURM_RESTART_COUNT` + 1, else 1.",
+        f"Which attempt of the run this process is, 1 to {MAX_RUN_ATTEMPT}: the Resource attribute `openlora.run.attempt`. Restarts of one run keep its run id (set `OPENLORA_RUN_ID`, or let torchrun or Slurm give it) and count attempts, so that goodput adds up across them. Unset: torchrun's `TORCHELASTIC_RESTART_COUNT` + 1, or Slurm's `SLURM_RESTART_COUNT` + 1, or under `srun torchrun` both (`SLURM_RESTART_COUNT` * (`TORCHELASTIC_MAX_RESTARTS` + 1) + `TORCHELASTIC_RESTART_COUNT` + 1, since a requeue starts torchrun's count again), else 1.",
         default=1,
         shown="from the launcher, else 1",
         field="run_attempt",

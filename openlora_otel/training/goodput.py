@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,20 @@ MARKED_PHASES = ("evaluation", "checkpoint_save", "checkpoint_load")
 # No step for this long (or ten step intervals, if longer) is a stall: idle from then on.
 STALL_S = 60.0
 _STALL_INTERVALS = 10
+_INT64_MAX = 2**63 - 1  # what OTLP carries: a counter never gets more
+
+
+# Only the first clock of a process starts at the process's start; a later one (a second
+# trainer.train() with a fresh Telemetry) starts when it is built, so no second counts the first's time.
+_first_clock_lock = threading.Lock()
+_first_clock_taken = False
+
+
+def _claim_process_start() -> bool:
+    global _first_clock_taken
+    with _first_clock_lock:
+        taken, _first_clock_taken = _first_clock_taken, True
+        return not taken
 
 
 def process_start_time() -> float | None:
@@ -91,7 +106,7 @@ class PhaseClock:
     def __init__(self, *, started: float | None = None) -> None:
         now = time.perf_counter()
         if started is None:
-            wall = process_start_time()
+            wall = process_start_time() if _claim_process_start() else None
             # The process's start on the perf_counter() clock; never after now, never before a day ago
             # (a container whose /proc reports the host's boot oddly must not book a day of startup).
             started = now - min(max(0.0, time.time() - wall), 86400.0) if wall is not None else now
@@ -106,6 +121,9 @@ class PhaseClock:
         self._first_step: float | None = None
         self._last_step: float | None = None
         self._interval = 0.0  # the latest time between two steps
+        # Since when the clock has been waiting for a step while in `productive`: the latest step, or
+        # the end of a mark that returned to steps (a long evaluation is no stall).
+        self._waiting_since: float | None = None
         self.stalled = False  # read by the step path: a step after a stall ends it
         self._closed = False
         # Global step: where this attempt resumed, steps counted since, and the highest step an
@@ -147,6 +165,8 @@ class PhaseClock:
                 self._since = now
             if stack[-1][0] == phase:  # the usual case: the innermost mark ends
                 self._state = stack.pop()[1]
+                if self._state == "productive" and self._waiting_since is not None:
+                    self._waiting_since = now
                 return
             # An outer mark left first: the one inside it now returns to what the outer one interrupted.
             for i in range(len(stack) - 2, -1, -1):
@@ -162,6 +182,7 @@ class PhaseClock:
             if self._first_step is not None or self._closed:
                 return
             self._first_step = now
+            self._waiting_since = now
             if self._state == "startup":
                 self._spent["startup"] += max(0.0, now - self._since)
                 self._since = now
@@ -172,9 +193,15 @@ class PhaseClock:
     def unstall(self, now: float) -> None:
         """A step arrived after a stall: idle until now, steps again from here."""
         with self._lock:
-            if self.stalled and self._state == "idle":
+            if self._closed:
+                return
+            if self.stalled:
                 self._book(now)
-                self._state = "productive"
+                if self._state == "idle":
+                    self._state = "productive"
+                # A mark opened during the stall returns to steps, not to the stall.
+                self._stack = [(m, "productive" if b == "idle" else b) for m, b in self._stack]
+                self._waiting_since = now
             self.stalled = False
 
     def resumed(self, step: int, reached: int | None = None) -> int:
@@ -186,7 +213,7 @@ class PhaseClock:
         with self._lock:
             self._resumed_at = step
             self._steps = 0
-            lost = max(0, (reached or 0) - step)
+            lost = min(max(0, (reached or 0) - step), _INT64_MAX)
             self._reached = max(self._reached, reached or 0)
             self._lost_steps_pending += lost
             return lost
@@ -199,7 +226,7 @@ class PhaseClock:
     def take_lost_steps(self) -> int:
         with self._lock:
             lost, self._lost_steps_pending = self._lost_steps_pending, 0
-            return lost
+            return min(lost, _INT64_MAX)
 
     # -- collection ---------------------------------------------------------------
     def take(
@@ -217,22 +244,24 @@ class PhaseClock:
                 if self._last_step is not None and steps:
                     self._interval = (last_step - self._last_step) / steps
                 self._last_step = last_step
-            if self._state == "productive" and not self._closed and self._last_step is not None:
+                if self._waiting_since is None or last_step > self._waiting_since:
+                    self._waiting_since = last_step
+            if self._state == "productive" and not self._closed and self._waiting_since is not None:
                 stall_after = max(STALL_S, _STALL_INTERVALS * self._interval)
-                if now - self._last_step > stall_after:
+                if now - self._waiting_since > stall_after:
                     # Booked as steps up to the stall's start, idle from there.
-                    self._book(max(self._since, self._last_step + stall_after))
+                    self._book(max(self._since, self._waiting_since + stall_after))
                     self._state = "idle"
                     self.stalled = True
             self._book(now)
             spent, self._spent = self._spent, dict.fromkeys(TRAINING_PHASES, 0.0)
+            redone = min(steps, self._reached - global_before) if steps and self._reached > global_before else 0
         # Split the time between steps: data waits, steps done again, the rest productive.
         between = spent["productive"]
         waited = min(max(0.0, data_wait), between)
         spent["data_wait"] += waited
         between -= waited
-        if steps and self._reached > global_before:
-            redone = min(steps, self._reached - global_before)
+        if redone:
             spent["lost_progress"] += between * redone / steps
             between -= between * redone / steps
         spent["productive"] = between
@@ -274,7 +303,9 @@ class ProgressFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
-        self.path = path / self.NAME if path.is_dir() else path
+        # A directory (existing or not: the checkpoints may come later) gets the file inside it; a
+        # path ending in .json is the file itself.
+        self.path = path if path.suffix == ".json" else path / self.NAME
         self._written = -1
         self._warned = False
 
@@ -284,11 +315,11 @@ class ProgressFile:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             self._warn(f"could not read {self.path}: {exc}")
             return None
         step = data.get("step") if isinstance(data, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= _INT64_MAX:
             self._warn(f"{self.path} holds no step count; ignored")
             return None
         return data
@@ -308,7 +339,8 @@ class ProgressFile:
             if previous is not None and previous.get("run_id") == run_id and previous["step"] > step:
                 self._written = previous["step"]
                 return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        # Unique per writer: ranks on several nodes may share the directory (and a PID, in containers).
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"run_id": run_id, "step": step, "attempt": attempt, "time": time.time()}))

@@ -579,7 +579,10 @@ class TrainingMetrics:
         """
         step = _count(step, "step")
         if reached is None and self._progress is not None:
-            reached = self._progress.reached()
+            data = self._progress.read()
+            # At step 0 a file another run id left is that run's, not an earlier attempt of this one.
+            if data is not None and (step > 0 or data.get("run_id") == self._run_id):
+                reached = data["step"]
         elif reached is not None:
             reached = _count(reached, "reached")
         lost = self._clock.resumed(step, reached)
@@ -591,7 +594,8 @@ class TrainingMetrics:
         return lost
 
     def track_progress(self, path: Any) -> ProgressFile:
-        """Keep the highest global step in ``path`` (a directory gets ``openlora-progress.json``).
+        """Keep the highest global step in ``path``: a directory (made when first written, if missing) gets
+        ``openlora-progress.json``; a path ending in ``.json`` is the file.
 
         Written at each collection and at shutdown, so that an attempt started after a crash knows
         how far this one got (:meth:`resumed` reads it). Call it before :meth:`resumed`.
@@ -733,7 +737,10 @@ class TrainingMetrics:
 
     def _commit(self, window: _Window) -> None:
         """Hand the window's counts and step durations to the SDK's synchronous instruments."""
-        self._book_time(window)
+        try:
+            self._book_time(window)
+        except Exception:  # the step counts below must be handed over whatever happens here
+            self._warn_once("goodput", "booking the time per phase failed; openlora.training.time misses it", exc=True)
         saturated = not self._steps.add(window.steps)
         saturated |= not self._tokens.add(window.tokens)
         saturated |= not self._samples.add(window.samples)
@@ -762,8 +769,9 @@ class TrainingMetrics:
 
     def _book_time(self, window: _Window) -> None:
         """Add the seconds per phase since the previous collection, and the steps lost to a restart."""
+        # data_timed: the waits of steps that had a step before them (the first step's wait is start-up's).
         spent = self._clock.take(
-            time.perf_counter(), steps=window.steps, data_wait=window.data_total, last_step=window.last_step
+            time.perf_counter(), steps=window.steps, data_wait=window.data_timed, last_step=window.last_step
         )
         if not self._phases_started:
             # Every phase from the first collection on: a series born later would lose its
