@@ -57,9 +57,9 @@ def test_name_and_hyperparameters_are_one_series_and_the_name_is_in_the_resource
                     if metric.name == "openlora.run.info":
                         continue
                     if metric.name == "openlora.run.outcome":
-                        # It outlives its target, so it names its run by id, and by nothing else of it.
+                        # It outlives its target, so it names its run by id and attempt, and by nothing else of it.
                         (point,) = metric.data.data_points
-                        assert set(point.attributes) == {"openlora.run.id", "openlora.run.outcome"}
+                        assert set(point.attributes) == {"openlora.run.id", "openlora.run.attempt", "openlora.run.outcome"}
                         continue
                     for point in metric.data.data_points:
                         assert not any(
