@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from openlora_otel.telemetry import Telemetry, setup_telemetry
@@ -183,24 +181,17 @@ def start_progress(
     ``step``: the global step the trainer starts at (above 0 when it resumed from a checkpoint).
     The progress file (``openlora-progress.json``) says how far an earlier attempt got; the steps
     between ``step`` and that are done again (``lost_progress``). Starting at step 0, a file left
-    by another run id is a different run's: it is replaced, and nothing counts as lost (set
-    ``OPENLORA_RUN_ID`` so that the attempts of a run restarted from scratch share one). ``write``:
+    by another run id is a different run's: it is ignored (and replaced at the first write), and
+    nothing counts as lost (set ``OPENLORA_RUN_ID`` so that the attempts of a run restarted from
+    scratch share one); :meth:`ProgressFile.earlier_attempt` holds that rule. ``write``:
     this process keeps the file (one process per node does; every process reads it).
     Returns the steps lost.
     """
-    progress = ProgressFile(directory if Path(directory).is_dir() else Path(directory) / ProgressFile.NAME)
-    data = progress.read()
-    reached = data["step"] if data is not None else None
-    if step == 0 and data is not None and data.get("run_id") != run_id:
-        reached = None
-        if write:
-            with contextlib.suppress(OSError):
-                progress.path.unlink()  # the new run's high-water mark starts from nothing
+    progress = ProgressFile(directory)
     if write:
         training.track_progress(progress.path)
-    if step > 0 or reached:
-        return training.resumed(step, reached=reached if reached is not None else step)
-    return 0
+    reached = progress.earlier_attempt(step, run_id=run_id)
+    return training.resumed(step, reached=step if reached is None else reached)
 
 
 class ModelFlops:

@@ -329,6 +329,18 @@ class ProgressFile:
         data = self.read()
         return None if data is None else data["step"]
 
+    def earlier_attempt(self, step: int, *, run_id: str) -> int | None:
+        """How far an earlier attempt got, for an attempt that starts at ``step``; None when unknown.
+
+        At step 0 only a file of ``run_id`` counts: another run id's file is a different run's (a new
+        run in a reused directory). Resuming from a checkpoint (``step`` > 0) in this directory is this
+        run's, whatever id the file names (the id may be random per process).
+        """
+        data = self.read()
+        if data is None or (step == 0 and data.get("run_id") != run_id):
+            return None
+        return data["step"]
+
     def write(self, step: int, *, run_id: str, attempt: int) -> None:
         """Record ``step`` if it is higher than what this object last wrote and than the file holds for
         ``run_id`` (a file another run id left is replaced)."""

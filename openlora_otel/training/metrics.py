@@ -579,10 +579,7 @@ class TrainingMetrics:
         """
         step = _count(step, "step")
         if reached is None and self._progress is not None:
-            data = self._progress.read()
-            # At step 0 a file another run id left is that run's, not an earlier attempt of this one.
-            if data is not None and (step > 0 or data.get("run_id") == self._run_id):
-                reached = data["step"]
+            reached = self._progress.earlier_attempt(step, run_id=self._run_id)
         elif reached is not None:
             reached = _count(reached, "reached")
         lost = self._clock.resumed(step, reached)
