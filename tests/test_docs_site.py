@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from openlora_otel.stack import DEFAULT_RUNBOOK_BASE, rules_text
+from tests.support.chromium import chromium, headless, page_requests
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = "/usr/bin/chromium"
 
 
 def needs_mkdocs() -> None:
@@ -93,15 +93,6 @@ def test_site_builds_strict_with_every_page_and_runbook_anchor(site: Path) -> No
         assert not re.search(r"(@import|url\()\s*['\"]?(https?:)?//", css.read_text()), css
 
 
-def chromium() -> str:
-    if not os.access(CHROMIUM, os.X_OK):
-        message = f"{CHROMIUM} is not installed (Debian package `chromium`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
-    return CHROMIUM
-
-
 class _Handler(SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
@@ -112,36 +103,22 @@ class _Handler(SimpleHTTPRequestHandler):
 def test_site_in_headless_chromium_renders_loads_search_and_stays_on_the_machine(
     site: Path, tmp_path: Path
 ) -> None:
-    browser = chromium()
+    chromium()
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(site)))
     server.paths = []  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     origin = f"http://127.0.0.1:{server.server_address[1]}"
     netlog = tmp_path / "netlog.json"
     try:
-        result = subprocess.run(
-            [
-                browser,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={tmp_path / 'profile'}",
-                # Any name but 127.0.0.1 fails to resolve: a request off the machine cannot succeed, and
-                # the net log below shows that it was tried.
-                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-                f"--log-net-log={netlog}",
-                "--virtual-time-budget=10000",
-                "--dump-dom",
-                f"{origin}/runbooks/",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        result = headless(
+            tmp_path,
+            # Any name but 127.0.0.1 fails to resolve: a request off the machine cannot succeed, and
+            # the net log below shows that it was tried.
+            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+            f"--log-net-log={netlog}",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            f"{origin}/runbooks/",
         )
     finally:
         server.shutdown()
@@ -157,12 +134,7 @@ def test_site_in_headless_chromium_renders_loads_search_and_stays_on_the_machine
     assert "/search/search_index.json" in server.paths, server.paths
     # Every request the page made (its initiator is the site) went to the site. Chromium's own
     # requests (component updates, no initiator origin) are the browser's, not the site's.
-    events = json.loads(netlog.read_text())["events"]
-    from_page = {
-        e["params"]["url"]
-        for e in events
-        if e.get("params", {}).get("initiator") == origin and "url" in e["params"]
-    }
+    from_page = set(page_requests(netlog))
     assert any(url.endswith("/search/search_index.json") for url in from_page), from_page
     off = sorted(url for url in from_page if not url.startswith(origin + "/"))
     assert not off, f"the site sent requests off the machine: {off}"

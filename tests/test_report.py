@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
 import subprocess
 import sys
@@ -34,12 +33,12 @@ from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
 from openlora_otel.report.render import png_figure, prepare
+from tests.support.chromium import chromium, headless
 from tests.support.demo import demo_process, needs_the_demo, wait_for_line
 from tests.support.fake_nvml import FakeNvml, h100s
 from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 
-CHROMIUM = "/usr/bin/chromium"
 CPU_PANELS = ["Loss", "Gradient norm", "Learning rate", "Throughput", "Step time"]
 HPARAMS = {"learning_rate": 3e-3, "batch_size": 16, "lora_r": 8, "lora_alpha": 16, "base_model": "tiny-llama"}
 
@@ -589,33 +588,6 @@ def test_throughput_is_steady_when_the_lines_and_the_steps_do_not_line_up() -> N
 
 
 # -- headless Chromium ---------------------------------------------------------------------------
-def chromium() -> str:
-    if not os.access(CHROMIUM, os.X_OK):
-        message = f"{CHROMIUM} is not installed (Debian package `chromium`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
-    return CHROMIUM
-
-
-def headless(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    profile = tmp_path / f"chromium-profile-{len(list(tmp_path.iterdir()))}"
-    argv = [
-        chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        *args,
-    ]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-
-
 @pytest.mark.e2e
 def test_html_page_in_headless_chromium(two_runs: Path, tmp_path: Path) -> None:
     chromium()

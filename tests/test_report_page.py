@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,8 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import Row, Run, curves, divergence, smooth, step_times
+from tests.support.chromium import chromium, headless, page_requests
 
-CHROMIUM = "/usr/bin/chromium"
 A_DAY_MS = 86_400_000.0  # no periodic line: every line comes from a flush or the shutdown
 
 
@@ -198,29 +196,9 @@ def test_x_by_time_uses_the_step_timestamps_on_the_png_and_the_page(history: Pat
 
 
 # -- headless Chromium ----------------------------------------------------------------------------
-def _chromium() -> str:
-    if not os.access(CHROMIUM, os.X_OK):
-        message = f"{CHROMIUM} is not installed (Debian package `chromium`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
-    return CHROMIUM
-
-
-def _page_requests(netlog: Path) -> list[str]:
-    """The URLs a page asked for (Chromium's own background requests have no initiator origin)."""
-    log = json.loads(netlog.read_text())
-    start = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
-    return [
-        event["params"]["url"]
-        for event in log["events"]
-        if event["type"] == start and event.get("params", {}).get("initiator", "not an origin") != "not an origin"
-    ]
-
-
 @pytest.mark.e2e
 def test_the_page_draws_its_charts_in_headless_chromium_and_asks_for_nothing(history: Path, tmp_path: Path) -> None:
-    chromium = _chromium()
+    chromium()
     pytest.importorskip("matplotlib")
     out = tmp_path / "page"
     out.mkdir()
@@ -228,26 +206,12 @@ def test_the_page_draws_its_charts_in_headless_chromium_and_asks_for_nothing(his
     page = (out / "openlora-report.html").read_text()
     panels = page_json(page)["panels"]
     netlog = tmp_path / "netlog.json"
-    result = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'profile'}",
-            f"--log-net-log={netlog}",
-            "--window-size=1200,900",
-            "--dump-dom",
-            (out / "openlora-report.html").as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = headless(
+        tmp_path,
+        f"--log-net-log={netlog}",
+        "--window-size=1200,900",
+        "--dump-dom",
+        (out / "openlora-report.html").as_uri(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     dom = result.stdout
@@ -263,7 +227,7 @@ def test_the_page_draws_its_charts_in_headless_chromium_and_asks_for_nothing(his
     # The diverged run's mark: on every panel, its text on the loss panel.
     assert dom.count('class="mark"') == len(panels)
     assert dom.count("diverged: non-finite loss by step 25; run finished</span>") == 1
-    assert _page_requests(netlog) == []
+    assert page_requests(netlog) == []
 
 
 def test_the_netlog_check_sees_a_page_that_asks_for_something(tmp_path: Path) -> None:
@@ -275,7 +239,7 @@ def test_the_netlog_check_sees_a_page_that_asks_for_something(tmp_path: Path) ->
         {"type": 8, "params": {"url": "http://127.0.0.1:9/y"}},
     ]
     netlog.write_text(json.dumps({"constants": {"logEventTypes": {"URL_REQUEST_START_JOB": 7}}, "events": events}))
-    assert _page_requests(netlog) == ["http://127.0.0.1:9/x.png"]
+    assert page_requests(netlog) == ["http://127.0.0.1:9/x.png"]
 
 
 def test_the_vendored_chart_library_is_package_data_with_its_licence() -> None:
