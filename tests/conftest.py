@@ -16,6 +16,7 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
 from openlora_otel.hardware import gpu_snapshot
 from openlora_otel.training import arguments as arguments_module
+from openlora_otel.training import goodput as goodput_module
 from openlora_otel.training import metrics as training_module
 from tests.support import (
     aiperf,  # noqa: F401 (reads OPENLORA_AIPERF before clean_env hides it)
@@ -175,8 +176,10 @@ def defer_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """One fake clock for the training metrics and their goodput clock (built after this fixture)."""
     fake = FakeClock()
     monkeypatch.setattr(training_module, "time", fake)
+    monkeypatch.setattr(goodput_module, "time", fake)
     return fake
 
 

@@ -11,18 +11,14 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import TRAINING_PHASES
-from openlora_otel.training import goodput
-from openlora_otel.training import metrics as training_module
 from openlora_otel.training.goodput import STALL_S, PhaseClock, ProgressFile, process_start_time
 from tests.support.clock import FakeClock
 from tests.support.readings import points, value
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    clock = FakeClock()
-    monkeypatch.setattr(goodput, "time", clock)
-    monkeypatch.setattr(training_module, "time", clock)
+def fake(clock: FakeClock) -> FakeClock:
+    """The shared fake clock (tests/conftest.py), by a name that leaves ``clock`` to the PhaseClocks here."""
     return clock
 
 

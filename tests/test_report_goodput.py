@@ -16,8 +16,6 @@ from openlora_otel.names import TRAINING_PHASES
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import TimeSample, time_breakdown
 from openlora_otel.report.render import TIME_HEADING, time_lines
-from openlora_otel.training import goodput
-from openlora_otel.training import metrics as training_module
 from tests.support.clock import FakeClock
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.common")  # the history file's encoder
@@ -38,14 +36,6 @@ EXPECTED = {
 }
 
 
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    clock = FakeClock()
-    monkeypatch.setattr(goodput, "time", clock)
-    monkeypatch.setattr(training_module, "time", clock)
-    return clock
-
-
 def _attempt(directory: Path, attempt: int) -> object:
     config = TelemetryConfig(
         exporters=("none",),
@@ -61,24 +51,24 @@ def _attempt(directory: Path, attempt: int) -> object:
     return setup_telemetry(config=config)
 
 
-def _two_attempts(directory: Path, checkpoints: Path, fake: FakeClock) -> Path:
+def _two_attempts(directory: Path, checkpoints: Path, clock: FakeClock) -> Path:
     """Attempt 1 reaches step 21 and ends; attempt 2 resumes from step 15: 6 steps lost."""
     telemetry = _attempt(directory, 1)
     try:
         training = telemetry.training
         training.track_progress(checkpoints)
-        fake.sleep(2.0)  # start-up
+        clock.sleep(2.0)  # start-up
         training.record_step(loss=1.0)
         for _ in range(10):
-            fake.sleep(1.0)
+            clock.sleep(1.0)
             training.record_step(loss=1.0)
         telemetry.force_flush()  # a line in the middle: cumulative, not to be added to the last one
         for _ in range(10):
-            fake.sleep(1.0)
+            clock.sleep(1.0)
             training.record_step(loss=1.0)
         with training.phase("evaluation"):
-            fake.sleep(3.0)
-        fake.sleep(1.0)  # after the last step: idle
+            clock.sleep(3.0)
+        clock.sleep(1.0)  # after the last step: idle
     finally:
         telemetry.shutdown()
     telemetry = _attempt(directory, 2)
@@ -86,17 +76,17 @@ def _two_attempts(directory: Path, checkpoints: Path, fake: FakeClock) -> Path:
         training = telemetry.training
         training.track_progress(checkpoints)
         with training.phase("checkpoint_load"):
-            fake.sleep(2.0)
+            clock.sleep(2.0)
         assert training.resumed(15) == 6  # the progress file says attempt 1 reached 21
-        fake.sleep(1.0)
+        clock.sleep(1.0)
         training.record_step(loss=1.0)
         for _ in range(10):
-            fake.sleep(1.0)
+            clock.sleep(1.0)
             training.record_step(loss=1.0)
         # A line after the last step: PhaseClock.close() learns the last step's time at collections
         # only, so steps after the last one would be booked idle at the shutdown.
         telemetry.force_flush()
-        fake.sleep(4.0)
+        clock.sleep(4.0)
     finally:
         telemetry.shutdown()
     files = list(directory.glob("*.jsonl"))
@@ -105,9 +95,9 @@ def _two_attempts(directory: Path, checkpoints: Path, fake: FakeClock) -> Path:
 
 
 @pytest.fixture
-def history(tmp_path: Path, fake: FakeClock) -> Path:
+def history(tmp_path: Path, clock: FakeClock) -> Path:
     directory = tmp_path / "history"
-    _two_attempts(directory, tmp_path / "checkpoints", fake)
+    _two_attempts(directory, tmp_path / "checkpoints", clock)
     return directory
 
 
