@@ -33,28 +33,17 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
+from openlora_otel import ConfigError, setup_telemetry
 from openlora_otel._deps import MissingDependencyError
 from openlora_otel.config import MIN_HISTORY_MAX_BYTES
 from openlora_otel.exporters.history import HistoryExporter, encode_line, history_path
 from openlora_otel.history import read_history
+from tests.support.history_files import A_DAY_MS, history_config
 from tests.support.otlp_receiver import HangingEndpoint
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = "openlora.training.steps"
-A_DAY_MS = 86_400_000.0  # no periodic line: every line in these tests comes from a flush or the shutdown
-
-
-def _config(directory: Path, **changes: object) -> TelemetryConfig:
-    base = TelemetryConfig(
-        exporters=("none",),
-        host_metrics=False,
-        gpu_metrics="off",
-        history_dir=str(directory),
-        history_interval_ms=A_DAY_MS,
-    )
-    return base.replace(**changes)
 
 
 def _exporter(telemetry: object) -> HistoryExporter:
@@ -221,13 +210,13 @@ def test_a_directory_that_cannot_be_created_fails_at_setup_naming_the_variable(t
     blocker.write_text("not a directory")
     before = threading.active_count()
     with pytest.raises(ConfigError) as caught:
-        setup_telemetry(config=_config(blocker / "history"))
+        setup_telemetry(config=history_config(blocker / "history"))
     assert caught.value.variable == "OPENLORA_HISTORY_DIR"
     assert str(blocker / "history") in str(caught.value)
     assert "Not a directory" in str(caught.value)
     assert threading.active_count() == before  # no reader thread was started
     # The process can set up again once the directory is fixed.
-    telemetry = setup_telemetry(config=_config(tmp_path / "history"), run_id="ok")
+    telemetry = setup_telemetry(config=history_config(tmp_path / "history"), run_id="ok")
     assert telemetry.shutdown()
     assert _steps(tmp_path / "history" / "ok.jsonl")
 
@@ -242,7 +231,7 @@ def test_the_history_needs_the_otlp_extra_and_says_so_at_setup(
         _deps, "is_installed", lambda module: False if module.endswith("otlp.proto.common") else real(module)
     )
     with pytest.raises(MissingDependencyError) as caught:
-        setup_telemetry(config=_config(tmp_path / "history"))
+        setup_telemetry(config=history_config(tmp_path / "history"))
     message = str(caught.value)
     assert "OPENLORA_HISTORY_DIR" in message
     assert "opentelemetry-exporter-otlp-proto-common" in message
@@ -262,7 +251,7 @@ def test_file_names_carry_the_rank_and_never_leave_the_directory(
         assert path == tmp_path / name and path.parent == tmp_path
 
     telemetry = setup_telemetry(
-        config=_config(tmp_path, resource_attributes={"openlora.rank": 1}), run_id="ddp-run"
+        config=history_config(tmp_path, resource_attributes={"openlora.rank": 1}), run_id="ddp-run"
     )
     # The line that says where the metrics go names the file.
     assert f"metrics written to {tmp_path / 'ddp-run.rank1.jsonl'} every 86400 s" in capsys.readouterr().err
@@ -282,7 +271,7 @@ def test_a_directory_removed_mid_run_is_logged_once_and_survived(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     directory = tmp_path / "history"
-    telemetry = setup_telemetry(config=_config(directory), run_id="gone")
+    telemetry = setup_telemetry(config=history_config(directory), run_id="gone")
     path = directory / "gone.jsonl"
     telemetry.training.record_step(loss=1.0)
     assert telemetry.force_flush()
@@ -310,7 +299,7 @@ def test_a_directory_removed_mid_run_is_logged_once_and_survived(
 def test_a_write_cut_short_by_a_full_disk_leaves_only_whole_lines(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    telemetry = setup_telemetry(config=_config(tmp_path), run_id="full")
+    telemetry = setup_telemetry(config=history_config(tmp_path), run_id="full")
     path = tmp_path / "full.jsonl"
     telemetry.training.record_step(loss=1.0)
     telemetry.force_flush()
@@ -347,7 +336,7 @@ def test_the_final_line_goes_out_behind_a_hanging_otlp_collector(tmp_path: Path)
     its final line."""
     hanging = HangingEndpoint()
     try:
-        config = _config(tmp_path, exporters=("otlp",), export_interval_ms=60_000.0, shutdown_timeout_s=1.0)
+        config = history_config(tmp_path, exporters=("otlp",), export_interval_ms=60_000.0, shutdown_timeout_s=1.0)
         config = config.replace(
             otlp=config.otlp.__class__(endpoint=f"http://127.0.0.1:{hanging.port}/v1/metrics", timeout_s=30.0)
         )
@@ -365,7 +354,7 @@ def test_the_final_line_goes_out_behind_a_hanging_otlp_collector(tmp_path: Path)
 def test_a_forked_worker_writes_nothing_to_the_file(tmp_path: Path) -> None:
     """A DataLoader worker forked from the training process gets a copy of the reader (the SDK restarts its
     thread there); its frozen copy of the metrics must not be appended to the run's file."""
-    telemetry = setup_telemetry(config=_config(tmp_path, history_interval_ms=100.0), run_id="fork")
+    telemetry = setup_telemetry(config=history_config(tmp_path, history_interval_ms=100.0), run_id="fork")
     telemetry.training.record_step(loss=1.0)
     pid = os.fork()
     if pid == 0:  # the worker: steps the parent never took, then several intervals, then shutdown
@@ -386,7 +375,7 @@ def test_a_forked_worker_writes_nothing_to_the_file(tmp_path: Path) -> None:
 # -- the bound ---------------------------------------------------------------------------
 def test_the_file_stays_within_the_bound_and_keeps_the_whole_run_at_a_lower_resolution(tmp_path: Path) -> None:
     telemetry = setup_telemetry(
-        config=_config(tmp_path, history_max_bytes=MIN_HISTORY_MAX_BYTES), run_id="long"
+        config=history_config(tmp_path, history_max_bytes=MIN_HISTORY_MAX_BYTES), run_id="long"
     )
     path = tmp_path / "long.jsonl"
     exporter = _exporter(telemetry)
@@ -414,7 +403,7 @@ def test_the_file_stays_within_the_bound_and_keeps_the_whole_run_at_a_lower_reso
 
 
 def test_the_last_collection_is_written_at_shutdown_even_when_thinning_skips_it(tmp_path: Path) -> None:
-    telemetry = setup_telemetry(config=_config(tmp_path), run_id="thin")
+    telemetry = setup_telemetry(config=history_config(tmp_path), run_id="thin")
     exporter = _exporter(telemetry)
     telemetry.training.record_step(loss=1.0)
     telemetry.force_flush()
@@ -481,7 +470,7 @@ def test_exemplar_ids_are_hex_and_nan_is_a_string(tmp_path: Path) -> None:
 def test_the_reader_skips_a_torn_last_line_and_lines_that_are_not_otlp(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    telemetry = setup_telemetry(config=_config(tmp_path), run_id="r")
+    telemetry = setup_telemetry(config=history_config(tmp_path), run_id="r")
     telemetry.training.record_step(loss=0.5, grad_norm=2.0, step_time_s=0.25)
     telemetry.shutdown()
     path = tmp_path / "r.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel import setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.history import read_history
 from openlora_otel.names import TRAINING_PHASES
@@ -17,11 +17,11 @@ from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import TimeSample, time_breakdown
 from openlora_otel.report.render import TIME_HEADING, time_lines
 from tests.support.clock import FakeClock
+from tests.support.history_files import history_config
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.common")  # the history file's encoder
 
 RUN_ID = "goodput-run-1"
-A_DAY_MS = 86_400_000.0  # no periodic line: the lines come from force_flush() and the shutdown
 # What the two attempts below book (see _two_attempts).
 LOST_SHARE = 6 / 11  # attempt 2: 11 steps, the first 6 done again, 10 s between them
 EXPECTED = {
@@ -37,17 +37,7 @@ EXPECTED = {
 
 
 def _attempt(directory: Path, attempt: int) -> object:
-    config = TelemetryConfig(
-        exporters=("none",),
-        host_metrics=False,
-        gpu_metrics="off",
-        quiet=True,
-        history_dir=str(directory),
-        history_interval_ms=A_DAY_MS,
-        run_id=RUN_ID,
-        run_name="restarted",
-        run_attempt=attempt,
-    )
+    config = history_config(directory, quiet=True, run_id=RUN_ID, run_name="restarted", run_attempt=attempt)
     return setup_telemetry(config=config)
 
 

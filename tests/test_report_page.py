@@ -13,26 +13,18 @@ from typing import Any
 
 import pytest
 
-from openlora_otel import TelemetryConfig, setup_telemetry
+from openlora_otel import setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import Row, Run, curves, divergence, smooth, step_times
 from tests.support.chromium import chromium, headless, page_requests
-
-A_DAY_MS = 86_400_000.0  # no periodic line: every line comes from a flush or the shutdown
+from tests.support.history_files import history_config
 
 
 def write_run(directory: Path, run_id: str, lr: float, *, nan_from: int | None = None, steps: int = 40) -> None:
     """A run through the real history writer: a line every 5 steps, an evaluation (loss, accuracy,
     perplexity) every 10, the loss NaN from ``nan_from`` on."""
-    config = TelemetryConfig(
-        exporters=("none",),
-        host_metrics=False,
-        gpu_metrics="off",
-        quiet=True,
-        history_dir=str(directory),
-        history_interval_ms=A_DAY_MS,
-    )
+    config = history_config(directory, quiet=True)
     telemetry = setup_telemetry(
         run_id=run_id, run_name=run_id, hyperparameters={"learning_rate": lr}, config=config
     )
@@ -259,14 +251,7 @@ def test_a_run_the_guard_stopped_says_so_from_its_history(tmp_path: Path, capsys
 
     from openlora_otel.training.guard import DivergenceGuard
 
-    config = TelemetryConfig(
-        exporters=("none",),
-        host_metrics=False,
-        gpu_metrics="off",
-        quiet=True,
-        history_dir=str(tmp_path),
-        history_interval_ms=A_DAY_MS,
-    )
+    config = history_config(tmp_path, quiet=True)
     telemetry = setup_telemetry(run_id="g1", run_name="guarded", config=config)
     try:
         guard = telemetry.training.attach_guard(DivergenceGuard(nonfinite_losses=1, check_interval_s=0.05))
