@@ -148,13 +148,13 @@ class _Source:
     def __init__(self, in_range: list[dict[str, Any]], stored: list[dict[str, str]], names: list[str]) -> None:
         self.in_range, self.stored, self.names = in_range, stored, names
 
-    def _range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         return self.in_range
 
-    def _series(self, match: str) -> list[dict[str, str]]:
+    def series(self, match: str) -> list[dict[str, str]]:
         return self.stored
 
-    def _get(self, path: str, params: list[tuple[str, str]]) -> Any:
+    def get(self, path: str, params: list[tuple[str, str]]) -> Any:
         assert path == "/api/v1/label/openlora_adapter_name/values" and params == [("match[]", INFO)]
         return self.names
 

@@ -61,7 +61,9 @@ class PrometheusSource:
         self._timeout = timeout_s
 
     # -- HTTP --------------------------------------------------------------------------------
-    def _get(self, path: str, params: list[tuple[str, str]]) -> Any:
+    def get(self, path: str, params: list[tuple[str, str]]) -> Any:
+        """The ``data`` of a Prometheus HTTP API answer to ``path`` with ``params``; ReportError, redacted,
+        when it cannot be had."""
         url = f"{self._base}{path}?{urllib.parse.urlencode(params)}"
         request = urllib.request.Request(url, headers=self._headers)
         try:
@@ -94,16 +96,17 @@ class PrometheusSource:
     def _clean(self, text: str) -> str:
         return redact(text, self._secrets)
 
-    def _series(self, match: str) -> list[dict[str, str]]:
+    def series(self, match: str) -> list[dict[str, str]]:
         """Label sets of the series matching ``match`` over the whole stored time."""
-        return self._get("/api/v1/series", [("match[]", match)])
+        return self.get("/api/v1/series", [("match[]", match)])
 
     def _query(self, expr: str) -> list[dict[str, Any]]:
-        return self._get("/api/v1/query", [("query", expr)])["result"]
+        return self.get("/api/v1/query", [("query", expr)])["result"]
 
-    def _range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        """The series ``expr`` gives from ``start`` to ``end`` every ``step`` seconds (``/api/v1/query_range``)."""
         params = [("query", expr), ("start", f"{start:.3f}"), ("end", f"{end:.3f}"), ("step", f"{step:.3f}")]
-        return self._get("/api/v1/query_range", params)["result"]
+        return self.get("/api/v1/query_range", params)["result"]
 
     # -- runs --------------------------------------------------------------------------------
     def _samples(self, selector: str) -> list[dict[str, Any]]:
@@ -117,10 +120,10 @@ class PrometheusSource:
         same scrapes (the same sample timestamps): a port reused by a later run under
         another name does not make that run answer to this name.
         """
-        if self._series(run_target(wanted)):
+        if self.series(run_target(wanted)):
             return [wanted]
         ids: list[str] = []
-        for labels in self._series(f"target_info{{openlora_run_name={promql_string(wanted)}}}"):
+        for labels in self.series(f"target_info{{openlora_run_name={promql_string(wanted)}}}"):
             ids.append(labels["openlora_run_id"])
         for named in self._samples(f"{_RUN_INFO}{{openlora_run_name={promql_string(wanted)}}}"):
             stamps = {stamp for stamp, _ in named["values"]}
@@ -138,7 +141,7 @@ class PrometheusSource:
 
     def run(self, run_id: str) -> Run:
         """Read run ``run_id``: its lowest rank's curves, its name and hyperparameters."""
-        targets = [t for t in self._series(run_target(run_id)) if "job" in t]
+        targets = [t for t in self.series(run_target(run_id)) if "job" in t]
         if not targets:
             raise ReportError(f"no run {run_id!r} on Prometheus at {self.shown}")
         targets.sort(key=lambda t: (_rank(t) is None, _rank(t) or 0, t.get("instance", "")))
@@ -152,7 +155,7 @@ class PrometheusSource:
         start = end - math.ceil((end - start) / step) * step
         times: dict[float, dict[str, float]] = {}
         for quantity in QUANTITIES:
-            for series in self._range(quantity.promql(selector, run_id), start, end, step):
+            for series in self.query_range(quantity.promql(selector, run_id), start, end, step):
                 for stamp, text in series["values"]:
                     times.setdefault(float(stamp), {})[quantity.key] = float(text)
         rows = [Row(stamp, values) for stamp, values in sorted(times.items())]
@@ -200,7 +203,7 @@ class PrometheusSource:
         scoped = (
             f"{_RUN_INFO}{{{selector}}} * on (job, instance) group_left () {run_target(run_id, selector)}"
         )
-        for series in self._range(scoped, start, end, step):
+        for series in self.query_range(scoped, start, end, step):
             stamp = float(series["values"][-1][0])
             if latest is None or stamp > latest[0]:
                 latest = (stamp, series["metric"])

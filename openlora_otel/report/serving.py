@@ -336,7 +336,7 @@ def summary_lines(serving: AdapterServing) -> list[str]:
 # -- reading -----------------------------------------------------------------------------------
 def adapter_names(source: PrometheusSource) -> list[str]:
     """Every adapter name on an info series Prometheus holds."""
-    names = source._get(f"/api/v1/label/{_ADAPTER}/values", [("match[]", INFO)])
+    names = source.get(f"/api/v1/label/{_ADAPTER}/values", [("match[]", INFO)])
     return sorted(str(name) for name in names or [])
 
 
@@ -347,7 +347,7 @@ def find_adapter(source: PrometheusSource, name: str, start: float, end: float, 
     """
     selector = f"{INFO}{{{_ADAPTER}={promql_string(name)}}}"
     seen: dict[tuple[str, ...], tuple[float, dict[str, str], set[str]]] = {}
-    for series in source._range(selector, start, end, step):
+    for series in source.query_range(selector, start, end, step):
         labels = series["metric"]
         key = tuple(labels.get(label, "") for label in _LABELS.values())
         last = float(series["values"][-1][0]) if series["values"] else start
@@ -355,7 +355,7 @@ def find_adapter(source: PrometheusSource, name: str, start: float, end: float, 
         servers.add(labels.get("instance", "?"))
         seen[key] = (max(stamp, last), labels, servers)
     if not seen:  # not served in the range: what the store holds, without times
-        for labels in source._series(selector):
+        for labels in source.series(selector):
             key = tuple(labels.get(label, "") for label in _LABELS.values())
             _, _, servers = seen.get(key, (0.0, labels, set()))
             servers.add(labels.get("instance", "?"))
@@ -384,11 +384,11 @@ def read_adapter(source: PrometheusSource, name: str, since_s: float, *, now: fl
     adapter = find_adapter(source, name, start, end, step)
     serving = AdapterServing(adapter, start, end)
     for key, expr in curve_queries(adapter, rate_window(step)).items():
-        for series in source._range(expr, start, end, step):
+        for series in source.query_range(expr, start, end, step):
             serving.curves[key] = [(float(t), float(v)) for t, v in series["values"]]
     totals = {}
     for key, expr in summary_queries(adapter, end - start).items():
-        result = source._get("/api/v1/query", [("query", expr), ("time", f"{end:.3f}")])["result"]
+        result = source.get("/api/v1/query", [("query", expr), ("time", f"{end:.3f}")])["result"]
         if result:
             totals[key] = float(result[0]["value"][1])
     serving.summary = summarize_serving(serving.curves, totals)
