@@ -146,10 +146,7 @@ class PhaseClock:
         with self._lock:
             if self._closed:
                 return
-            elapsed = now - self._since
-            if elapsed > 0.0:
-                self._spent[self._state] += elapsed
-                self._since = now
+            self._book(now)
             self._stack.append((phase, self._state))
             self._state = phase
 
@@ -159,10 +156,7 @@ class PhaseClock:
             stack = self._stack
             if self._closed or not stack:
                 return
-            elapsed = now - self._since
-            if elapsed > 0.0:
-                self._spent[self._state] += elapsed
-                self._since = now
+            self._book(now)
             if stack[-1][0] == phase:  # the usual case: the innermost mark ends
                 self._state = stack.pop()[1]
                 if self._state == "productive" and self._waiting_since is not None:
