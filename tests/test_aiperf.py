@@ -48,19 +48,10 @@ from tests.support.client_histograms import (
 from tests.support.metrics_paths import MetricsPath
 from tests.support.polling import wait_until
 from tests.support.prometheus_server import Prometheus
-from tests.support.serving import ServeProcess, save_demo
+from tests.support.serving import ServeProcess, needs_serve, save_demo
 
 pytestmark = pytest.mark.e2e
-# What the serve process needs (the serve extra), as in tests/test_serve.py.
-for module in (
-    "torch",
-    "transformers",
-    "peft",
-    "fastapi",
-    "uvicorn",
-    "opentelemetry.instrumentation.fastapi",
-):
-    pytest.importorskip(module)
+needs_serve()
 
 RUN_ID = "aiperf-e2e"
 MODEL = "a1"

@@ -246,10 +246,10 @@ def test_report_on_a_served_demo_adapter(tmp_path: Path) -> None:
     """The demo trains and saves ``a1`` (its history in files); serve serves it on the CPU; a real
     Prometheus with the shipped rules scrapes serve; the report names the training run, draws its
     curves from the files, and shows the adapter's latency and tokens/s (energy: none, no GPU)."""
-    for module in ("torch", "transformers", "peft", "fastapi", "uvicorn"):
-        pytest.importorskip(module)
     from tests.support.prometheus_server import Prometheus, prometheus_binary
-    from tests.support.serving import ServeProcess, save_demo
+    from tests.support.serving import ServeProcess, needs_serve, save_demo
+
+    needs_serve()
 
     prometheus_binary()
     saved, history = tmp_path / "saved", tmp_path / "history"

@@ -56,19 +56,10 @@ from tests.support.client_histograms import (
     bucket_index,
 )
 from tests.support.prometheus_server import Prometheus
-from tests.support.serving import ServeProcess, save_demo
+from tests.support.serving import ServeProcess, needs_serve, save_demo
 
 pytestmark = pytest.mark.e2e
-# What the serve process needs (the serve extra), as in tests/test_serve.py.
-for module in (
-    "torch",
-    "transformers",
-    "peft",
-    "fastapi",
-    "uvicorn",
-    "opentelemetry.instrumentation.fastapi",
-):
-    pytest.importorskip(module)
+needs_serve()
 
 ROOT = Path(__file__).resolve().parent.parent
 INFERENCE_DASHBOARD = ROOT / "grafana" / "dashboards" / "openlora-inference.json"

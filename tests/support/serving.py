@@ -22,6 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.processes import child_env, free_port, reap
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+# What the serve process needs: the `serve` extra (tests/test_serve.py skips on the same list, written out: its
+# imports follow the skips).
+SERVE_MODULES = ("torch", "transformers", "peft", "fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi")
+
+
+def needs_serve() -> None:
+    """Skip unless the `serve` extra is installed."""
+    import pytest
+
+    for module in SERVE_MODULES:
+        pytest.importorskip(module)
 
 
 def save_demo(
