@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.processes import child_env, free_port, reap
@@ -29,8 +30,6 @@ SERVE_MODULES = ("torch", "transformers", "peft", "fastapi", "uvicorn", "opentel
 
 def needs_serve() -> None:
     """Skip unless the `serve` extra is installed."""
-    import pytest
-
     for module in SERVE_MODULES:
         pytest.importorskip(module)
 
