@@ -13,10 +13,8 @@ same queries against the central stores a Prometheus agent remote-writes to.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from tests.support.dashboards import (
 )
 from tests.support.metrics_paths import METRIC_PATHS
 from tests.support.polling import wait_until
+from tests.support.prometheus_server import promtool
 from tests.support.ranks import FAST_S, FLOPS_PER_TOKEN, PEAK_FLOPS, SLOW_S, ranks, rules_text, write_rules
 
 # Recorded series the cluster dashboard reads (the issue-10 contract's names, then issue 11's
@@ -144,17 +143,8 @@ def test_rules_the_stores_load_define_every_contract_record() -> None:
 
 @pytest.mark.process
 def test_stand_in_rules_are_valid_for_promtool(tmp_path) -> None:
-    import shutil
-
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
-        pytest.skip("promtool is not installed (Debian package `prometheus`)")
     path = write_rules(tmp_path / "rules")
-    result = subprocess.run(
-        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
-    )
+    result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -24,12 +24,12 @@ from openlora_otel.config import TelemetryConfig
 from openlora_otel.hardware.host import HOST_METRICS
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 from tests.support import docs_text
-from tests.support.built import built
 from tests.support.dashboards import http_variable_options, run_every_query, substitute
 from tests.support.metrics_paths import METRIC_PATHS
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, free_port, reap
 from tests.support.prometheus_server import PROMETHEUS_MAJORS
+from tests.support.prometheus_server import promtool as run_promtool
 
 if TYPE_CHECKING:
     from openlora_otel.telemetry import Telemetry
@@ -43,16 +43,7 @@ RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 
 
 def promtool(*args: str, major: int = 2) -> subprocess.CompletedProcess:
-    """promtool of Prometheus ``major``: 2 is Debian's package, 3 is build/bin/promtool (tools/build.sh)."""
-    if major == 3:
-        binary = built("promtool")
-    else:
-        binary = shutil.which("promtool")
-        if binary is None:
-            if os.environ.get("CI"):
-                pytest.fail("promtool is not installed (Debian package `prometheus`); .ci/run must install it")
-            pytest.skip("promtool is not installed (Debian package `prometheus`)")
-    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return run_promtool(*args, major=major, cwd=ROOT)
 
 
 # -- promtool -------------------------------------------------------------------------------

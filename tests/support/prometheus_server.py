@@ -40,6 +40,20 @@ def prometheus_binary(major: int = 2) -> str:
     return binary
 
 
+def promtool(*args: str, major: int = 2, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run promtool of Prometheus ``major``: 2 is Debian's package, 3 is build/bin/promtool (tools/build.sh)."""
+    if major == 3:
+        binary = built("promtool")
+    else:
+        binary = shutil.which("promtool")
+        if binary is None:
+            message = "promtool is not installed (Debian package `prometheus`)"
+            if os.environ.get("CI"):
+                pytest.fail(message + "; .ci/run must install it")
+            pytest.skip(message)
+    return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
 class ServerProcess:
     """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
 
