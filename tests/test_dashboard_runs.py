@@ -11,6 +11,7 @@ datasource does (tests/support/dashboards.py); the regex handling is checked on 
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import pytest
 
 from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
+    GRAFANA,
     TRAINING_DASHBOARD,
     apply_variable_regex,
     dashboard,
@@ -196,3 +198,65 @@ def test_runs_by_name_across_a_rename_a_reused_endpoint_and_a_run_without_run_in
             assert [s["metric"]["openlora_run_name"] for s in blank] == ["beta"], blank
         finally:
             prometheus.stop()
+
+
+# -- a run that began since the subquery's last step ------------------------------------------------
+
+# Grafana's defaults in the variable queries: the last hour, the datasource's interval (5 s).
+FRESH_RUN_TEST = """
+rule_files: []
+evaluation_interval: 1s
+tests:
+  - interval: 1s
+    input_series:
+      # An older run, seen at the subquery's steps: offered by its name at its last step (5 s).
+      - series: 'target_info{job="openlora",instance="a:9464",openlora_run_id="run-old"}'
+        values: '1x5'
+      - series: 'openlora_run_info{job="openlora",instance="a:9464",openlora_run_name="old"}'
+        values: '1x5'
+      # Started at 6 s, after the last step (5 s) before the query's time (8 s): no step has seen it.
+      - series: 'target_info{job="openlora",instance="b:9464",openlora_run_id="run-new"}'
+        values: '_x6 1x2'
+      - series: 'openlora_run_info{job="openlora",instance="b:9464",openlora_run_name="fresh"}'
+        values: '_x6 1x2'
+      # Named by its id at 0-5 s, renamed at 6 s (the callbacks name a run at train start).
+      - series: 'target_info{job="openlora",instance="c:9464",openlora_run_id="run-renamed"}'
+        values: '1x8'
+      - series: 'openlora_run_info{job="openlora",instance="c:9464",openlora_run_name="run-renamed"}'
+        values: '1x5 _x2'
+      - series: 'openlora_run_info{job="openlora",instance="c:9464",openlora_run_name="renamed"}'
+        values: '_x6 1x2'
+    promql_expr_test:
+      - expr: {expr}
+        eval_time: 8s
+        exp_samples:
+          - labels: '{openlora_run_id="run-old",openlora_run_name="old"}'
+            value: 5
+          - labels: '{openlora_run_id="run-new",openlora_run_name="fresh"}'
+            value: 8
+          - labels: '{openlora_run_id="run-renamed",openlora_run_name="run-renamed"}'
+            value: 5
+          - labels: '{openlora_run_id="run-renamed",openlora_run_name="renamed"}'
+            value: 8
+"""
+
+
+@pytest.mark.process
+@PROMETHEUS_MAJORS
+@pytest.mark.parametrize(
+    "path",
+    [TRAINING_DASHBOARD, CLUSTER_DASHBOARD, GRAFANA / "dashboards" / "openlora-inference.json"],
+    ids=lambda p: p.stem,
+)
+def test_a_run_started_since_the_last_step_is_offered_by_its_name(tmp_path, major: int, path: Path) -> None:
+    """The run variable's subquery steps at multiples of $__interval; a run whose first samples are
+    newer than the last one is offered by its name (and a renamed run by its new name, newest first),
+    not by its id until the next multiple: a dashboard opened as a run starts shows its name."""
+    from tests.support.prometheus_server import promtool
+
+    query = variables(path)["run"]["query"]["query"]
+    expr = substitute(query.removeprefix("query_result(").removesuffix(")"))
+    test = tmp_path / "fresh_run_test.yml"
+    test.write_text(FRESH_RUN_TEST.replace("{expr}", json.dumps(expr)))
+    result = promtool("test", "rules", str(test), major=major)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -131,8 +131,10 @@ def variable(
 # the join on (job, instance) is evaluated at each step of a subquery (two runs one after the
 # other on the same endpoint are never joined to each other's name), and each pair's value is the
 # last time it was seen: sorted newest first, a run renamed at train start (the callbacks) is
-# offered by its latest name (Grafana keeps the first option of a value). A run without
-# openlora_run_info (an older openlora-otel) is still offered, by its id.
+# offered by its latest name (Grafana keeps the first option of a value). The subquery's steps are
+# multiples of $__interval, so the same join at the query's own time is added: a run started (or
+# renamed) since the last multiple is offered by its name at once, not by its id for up to
+# $__interval. A run without openlora_run_info (an older openlora-otel) is still offered, by its id.
 def run_names(targets: str, *, by_service: bool = False) -> str:
     """The run variable's query over the target_info series that match ``targets`` (and, ``by_service``,
     the servers the service variable picks: see :func:`service_target_info`)."""
@@ -142,11 +144,13 @@ def run_names(targets: str, *, by_service: bool = False) -> str:
         if by_service
         else f"last_over_time(target_info{{{targets}}}[$__range])"
     )
+    named = (
+        "timestamp(group by (openlora_run_id, openlora_run_name) ("
+        f"openlora_run_info * on (job, instance) group_left (openlora_run_id) {info}))"
+    )
     return (
-        "sort_desc(max_over_time(timestamp(group by (openlora_run_id, openlora_run_name) ("
-        f"openlora_run_info * on (job, instance) group_left (openlora_run_id) {info}"
-        "))[$__range:$__interval]) or on (openlora_run_id) group by (openlora_run_id) ("
-        f"{last}))"
+        f"sort_desc(max_over_time({named}[$__range:$__interval]) or {named}"
+        f" or on (openlora_run_id) group by (openlora_run_id) ({last}))"
     )
 
 
