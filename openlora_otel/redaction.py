@@ -8,7 +8,8 @@ configured values, in the forms they are likely to be echoed in) is replaced, an
 ``scheme://user:pass@`` pattern and any ``scheme://`` URL's query values and fragment, known or not.
 
 Policy for a URL we were given (:func:`redact_url`): the scheme, host, port, path and query *names*
-are shown; the user info, every query *value* and the fragment are not. An OTLP endpoint (or a
+are shown; the user info, every query *value* and the fragment are not. A webhook's path is hidden
+too: for Slack, Discord or Teams the path is the token. An OTLP endpoint (or a
 webhook, or a Prometheus URL) has no query value we need to show, and a list of secret-sounding names
 (``token``, ``sig``, ...) would miss the next vendor's ``x-goog-api-key``; so all of them go. The user
 info runs to the *last* ``@`` of the URL, not to the first ``/``, ``?`` or ``#`` as RFC 3986 reads it:
@@ -58,14 +59,19 @@ def secret_forms(value: str) -> set[str]:
     return {form for form in forms if len(form) >= MIN_SECRET_LENGTH}
 
 
-def url_secrets(url: str) -> set[str]:
+def url_secrets(url: str, *, path: bool = False) -> set[str]:
     """The secrets in ``url``: its user info (raw and decoded, and the Basic-auth form requests sends),
-    its query values and its fragment, each in the forms :func:`secret_forms` lists.
+    its query values and its fragment, each in the forms :func:`secret_forms` lists; ``path``: its
+    path too, whole (a webhook's, see :func:`redact_url`).
 
     Parsed by hand, not with urlsplit: it must work on a URL too malformed to parse.
     """
-    _, userinfo, _, query, fragment = _split(url)
+    _, userinfo, rest, query, fragment = _split(url)
     secrets: set[str] = set()
+    if path:
+        _, slash, tail = rest.partition("/")
+        if tail:
+            secrets |= {slash + tail, tail, unquote(tail)}
     if userinfo is not None:
         user, _, password = userinfo.partition(":")
         decoded = f"{unquote(user)}:{unquote(password)}"
@@ -93,10 +99,14 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
     return _USERINFO_RE.sub(rf"\g<scheme>{REDACTED}@", text)
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, path: bool = False) -> str:
     """``url`` (scheme or not) with its user info, query values and fragment replaced by ``<redacted>``
-    (see the module's policy)."""
+    (see the module's policy); ``path``: its path too, for a webhook, whose path is often its token
+    (Slack's ``/services/T.../B.../...``, Discord's, Teams'): ``https://hooks.slack.com/<redacted>``."""
     prefix, userinfo, rest, query, fragment = _split(url)
+    if path:
+        host, slash, tail = rest.partition("/")
+        rest = host + (slash + REDACTED if tail else slash)
     shown = prefix + (f"{REDACTED}@" if userinfo is not None else "") + rest
     if query is not None:
         shown += "?" + _redact_query(query)

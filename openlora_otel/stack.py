@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 from openlora_otel._version import __version__
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT as _DEFAULT_METRICS_PORT
-from openlora_otel.redaction import redact_url
+from openlora_otel.redaction import redact, redact_url, url_secrets
 
 __all__ = [
     "DEFAULT_RUNBOOK_BASE",
@@ -354,9 +354,10 @@ def _scraping(plan: StackPlan) -> bool:
     return scraped.issuperset(plan.targets)
 
 
-def _tail(path: Path, size: int = 2000) -> str:
+def _tail(path: Path, secrets: set[str], size: int = 2000) -> str:
+    """The end of a server's log, ``secrets`` redacted (before it is cut, so none is cut in two)."""
     try:
-        return path.read_text(errors="replace")[-size:]
+        return redact(path.read_text(errors="replace"), secrets)[-size:]
     except OSError:
         return ""
 
@@ -422,6 +423,7 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
                 file=err,
             )
             return 1
+    secrets = set() if plan.builtin_receiver else url_secrets(plan.webhook_url, path=True)
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     servers: list[_Server] = []
@@ -448,7 +450,7 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
         while waiting and not stop.is_set():
             for server in list(waiting):
                 if server.exited():
-                    return _died(server, err)
+                    return _died(server, err, secrets)
                 if _ready(server.ready_url):
                     waiting.remove(server)
             if waiting and time.monotonic() > deadline:
@@ -465,7 +467,7 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
         while not stop.is_set() and not _scraping(plan):
             for server in servers:
                 if server.exited():
-                    return _died(server, err)
+                    return _died(server, err, secrets)
             if time.monotonic() > deadline:
                 print(
                     f"openlora-otel stack: Prometheus does not scrape {plan.scraped} after "
@@ -476,7 +478,7 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
             stop.wait(0.2)
         if stop.is_set():
             return 0
-        alerts = "printed here" if printer is not None else f"sent to {redact_url(plan.webhook_url)}"
+        alerts = "printed here" if printer is not None else f"sent to {redact_url(plan.webhook_url, path=True)}"
         print(
             f"Prometheus   http://{LOOPBACK}:{plan.prometheus_port}  (log {servers[1].log})\n"
             f"Alertmanager http://{LOOPBACK}:{plan.alertmanager_port}  (log {servers[0].log})\n"
@@ -489,7 +491,7 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
         while not stop.wait(0.5):
             for server in servers:
                 if server.exited():
-                    return _died(server, err)
+                    return _died(server, err, secrets)
         return 0
     finally:
         for server in reversed(servers):  # Prometheus first: it stops sending before Alertmanager goes
@@ -499,10 +501,11 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
         _restore_handlers(previous)
 
 
-def _died(server: _Server, err: TextIO) -> int:
+def _died(server: _Server, err: TextIO, secrets: set[str]) -> int:
+    # Alertmanager's log may quote the webhook it failed on: its secrets are not printed.
     print(
         f"openlora-otel stack: {server.name} exited with status {server.process.returncode}; "
-        f"the end of {server.log}:\n{_tail(server.log)}",
+        f"the end of {server.log}:\n{_tail(server.log, secrets)}",
         file=err,
     )
     return 1

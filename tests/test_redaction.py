@@ -85,6 +85,28 @@ def test_redact_scrubs_any_url_credentials_and_keeps_the_rest() -> None:
     assert redact("html xml", secret_forms("ml")) == "html xml"
 
 
+def test_a_webhooks_path_is_its_token_and_is_hidden_with_path_true() -> None:
+    slack = "https://hooks.slack.com/services/T0AAAAAA/B0BBBBBB/x9Secret9TokenXYZ"
+    assert redact_url(slack, path=True) == f"https://hooks.slack.com/{REDACTED}"
+    assert redact_url(slack) == slack  # an endpoint's path (/v1/metrics) is shown
+    assert (
+        redact_url("https://bot:pw@h:8443/hook/abc?key=v#f", path=True)
+        == f"https://{REDACTED}@h:8443/{REDACTED}?key={REDACTED}#{REDACTED}"
+    )
+    # Nothing to hide: no path, or just "/".
+    assert redact_url("http://h:9/", path=True) == "http://h:9/"
+    assert redact_url("http://h:9", path=True) == "http://h:9"
+    # The path, whole and percent-decoded, among the secrets that free text is scrubbed of (an
+    # Alertmanager log line quoting the URL it failed to post to).
+    discord = "https://discord.com/api/webhooks/123456/tok%2Ben"
+    secrets = url_secrets(discord, path=True)
+    for shown in (discord, "https://discord.com/api/webhooks/123456/tok+en"):
+        scrubbed = redact(f'msg="Notify failed" err="Post \\"{shown}\\": dial tcp: i/o timeout"', secrets)
+        assert "123456" not in scrubbed and "tok" not in scrubbed, scrubbed
+    assert "https://discord.com/" in scrubbed
+    assert not url_secrets(discord) & {"api/webhooks/123456/tok%2Ben"}  # only with path=True
+
+
 @pytest.mark.parametrize("value", ["a." * 100_000, "http://" + "a." * 100_000, "a://" * 50_000, "a://@" * 40_000])
 def test_redaction_is_linear_in_a_long_hostile_value(value: str) -> None:
     """Every ConfigError's value goes through redact(): a long value built to make the URL patterns

@@ -75,7 +75,7 @@ def _ranks(text: str) -> int:
 def _webhook(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {redact_url(text)!r}")
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {redact_url(text, path=True)!r}")
     return text
 
 
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     prometheus = find_binary(PROMETHEUS_BINARIES) or "prometheus"
     alertmanager = find_binary(ALERTMANAGER_BINARIES) or "prometheus-alertmanager"
     alerts = (
-        f"sent to {redact_url(plan.webhook_url)}"
+        f"sent to {redact_url(plan.webhook_url, path=True)}"
         if not plan.builtin_receiver
         else f"sent to {plan.webhook_url}, printed there by --start (or by `openlora-otel stack --receiver-only`)"
     )
