@@ -135,17 +135,13 @@ def check_gpu(config: TelemetryConfig) -> Check:
         return Check(name, None, "OPENLORA_GPU_METRICS=off")
     needed = config.gpu_metrics == "on"
     try:
-        backend = nvml.load_pynvml_backend()
-    except ImportError:
-        detail = "nvidia-ml-py is not installed, so no GPU metrics"
-        return Check(
-            name, False if needed else None, detail, "pip install 'openlora-otel[gpu]'" if needed else ""
-        )
-    try:
-        backend.init()
-    except nvml.GpuError as exc:
-        fix = "install the NVIDIA driver, or set OPENLORA_GPU_METRICS=auto or off" if needed else ""
-        return Check(name, False if needed else None, f"NVML does not start ({exc}), so no GPU metrics", fix)
+        backend = nvml.start_backend()
+    except nvml.NvmlUnavailable as exc:
+        if exc.missing_package:
+            fix = "pip install 'openlora-otel[gpu]'"
+        else:
+            fix = "install the NVIDIA driver, or set OPENLORA_GPU_METRICS=auto or off"
+        return Check(name, False if needed else None, f"{exc}, so no GPU metrics", fix if needed else "")
     try:
         count, driver = backend.device_count(), backend.driver_version()
     except nvml.GpuError as exc:

@@ -695,28 +695,20 @@ def _start_nvml(config: TelemetryConfig) -> Any:
     from openlora_otel.hardware import nvml
 
     try:
-        backend = nvml.load_pynvml_backend()
-    except ImportError:
-        if config.gpu_metrics == "on":
+        return nvml.start_backend()
+    except nvml.NvmlUnavailable as exc:
+        if config.gpu_metrics != "on":
+            hint = " (pip install 'openlora-otel[gpu]')" if exc.missing_package else ""
+            _logger.info("GPU metrics off: %s%s", exc, hint)
+            return None
+        if exc.missing_package:
             raise MissingDependencyError(
                 "OPENLORA_GPU_METRICS=on needs the package 'nvidia-ml-py', which is not installed: "
                 "pip install 'openlora-otel[gpu]'"
             ) from None
-        _logger.info("GPU metrics off: nvidia-ml-py is not installed (pip install 'openlora-otel[gpu]')")
-        return None
-    try:
-        backend.init()
-    except nvml.GpuError as exc:
-        if config.gpu_metrics == "on":
-            raise ConfigError(
-                "OPENLORA_GPU_METRICS",
-                "on",
-                "`auto` or `off` where NVML cannot start",
-                f"nvmlInit failed: {exc}",
-            ) from None
-        _logger.info("GPU metrics off: NVML did not start (%s)", exc)
-        return None
-    return backend
+        raise ConfigError(
+            "OPENLORA_GPU_METRICS", "on", "`auto` or `off` where NVML cannot start", str(exc)
+        ) from None
 
 
 def _build_provider(

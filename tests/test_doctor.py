@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -142,11 +143,46 @@ def test_gpu_check_with_and_without_nvml(monkeypatch) -> None:
     code, text = doctor({"OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "on"})
     assert (
         code == 1
-        and "NVML does not start (Driver Not Loaded)" in text
+        and "NVML did not start (Driver Not Loaded)" in text
         and "OPENLORA_GPU_METRICS=auto" in text
     )
     code, text = doctor({"OTEL_METRICS_EXPORTER": "none"})  # auto: information, not a failure
-    assert code == 0 and "[info] gpu metrics: NVML does not start" in text
+    assert code == 0 and "[info] gpu metrics: NVML did not start" in text
+
+
+def test_doctor_and_setup_give_the_same_reason_for_no_gpu_metrics(monkeypatch, caplog) -> None:
+    """Both start NVML through nvml.start_backend(): what doctor says is what setup_telemetry() does."""
+    import logging
+
+    from openlora_otel import TelemetryConfig, setup_telemetry
+    from openlora_otel._deps import MissingDependencyError
+    from openlora_otel.config import ConfigError
+    from openlora_otel.hardware import nvml
+    from tests.support.fake_nvml import FakeNvml, h100s
+
+    fake = FakeNvml(h100s(1))
+    fake.init_error = "Driver Not Loaded"
+    monkeypatch.setattr(nvml, "load_pynvml_backend", lambda: fake)
+    _, text = doctor({"OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "on"})
+    reason = "NVML did not start (Driver Not Loaded)"
+    assert reason in text
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        setup_telemetry(config=TelemetryConfig(exporters=("none",), gpu_metrics="on"))
+    caplog.set_level(logging.INFO)
+    setup_telemetry(config=TelemetryConfig(exporters=("none",), gpu_metrics="auto")).shutdown()
+    assert f"GPU metrics off: {reason}" in caplog.text
+
+    def missing():
+        raise ImportError("No module named 'pynvml'")
+
+    monkeypatch.setattr(nvml, "load_pynvml_backend", missing)
+    _, text = doctor({"OTEL_METRICS_EXPORTER": "none", "OPENLORA_GPU_METRICS": "on"})
+    assert "nvidia-ml-py is not installed, so no GPU metrics" in text and "openlora-otel[gpu]" in text
+    with pytest.raises(MissingDependencyError, match=r"nvidia-ml-py.*openlora-otel\[gpu\]"):
+        setup_telemetry(config=TelemetryConfig(exporters=("none",), gpu_metrics="on"))
+    caplog.clear()
+    setup_telemetry(config=TelemetryConfig(exporters=("none",), gpu_metrics="auto")).shutdown()
+    assert "GPU metrics off: nvidia-ml-py is not installed (pip install 'openlora-otel[gpu]')" in caplog.text
 
 
 def test_the_otlp_endpoint_says_where_it_came_from() -> None:

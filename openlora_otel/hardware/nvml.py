@@ -35,8 +35,10 @@ __all__ = [
     "GpuError",
     "GpuNotSupported",
     "NvmlBackend",
+    "NvmlUnavailable",
     "PynvmlBackend",
     "load_pynvml_backend",
+    "start_backend",
 ]
 
 # nvmlReturn_t values the collector tells apart in per-field results.
@@ -171,6 +173,30 @@ def load_pynvml_backend() -> PynvmlBackend:
     import pynvml
 
     return PynvmlBackend(pynvml)
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used here; the message says why. ``missing_package``: nvidia-ml-py is not
+    installed (else NVML itself did not start: no driver, no GPU)."""
+
+    def __init__(self, message: str, *, missing_package: bool) -> None:
+        super().__init__(message)
+        self.missing_package = missing_package
+
+
+def start_backend() -> PynvmlBackend:
+    """Load nvidia-ml-py and start NVML: the one way setup_telemetry() and ``doctor`` start it, so
+    that ``doctor`` says what setup will do. Raises :class:`NvmlUnavailable`; the caller shuts the
+    backend down."""
+    try:
+        backend = load_pynvml_backend()
+    except ImportError:
+        raise NvmlUnavailable("nvidia-ml-py is not installed", missing_package=True) from None
+    try:
+        backend.init()
+    except GpuError as exc:
+        raise NvmlUnavailable(f"NVML did not start ({exc})", missing_package=False) from None
+    return backend
 
 
 class PynvmlBackend:
