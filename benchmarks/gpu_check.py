@@ -639,16 +639,27 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
     """Copy a known number of bytes each way for about a second; read the byte counters right after,
     and again 0.25 s, 1 s and 3 s later (a counter the driver updates in arrears catches up), with
     the driver's own throughput figure (nvmlDeviceGetPcieThroughput, KB/s over 20 ms) sampled
-    during the copy."""
+    during the copy; and what ``hw.gpu.io`` moved by: a snapshot of our collector just before the
+    copy and one just after (from GPM's rates where the GPU has them, else the fields)."""
     import pynvml
 
+    from openlora_otel.hardware.gpu import GpuCollector
     from openlora_otel.hardware.nvml import FI
 
     torch = ctx.torch
     backend = ctx.backend()
+    collector = GpuCollector(backend, devices="all", timeout_s=5.0, torch_devices=lambda: None)
     size = 1024 * MIB
     rounds = 48
+
+    def ours() -> dict[str, float | None]:
+        values = collector.snapshot().readings[0].values
+        return {"tx": values.get("pcie_tx"), "rx": values.get("pcie_rx")}
+
     try:
+        ours()
+        ours()  # two snapshots: a GPU with GPM settles where its PCIe bytes come from at the second
+        uuid = collector.snapshot().readings[0].device.uuid
         handle = backend.handle(0)
         host = torch.empty(size, dtype=torch.uint8).pin_memory()
         device = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -658,6 +669,7 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
             torch.cuda.synchronize()
             time.sleep(1)
             before = backend.field_values(handle, ids)
+            ours_before = ours()
             rates: dict[str, list[float]] = {"tx": [], "rx": []}
             copying = threading.Event()
             copying.set()
@@ -679,6 +691,7 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                     host.copy_(device, non_blocking=True)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - started
+            ours_after = ours()
             copying.clear()
             sampler.join(5)
             copied = size * rounds
@@ -690,6 +703,7 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                     name: (None if b[1] is None or a[1] is None else round((a[1] - b[1]) / copied, 4))
                     for name, b, a in zip(("tx", "rx"), before, after, strict=True)
                 }
+            ours_later = ours()  # 3 s after the copy: what GPM counted in arrears, if anything
             results[direction] = {
                 "bytes copied": copied,
                 "seconds": round(seconds, 3),
@@ -700,15 +714,37 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                 ),
                 "counter delta / bytes copied (tx, rx), read after the copy at": reads,
                 "raw before": before,
+                "hw.gpu.io delta / bytes copied (tx, rx)": {
+                    key: (
+                        None
+                        if ours_before[key] is None or ours_after[key] is None
+                        else round((ours_after[key] - ours_before[key]) / copied, 4)
+                    )
+                    for key in ("tx", "rx")
+                },
+                "hw.gpu.io delta / bytes copied (tx, rx), 3 s later": {
+                    key: (
+                        None
+                        if ours_before[key] is None or ours_later[key] is None
+                        else round((ours_later[key] - ours_before[key]) / copied, 4)
+                    )
+                    for key in ("tx", "rx")
+                },
             }
+        results["hw.gpu.io source"] = collector._pcie_source.get(uuid)
     finally:
+        collector.close()
         backend.shutdown()
     stage["details"] = results
     h2d = results["host_to_device"]["counter delta / bytes copied (tx, rx), read after the copy at"]["+3 s"]
     d2h = results["device_to_host"]["counter delta / bytes copied (tx, rx), read after the copy at"]["+3 s"]
+    ours_h2d = results["host_to_device"]["hw.gpu.io delta / bytes copied (tx, rx)"]
+    ours_d2h = results["device_to_host"]["hw.gpu.io delta / bytes copied (tx, rx)"]
     return (
         f"3 s after copying {size * rounds / 2**30:.0f} GiB each way, counter delta / bytes copied: "
-        f"host->device rx {h2d['rx']} (tx {h2d['tx']}), device->host tx {d2h['tx']} (rx {d2h['rx']})"
+        f"host->device rx {h2d['rx']} (tx {h2d['tx']}), device->host tx {d2h['tx']} (rx {d2h['rx']}); "
+        f"hw.gpu.io (from {results['hw.gpu.io source']}): host->device rx {ours_h2d['rx']}, "
+        f"device->host tx {ours_d2h['tx']}"
     )
 
 

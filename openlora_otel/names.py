@@ -493,7 +493,9 @@ GPU_METRICS: tuple[MetricSpec, ...] = (
         "hw.gpu.io",
         "counter",
         "By",
-        f"Bytes moved over PCIe since the driver loaded, `{ATTR_IO_DIRECTION}` `transmit` (GPU to host) or `receive`.",
+        f"Bytes moved over PCIe, `{ATTR_IO_DIRECTION}` `transmit` (GPU to host) or `receive`: from GPM's "
+        "traffic rates since the collector started (Hopper and later, no wrap), else NVML's byte fields "
+        "with 32-bit wraps added back.",
     ),
     MetricSpec(
         "openlora.gpu.nvlink.io",

@@ -209,6 +209,7 @@ def test_a_field_failing_in_passing_is_skipped_this_time_only(collect, monkeypat
     [card] = h100s(1)
     fake = FakeNvml([card])
     reader, _ = build(fake)
+    collect(reader)  # a GPU with GPM settles where its PCIe bytes come from at its second snapshot
     original = card.field_value
     monkeypatch.setattr(
         card,
@@ -423,6 +424,72 @@ def test_gpm_restarts_after_a_failed_snapshot(collect, monkeypatch) -> None:
     data = collect(reader)
     assert series(data, "openlora.gpu.sm.activity") == []  # would span the failure: skipped
     assert series(collect(reader), "openlora.gpu.sm.activity")
+
+
+# -- PCIe bytes ---------------------------------------------------------------------------------
+
+
+def io_bytes(data) -> dict[str, float]:
+    return by(data, "hw.gpu.io", "network.io.direction")
+
+
+@pytest.fixture
+def exact_seconds(stepped_time: SteppedTime, monkeypatch) -> None:
+    """gpu_snapshot's clock exactly 1 s on per collect(), none of the real time between them."""
+    monkeypatch.setattr(stepped_time, "monotonic", lambda: 1000.0 + stepped_time.offset)
+
+
+def test_pcie_bytes_from_gpm_rates_do_not_wrap(collect, exact_seconds) -> None:
+    """On a GPU with GPM PCIe traffic (Hopper and later) the bytes are its average rate times the time
+    between samples, summed: 110 GiB over 3 s here, where a 32-bit field would have gone round 27 times."""
+    [card] = h100s(1)
+    card.gpm = {**card.gpm, GPM.PCIE_TX_PER_SEC: 50 * 1024.0, GPM.PCIE_RX_PER_SEC: 1024.0}  # MiB/s
+    card.pcie_tx_bytes = 123  # what a wrapped field would say: never read
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    assert io_bytes(collect(reader)) == {}  # one GPM sample: no PCIe bytes yet
+    expected = {"transmit": 0.0, "receive": 0.0}
+    for tx_gib_s in (50, 50, 10):  # the stepped clock: 1 s between snapshots
+        card.gpm = {**card.gpm, GPM.PCIE_TX_PER_SEC: tx_gib_s * 1024.0}
+        data = io_bytes(collect(reader))
+        expected = {"transmit": expected["transmit"] + tx_gib_s * 2**30, "receive": expected["receive"] + 2**30}
+        assert data == expected
+    assert data["transmit"] == 110 * 2**30
+
+
+def test_a_gpm_sample_missed_adds_nothing_and_the_counter_never_goes_back(
+    collect, exact_seconds, monkeypatch
+) -> None:
+    [card] = h100s(1)
+    card.gpm = {**card.gpm, GPM.PCIE_TX_PER_SEC: 1024.0, GPM.PCIE_RX_PER_SEC: 1024.0}
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    before = io_bytes(collect(reader))["transmit"]
+    original = fake.gpm_sample_get
+    monkeypatch.setattr(fake, "gpm_sample_get", lambda h, s: (_ for _ in ()).throw(GpuError("Unknown Error")))
+    collect(reader)  # the GPU is failed this time: no values
+    monkeypatch.setattr(fake, "gpm_sample_get", original)
+    after_gap = io_bytes(collect(reader))["transmit"]  # a first sample again: the gap's bytes are unknown
+    assert after_gap == before
+    assert io_bytes(collect(reader))["transmit"] == before + 2**30
+
+
+def test_a_32_bit_pcie_field_going_down_is_one_wrap_and_a_bigger_one_a_reset(collect) -> None:
+    """Without GPM PCIe traffic the fields are read: a value under 2^32 that went down went round once
+    (right while under 4 GiB cross between snapshots); a value over 2^32 cannot have wrapped there."""
+    [card] = h100s(1, gpm=None)
+    card.pcie_tx_bytes = 2**32 - 1000
+    card.pcie_rx_bytes = 7_000_000_000
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    assert io_bytes(collect(reader)) == {"transmit": 2**32 - 1000, "receive": 7_000_000_000}
+    card.pcie_tx_bytes, card.pcie_rx_bytes = 500, 6_000_000_000
+    assert io_bytes(collect(reader)) == {"transmit": 2**32 + 500, "receive": 6_000_000_000}
+    card.pcie_tx_bytes = 2**32 - 10
+    assert io_bytes(collect(reader)) == {"transmit": 2 * 2**32 - 10, "receive": 6_000_000_000}
+    card.pcie_tx_bytes = 20
+    assert io_bytes(collect(reader))["transmit"] == 2 * 2**32 + 20
 
 
 def test_a_failed_second_gpm_allocation_frees_the_first(collect, monkeypatch) -> None:

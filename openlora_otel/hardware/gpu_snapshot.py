@@ -25,6 +25,15 @@ How :class:`GpuCollector` behaves, and why (its readers are the instruments of :
   difference of two GPM samples: each snapshot takes one and reports the
   activity since the previous snapshot's. Absent (not zero) on older GPUs, on
   MIG instances, and on the first snapshot.
+- **PCIe bytes** (``hw.gpu.io``). NVML's byte counter fields wrap at 2^32
+  (4 GiB: 78 ms at full Gen5 x16 speed, seen on an H200), so where GPM gives
+  PCIe traffic (Hopper and later) the bytes are its average rate between two
+  samples times the time between them, summed from the first snapshot: no
+  wrap, whatever the traffic. Elsewhere the fields are read, and a 32-bit
+  value that went down is taken as one wrap (right while less than 4 GiB
+  crosses between two snapshots). Which source a GPU uses is settled at its
+  second snapshot and kept, so the counter never jumps between them; a GPU
+  with GPM reports no PCIe bytes on its first snapshot.
 - **Bounded.** A snapshot is taken on a helper thread; the collection waits at
   most ``OPENLORA_GPU_TIMEOUT``. If NVML is slower than that, the last good
   snapshot is served (up to 60 s old; ``openlora.gpu.snapshot.age`` says how
@@ -198,6 +207,10 @@ _GPM_METRICS: dict[int, str] = {
     GPM.ANY_TENSOR_UTIL: "gpm.tensor_activity",
     GPM.DRAM_BW_UTIL: "gpm.dram_activity",
 }
+# GPM metric id -> the byte counter it feeds (MiB/s in NVML): see _count_pcie.
+_GPM_PCIE: dict[int, str] = {GPM.PCIE_TX_PER_SEC: "pcie_tx", GPM.PCIE_RX_PER_SEC: "pcie_rx"}
+_MIB = 1 << 20
+_U32 = 1 << 32
 
 _XID_KNOWN = frozenset(XID_CODES)
 
@@ -300,8 +313,13 @@ class GpuCollector:
         self._event_set: Any = None
         self._xid_registered: set[str] = set()
         self._xid: dict[str, dict[str, int]] = {}
-        # GPM: per GPU UUID, [previous sample, sample to fill, previous is valid].
+        # GPM: per GPU UUID, [previous sample, sample to fill, previous is valid, when it was taken].
         self._gpm: dict[str, list[Any]] = {}
+        # PCIe bytes (see the module's docstring): per GPU UUID, the source ("gpm" or "fields") once
+        # settled; the bytes summed from GPM; the fields' last raw value and the wraps added.
+        self._pcie_source: dict[str, str] = {}
+        self._pcie_gpm_bytes: dict[str, dict[str, float]] = {}
+        self._pcie_raw: dict[str, dict[str, tuple[int, int]]] = {}
         self._closed = False
 
     # -- what callbacks call ------------------------------------------------
@@ -499,6 +517,7 @@ class GpuCollector:
                 self._read_fields(device, reading.values)
                 self._read_link(device, reading.values)
                 self._read_gpm(device, reading.values)
+                self._count_pcie(device, reading.values)
         except GpuError as exc:
             self._warn_once(
                 f"{device.uuid}:{exc}",
@@ -621,21 +640,62 @@ class GpuCollector:
                 except BaseException:
                     backend.gpm_sample_free(first)  # not kept anywhere yet: freed here or never
                     raise
-                slot = self._gpm[device.uuid] = [first, second, False]
-            previous, sample, valid = slot
+                slot = self._gpm[device.uuid] = [first, second, False, 0.0]
+            previous, sample, valid, previous_at = slot
             backend.gpm_sample_get(device.handle, sample)
+            taken_at = time.monotonic()
+            values["gpm.sampled"] = True
             if valid:
-                metrics = backend.gpm_metrics(previous, sample, list(_GPM_METRICS))
+                metrics = backend.gpm_metrics(previous, sample, [*_GPM_METRICS, *_GPM_PCIE])
                 for metric_id, key in _GPM_METRICS.items():
                     if metric_id in metrics:
                         values[key] = metrics[metric_id] / 100.0
-            slot[:] = [sample, previous, True]
+                # Bytes between the two samples: the average rate times the time between them.
+                values["gpm.pcie"] = {
+                    key: metrics[metric_id] * _MIB * (taken_at - previous_at)
+                    for metric_id, key in _GPM_PCIE.items()
+                    if metric_id in metrics
+                }
+            slot[:] = [sample, previous, True, taken_at]
         except GpuNotSupported:
             self._unsupported.add((device.uuid, "gpm"))
         except GpuError:
             if slot is not None:
                 slot[2] = False  # the next difference would span the failure: start over
             raise
+
+    def _count_pcie(self, device: Device, values: dict[str, Any]) -> None:
+        """``pcie_tx`` and ``pcie_rx`` as byte counters that do not wrap (see the module's docstring)."""
+        uuid = device.uuid
+        sampled = values.pop("gpm.sampled", False)
+        between = values.pop("gpm.pcie", None)  # bytes since the previous GPM sample, when there was one
+        source = self._pcie_source.get(uuid)
+        if source is None:
+            if between is not None:
+                source = "gpm" if len(between) == len(_GPM_PCIE) else "fields"
+            elif sampled:  # a first GPM sample: whether GPM gives PCIe traffic shows at the next one
+                values.pop("pcie_tx", None)
+                values.pop("pcie_rx", None)
+                return
+            else:
+                source = "fields"
+            self._pcie_source[uuid] = source
+        if source == "gpm":
+            totals = self._pcie_gpm_bytes.setdefault(uuid, dict.fromkeys(_GPM_PCIE.values(), 0.0))
+            for key in totals:
+                totals[key] += (between or {}).get(key, 0.0)  # none: a sample missed, its bytes unknown
+                values[key] = int(totals[key])
+            return
+        raw_values = self._pcie_raw.setdefault(uuid, {})
+        for key in _GPM_PCIE.values():
+            if key not in values:
+                continue
+            raw = int(values[key])
+            last, wraps = raw_values.get(key, (raw, 0))
+            if raw < last < _U32:  # a 32-bit counter went round (a bigger value cannot have wrapped at 2^32)
+                wraps += 1
+            raw_values[key] = (raw, wraps)
+            values[key] = raw + wraps * _U32
 
     # -- XID events ---------------------------------------------------------------
     def _register_xid(self, devices: list[Device]) -> None:

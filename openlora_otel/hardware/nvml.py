@@ -95,12 +95,15 @@ class PERF_POLICY:
 
 
 class GPM:
-    """GPM metric ids (``NVML_GPM_METRIC_*``); each value is a percentage, 0 to 100."""
+    """GPM metric ids (``NVML_GPM_METRIC_*``): the activities are percentages, 0 to 100; the PCIe
+    traffic is MiB/s, averaged between the two samples."""
 
     SM_UTIL = 2
     SM_OCCUPANCY = 3
     ANY_TENSOR_UTIL = 5
     DRAM_BW_UTIL = 10
+    PCIE_TX_PER_SEC = 20
+    PCIE_RX_PER_SEC = 21
 
 
 class RECOVERY:
