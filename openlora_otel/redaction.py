@@ -62,16 +62,17 @@ def secret_forms(value: str) -> set[str]:
 def url_secrets(url: str, *, path: bool = False) -> set[str]:
     """The secrets in ``url``: its user info (raw and decoded, and the Basic-auth form requests sends),
     its query values and its fragment, each in the forms :func:`secret_forms` lists; ``path``: its
-    path too, whole (a webhook's, see :func:`redact_url`).
+    path too, whole and after its host and port (a webhook's, see :func:`redact_url`): the path
+    alone (``alerts`` of ``http://h:5001/alerts``) could be any word of the text.
 
     Parsed by hand, not with urlsplit: it must work on a URL too malformed to parse.
     """
     _, userinfo, rest, query, fragment = _split(url)
     secrets: set[str] = set()
     if path:
-        _, slash, tail = rest.partition("/")
+        host, slash, tail = rest.partition("/")
         if tail:
-            secrets |= {slash + tail, tail, unquote(tail)}
+            secrets |= {host + slash + tail, unquote(host + slash + tail)}
     if userinfo is not None:
         user, _, password = userinfo.partition(":")
         decoded = f"{unquote(user)}:{unquote(password)}"

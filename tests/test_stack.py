@@ -211,14 +211,21 @@ SLACK_WEBHOOK = "https://hooks.slack.com/services/T0AAAAAA/B0BBBBBB/x9Secret9Tok
     [("https://bot:s3cr3t-t0ken@hooks.example/x", "s3cr3t-t0ken"), (SLACK_WEBHOOK, "x9Secret9TokenXYZ")],
     ids=["user-info", "slack-path"],
 )
-def test_credentials_in_the_webhook_url_are_not_printed(tmp_path: Path, webhook: str, secret: str) -> None:
+def test_credentials_in_the_webhook_url_are_not_printed(
+    tmp_path: Path, webhook: str, secret: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_stack("--dir", str(tmp_path), "--webhook", webhook)
     assert code == 0
     assert secret not in out + err and "T0AAAAAA" not in out + err
     assert "alerts sent to https://" in out  # where they go: the scheme and host
     assert secret in (tmp_path / "alertmanager.yml").read_text()  # where Alertmanager needs it
-    with pytest.raises(SystemExit):
-        run_stack("--dir", str(tmp_path / "bad"), "--webhook", webhook.replace("https://", "ftp://"))
+    # Refused: a scheme other than http(s), and a URL urlsplit cannot parse (argparse would quote it).
+    for bad in (webhook.replace("https://", "ftp://"), webhook.replace("https://", "https://[")):
+        with pytest.raises(SystemExit):
+            run_stack("--dir", str(tmp_path / "bad"), "--webhook", bad)
+        refused = capsys.readouterr().err
+        assert "expected an http:// or https:// URL" in refused
+        assert secret not in refused and "T0AAAAAA" not in refused, refused
 
 
 def test_a_dead_alertmanagers_log_is_shown_without_the_webhooks_token(tmp_path: Path, fake_servers: list) -> None:

@@ -73,8 +73,14 @@ def _ranks(text: str) -> int:
 
 
 def _webhook(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    # argparse quotes the raw value of any other exception (a ValueError from urlsplit, say): every
+    # refusal goes through this message, redacted.
+    try:
+        parts = urlsplit(text)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        valid = False
+    if not valid:
         raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {redact_url(text, path=True)!r}")
     return text
 
