@@ -648,15 +648,17 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
 
     torch = ctx.torch
     backend = ctx.backend()
-    collector = GpuCollector(backend, devices="all", timeout_s=5.0, torch_devices=lambda: None)
+    collector = None
     size = 1024 * MIB
     rounds = 48
 
     def ours() -> dict[str, float | None]:
+        assert collector is not None
         values = collector.snapshot().readings[0].values
         return {"tx": values.get("pcie_tx"), "rx": values.get("pcie_rx")}
 
     try:
+        collector = GpuCollector(backend, devices="all", timeout_s=5.0, torch_devices=lambda: None)
         ours()
         ours()  # two snapshots: a GPU with GPM settles where its PCIe bytes come from at the second
         uuid = collector.snapshot().readings[0].device.uuid
@@ -733,7 +735,8 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
             }
         results["hw.gpu.io source"] = collector._pcie_source.get(uuid)
     finally:
-        collector.close()
+        if collector is not None:
+            collector.close()
         backend.shutdown()
     stage["details"] = results
     h2d = results["host_to_device"]["counter delta / bytes copied (tx, rx), read after the copy at"]["+3 s"]

@@ -475,6 +475,42 @@ def test_a_gpm_sample_missed_adds_nothing_and_the_counter_never_goes_back(
     assert io_bytes(collect(reader))["transmit"] == before + 2**30
 
 
+@pytest.mark.parametrize("with_gpm", [True, False], ids=["gpm", "fields"])
+def test_a_gpu_lost_and_found_again_starts_its_pcie_bytes_over(collect, exact_seconds, with_gpm: bool) -> None:
+    """A GPU that stopped answering (and was perhaps reset) adds nothing for the outage: GPM's next
+    difference would span it, and a reset zeroes the fields, which is not a wrap."""
+    [card] = h100s(1, gpm={GPM.PCIE_TX_PER_SEC: 1024.0, GPM.PCIE_RX_PER_SEC: 0.0} if with_gpm else None)
+    card.pcie_tx_bytes = 3 * 2**30
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    before = io_bytes(collect(reader))["transmit"]
+    card.failing = True
+    for _ in range(5):  # 5 s without an answer
+        assert status(collect(reader)) == {card.uuid: "failed"}
+    card.failing = False
+    card.pcie_tx_bytes = 2**30  # reset: zeroed, then 1 GiB since
+    after = io_bytes(collect(reader)).get("transmit")
+    if with_gpm:
+        assert after == before  # a first sample again: nothing for the outage
+        assert io_bytes(collect(reader))["transmit"] == before + 2**30  # then 1 s at 1 GiB/s
+    else:
+        assert after == 2**30  # down: a reset, not a wrap worth 4 GiB
+
+
+def test_a_gpu_whose_gpm_went_away_reports_no_pcie_bytes_rather_than_a_frozen_count(
+    collect, exact_seconds, monkeypatch
+) -> None:
+    [card] = h100s(1, gpm={GPM.PCIE_TX_PER_SEC: 1024.0, GPM.PCIE_RX_PER_SEC: 0.0})
+    fake = FakeNvml([card])
+    reader, _ = build(fake)
+    collect(reader)
+    assert io_bytes(collect(reader))["transmit"] == 2**30
+    monkeypatch.setattr(fake, "gpm_sample_get", lambda h, s: (_ for _ in ()).throw(nvml.GpuNotSupported("Not Supported")))
+    assert io_bytes(collect(reader)) == {}
+    assert io_bytes(collect(reader)) == {}
+
+
 def test_a_32_bit_pcie_field_going_down_is_one_wrap_and_a_bigger_one_a_reset(collect) -> None:
     """Without GPM PCIe traffic the fields are read: a value under 2^32 that went down went round once
     (right while under 4 GiB cross between snapshots); a value over 2^32 cannot have wrapped there."""

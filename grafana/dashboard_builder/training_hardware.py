@@ -174,7 +174,8 @@ def gpu_activity(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
             "timeseries",
             "PCIe throughput",
             "Bytes per second over PCIe per direction, transmit (GPU to host) and receive (rate of "
-            "hw_gpu_io_bytes_total by network_io_direction: exact from GPM on Hopper and later; from NVML's "
+            "hw_gpu_io_bytes_total by network_io_direction: the link's traffic, protocol overhead included, "
+            "from GPM on Hopper and later; from NVML's "
             "32-bit byte fields elsewhere, right while under 4 GiB crosses between two scrapes; absent "
             "where the driver has neither).",
             "Bps",

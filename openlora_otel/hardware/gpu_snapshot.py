@@ -28,8 +28,9 @@ How :class:`GpuCollector` behaves, and why (its readers are the instruments of :
 - **PCIe bytes** (``hw.gpu.io``). NVML's byte counter fields wrap at 2^32
   (4 GiB: 78 ms at full Gen5 x16 speed, seen on an H200), so where GPM gives
   PCIe traffic (Hopper and later) the bytes are its average rate between two
-  samples times the time between them, summed from the first snapshot: no
-  wrap, whatever the traffic. Elsewhere the fields are read, and a 32-bit
+  samples times the time between them, summed from the second snapshot: no
+  wrap, whatever the traffic (link traffic, protocol overhead included, and a
+  fraction of a second in arrears, as measured on an H200). Elsewhere the fields are read, and a 32-bit
   value that went down is taken as one wrap (right while less than 4 GiB
   crosses between two snapshots). Which source a GPU uses is settled at its
   second snapshot and kept, so the counter never jumps between them; a GPU
@@ -525,6 +526,11 @@ class GpuCollector:
                 "its series are dropped until it answers again",
             )
             self._devices = None  # re-enumerate next time: handles may have changed
+            # The PCIe bytes start over when it answers again (a reset zeroes the fields; a GPM
+            # difference would span the outage): the counter drops, which reads as a reset.
+            if (slot := self._gpm.get(device.uuid)) is not None:
+                slot[2] = False
+            self._pcie_raw.pop(device.uuid, None)
             return Reading(device, lost=True)
         return reading
 
@@ -681,6 +687,10 @@ class GpuCollector:
                 source = "fields"
             self._pcie_source[uuid] = source
         if source == "gpm":
+            if not self._supported(device, "gpm"):  # GPM went away (MIG mode turned on, say): no bytes
+                values.pop("pcie_tx", None)
+                values.pop("pcie_rx", None)
+                return
             totals = self._pcie_gpm_bytes.setdefault(uuid, dict.fromkeys(_GPM_PCIE.values(), 0.0))
             for key in totals:
                 totals[key] += (between or {}).get(key, 0.0)  # none: a sample missed, its bytes unknown
