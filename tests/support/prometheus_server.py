@@ -27,30 +27,28 @@ from tests.support.processes import free_port, reap
 PROMETHEUS_MAJORS = pytest.mark.parametrize("major", [2, 3], ids=["prometheus2", "prometheus3"])
 
 
-def prometheus_binary(major: int = 2) -> str:
-    """The ``prometheus`` of release ``major``: 2 is Debian's package, 3 is build/bin/prometheus."""
+def _release_binary(name: str, major: int, missing: str) -> str:
+    """``name`` of Prometheus ``major``: 2 is Debian's package (skip without it, fail under CI), 3 is
+    build/bin/``name`` (tools/build.sh)."""
     if major == 3:
-        return built("prometheus")
-    binary = shutil.which("prometheus")
+        return built(name)
+    binary = shutil.which(name)
     if binary is None:
-        message = "the prometheus binary is not installed (Debian package `prometheus`)"
+        message = f"{missing} (Debian package `prometheus`)"
         if os.environ.get("CI"):
             pytest.fail(message + "; .ci/run must install it")
         pytest.skip(message)
     return binary
 
 
+def prometheus_binary(major: int = 2) -> str:
+    """The ``prometheus`` of release ``major``: 2 is Debian's package, 3 is build/bin/prometheus."""
+    return _release_binary("prometheus", major, "the prometheus binary is not installed")
+
+
 def promtool(*args: str, major: int = 2, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run promtool of Prometheus ``major``: 2 is Debian's package, 3 is build/bin/promtool (tools/build.sh)."""
-    if major == 3:
-        binary = built("promtool")
-    else:
-        binary = shutil.which("promtool")
-        if binary is None:
-            message = "promtool is not installed (Debian package `prometheus`)"
-            if os.environ.get("CI"):
-                pytest.fail(message + "; .ci/run must install it")
-            pytest.skip(message)
+    binary = _release_binary("promtool", major, "promtool is not installed")
     return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
