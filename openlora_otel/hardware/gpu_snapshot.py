@@ -517,8 +517,8 @@ class GpuCollector:
             if not device.is_mig:
                 self._read_fields(device, reading.values)
                 self._read_link(device, reading.values)
-                self._read_gpm(device, reading.values)
-                self._count_pcie(device, reading.values)
+                sampled, between = self._read_gpm(device, reading.values)
+                self._count_pcie(device, reading.values, sampled, between)
         except GpuError as exc:
             self._warn_once(
                 f"{device.uuid}:{exc}",
@@ -630,16 +630,19 @@ class GpuCollector:
             cached = self._link_now[device.uuid] = (now, link)
         values["link"] = cached[1]
 
-    def _read_gpm(self, device: Device, values: dict[str, Any]) -> None:
+    def _read_gpm(self, device: Device, values: dict[str, Any]) -> tuple[bool, dict[str, float] | None]:
+        """The GPM activities into ``values``. Returns whether a GPM sample was taken, and the PCIe bytes
+        since the previous one (None without one): :meth:`_count_pcie`'s input."""
         if not self._supported(device, "gpm"):
-            return
+            return False, None
         backend = self._backend
         slot = self._gpm.get(device.uuid)
+        between = None
         try:
             if slot is None:
                 if not backend.gpm_supported(device.handle):
                     self._unsupported.add((device.uuid, "gpm"))
-                    return
+                    return False, None
                 first = backend.gpm_sample_alloc()
                 try:
                     second = backend.gpm_sample_alloc()
@@ -650,14 +653,13 @@ class GpuCollector:
             previous, sample, valid, previous_at = slot
             backend.gpm_sample_get(device.handle, sample)
             taken_at = time.monotonic()
-            values["gpm.sampled"] = True
             if valid:
                 metrics = backend.gpm_metrics(previous, sample, [*_GPM_METRICS, *_GPM_PCIE])
                 for metric_id, key in _GPM_METRICS.items():
                     if metric_id in metrics:
                         values[key] = metrics[metric_id] / 100.0
                 # Bytes between the two samples: the average rate times the time between them.
-                values["gpm.pcie"] = {
+                between = {
                     key: metrics[metric_id] * _MIB * (taken_at - previous_at)
                     for metric_id, key in _GPM_PCIE.items()
                     if metric_id in metrics
@@ -665,16 +667,19 @@ class GpuCollector:
             slot[:] = [sample, previous, True, taken_at]
         except GpuNotSupported:
             self._unsupported.add((device.uuid, "gpm"))
+            return False, None
         except GpuError:
             if slot is not None:
                 slot[2] = False  # the next difference would span the failure: start over
             raise
+        return True, between
 
-    def _count_pcie(self, device: Device, values: dict[str, Any]) -> None:
-        """``pcie_tx`` and ``pcie_rx`` as byte counters that do not wrap (see the module's docstring)."""
+    def _count_pcie(
+        self, device: Device, values: dict[str, Any], sampled: bool, between: dict[str, float] | None
+    ) -> None:
+        """``pcie_tx`` and ``pcie_rx`` as byte counters that do not wrap (see the module's docstring);
+        ``sampled`` and ``between`` from :meth:`_read_gpm`."""
         uuid = device.uuid
-        sampled = values.pop("gpm.sampled", False)
-        between = values.pop("gpm.pcie", None)  # bytes since the previous GPM sample, when there was one
         source = self._pcie_source.get(uuid)
         if source is None:
             if between is not None:
