@@ -657,10 +657,17 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
         values = collector.snapshot().readings[0].values
         return {"tx": values.get("pcie_tx"), "rx": values.get("pcie_rx")}
 
+    def moved(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
+        """(after - before) / bytes copied, per direction."""
+        return {
+            key: None if before[key] is None or after[key] is None else round((after[key] - before[key]) / copied, 4)
+            for key in ("tx", "rx")
+        }
+
+    copied = size * rounds
     try:
         collector = GpuCollector(backend, devices="all", timeout_s=5.0, torch_devices=lambda: None)
-        ours()
-        ours()  # two snapshots: a GPU with GPM settles where its PCIe bytes come from at the second
+        collector.snapshot()  # two snapshots: a GPU with GPM settles where its PCIe bytes come from at the second
         uuid = collector.snapshot().readings[0].device.uuid
         handle = backend.handle(0)
         host = torch.empty(size, dtype=torch.uint8).pin_memory()
@@ -670,7 +677,8 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
         for direction in ("host_to_device", "device_to_host"):
             torch.cuda.synchronize()
             time.sleep(1)
-            before = backend.field_values(handle, ids)
+            raw_before = backend.field_values(handle, ids)
+            before = {name: value for name, (_, value) in zip(("tx", "rx"), raw_before, strict=True)}
             ours_before = ours()
             rates: dict[str, list[float]] = {"tx": [], "rx": []}
             copying = threading.Event()
@@ -696,15 +704,11 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
             ours_after = ours()
             copying.clear()
             sampler.join(5)
-            copied = size * rounds
             reads = {}
             for delay in (0.0, 0.25, 1.0, 3.0):
                 time.sleep(max(0.0, started + seconds + delay - time.perf_counter()))
-                after = backend.field_values(handle, ids)
-                reads[f"+{delay:g} s"] = {
-                    name: (None if b[1] is None or a[1] is None else round((a[1] - b[1]) / copied, 4))
-                    for name, b, a in zip(("tx", "rx"), before, after, strict=True)
-                }
+                after = {name: value for name, (_, value) in zip(("tx", "rx"), backend.field_values(handle, ids), strict=True)}
+                reads[f"+{delay:g} s"] = moved(before, after)
             ours_later = ours()  # 3 s after the copy: what GPM counted in arrears, if anything
             results[direction] = {
                 "bytes copied": copied,
@@ -715,23 +719,9 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                     round(max(rates["rx"], default=0), 2),
                 ),
                 "counter delta / bytes copied (tx, rx), read after the copy at": reads,
-                "raw before": before,
-                "hw.gpu.io delta / bytes copied (tx, rx)": {
-                    key: (
-                        None
-                        if ours_before[key] is None or ours_after[key] is None
-                        else round((ours_after[key] - ours_before[key]) / copied, 4)
-                    )
-                    for key in ("tx", "rx")
-                },
-                "hw.gpu.io delta / bytes copied (tx, rx), 3 s later": {
-                    key: (
-                        None
-                        if ours_before[key] is None or ours_later[key] is None
-                        else round((ours_later[key] - ours_before[key]) / copied, 4)
-                    )
-                    for key in ("tx", "rx")
-                },
+                "raw before": raw_before,
+                "hw.gpu.io delta / bytes copied (tx, rx)": moved(ours_before, ours_after),
+                "hw.gpu.io delta / bytes copied (tx, rx), 3 s later": moved(ours_before, ours_later),
             }
         results["hw.gpu.io source"] = collector._pcie_source.get(uuid)
     finally:
