@@ -58,7 +58,16 @@ class MetricsPath:
     """Use as a context manager; on a push path the Collector and Prometheus start at once, on the pull
     path Prometheus starts at :meth:`scrape`, when the targets are known."""
 
-    def __init__(self, path: str, major: int, workdir: Path, rule_files: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        major: int,
+        workdir: Path,
+        rule_files: list[str] | None = None,
+        collector_overrides: dict | None = None,
+    ) -> None:
+        """``collector_overrides``: a config fragment merged over the Collector's shipped one (the
+        ``collector`` path), such as a shorter ``metric_expiration``."""
         assert path in ("pull", "collector", "otlp", "gateway"), path
         # Skip (or fail under CI) before anything starts.
         if major:
@@ -69,6 +78,7 @@ class MetricsPath:
         if path in ("collector", "gateway"):
             built("otelcol-openlora")
         self.path, self.major, self.workdir, self.rule_files = path, major, workdir, rule_files
+        self.collector_overrides = collector_overrides
         self.collector: Collector | None = None  # where the processes push (the agent on the gateway path)
         self.gateway: Collector | None = None
         self.prometheus: Prometheus | VictoriaMetrics | None = None
@@ -76,7 +86,9 @@ class MetricsPath:
     def __enter__(self) -> MetricsPath:
         try:
             if self.path == "collector":
-                self.collector = Collector(self.workdir, ROOT / "collector" / "otelcol.yaml")
+                self.collector = Collector(
+                    self.workdir, ROOT / "collector" / "otelcol.yaml", overrides=self.collector_overrides
+                )
                 self.prometheus = Prometheus(
                     self.workdir,
                     [f"127.0.0.1:{self.collector.ports['prometheus']}"],
@@ -123,7 +135,9 @@ class MetricsPath:
                     self.workdir,
                     ROOT / "deploy" / "collector" / "agent.yaml",
                     name="agent",
-                    overrides={"exporters": {"otlp_grpc": {"endpoint": f"127.0.0.1:{self.gateway.ports['grpc']}"}}},
+                    overrides={
+                        "exporters": {"otlp_grpc": {"endpoint": f"127.0.0.1:{self.gateway.ports['grpc']}"}}
+                    },
                 )
         except BaseException:
             self.stop()
