@@ -24,6 +24,10 @@ the recent samples (the 5 m to 1 h windows most rules read) are in the head, in 
 evaluations can be faster than these; the [2h] windows reach into blocks there too.
 
     python benchmarks/bench_rules_cost.py [--ranks 64] [--hours 2] [--evals 5] [--prometheus3] [--keep DIR]
+        [--baseline-rules FILE]
+
+``--baseline-rules FILE`` evaluates another rules file too (an earlier version of openlora.yml), on a copy
+of the same data, and prints the two side by side with their ratio per group.
 """
 
 from __future__ import annotations
@@ -215,10 +219,12 @@ def group_metrics(text: str, metric: str) -> dict[str, float]:
     return values
 
 
-def run_prometheus(binary: str, data: Path, work: Path, evals: int) -> tuple[dict, dict, float, float, list]:
+def run_prometheus(
+    binary: str, data: Path, work: Path, evals: int, rules: Path = RULES
+) -> tuple[dict, dict, float, float, list]:
     config = work / "prometheus.yml"
     config.write_text(f"global:\n  evaluation_interval: {INTERVAL_S}s\n  scrape_interval: {INTERVAL_S}s\n"
-                      f"rule_files:\n  - {RULES}\nscrape_configs: []\n")  # fmt: skip
+                      f"rule_files:\n  - {rules}\nscrape_configs: []\n")  # fmt: skip
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = (work / "prometheus.log").open("w")
@@ -268,6 +274,13 @@ def main() -> None:
     parser.add_argument("--evals", type=int, default=5, help="evaluations read per group")
     parser.add_argument("--prometheus3", action="store_true", help="build/bin's Prometheus 3 instead of 2.42")
     parser.add_argument("--keep", type=Path, help="keep the OpenMetrics file, data and log in this directory")
+    parser.add_argument(
+        "--baseline-rules",
+        type=Path,
+        metavar="FILE",
+        help="also evaluate this rules file (an earlier openlora.yml, say: git show REV:openlora_otel/rules/openlora.yml)"
+        " on a copy of the same data, before the shipped one, and print both with their ratio per group",
+    )
     args = parser.parse_args()
     if args.prometheus3:
         prometheus, promtool = (
@@ -304,6 +317,17 @@ def main() -> None:
         if not args.keep:
             source.unlink()
 
+        baseline: dict[str, float] = {}
+        if args.baseline_rules:
+            # A copy of the data before either Prometheus writes to it (each adds its recorded series).
+            baseline_work = work / "baseline"
+            shutil.rmtree(baseline_work, ignore_errors=True)
+            baseline_work.mkdir()
+            shutil.copytree(data, baseline_work / "data")
+            base_readings, *_ = run_prometheus(
+                prometheus, baseline_work / "data", baseline_work, args.evals, args.baseline_rules.resolve()
+            )
+            baseline = {group: statistics.median(values) for group, values in base_readings.items()}
         readings, rules, total_series, recorded, firing, goodput_ratio = run_prometheus(
             prometheus, data, work, args.evals
         )
@@ -329,6 +353,17 @@ def main() -> None:
     goodput = medians.get("openlora-goodput", 0.0)
     print(f"goodput group's share: {goodput / total:.1%}; evaluation wall time {total / INTERVAL_S:.2%} "
           f"of the {INTERVAL_S} s interval")  # fmt: skip
+    if baseline:
+        print(
+            f"\nside by side with {args.baseline_rules} (median ms per evaluation, on a copy of the same data)"
+        )
+        print(f"{'group':24} {'baseline':>9} {'shipped':>9} {'ratio':>6}")
+        for group in sorted(set(baseline) | set(medians)):
+            old, new = baseline.get(group, 0.0), medians.get(group, 0.0)
+            ratio = f"{new / old:6.2f}" if old else f"{'-':>6}"
+            print(f"{group:24} {old * 1e3:9.2f} {new * 1e3:9.2f} {ratio}")
+        old_total = sum(baseline.values())
+        print(f"{'total':24} {old_total * 1e3:9.2f} {total * 1e3:9.2f} {total / old_total:6.2f}")
     print("MEDIANS_JSON " + json.dumps({g: round(v * 1e3, 3) for g, v in medians.items()}))
 
 
