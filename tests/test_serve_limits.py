@@ -353,6 +353,43 @@ def test_past_the_connection_cap_half_open_connections_make_room_for_health(read
         server.close()
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _post(2, b"{}").replace(b"Content-Length: 2", b"Content-Length: 2\r\nContent-Length: 3"),
+        _post(2, b"{}").replace(b"Content-Length: 2", b"Content-Length: 2x"),
+        _post(None, b"zz\r\n{}\r\n0\r\n\r\n"),
+        b"GET /hea\x00lth HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /hea lth HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"x" * 20_000,  # no end in 16 KiB
+    ],
+    ids=[
+        "two-content-lengths",
+        "bad-content-length",
+        "bad-chunk-size",
+        "nul-in-the-path",
+        "space-in-the-path",
+        "headers-over-16k",
+    ],
+)
+def test_what_uvicorns_parser_refuses_is_a_400_in_the_openai_shape(
+    server: LocalServer, reader: InMemoryMetricReader, request_bytes: bytes
+) -> None:
+    """uvicorn answered these text/plain "Invalid HTTP request received."; the app never reads a body (a bad
+    chunk size comes after the headers: the app sees the client leave)."""
+    with server.connect() as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = _answer(sock)
+        assert _closed(sock)
+    assert status == 400 and headers["content-type"] == "application/json", (status, headers, body)
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
+    assert "not valid HTTP/1.1" in error["message"] and error["param"] is None
+    assert server.parsed == 0
+    assert _closed_connections(reader) == {"invalid_http": 1}
+    assert _health(server) == 200
+
+
 class _NoDescriptorsLeft(socket.socket):
     """A listening socket whose accept() fails as it does past the open files limit (EMFILE)."""
 

@@ -25,7 +25,9 @@ Every refusal is counted: the HTTP server metrics (opentelemetry-instrumentation
 this middleware) record the status code of each refused request, the inference routes also record
 the request in ``gen_ai.server.request.duration`` with ``error.type`` (the error's ``code``), and
 connections closed before they were a request are counted in ``openlora.serve.connections.closed``
-with ``error.type`` ``header_timeout`` or ``connection_limit``.
+with ``error.type`` ``header_timeout`` or ``connection_limit``, and so are the bytes uvicorn's HTTP
+parser refuses (``invalid_http``: no request reaches the app), answered with a 400 in the OpenAI
+error shape instead of uvicorn's text/plain one.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ TOO_LARGE = "request_too_large"
 TOO_DEEP = "json_too_deep"
 TIMEOUT = "request_timeout"
 CANCELLED = "cancelled"  # the client went away: the same error.type as a stream whose client left
+INVALID_HTTP = "invalid_http"  # bytes uvicorn's HTTP parser refused: no request for the app to see
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,8 @@ def http_protocol(
         closed = meter_provider.get_meter("openlora_otel.serving").create_counter(
             CONNECTIONS_CLOSED,
             unit="{connection}",
-            description="Connections the server closed before they made a request: header_timeout, connection_limit.",
+            description="Connections the server closed before they made a request: header_timeout, "
+            "connection_limit, invalid_http.",
         )
     # Connections waiting for a request's headers, oldest first (a dict keeps insertion order).
     waiting: dict[Any, None] = {}
@@ -459,6 +463,27 @@ def http_protocol(
             _logger.info("closing a connection whose request headers did not arrive within %g s", header_timeout)
             count("header_timeout")
             self._close_waiting(timed_out=True)
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's HTTP parser refused the bytes (a bad or repeated Content-Length, a bad chunk size,
+            # a NUL or space in the path, headers over 16 KiB): uvicorn answers text/plain "Invalid HTTP
+            # request received."; this is the OpenAI error shape every other refusal has.
+            self._stop_waiting()
+            count(INVALID_HTTP)
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                body = error_body(
+                    "the request is not valid HTTP/1.1 (refused by the server's HTTP parser: a bad or "
+                    "repeated Content-Length, a bad chunk size, a control character or space in the "
+                    "request line, headers over 16 KiB, ...)",
+                    INVALID_HTTP,
+                )
+                self.transport.write(
+                    b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+            self.transport.close()
 
         def _close_waiting(self, timed_out: bool = False) -> None:
             self._stop_waiting()
