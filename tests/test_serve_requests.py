@@ -29,11 +29,12 @@ CHAT = "/v1/chat/completions"
 BASE = "tiny-llama"
 # The smallest temperatures the protocol accepts: each overflowed the softmax (a 500, RuntimeError).
 TINY_TEMPERATURES = (1e-40, 1e-300, 5e-324)
+LIMIT = 4  # the app's --max-new-tokens-limit: the default max_tokens, 16, is over it
 
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServe]:
-    app = InProcessServe(tmp_path_factory.mktemp("serve-requests"))
+    app = InProcessServe(tmp_path_factory.mktemp("serve-requests"), max_new_tokens_limit=LIMIT)
     try:
         yield app
     finally:
@@ -54,6 +55,8 @@ def check_answer(path: str, status: int, headers: dict[str, str], body: bytes) -
     if status == 200:
         assert answer["object"] == ("text_completion" if path == COMPLETIONS else "chat.completion")
         assert answer["choices"], answer
+        # Within the server's --max-new-tokens-limit (4 here), asked for or not.
+        assert answer["usage"]["completion_tokens"] <= LIMIT * len(answer["choices"]), answer
     else:
         error = answer["error"]
         assert set(error) == {"message", "type", "param", "code"}, answer
@@ -190,6 +193,7 @@ _requests = st.sampled_from([COMPLETIONS, CHAT]).flatmap(
 @example(request=(COMPLETIONS, {"model": BASE, "prompt": "hi", "\ud800": 1}))
 @example(request=(CHAT, {"model": BASE, "messages": [{"role": "user", "content": "x", "\udc00": 0}]}))
 @example(request=(CHAT, {"model": BASE, "messages": [{"role": "user", "content": "x"}], "\udfff": None}))
+@example(request=(COMPLETIONS, {"model": BASE, "prompt": "hi"}))  # 16 tokens past a limit of 4
 @example(request=(COMPLETIONS, {"model": BASE, "prompt": "hi", "temperature": 1e-40}))
 @example(request=(COMPLETIONS, {"model": BASE, "prompt": "hi", "temperature": 1e-300, "stream": True}))
 @example(

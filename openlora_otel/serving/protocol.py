@@ -319,7 +319,9 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
                 adapter,
             )
         token_param = "max_completion_tokens"
-    max_tokens = _integer(payload, token_param, DEFAULT_MAX_TOKENS, 1, max_tokens_limit, adapter)
+    # The default, 16, is lowered to a --max-new-tokens-limit under it: the limit holds for every request.
+    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    max_tokens = _integer(payload, token_param, default, 1, max_tokens_limit, adapter)
 
     stop = payload.get("stop")
     if stop is None:
