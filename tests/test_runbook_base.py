@@ -129,7 +129,7 @@ _base = st.builds(
 def test_fuzz_an_accepted_runbook_base_makes_rules_pyyaml_loads_with_that_base_and_the_anchor(
     base: str, tmp_path: Path
 ) -> None:
-    """Bounded by tests/support/fuzz.py; about 3 s at the default 150 examples."""
+    """Bounded by tests/support/fuzz.py; about 2 s at the default 150 examples."""
     tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))  # one directory per example: tmp_path is the test's
     try:
         check_runbook_base(base)

@@ -179,7 +179,7 @@ def _secrets(url: str) -> list[str]:
 @example(url=f"http://user:{SECRET}@host:8000/\udcff")
 @example(url=f"http://user:{SECRET}@host:8000/é")
 def test_fuzz_url_arguments_never_trace_back_nor_show_the_password(url: str, tmp_path: Path) -> None:
-    """Bounded by tests/support/fuzz.py; about 4 s at the default 150 examples."""
+    """Bounded by tests/support/fuzz.py; about 2 s at the default 150 examples."""
     secrets = _secrets(url)
     code, output = run(load(url))
     assert code in (1, 2), output  # refused, or accepted and not reachable
