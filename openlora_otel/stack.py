@@ -21,6 +21,7 @@ import json
 import re
 import shutil
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -73,10 +74,29 @@ DEFAULT_RUNBOOK_BASE = "https://openlora.github.io/openlora-otel/runbooks/"
 _RUNBOOK_URL = re.compile(r'^(\s*runbook_url: )"' + re.escape(DEFAULT_RUNBOOK_BASE) + r'#([a-z0-9]+)"$', re.M)
 
 
+# A URL's characters (RFC 3986) but '#' (the anchor follows the base) and "'"; a '%' starts an escape.
+_RUNBOOK_BASE_CHARS = frozenset(string.ascii_letters + string.digits + "-._~:/?[]@!$&()*+,;=%")
+RUNBOOK_BASE_ACCEPTED = (
+    "an http:// or https:// URL with a host, of ASCII letters, digits and -._~:/?[]@!$&()*+,;=% "
+    "(percent-encode anything else; no quotes, braces or '#')"
+)
+
+
 def check_runbook_base(base: str) -> str:
-    """``base`` when it can start a runbook URL (no whitespace, quote or ``#``), else ValueError."""
-    if not base or any(c.isspace() or c in "\"'#\\" for c in base):
-        raise ValueError(f"a runbook base is a URL without whitespace, quotes or '#', got {base!r}")
+    """``base`` when every runbook_url can start with it (:data:`RUNBOOK_BASE_ACCEPTED`), else ValueError
+    (one line, the URL shown without its credentials).
+
+    What is refused is what cannot be a URL in a link and would break the rules file: a control
+    character or ESC (PyYAML and promtool refused the file), ``{{`` (Prometheus reads an annotation
+    as a template), a byte that was not UTF-8 (the file could not be written), a quote, a backslash
+    or ``#``; and a '%' that is not an escape, a bad port, no host.
+    """
+    from openlora_otel._args import check_url
+
+    shown = redact_url(base)
+    if not base or not set(base) <= _RUNBOOK_BASE_CHARS or re.search(r"%(?![0-9A-Fa-f]{2})", base):
+        raise ValueError(f"a runbook base is {RUNBOOK_BASE_ACCEPTED}, got {shown!r}")
+    check_url("--runbook-base", base)  # a ConfigError, a ValueError: the scheme, the host, the port
     return base
 
 

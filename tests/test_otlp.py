@@ -229,3 +229,30 @@ def test_failure_reason_survives_the_sdks_duplicate_filter(caplog: pytest.LogCap
     failed = [r.getMessage() for r in caplog.records if r.name == "openlora_otel.exporters"]
     assert len(failed) == 3, failed
     assert all("StatusCode.UNAVAILABLE" in message for message in failed), failed
+
+
+@pytest.mark.parametrize(
+    ("protocol", "query", "named"),
+    [
+        ("http/protobuf", "?api_key=Zq7PW-s3cret&tenant=&Zq7PW-bare", "api_key, a bare value"),
+        ("http/protobuf", "?token=Zq7PW-s3cret", "token"),
+        ("http/protobuf", "?tenant=", None),
+        ("http/protobuf", "", None),
+        ("grpc", "", None),
+    ],
+)
+def test_query_values_in_the_endpoint_are_warned_about_once_by_name(
+    protocol: str, query: str, named: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """urllib3 logs `POST /v1/metrics?api_key=...` at DEBUG: a token belongs in OTEL_EXPORTER_OTLP_HEADERS."""
+    from openlora_otel.exporters.otlp import build_otlp_reader
+
+    caplog.set_level(logging.WARNING)
+    env = otlp_env(protocol, 9, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:9/otlp{query}")
+    build_otlp_reader(TelemetryConfig.from_env(env)).shutdown(timeout_millis=1000)
+    warned = [r.getMessage() for r in caplog.records if "carries query values" in r.getMessage()]
+    if named is None:
+        assert warned == []
+        return
+    assert len(warned) == 1 and f"carries query values ({named})" in warned[0], warned
+    assert "OTEL_EXPORTER_OTLP_HEADERS" in warned[0] and "Zq7PW" not in warned[0]

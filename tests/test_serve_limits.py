@@ -8,9 +8,11 @@ the server's memory, its metrics and its log.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import random
+import re
 import socket
 import threading
 import time
@@ -29,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from openlora_otel.serving import limits as limits_module
 from openlora_otel.serving.limits import (
     CONNECTIONS_CLOSED,
     DepthScanner,
@@ -37,6 +40,7 @@ from openlora_otel.serving.limits import (
     http_protocol,
     json_depth,
 )
+from openlora_otel.serving.server import _Server
 from tests.support.polling import wait_until
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -347,6 +351,104 @@ def test_past_the_connection_cap_half_open_connections_make_room_for_health(read
         for sock in held:
             sock.close()
         server.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _post(2, b"{}").replace(b"Content-Length: 2", b"Content-Length: 2\r\nContent-Length: 3"),
+        _post(2, b"{}").replace(b"Content-Length: 2", b"Content-Length: 2x"),
+        _post(None, b"zz\r\n{}\r\n0\r\n\r\n"),
+        b"GET /hea\x00lth HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /hea lth HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: t\r\nX-Big: " + b"x" * 20_000,  # no end in 16 KiB
+    ],
+    ids=[
+        "two-content-lengths",
+        "bad-content-length",
+        "bad-chunk-size",
+        "nul-in-the-path",
+        "space-in-the-path",
+        "headers-over-16k",
+    ],
+)
+def test_what_uvicorns_parser_refuses_is_a_400_in_the_openai_shape(
+    server: LocalServer, reader: InMemoryMetricReader, request_bytes: bytes
+) -> None:
+    """uvicorn answered these text/plain "Invalid HTTP request received."; the app never reads a body (a bad
+    chunk size comes after the headers: the app sees the client leave)."""
+    with server.connect() as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = _answer(sock)
+        assert _closed(sock)
+    assert status == 400 and headers["content-type"] == "application/json", (status, headers, body)
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
+    assert "not valid HTTP/1.1" in error["message"] and error["param"] is None
+    assert server.parsed == 0
+    assert _closed_connections(reader) == {"invalid_http": 1}
+    assert _health(server) == 200
+
+
+class _NoDescriptorsLeft(socket.socket):
+    """A listening socket whose accept() fails as it does past the open files limit (EMFILE)."""
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_past_the_open_files_limit_a_failed_accept_is_one_warning_per_interval_with_a_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio logged a traceback per failed accept(), up to the backlog each turn of the loop: about
+    8,000 (3.2 MB) in 5 s under `ulimit -n 1024`. Now: one warning per interval (1 s here), counted."""
+    monkeypatch.setattr(limits_module, "WARN_EVERY_S", 1.0)
+    caplog.set_level(logging.WARNING)
+    app = FastAPI()
+    listener = _NoDescriptorsLeft(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    config = uvicorn.Config(
+        app, http=http_protocol(Limits()), log_config=None, log_level="warning", lifespan="off"
+    )
+    server = _Server(config, on_stop=lambda: None)
+    thread = threading.Thread(target=server.run, args=([listener],), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.server.started, 10, "uvicorn started", interval=0.05)
+        # Waits in the backlog: the listener stays readable and every accept() fails.
+        with socket.create_connection(listener.getsockname(), timeout=5):
+            time.sleep(2.5)
+    finally:
+        server.server.should_exit = True
+        thread.join(10)
+        listener.close()
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert 2 <= len(records) <= 4, (len(records), [r.getMessage()[:200] for r in records[:3]])
+    counts = []
+    for record in records:
+        assert record.name == "openlora_otel.serving.limits" and record.exc_info is None, record.getMessage()
+        message = record.getMessage()
+        assert "cannot accept new connections: Too many open files" in message, message
+        counts.append(int(re.search(r"\((\d+) failed accept\(s\) since the last warning", message)[1]))
+    assert counts[0] == 1 and all(count > 1 for count in counts[1:]), counts
+
+
+def test_other_loop_errors_still_go_to_the_default_handler(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    loop = asyncio.new_event_loop()
+    try:
+        handler = limits_module.AcceptErrorLog()
+        no_descriptors = OSError(errno.EMFILE, "Too many open files")
+        handler(loop, {"message": "something else", "exception": no_descriptors})
+        handler(loop, {"message": "socket.accept() failed", "exception": OSError(errno.ECONNRESET, "reset")})
+    finally:
+        loop.close()
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("asyncio", "something else"),
+        ("asyncio", "socket.accept() failed"),
+    ]
+    assert handler.since_warning == 0 and handler.warned_at is None
 
 
 def test_a_client_that_hangs_up_mid_body_is_one_log_line(server: LocalServer, caplog: pytest.LogCaptureFixture) -> None:

@@ -259,3 +259,12 @@ def test_a_failure_no_route_caught_answers_in_the_openai_shape_without_its_text(
     answer = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
     assert answer["error"]["type"] == "server_error" and answer["error"]["code"] == "internal_error"
     assert "secret" not in json.dumps(answer) and "prompt" not in answer["error"]["message"]
+
+
+def test_the_default_max_tokens_stays_within_a_lower_limit() -> None:
+    """--max-new-tokens-limit 8: a request without max_tokens gets 8 tokens, not the default 16."""
+    body = json.dumps({"model": "a1", "prompt": "x"}).encode()
+    assert parse(body, COMPLETION, Served(), 8).max_tokens == 8
+    assert parse(body, COMPLETION, Served(), 512).max_tokens == protocol.DEFAULT_MAX_TOKENS
+    chat_body = json.dumps({"model": "a1", "messages": [{"role": "user", "content": "x"}]}).encode()
+    assert parse(chat_body, CHAT, Served(), 3).max_tokens == 3

@@ -154,6 +154,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         if json_file is not None:
             json_file.close()
     if not result.reached:
-        print(f"openlora-otel load: no request could connect to {options.url}", file=err)
+        print(f"openlora-otel load: no request could connect to {options.shown_url}", file=err)
         return 1
     return 130 if result.interrupted else 0

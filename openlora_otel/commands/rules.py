@@ -25,7 +25,8 @@ def add_runbook_base_argument(parser: argparse.ArgumentParser) -> None:
         type=runbook_base,
         default=DEFAULT_RUNBOOK_BASE,
         metavar="URL",
-        help="what every alert's runbook_url starts with, before '#' and the alert's name in lower case: "
+        help="what every alert's runbook_url starts with (an http:// or https:// URL), before '#' and the "
+        "alert's name in lower case: "
         "the docs site's runbooks page (default %(default)s, where the site is meant to be published; "
         "`mkdocs serve` serves it at http://127.0.0.1:8000/runbooks/)",
     )

@@ -9,8 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import urlsplit
 
+from openlora_otel._args import check_url
 from openlora_otel.commands.rules import add_runbook_base_argument
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.discovery import scrape_address
@@ -74,14 +74,11 @@ def _ranks(text: str) -> int:
 
 def _webhook(text: str) -> str:
     # argparse quotes the raw value of any other exception (a ValueError from urlsplit, say): every
-    # refusal goes through this message, redacted.
+    # refusal goes through this message, redacted (the path too: a Slack webhook's is its token).
     try:
-        parts = urlsplit(text)
-        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:
-        valid = False
-    if not valid:
-        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {redact_url(text, path=True)!r}")
+        check_url("--webhook", text, hide_path=True)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -185,13 +185,13 @@ def _s_accepted(bounds_ms: tuple[float, float]) -> str:
 
 
 def _check_endpoint(
-    variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = ""
+    variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = "", shown: str = ""
 ) -> SplitResult:
-    """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted.
+    """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted (or as ``shown``).
 
     ``schemes`` containing ``""`` allows gRPC's scheme-less ``host:port``.
     """
-    shown = redact_url(endpoint)
+    shown = shown or redact_url(endpoint)
     accepted = accepted or ("an http:// or https:// URL" + (", or host:port" if "" in schemes else ""))
     # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):

@@ -5,11 +5,17 @@ endpoint, headers, TLS files), so the SDK's own environment parsing never
 decides anything. The exporter is wrapped so that an unreachable collector is
 reported once, with the SDK's reason (credentials redacted), and its recovery
 once, instead of one error line per export interval for the whole run.
+
+An http/protobuf endpoint whose query carries values (``?api_key=...``) is warned about once at
+setup: our messages redact them, but libraries log the request line at DEBUG (urllib3:
+``POST /v1/metrics?api_key=...``), so a token belongs in a header (``OTEL_EXPORTER_OTLP_HEADERS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from urllib.parse import urlsplit
 
 from opentelemetry.sdk.metrics import (
     Counter,
@@ -30,6 +36,8 @@ from openlora_otel.config import OTLPConfig, TelemetryConfig
 from openlora_otel.exporters.guard import GuardedExporter
 
 __all__ = ["build_otlp_exporter", "build_otlp_reader", "temporality_for"]
+
+_logger = logging.getLogger(__name__)
 
 
 _CUMULATIVE = AggregationTemporality.CUMULATIVE
@@ -116,6 +124,7 @@ def build_otlp_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:
     within two intervals, and no export outlives the shutdown bound by much.
     """
     otlp = config.otlp
+    _warn_of_query_values(otlp)
     cap_s = config.export_interval_ms / 1000.0
     if otlp.timeout_s > cap_s:
         otlp = dataclasses.replace(otlp, timeout_s=cap_s)
@@ -125,6 +134,27 @@ def build_otlp_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:
         export_interval_millis=config.export_interval_ms,
         export_timeout_millis=config.export_timeout_ms,
     )
+
+
+def _warn_of_query_values(otlp: OTLPConfig) -> None:
+    """One warning when the http/protobuf endpoint's query carries values (a token, most likely): they
+    are sent in the request line, which urllib3 logs at DEBUG in full. Names only; never a value."""
+    if otlp.protocol != "http/protobuf":
+        return  # gRPC sends no query: the endpoint is a host and port
+    names = []
+    for item in urlsplit(otlp.endpoint).query.split("&"):
+        name, equals, value = item.partition("=")
+        if value or (item and not equals):
+            # A bare item (?TOKEN) is all value: named as such, as redaction hides it.
+            names.append(name if equals else "a bare value")
+    if names:
+        _logger.warning(
+            "openlora-otel: the OTLP endpoint %s carries query values (%s): they are sent in every request "
+            "line, which HTTP libraries log at DEBUG (urllib3: POST /v1/metrics?...); put a token in a "
+            'header instead: OTEL_EXPORTER_OTLP_HEADERS="name=value" (docs/how-to/collector.md)',
+            otlp.redacted_endpoint(),
+            ", ".join(dict.fromkeys(names)),
+        )
 
 
 def _describe(otlp: OTLPConfig) -> str:

@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from openlora_otel._args import check_url
+from openlora_otel.config import ConfigError
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
 from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, promql_string, run_target
@@ -43,9 +45,11 @@ class PrometheusSource:
     """One Prometheus server; :meth:`run` reads one run from it."""
 
     def __init__(self, url: str, *, timeout_s: float = TIMEOUT_S) -> None:
+        try:  # a bad port, "[::1", a space: a usage error that never shows the password, not a traceback
+            check_url("--prometheus", url, host_port=True)
+        except ConfigError as exc:
+            raise ReportError(str(exc)) from None
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ReportError(f"--prometheus {redact_url(url)!r} is not an http(s) URL (http://HOST:PORT)")
         self.shown = redact_url(url)
         self._secrets = url_secrets(url)
         self._headers = {"Accept": "application/json"}

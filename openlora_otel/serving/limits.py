@@ -17,17 +17,23 @@ Two pieces, both installed by ``openlora-otel serve``:
   nothing at all after a response, and a fresh connection has no timer) and a cap on open
   connections (past ``max_connections`` the connection that has waited longest for its headers
   is closed, so half-open connections cannot use up the file descriptors and starve /health).
+- :class:`AcceptErrorLog`, the event loop's exception handler while serving: an ``accept()`` that fails
+  for want of file descriptors (``Too many open files``) is one warning per :data:`WARN_EVERY_S` with
+  the count since the last, not asyncio's traceback per failed ``accept()``.
 
 Every refusal is counted: the HTTP server metrics (opentelemetry-instrumentation-fastapi, outside
 this middleware) record the status code of each refused request, the inference routes also record
 the request in ``gen_ai.server.request.duration`` with ``error.type`` (the error's ``code``), and
 connections closed before they were a request are counted in ``openlora.serve.connections.closed``
-with ``error.type`` ``header_timeout`` or ``connection_limit``.
+with ``error.type`` ``header_timeout`` or ``connection_limit``, and so are the bytes uvicorn's HTTP
+parser refuses (``invalid_http``: no request reaches the app), answered with a 400 in the OpenAI
+error shape instead of uvicorn's text/plain one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import logging
@@ -45,6 +51,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_JSON_DEPTH",
+    "AcceptErrorLog",
     "DepthScanner",
     "Limits",
     "RequestLimits",
@@ -77,6 +84,7 @@ TOO_LARGE = "request_too_large"
 TOO_DEEP = "json_too_deep"
 TIMEOUT = "request_timeout"
 CANCELLED = "cancelled"  # the client went away: the same error.type as a stream whose client left
+INVALID_HTTP = "invalid_http"  # bytes uvicorn's HTTP parser refused: no request for the app to see
 
 
 @dataclass(frozen=True)
@@ -375,7 +383,8 @@ def http_protocol(
         closed = meter_provider.get_meter("openlora_otel.serving").create_counter(
             CONNECTIONS_CLOSED,
             unit="{connection}",
-            description="Connections the server closed before they made a request: header_timeout, connection_limit.",
+            description="Connections the server closed before they made a request: header_timeout, "
+            "connection_limit, invalid_http.",
         )
     # Connections waiting for a request's headers, oldest first (a dict keeps insertion order).
     waiting: dict[Any, None] = {}
@@ -455,6 +464,27 @@ def http_protocol(
             count("header_timeout")
             self._close_waiting(timed_out=True)
 
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's HTTP parser refused the bytes (a bad or repeated Content-Length, a bad chunk size,
+            # a NUL or space in the path, headers over 16 KiB): uvicorn answers text/plain "Invalid HTTP
+            # request received."; this is the OpenAI error shape every other refusal has.
+            self._stop_waiting()
+            count(INVALID_HTTP)
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                body = error_body(
+                    "the request is not valid HTTP/1.1 (refused by the server's HTTP parser: a bad or "
+                    "repeated Content-Length, a bad chunk size, a control character or space in the "
+                    "request line, headers over 16 KiB, ...)",
+                    INVALID_HTTP,
+                )
+                self.transport.write(
+                    b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+            self.transport.close()
+
         def _close_waiting(self, timed_out: bool = False) -> None:
             self._stop_waiting()
             if self.transport.is_closing():
@@ -472,3 +502,61 @@ def http_protocol(
 
     LimitedHTTPProtocol.__name__ = LimitedHTTPProtocol.__qualname__ = f"Limited{base.__name__}"
     return LimitedHTTPProtocol
+
+
+# -- accept() past the open files limit -------------------------------------------------------------
+# What asyncio's selector loop reports as "socket.accept() out of system resource".
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class AcceptErrorLog:
+    """The event loop's exception handler while serving (``loop.set_exception_handler``): an
+    ``accept()`` that fails for want of resources (``EMFILE``: the open files limit) is one warning per
+    ``interval`` seconds (:data:`WARN_EVERY_S`) with the count since the last; anything else goes to
+    the loop's default handler, as before.
+
+    Past the limit, asyncio's selector loop (Python 3.11) logged a traceback for every failed
+    ``accept()``, up to the listen backlog (2048) of them per turn of the loop: under ``ulimit -n
+    1024``, 1,100 half-open connections and a connection cap lowered to 960 made about 8,000
+    tracebacks (3.2 MB) in 5 s. The connections it could not accept wait in the backlog, and are
+    accepted as descriptors free up (the connection cap and the header timeout close the idle ones).
+    """
+
+    def __init__(self, interval: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = WARN_EVERY_S if interval is None else interval
+        self.clock = clock
+        self.since_warning = 0
+        self.warned_at: float | None = None
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if not (
+            isinstance(exc, OSError)
+            and exc.errno in ACCEPT_RESOURCE_ERRNOS
+            and "accept" in context.get("message", "")
+        ):
+            loop.default_exception_handler(context)
+            return
+        self.since_warning += 1
+        now = self.clock()
+        if self.warned_at is not None and now - self.warned_at < self.interval:
+            return
+        _logger.warning(
+            "openlora-otel serve: cannot accept new connections: %s (%d failed accept(s) since the last "
+            "warning; the open files limit is %s); they wait until descriptors free up (--max-connections, "
+            "--header-timeout)",
+            exc.strerror or exc,
+            self.since_warning,
+            _open_files_limit(),
+        )
+        self.since_warning, self.warned_at = 0, now
+
+
+def _open_files_limit() -> str:
+    """The soft limit on open files (``ulimit -n``), as text; "unknown" where there is none to read."""
+    try:
+        import resource
+    except ImportError:
+        return "unknown"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)

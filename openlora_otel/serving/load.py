@@ -32,7 +32,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-from urllib.parse import urlsplit
+
+from openlora_otel.redaction import redact, redact_url, url_secrets
 
 __all__ = [
     "LoadOptions",
@@ -96,9 +97,14 @@ class LoadOptions:
             counts.append(max(1, math.ceil(self.rate * self.duration - 1e-9)))
         return min(counts)
 
+    @property
+    def shown_url(self) -> str:
+        """``url`` as printed and written: without its user info, query values and fragment."""
+        return redact_url(self.url)
+
     def as_json(self) -> dict[str, Any]:
         return {
-            "url": self.url,
+            "url": self.shown_url,
             "rate": self.rate,
             "duration_s": self.duration,
             "requests": self.requests,
@@ -243,14 +249,17 @@ class _Target:
 
     @classmethod
     def parse(cls, url: str) -> _Target:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise LoadUsageError(f"--url {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+        """``url`` checked as every URL argument is (:func:`openlora_otel._args.check_url`); LoadUsageError,
+        which never shows its password, if it cannot be used."""
+        from openlora_otel._args import check_url
+        from openlora_otel.config import ConfigError
+
         try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            raise LoadUsageError(f"--url {url!r}: the port is not a number 0..65535") from None
-        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+            parts = check_url("--url", url)
+        except ConfigError as exc:
+            raise LoadUsageError(str(exc)) from None
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname or "", port, parts.path.rstrip("/"))
 
     def connection(self, timeout: float) -> http.client.HTTPConnection:
         if self.scheme == "https":
@@ -424,7 +433,7 @@ def _send(target: _Target, options: LoadOptions, body: bytes, outcome: Outcome) 
 def list_models(url: str, timeout: float) -> tuple[tuple[str, float], ...]:
     """Every model id GET /v1/models lists, weight 1 each (the default mix)."""
     target = _Target.parse(url)
-    models_url = url.rstrip("/") + "/v1/models"
+    models_url = redact_url(url.rstrip("/") + "/v1/models")
     deadline = _Deadline(timeout)
     connection = target.connection(timeout)
     try:
@@ -435,7 +444,7 @@ def list_models(url: str, timeout: float) -> tuple[tuple[str, float], ...]:
         response = connection.getresponse()
         body = _read(response, sock, deadline, 1 << 24)
     except (OSError, http.client.HTTPException) as exc:
-        raise Unreachable(f"GET {models_url} failed: {_describe(exc)}") from None
+        raise Unreachable(redact(f"GET {models_url} failed: {_describe(exc)}", url_secrets(url))) from None
     finally:
         connection.close()
     if response.status != 200:
@@ -465,7 +474,7 @@ def run_load(options: LoadOptions, *, log: TextIO | None = None) -> LoadResult:
     if log is not None:
         print(
             f"openlora-otel load: {len(schedule)} requests at {options.rate:g}/s "
-            f"(over {schedule[-1].at_s:.1f} s) to {options.url}, "
+            f"(over {schedule[-1].at_s:.1f} s) to {options.shown_url}, "
             f"{'streaming' if options.stream else 'not streaming'}, max_tokens {options.max_tokens}, "
             f"at most {options.concurrency} in flight; mix "
             + ",".join(f"{name}={weight:g}" for name, weight in mix),

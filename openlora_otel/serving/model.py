@@ -216,10 +216,15 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 def _draw(torch: Any, logits: Any, sampling: Sampling) -> int:
     """One token drawn from ``softmax(logits / temperature)`` cut to its ``top_p`` nucleus.
 
-    On the CPU in float32: the generator is a CPU one (a seed then means the same on any device), and
+    On the CPU in float64: the generator is a CPU one (a seed then means the same on any device), and
     the vocabulary is the demo's 32 characters, so the copy costs nothing next to the forward pass.
+    The logits are shifted so that their largest is 0 before the division: then no temperature, down
+    to the smallest a float holds (5e-324), makes an infinity or a NaN (``inf - inf``); the other
+    logits go to -inf, probability 0, and a tiny temperature is greedy. In float32, or unshifted,
+    a temperature of 1e-40 overflowed and ``torch.multinomial`` refused the NaNs (a 500).
     """
-    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+    logits = logits.double().cpu()
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         ordered, order = torch.sort(probs, descending=True)
         # Keep a token while the mass before it is below top_p.

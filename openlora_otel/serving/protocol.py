@@ -100,9 +100,21 @@ class ProtocolError(Exception):
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape; ``type`` from the status as OpenAI names them."""
+    """OpenAI's error shape; ``type`` from the status as OpenAI names them.
+
+    ``message`` and ``param`` may quote the request (a parameter's name), and JSON lets a request
+    hold a lone surrogate (``"\\ud800"``), which no UTF-8 answer can carry: each is written as its
+    escape (``\\ud800``), so the refusal is still a 400, not a 500 while encoding it.
+    """
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": kind, "param": _encodable(param), "code": code}}
+
+
+def _encodable(text: str | None) -> str | None:
+    """``text`` with any lone surrogate written as its backslash escape (valid UTF-8 throughout)."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -307,7 +319,9 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
                 adapter,
             )
         token_param = "max_completion_tokens"
-    max_tokens = _integer(payload, token_param, DEFAULT_MAX_TOKENS, 1, max_tokens_limit, adapter)
+    # The default, 16, is lowered to a --max-new-tokens-limit under it: the limit holds for every request.
+    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    max_tokens = _integer(payload, token_param, default, 1, max_tokens_limit, adapter)
 
     stop = payload.get("stop")
     if stop is None:

@@ -56,6 +56,7 @@ from openlora_otel.inference.metrics import InferenceRequest
 from openlora_otel.serving import protocol
 from openlora_otel.serving.limits import (
     DEFAULT_LIMITS,
+    AcceptErrorLog,
     Limits,
     RequestLimits,
     http_protocol,
@@ -508,7 +509,9 @@ def load_models(
 
 
 class _Server:
-    """uvicorn's server whose SIGINT/SIGTERM only ask it to stop: the signal is not raised again afterwards.
+    """uvicorn's server whose SIGINT/SIGTERM only ask it to stop: the signal is not raised again afterwards,
+    and whose event loop logs accept() failures past the open files limit once per interval
+    (:class:`~openlora_otel.serving.limits.AcceptErrorLog`).
 
     (uvicorn re-raises a captured signal once it has stopped, which would end the process before
     the in-flight generations are joined and the telemetry's final values are delivered.)
@@ -533,6 +536,11 @@ class _Server:
                 finally:
                     for sig, handler in previous.items():
                         signal.signal(sig, handler)
+
+            async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+                # Past the open files limit: one warning per interval, not a traceback per failed accept().
+                asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+                await super().serve(sockets)
 
             def handle_exit(self, sig: int, frame: Any) -> None:
                 if self.stopped_by is None:

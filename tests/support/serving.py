@@ -205,3 +205,101 @@ def requests_by(text: str) -> dict[tuple[str, str], float]:
             key = (labels.get("openlora_adapter_name", ""), labels.get("error_type", ""))
             counts[key] = counts.get(key, 0) + value
     return counts
+
+
+# -- in process: the app on an untrained base, called over ASGI ------------------------------------------
+
+
+class InProcessServe:
+    """``build_app`` on a freshly drawn, tiny (untrained) demo base saved under ``directory``: no child
+    process, the real protocol, service, limits and generation. Each ``post`` is one ASGI call;
+    ``close()`` stops the worker threads and the telemetry."""
+
+    def __init__(self, directory: Path, *, max_new_tokens_limit: int = 4) -> None:
+        import torch
+        import transformers
+
+        from openlora_otel import TelemetryConfig, setup_telemetry
+        from openlora_otel.demo.corpus import ALPHABET
+        from openlora_otel.demo.layout import save_base
+        from openlora_otel.serving.model import ServedModels
+        from openlora_otel.serving.server import CompletionService, ServeOptions, build_app
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=len(ALPHABET),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            tie_word_embeddings=False,
+        )
+        base = save_base(
+            directory,
+            transformers.LlamaForCausalLM(config),
+            alphabet=ALPHABET,
+            base_model="tiny-llama",
+            context_length=16,
+        )
+        self.models = ServedModels(base, device="cpu")
+        self.telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
+        self.service = CompletionService(
+            self.models, self.telemetry, ServeOptions(max_new_tokens_limit=max_new_tokens_limit)
+        )
+        self.app = build_app(self.service, self.telemetry)
+
+    def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, body) of ``POST path`` with ``body`` (see :func:`asgi_post`)."""
+        return asgi_post(self.app, path, body)
+
+    def close(self) -> None:
+        self.service.close()
+        self.telemetry.shutdown()
+
+
+def asgi_post(app: Any, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one ``POST path`` with a JSON ``body``, sent to the ASGI ``app`` in process
+    (within ``timeout`` seconds). An exception the app raises (Starlette re-raises a 500's) is raised here."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+    answered: asyncio.Event | None = None
+
+    async def receive() -> dict[str, Any]:
+        nonlocal answered
+        if incoming:
+            return incoming.pop(0)
+        # The client stays until the whole answer is sent (a stream ends early when it disconnects).
+        answered = answered or asyncio.Event()
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal answered
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            answered = answered or asyncio.Event()
+            answered.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8000),
+    }
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    headers = {name.decode().lower(): value.decode() for name, value in start.get("headers", [])}
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], headers, body
