@@ -44,6 +44,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from openlora_otel.files import open_regular_file
+
 __all__ = ["WARNED_LINES", "AttributeValue", "HistoryReader", "Point", "Snapshot", "read_history"]
 
 _logger = logging.getLogger(__name__)
@@ -106,7 +108,8 @@ def read_history(path: str | os.PathLike[str]) -> HistoryReader:
 
     The reader's ``skipped`` counts the bad lines passed so far (see the module
     docstring for what makes a line bad). Raises ``OSError`` when the file
-    cannot be opened (at the first ``next()``, as the file is opened lazily).
+    cannot be opened, :class:`~openlora_otel.files.NotARegularFile` (an ``OSError``) when it is not a
+    regular file (a FIFO, a device, a directory), at the first ``next()``, as the file is opened lazily.
     """
     return HistoryReader(path)
 
@@ -123,7 +126,7 @@ class HistoryReader(Iterator[Snapshot]):
         return next(self._snapshots)
 
     def _read(self) -> Iterator[Snapshot]:
-        with open(self.path, "rb") as handle:
+        with open_regular_file(self.path) as handle:  # a FIFO or a device: refused, not read forever
             for number, raw in enumerate(handle, start=1):
                 if not raw.endswith(b"\n"):
                     break  # a line still being written, or cut short: not a line yet

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from openlora_otel import history
+from openlora_otel.files import NotARegularFile
 from openlora_otel.names import (
     ATTR_EVAL_METRIC,
     ATTR_RUN_OUTCOME,
@@ -73,7 +75,7 @@ def history_files(paths: Sequence[str]) -> list[Path]:
             if not found:
                 raise ReportError(f"no history files (*.jsonl) in {path}")
             files += found
-        elif path.is_file():
+        elif os.path.lexists(path):  # a file, or something that is not one: the reader says which
             files.append(path)
         else:
             raise ReportError(f"{path}: no such file or directory")
@@ -114,6 +116,8 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                     bad += 1
                     if bad <= history.WARNED_LINES:  # as the reader: a file of them is counted, not listed
                         _logger.warning("%s line %d: %s; skipped", path, snapshot.line, exc)
+        except NotARegularFile as exc:
+            raise ReportError(str(exc)) from None
         except OSError as exc:
             raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
         bad += reader.skipped
