@@ -43,12 +43,14 @@ from openlora_otel.names import (
 from openlora_otel.report.model import (
     EVAL_PREFIX,
     QUANTITIES,
+    SHOWN_METRIC,
     STEPS_LOST_METRIC,
     TIME_METRIC,
     ReportError,
     Row,
     Run,
     TimeSample,
+    shown,
     time_breakdown,
 )
 from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
@@ -180,8 +182,8 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     values: dict[str, float] = {}
     for point in snapshot.metrics.get(_EVAL_VALUE, ()):
         metric = point.attributes.get(ATTR_EVAL_METRIC)
-        if metric is not None and point.value is not None:
-            values[f"{EVAL_PREFIX}{metric}"] = float(point.value)
+        if metric is not None and point.value is not None:  # its name a panel title, shown in full: bounded
+            values[f"{EVAL_PREFIX}{shown(metric, SHOWN_METRIC)}"] = float(point.value)
     for quantity in QUANTITIES:
         found = []
         for point in snapshot.metrics.get(quantity.otel_name, ()):
