@@ -246,3 +246,13 @@ def test_fuzz_checkpoint(tmp_path_factory: pytest.TempPathFactory, data: st.Data
         assert "\n" not in str(exc) and str(directory / CHECKPOINT_FILE) in str(exc)
     else:
         assert isinstance(state["step"], int) and state["adapter"]
+
+
+def test_a_checkpoint_of_another_lora_rank_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--checkpoint-dir", str(tmp_path), "--eval-every", "0", "--exporter", "none", "--device", "cpu"]
+    assert _demo(*common, "--checkpoint-every", "1", "--lora-r", "8") == 0
+    capsys.readouterr()
+    assert _demo(*common, "--resume", "--lora-r", "4", timeout=300) == 2
+    _one_line_refusal(capsys, "--resume:", f"{tmp_path / CHECKPOINT_FILE} does not fit this model")

@@ -450,7 +450,9 @@ def _os_problem(path: Path, exc: OSError) -> str:
 
 
 def _first_line(message: object, limit: int = 200) -> str:
-    text = (str(message).strip().splitlines() or [""])[0]
+    """The message's first line (and the next, when the first only introduces it), at most ``limit`` long."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()] or [""]
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
