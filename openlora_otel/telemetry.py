@@ -318,7 +318,8 @@ class Telemetry:
 
         It first settles :attr:`outcome` (``openlora.run.outcome``), so that the final
         collection says how the run ended; called inside an ``except`` block, that
-        exception counts as the run's end (``failed``).
+        exception counts as the run's end (``failed``). Last, the progress file of
+        ``training.track_progress()`` gets every step recorded, whatever the exporter.
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
