@@ -30,7 +30,9 @@ the wrong type or out of range where the reader reads it:
   diverged run's loss is NaN and the report draws it as such. An integer too
   large for a float is refused.
 - a boolean is never a number; metric names, attribute keys and ``stringValue``
-  are strings, ``boolValue`` a boolean.
+  are strings, ``boolValue`` a boolean; ``resourceMetrics``, ``scopeMetrics``,
+  ``metrics``, ``dataPoints``, ``attributes``, an array's ``values``,
+  ``explicitBounds`` and ``bucketCounts`` are lists (a string there is no list).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from openlora_otel.files import open_regular_file
 
 __all__ = ["WARNED_LINES", "AttributeValue", "HistoryReader", "Point", "Snapshot", "read_history"]
 
@@ -106,7 +110,8 @@ def read_history(path: str | os.PathLike[str]) -> HistoryReader:
 
     The reader's ``skipped`` counts the bad lines passed so far (see the module
     docstring for what makes a line bad). Raises ``OSError`` when the file
-    cannot be opened (at the first ``next()``, as the file is opened lazily).
+    cannot be opened, :class:`~openlora_otel.files.NotARegularFile` (an ``OSError``) when it is not a
+    regular file (a FIFO, a device, a directory), at the first ``next()``, as the file is opened lazily.
     """
     return HistoryReader(path)
 
@@ -123,7 +128,7 @@ class HistoryReader(Iterator[Snapshot]):
         return next(self._snapshots)
 
     def _read(self) -> Iterator[Snapshot]:
-        with open(self.path, "rb") as handle:
+        with open_regular_file(self.path) as handle:  # a FIFO or a device: refused, not read forever
             for number, raw in enumerate(handle, start=1):
                 if not raw.endswith(b"\n"):
                     break  # a line still being written, or cut short: not a line yet
@@ -153,12 +158,12 @@ class HistoryReader(Iterator[Snapshot]):
 
 
 def _snapshots(body: Mapping[str, Any], number: int) -> Iterator[Snapshot]:
-    for resource_metrics in body.get("resourceMetrics", ()):
-        resource = _attributes(resource_metrics.get("resource", {}).get("attributes", ()))
+    for resource_metrics in _typed(body.get("resourceMetrics", []), list, "resourceMetrics"):
+        resource = _attributes(resource_metrics.get("resource", {}).get("attributes", []))
         metrics: dict[str, list[Point]] = {}
         latest = 0
-        for scope_metrics in resource_metrics.get("scopeMetrics", ()):
-            for metric in scope_metrics.get("metrics", ()):
+        for scope_metrics in _typed(resource_metrics.get("scopeMetrics", []), list, "scopeMetrics"):
+            for metric in _typed(scope_metrics.get("metrics", []), list, "metrics"):
                 name = metric["name"]
                 if not isinstance(name, str):
                     raise _BadValue(f"a metric name is {_show(name)}, not a string")
@@ -166,7 +171,7 @@ def _snapshots(body: Mapping[str, Any], number: int) -> Iterator[Snapshot]:
                 for kind, data in metric.items():
                     if not isinstance(data, dict) or "dataPoints" not in data:
                         continue
-                    for raw in data["dataPoints"]:
+                    for raw in _typed(data["dataPoints"], list, "dataPoints"):
                         nanos = _integer(raw.get("timeUnixNano", 0), _UINT64, "timeUnixNano")
                         latest = max(latest, nanos)
                         found.append(_point(kind, raw, nanos))
@@ -174,7 +179,7 @@ def _snapshots(body: Mapping[str, Any], number: int) -> Iterator[Snapshot]:
 
 
 def _point(kind: str, raw: Mapping[str, Any], nanos: int) -> Point:
-    attributes = _attributes(raw.get("attributes", ()))
+    attributes = _attributes(raw.get("attributes", []))
     if kind in ("gauge", "sum"):
         if "asDouble" in raw:
             value = _float(raw["asDouble"], "asDouble")
@@ -188,8 +193,8 @@ def _point(kind: str, raw: Mapping[str, Any], nanos: int) -> Point:
         sum=_float(raw["sum"], "sum") if "sum" in raw else None,
         min=_float(raw["min"], "min") if "min" in raw else None,
         max=_float(raw["max"], "max") if "max" in raw else None,
-        bounds=tuple(_float(b, "explicitBounds") for b in raw.get("explicitBounds", ())),
-        bucket_counts=tuple(_integer(c, _UINT64, "bucketCounts") for c in raw.get("bucketCounts", ())),
+        bounds=tuple(_float(b, "explicitBounds") for b in _list(raw, "explicitBounds")),
+        bucket_counts=tuple(_integer(c, _UINT64, "bucketCounts") for c in _list(raw, "bucketCounts")),
     )
 
 
@@ -232,6 +237,11 @@ def _float(value: Any, what: str) -> float:
     raise _BadValue(f"{what} is {_show(value)}, not a number")
 
 
+def _list(body: Mapping[str, Any], key: str) -> list[Any]:
+    """``body[key]`` when it is a list, [] when absent; a string or anything else makes the line bad."""
+    return _typed(body.get(key, []), list, key)  # type: ignore[no-any-return]
+
+
 def _typed(value: Any, kind: type, what: str) -> Any:
     if not isinstance(value, kind):
         raise _BadValue(f"{what} is {_show(value)}, not a {kind.__name__}")
@@ -251,7 +261,7 @@ def _short(text: str, limit: int = 80) -> str:
 
 def _attributes(pairs: Any) -> dict[str, AttributeValue]:
     attributes = {}
-    for pair in pairs:
+    for pair in _typed(pairs, list, "attributes"):
         key = pair["key"]
         if not isinstance(key, str):
             raise _BadValue(f"an attribute key is {_show(key)}, not a string")
@@ -269,5 +279,5 @@ def _any_value(value: Mapping[str, Any]) -> AttributeValue:
     if "doubleValue" in value:
         return _float(value["doubleValue"], "doubleValue")
     if "arrayValue" in value:
-        return tuple(_any_value(v) for v in value["arrayValue"].get("values", ()))
+        return tuple(_any_value(v) for v in _typed(value["arrayValue"].get("values", []), list, "values"))
     return None

@@ -318,7 +318,8 @@ class Telemetry:
 
         It first settles :attr:`outcome` (``openlora.run.outcome``), so that the final
         collection says how the run ended; called inside an ``except`` block, that
-        exception counts as the run's end (``failed``).
+        exception counts as the run's end (``failed``). Last, the progress file of
+        ``training.track_progress()`` gets every step recorded, whatever the exporter.
         """
         timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
@@ -363,6 +364,7 @@ class Telemetry:
             elif self.enabled:
                 # Someone else's provider: deliver what we recorded, leave its lifecycle alone.
                 ok = self._flush(budget) and ok
+            self._save_progress(deadline)
         except Exception:  # pragma: no cover - every step above is already guarded
             _logger.warning("telemetry shutdown failed part-way; releasing what it holds", exc_info=True)
             ok = False
@@ -371,6 +373,12 @@ class Telemetry:
             self._shutdown_ok = ok
             self._shutdown_done.set()
         return ok
+
+    def _save_progress(self, deadline: float) -> None:
+        """The progress file (``training.track_progress``) gets every step, whatever the exporter: a pull
+        endpoint nobody scraped at the end (or ever), or no exporter, collected none of the last ones."""
+        if self._training is not None:
+            self._training.save_progress(max(0.05, min(1.0, deadline - time.monotonic())))
 
     def _will_wait_for_final_scrape(self) -> bool:
         endpoint = self._prometheus
@@ -445,6 +453,8 @@ class Telemetry:
         """An application handler called ours: the run is being stopped by SIGTERM, its way."""
         self._outcome.note_signal(signal.SIGTERM)
         self.force_flush()
+        if not self._closed:
+            self._save_progress(time.monotonic() + self._config.shutdown_timeout_s)
 
     def __enter__(self) -> Telemetry:
         return self

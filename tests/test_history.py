@@ -244,11 +244,12 @@ def test_file_names_carry_the_rank_and_never_leave_the_directory(
 ) -> None:
     resource = Resource({"openlora.run.id": "job-7", "openlora.rank": 3})
     assert history_path(tmp_path, resource) == tmp_path / "job-7.rank3.jsonl"
-    assert history_path(tmp_path, Resource({"openlora.run.id": "../../etc/x y"})) == tmp_path / "_.._etc_x_y.jsonl"
+    path = history_path(tmp_path, Resource({"openlora.run.id": "../../etc/x y"}))
+    assert re.fullmatch(r"_\.\._etc_x_y-[0-9a-f]{12}\.jsonl", path.name) and path.parent == tmp_path
     # The rank too: OTEL_RESOURCE_ATTRIBUTES can set it to any string.
-    for rank, name in (("/../../escaped", "r.rank_.._.._escaped.jsonl"), ("a/b", "r.ranka_b.jsonl")):
+    for rank, name in (("/../../escaped", r"r\.rank_\.\._\.\._escaped-[0-9a-f]{12}"), ("a/b", r"r\.ranka_b-[0-9a-f]{12}")):
         path = history_path(tmp_path, Resource({"openlora.run.id": "r", "openlora.rank": rank}))
-        assert path == tmp_path / name and path.parent == tmp_path
+        assert re.fullmatch(name + r"\.jsonl", path.name) and path.parent == tmp_path
 
     telemetry = setup_telemetry(
         config=history_config(tmp_path, resource_attributes={"openlora.rank": 1}), run_id="ddp-run"

@@ -162,10 +162,13 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         args.demo_parser.error(problem)
     if args.resume:
-        from openlora_otel.demo.train import read_run_file
+        from openlora_otel.demo.train import CheckpointError, read_run_file
 
         # The attempt before this one: its run id, and this attempt's number after it.
-        earlier = read_run_file(args.checkpoint_dir) or {}
+        try:
+            earlier = read_run_file(args.checkpoint_dir) or {}
+        except CheckpointError as exc:
+            return fail("demo", f"--resume: {exc}")
         if isinstance(earlier.get("run_id"), str) and earlier["run_id"] and not environ.get("OPENLORA_RUN_ID"):
             environ["OPENLORA_RUN_ID"] = earlier["run_id"]
         attempt = earlier.get("attempt")
@@ -219,6 +222,12 @@ def run(args: argparse.Namespace) -> int:
     unusable = device_problem(args.device, torch)
     if unusable:
         return fail("demo", unusable)
+    if args.resume:
+        # Refused before anything starts: a checkpoint that is no file, no checkpoint, or not this demo's.
+        try:
+            _train.read_checkpoint(args.checkpoint_dir, torch)
+        except _train.CheckpointError as exc:
+            return fail("demo", f"--resume: {exc}")
     options = DemoOptions(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -275,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
             )
     try:
         result = run_demo(options, telemetry, where=where)
+    except _train.CheckpointError as exc:  # the checkpoint changed since the check above, or does not fit
+        return fail("demo", f"--resume: {exc}")
     finally:
         flushed = telemetry.shutdown()
     if ranks.rank == 0:
@@ -310,10 +321,16 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
         return "--checkpoint-dir works with the demo's own loop; drop --hf-trainer"
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return "--checkpoint-dir works in one process; under torchrun drop it"
+    from openlora_otel.demo.train import RUN_FILE
+
     root = Path(args.checkpoint_dir)
     if root.exists() and not root.is_dir():
         return f"--checkpoint-dir: {args.checkpoint_dir} exists and is not a directory"
-    if args.resume and not (root / CHECKPOINT_FILE).is_file():
+    for name in (RUN_FILE, CHECKPOINT_FILE):
+        if (root / name).is_dir():  # replacing it with the file would fail, after training
+            return f"--checkpoint-dir: {root / name} is a directory; the demo writes its {name} there"
+    # A checkpoint.pt that is not a file (a FIFO, a directory) is there: read_checkpoint says what it is.
+    if args.resume and not os.path.lexists(root / CHECKPOINT_FILE):
         return f"--resume: no checkpoint in {args.checkpoint_dir} ({CHECKPOINT_FILE}) to continue from"
     return None
 

@@ -43,6 +43,7 @@ import base64
 import binascii
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -86,20 +87,30 @@ class HistoryLineTooLarge(OSError):
 def history_path(directory: str | os.PathLike[str], resource: Resource) -> Path:
     """``<directory>/<run id>.jsonl``, or ``<run id>.rank<RANK>.jsonl`` when the Resource has a rank.
 
-    Characters other than letters, digits, ``.``, ``_`` and ``-`` in the run id and in the rank
-    become ``_``, so no value (``openlora.rank=/../x`` in ``OTEL_RESOURCE_ATTRIBUTES`` included) can
-    name a file elsewhere or a subdirectory.
+    A run id (or rank) of letters, digits, ``.``, ``_`` and ``-`` that does not start with ``.`` and has
+    no ``.rank`` in it is the name as it is. Any other (``.``, ``..``, ``a/b``, ``ü``) is named by its
+    letters, digits, ``.``, ``_`` and ``-`` (others ``_``, leading dots dropped, at most 64) followed by
+    ``-`` and 12 hex digits of its SHA-256: no value (``openlora.rank=/../x`` in
+    ``OTEL_RESOURCE_ATTRIBUTES`` included) can name a file elsewhere or a subdirectory, and two runs
+    never share a file (``.`` and ``..`` both used to be ``run.jsonl``).
     """
-    run_id = str(resource.attributes.get(RUN_ID_ATTRIBUTE) or "run")
-    name = _safe(run_id).lstrip(".") or "run"
+    name = _name_part(str(resource.attributes.get(RUN_ID_ATTRIBUTE) or "run"))
     rank = resource.attributes.get(RANK_ATTRIBUTE)
     if rank is not None:
-        name += f".rank{_safe(str(rank))}"
+        name += f".rank{_name_part(str(rank))}"
     return Path(directory) / f"{name}.jsonl"
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def _name_part(text: str) -> str:
+    """``text`` in a file name, one to one (see :func:`history_path`)."""
+    if _PLAIN_NAME.fullmatch(text) and ".rank" not in text:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip(".")[:64]
+    return f"{readable or 'run'}-{digest}"
 
 
 def _encoder() -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from openlora_otel import history
+from openlora_otel.files import NotARegularFile
 from openlora_otel.names import (
     ATTR_EVAL_METRIC,
     ATTR_RUN_OUTCOME,
@@ -41,12 +43,14 @@ from openlora_otel.names import (
 from openlora_otel.report.model import (
     EVAL_PREFIX,
     QUANTITIES,
+    SHOWN_METRIC,
     STEPS_LOST_METRIC,
     TIME_METRIC,
     ReportError,
     Row,
     Run,
     TimeSample,
+    shown,
     time_breakdown,
 )
 from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
@@ -73,7 +77,7 @@ def history_files(paths: Sequence[str]) -> list[Path]:
             if not found:
                 raise ReportError(f"no history files (*.jsonl) in {path}")
             files += found
-        elif path.is_file():
+        elif os.path.lexists(path):  # a file, or something that is not one: the reader says which
             files.append(path)
         else:
             raise ReportError(f"{path}: no such file or directory")
@@ -114,6 +118,8 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                     bad += 1
                     if bad <= history.WARNED_LINES:  # as the reader: a file of them is counted, not listed
                         _logger.warning("%s line %d: %s; skipped", path, snapshot.line, exc)
+        except NotARegularFile as exc:
+            raise ReportError(str(exc)) from None
         except OSError as exc:
             raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from None
         bad += reader.skipped
@@ -176,8 +182,8 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     values: dict[str, float] = {}
     for point in snapshot.metrics.get(_EVAL_VALUE, ()):
         metric = point.attributes.get(ATTR_EVAL_METRIC)
-        if metric is not None and point.value is not None:
-            values[f"{EVAL_PREFIX}{metric}"] = float(point.value)
+        if metric is not None and point.value is not None:  # its name a panel title, shown in full: bounded
+            values[f"{EVAL_PREFIX}{shown(metric, SHOWN_METRIC)}"] = float(point.value)
     for quantity in QUANTITIES:
         found = []
         for point in snapshot.metrics.get(quantity.otel_name, ()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ __all__ = [
     "divergence",
     "eval_panels",
     "legend_labels",
+    "shown",
     "smooth",
     "step_times",
     "thin",
@@ -144,9 +146,33 @@ class Row:
     values: dict[str, float]
 
 
+# How much of a text read from a source the report shows: what the writer allows (MAX_RUN_ID_LENGTH,
+# MAX_RUN_NAME_LENGTH, run.MAX_KEY_LENGTH and MAX_VALUE_LENGTH), with room for escapes.
+SHOWN_ID = 160
+SHOWN_NAME = 120
+SHOWN_METRIC = 64
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def shown(text: object, limit: int | None = None) -> str:
+    """``text`` as the report shows it: a lone surrogate (``\\ud800``, which UTF-8 cannot carry: the page,
+    the PNG's text and the terminal fail on it) and a control character (a newline in a name would
+    break the summary's lines) written as their escapes (``\\ud800``, ``\\n``), and at most ``limit``
+    characters (a longer text ends in ``…``). Values come from files anyone can write.
+    """
+    text = str(text)
+    if _UNSHOWN.search(text):
+        text = _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text
+
+
 @dataclass
 class Run:
-    """One training run as read from a source: identity, hyperparameters and samples of its lowest rank."""
+    """One training run as read from a source: identity, hyperparameters and samples of its lowest rank.
+
+    Its texts are kept as :func:`shown` makes them, whatever the source gave."""
 
     run_id: str
     name: str
@@ -159,6 +185,16 @@ class Run:
     time: TimeBreakdown | None = None
     # How it ended (openlora.run.outcome of its lowest rank's latest line); None: not recorded.
     outcome: str | None = None
+
+    def __post_init__(self) -> None:
+        self.run_id = shown(self.run_id, SHOWN_ID)
+        self.name = shown(self.name, SHOWN_NAME)
+        self.hyperparameters = {
+            shown(key, SHOWN_METRIC): shown(value, SHOWN_NAME) for key, value in self.hyperparameters.items()
+        }
+        self.source = shown(self.source)
+        if self.outcome is not None:
+            self.outcome = shown(self.outcome, SHOWN_METRIC)
 
 
 # -- where the time went ---------------------------------------------------------------------

@@ -109,7 +109,8 @@ def summarize(run: Run, run_curves: dict[str, Curve] | None = None) -> Summary:
     run_curves = curves(run.rows) if run_curves is None else run_curves
     # A step count that is NaN or infinite (a corrupt or foreign file) counts no steps, as in curves().
     steps = [v for row in run.rows if (v := row.values.get("steps")) is not None and math.isfinite(v)]
-    stamps = [t for _, t in run_curves.get("last_step_time", [])]
+    # A NaN or infinite timestamp (a foreign or corrupt line) is no time: as in model.step_times().
+    stamps = [t for _, t in run_curves.get("last_step_time", []) if math.isfinite(t) and t > 0]
 
     def last(key: str) -> float | None:
         points = run_curves.get(key)
@@ -1166,7 +1167,7 @@ def _num(value: float | None) -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or not math.isfinite(seconds):
         return _NONE
     if seconds < 120:
         return f"{seconds:.1f} s"

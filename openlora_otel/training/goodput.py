@@ -39,6 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from openlora_otel.files import NotARegularFile, read_regular_file
 from openlora_otel.names import TRAINING_PHASES
 
 __all__ = ["MARKED_PHASES", "STALL_S", "PhaseClock", "ProgressFile", "process_start_time"]
@@ -51,6 +52,8 @@ MARKED_PHASES = ("evaluation", "checkpoint_save", "checkpoint_load")
 STALL_S = 60.0
 _STALL_INTERVALS = 10
 _INT64_MAX = 2**63 - 1  # what OTLP carries: a counter never gets more
+# The progress file is one short JSON object (under 200 bytes); a larger one is not ours.
+_MAX_FILE_BYTES = 64 * 1024
 
 
 # Only the first clock of a process starts at the process's start; a later one (a second
@@ -304,10 +307,14 @@ class ProgressFile:
         self._warned = False
 
     def read(self) -> dict[str, Any] | None:
-        """What the file holds, or None when it is missing or unreadable."""
+        """What the file holds, or None when it is missing or unreadable (not a regular file, larger than
+        64 KiB, not JSON, no step count: warned once)."""
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(read_regular_file(self.path, max_bytes=_MAX_FILE_BYTES))
         except FileNotFoundError:
+            return None
+        except NotARegularFile as exc:  # a FIFO would block, /dev/zero never end: refused, unread
+            self._warn(f"could not read {exc}; ignored")
             return None
         except (OSError, ValueError, RecursionError) as exc:
             self._warn(f"could not read {self.path}: {exc}")

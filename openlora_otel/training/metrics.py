@@ -594,11 +594,33 @@ class TrainingMetrics:
         """Keep the highest global step in ``path``: a directory (made when first written, if missing) gets
         ``openlora-progress.json``; a path ending in ``.json`` is the file.
 
-        Written at each collection and at shutdown, so that an attempt started after a crash knows
-        how far this one got (:meth:`resumed` reads it). Call it before :meth:`resumed`.
+        Written at each collection and at shutdown (``Telemetry.shutdown()``, which also runs on SIGTERM
+        and at interpreter exit), whatever the exporter: steps a pull endpoint was never scraped for
+        count too. So an attempt started after a crash knows how far this one got (:meth:`resumed`
+        reads it). Call it before :meth:`resumed`.
         """
         self._progress = ProgressFile(path)
         return self._progress
+
+    def save_progress(self, timeout_s: float = 1.0) -> None:
+        """Write the progress file of :meth:`track_progress` now, with every step recorded so far,
+        collected or not (none tracked: nothing to do). ``Telemetry.shutdown()`` calls it after the
+        final collection; with a pull endpoint nobody may collect at the end.
+
+        A collection counts the steps of the window it took between taking it and booking it; this
+        waits for that (at most ``timeout_s``, then writes what it knows) so no step is left out.
+        """
+        progress = self._progress
+        if progress is None:
+            return
+        # _roll holds the guard lock from taking the window until its steps are in the clock.
+        locked = self._guard_lock.acquire(timeout=max(0.0, timeout_s))
+        try:
+            step = min(self._clock.global_step + self._window.steps, _INT64_MAX)
+        finally:
+            if locked:
+                self._guard_lock.release()
+        progress.write(step, run_id=self._run_id, attempt=self._attempt)
 
     @property
     def global_step(self) -> int:
