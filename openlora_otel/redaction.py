@@ -48,6 +48,7 @@ _USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]{0,31}://)[^/?#\
 # the URL it failed on): redacted token by token, in linear time (a regex restarting at every "://"
 # of "a://a://..." scanned to the end from each).
 _TOKEN_RE = re.compile(r"[^\s'\"]+")
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 def secret_forms(value: str) -> set[str]:
@@ -122,11 +123,11 @@ def _split(url: str) -> tuple[str, str | None, str, str | None, str | None]:
     The user info runs to the last ``@`` anywhere (see the module's policy), so what follows it holds
     no ``@``; the query starts at the first ``?`` after that, the fragment at the first ``#``.
     """
-    prefix, sep, rest = url.partition("://")
-    if not sep:
-        prefix, rest = "", url
-    else:
-        prefix += sep
+    # Only a scheme before "://" starts the URL: in "user:pw@host:4317/a://b" (gRPC's form has none)
+    # the "://" is later, and taking all before it as the scheme showed the password.
+    scheme = _SCHEME_RE.match(url)
+    prefix = scheme[0] if scheme else ""
+    rest = url[len(prefix) :]
     userinfo: str | None = None
     if "@" in rest:
         userinfo, _, rest = rest.rpartition("@")
