@@ -1,0 +1,338 @@
+"""Property-based tests (hypothesis, bounded by tests/support/fuzz.py) of every environment variable
+reader: each variable ``TelemetryConfig.from_env`` reads, found by reading it (so a new one is covered
+without a change here), fed arbitrary text, alone and several at once; the ``OTEL_EXPORTER_OTLP_HEADERS``
+and ``OTEL_RESOURCE_ATTRIBUTES`` lists; the endpoints with credentials in them; and the readers of the
+launcher's variables outside the table.
+
+The rule they hold: a config is built, or a :class:`ConfigError` naming the variable is raised (one line,
+no other exception type), quickly; no error, warning or log line carries a credential planted in the
+headers or an endpoint. An input that once found a bug is kept as an ``@example``.
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from urllib.parse import quote
+
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+
+from openlora_otel.config import VARIABLES, ConfigError, TelemetryConfig
+from tests.support.fuzz import fuzz
+
+# One from_env over a 100k-character value takes milliseconds; this bound only catches a hang or a
+# quadratic scan, on a loaded machine.
+LIMIT_S = 2.0
+
+
+class _Recording(dict):  # type: ignore[type-arg]
+    """An environment that records every name asked for."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        super().__init__(values)
+        self.asked: set[str] = set()
+
+    def get(self, name, default=None):  # type: ignore[no-untyped-def, override]
+        self.asked.add(name)
+        return super().get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        self.asked.add(str(name))
+        return super().__contains__(name)
+
+    def __getitem__(self, name):  # type: ignore[no-untyped-def]
+        self.asked.add(name)
+        return super().__getitem__(name)
+
+
+def _asked(values: Mapping[str, str]) -> set[str]:
+    environ = _Recording(values)
+    with suppress(ConfigError):
+        TelemetryConfig.from_env(environ)
+    return environ.asked
+
+
+def _names_read() -> list[str]:
+    """Every variable from_env reads: the table's names, and those it asks for, also when the ones it
+    asked for first are set (the launcher's restart counts ask for TORCHELASTIC_MAX_RESTARTS)."""
+    names = {part.strip() for variable in VARIABLES for part in variable.name.split(",")}
+    names |= _asked({})
+    while True:
+        accepted = {name: "0" for name in names if _accepted({name: "0"})}
+        more = _asked(accepted) - names
+        if not more:
+            return sorted(names)
+        names |= more
+
+
+def _accepted(environ: Mapping[str, str]) -> bool:
+    try:
+        TelemetryConfig.from_env(environ)
+    except ConfigError:
+        return False
+    return True
+
+
+NAMES = _names_read()
+DEFAULTS = sorted({v.default_text for v in VARIABLES if v.default_text} | {"true", "false", "none", "grpc"})
+
+# Text of every kind: lone surrogates (what a non-UTF-8 byte of the environment becomes), NUL and
+# other control characters, non-ASCII digits and spaces.
+_ANY_CHARACTER = st.characters(codec=None, exclude_categories=())
+_SYNTAX = st.sampled_from(
+    [
+        *" \t,=%:/?#@[]._-+eE0123456789aZ*!",
+        "\x00",
+        "\x1c",
+        "\x7f",
+        "\x85",
+        "\xa0",
+        "\u3000",
+        "\uff10",
+        "\ud800",
+    ]
+)
+_SHORT = st.text(_ANY_CHARACTER, max_size=40) | st.text(_SYNTAX, max_size=40)
+_NUMBERS = st.one_of(
+    st.integers().map(str),
+    st.integers(min_value=10**19, max_value=10**400).map(str),
+    st.floats().map(repr),
+    st.floats().map(lambda f: f"{f:f}"),
+    st.sampled_from(
+        ["nan", "inf", "-inf", "Infinity", "1e308", "1e-300", "1_000", "0x10", "\uff19\uff14\uff16\uff14"]
+    ),
+)
+_LONG = st.tuples(_SHORT.filter(bool), st.integers(min_value=1_000, max_value=100_000)).map(
+    lambda piece: piece[0] * (piece[1] // len(piece[0]) + 1)
+)
+# A valid value with something around it.
+_NEAR = st.tuples(_SHORT, st.sampled_from(DEFAULTS), _SHORT).map("".join)
+HOSTILE = st.one_of(_SHORT, _NUMBERS, _LONG, _NEAR, st.sampled_from(DEFAULTS))
+
+# Credentials: a marker no message uses, then characters a URL or a header must percent-encode too.
+SECRET = st.text(
+    st.sampled_from(string.ascii_letters + string.digits + "-._~!$&'()*+;=:@/?#% "), min_size=6
+).map(lambda tail: "Zq9" + tail)
+
+
+def _forms(secret: str) -> set[str]:
+    """The secret as written, percent-encoded and as its own words (the marker keeps each distinct)."""
+    return {secret, quote(secret, safe=""), secret.split()[0]}
+
+
+@contextmanager
+def _recorded() -> Iterator[list[str]]:
+    """The text of every warning and log record emitted inside the block."""
+    texts: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            texts.append(record.getMessage())
+
+    handler = Handler(logging.DEBUG)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield texts
+        texts.extend(str(w.message) for w in caught)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _read(environ: Mapping[str, str], secrets: tuple[str, ...] = ()) -> TelemetryConfig | ConfigError:
+    """from_env, checked: a config or a one-line ConfigError, quickly, no secret in what it says."""
+    started = time.monotonic()
+    with _recorded() as texts:
+        try:
+            outcome: TelemetryConfig | ConfigError = TelemetryConfig.from_env(environ)
+        except ConfigError as error:
+            outcome = error
+    assert time.monotonic() - started < LIMIT_S
+    if isinstance(outcome, ConfigError):
+        message = str(outcome)
+        assert "\n" not in message and "\r" not in message
+        assert len(message) < 1500
+        assert outcome.variable in message
+        message.encode("utf-8")  # printable on a UTF-8 terminal: a lone surrogate would fail the print
+        texts += [message, repr(outcome.value)]
+    else:
+        texts += [repr(outcome), str(outcome)]
+        for text in _exported(outcome):
+            text.encode("utf-8")  # what the exporters send: a lone surrogate fails every export
+    for secret in secrets:
+        for form in _forms(secret):
+            for text in texts:
+                assert form not in text
+    return outcome
+
+
+def _exported(config: TelemetryConfig) -> list[str]:
+    """The config's text that the exporters send (the Resource, the endpoint, the headers)."""
+    texts = [config.service_name, config.otlp.endpoint, config.run_name or "", config.run_id or ""]
+    for key, value in config.resource_attributes.items():
+        texts += [key, str(value)]
+    for name, value in config.otlp.headers:
+        texts += [name, value]
+    return texts
+
+
+def _names_the_variable(error: ConfigError, variables: set[str]) -> bool:
+    """The error names one of ``variables``; a client key or certificate set alone names its missing twin,
+    an offset port ``OTEL_EXPORTER_PROMETHEUS_PORT (+ RANK)``."""
+    named = set(error.variable.replace("(+ ", "").replace(")", "").split())
+    if {"OTEL_EXPORTER_OTLP_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"} & named:
+        named |= {name for name in variables if "CLIENT_KEY" in name or "CLIENT_CERTIFICATE" in name}
+    return bool(named & variables)
+
+
+def _planted(key_secret: str, password: str, query_secret: str) -> dict[str, str]:
+    """Valid OTLP settings holding three credentials: a header value, the endpoint's password and a
+    query value."""
+    return {
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20" + quote(key_secret, safe=""),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": (
+            f"https://alice:{quote(password, safe='')}@collector.example:4318/otlp?api_key={quote(query_secret, safe='')}"
+        ),
+    }
+
+
+def test_every_variable_is_found() -> None:
+    """The names come from the table and from what from_env asks for, launcher companions included."""
+    assert "OTEL_EXPORTER_OTLP_HEADERS" in NAMES
+    assert "TORCHELASTIC_MAX_RESTARTS" in NAMES
+    assert "SLURM_RESTART_COUNT" in NAMES
+
+
+@fuzz
+@given(name=st.sampled_from(NAMES), value=HOSTILE, secrets=st.tuples(SECRET, SECRET, SECRET))
+def test_fuzz_each_variable_gives_a_config_or_an_error_naming_it(
+    name: str, value: str, secrets: tuple[str, ...]
+) -> None:
+    for secret in secrets:
+        assume(not any(form in value for form in _forms(secret)))
+    environ = _planted(*secrets)
+    environ[name] = value
+    outcome = _read(environ, secrets)
+    if isinstance(outcome, ConfigError):
+        assert _names_the_variable(outcome, {name}), (name, outcome.variable)
+
+
+@fuzz
+@given(environ=st.dictionaries(st.sampled_from(NAMES), HOSTILE, max_size=6))
+def test_fuzz_several_variables_at_once(environ: dict[str, str]) -> None:
+    outcome = _read(environ)
+    if isinstance(outcome, ConfigError):
+        assert _names_the_variable(outcome, set(environ)), (sorted(environ), outcome.variable)
+
+
+# -- the lists and the endpoints -------------------------------------------------------------------
+
+_HEADER_NAMES = st.sampled_from(["authorization", "x-api-key", "api-key", "Authorization "]) | _SHORT
+
+
+@st.composite
+def _headers(draw: st.DrawFn) -> tuple[str, str]:
+    """A headers list around one entry whose value holds a secret (percent-encoded or as written), and
+    the secret."""
+    secret = draw(SECRET)
+    value = draw(st.sampled_from([quote(secret, safe=""), "Bearer%20" + quote(secret, safe=""), secret]))
+    planted = draw(_HEADER_NAMES) + "=" + draw(st.sampled_from(["", " "])) + value
+    entries = draw(st.lists(_SHORT | st.tuples(_HEADER_NAMES, _SHORT).map("=".join), max_size=4))
+    entries.insert(draw(st.integers(0, len(entries))), planted)
+    return ",".join(entries), secret
+
+
+@fuzz
+@given(
+    case=_headers(),
+    name=st.sampled_from(["OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_METRICS_HEADERS"]),
+)
+def test_fuzz_headers_never_show_a_value(case: tuple[str, str], name: str) -> None:
+    raw, secret = case
+    assume(raw.count("Zq9") == 1)  # the one planted value, not a piece of it elsewhere
+    outcome = _read({name: raw}, (secret,))
+    if isinstance(outcome, ConfigError):
+        assert outcome.variable == name
+
+
+_KEY = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=20)
+_VALUE = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
+
+
+@fuzz
+@given(pairs=st.lists(st.tuples(_KEY, _VALUE), max_size=6))
+def test_fuzz_resource_attributes_percent_encoded_come_back_as_written(pairs: list[tuple[str, str]]) -> None:
+    raw = ",".join(f"{quote(key, safe='')}={quote(value, safe='')}" for key, value in pairs)
+    config = _read({"OTEL_RESOURCE_ATTRIBUTES": raw})
+    assert isinstance(config, TelemetryConfig)
+    expected = dict(pairs)
+    service_name = expected.pop("service.name", "")
+    assert dict(config.resource_attributes) == expected
+    assert config.service_name == (service_name or TelemetryConfig().service_name)
+
+
+@fuzz
+@given(raw=HOSTILE | st.lists(st.tuples(_SHORT, _SHORT).map("=".join)).map(",".join))
+# Lone surrogates (a byte of the environment that is not UTF-8) were accepted, and failed every export
+# and every scrape.
+@example(raw="\ud800=")
+@example(raw="0=\ud800")
+def test_fuzz_resource_attributes_as_written(raw: str) -> None:
+    outcome = _read({"OTEL_RESOURCE_ATTRIBUTES": raw})
+    if isinstance(outcome, ConfigError):
+        assert outcome.variable == "OTEL_RESOURCE_ATTRIBUTES"
+
+
+@st.composite
+def _endpoint(draw: st.DrawFn) -> tuple[str, tuple[str, ...]]:
+    """An endpoint, well formed or not, with a password in its user info and maybe a query value or
+    fragment; and those credentials."""
+    password, query = draw(SECRET), draw(SECRET)
+    scheme = draw(st.sampled_from(["http://", "https://", "", "HTTP://", "grpc://"]) | _SHORT)
+    secret = draw(st.sampled_from([quote(password, safe=""), password]))
+    userinfo = draw(st.sampled_from(["alice:", ""]) | _SHORT.map(lambda user: user + ":")) + secret
+    host = draw(st.sampled_from(["collector.example", "localhost", "127.0.0.1", "[::1]"]) | _SHORT)
+    port = draw(
+        st.sampled_from([":4318", "", ":", ":99999", ":\uff14"]) | _SHORT.map(lambda text: ":" + text)
+    )
+    path = draw(st.sampled_from(["", "/", "/otlp"]) | _SHORT.map(lambda text: "/" + text))
+    tail = draw(st.sampled_from(["", "?api_key=" + quote(query, safe=""), "#" + quote(query, safe="")]))
+    return f"{scheme}{userinfo}@{host}{port}{path}{tail}", (password, query) if tail else (password,)
+
+
+@fuzz
+@given(
+    case=_endpoint(),
+    name=st.sampled_from(["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"]),
+    protocol=st.sampled_from(["http/protobuf", "grpc"]),
+)
+# A "://" after the credentials was read as the end of a scheme, and the password shown.
+@example(
+    case=("alice:Zq9000000@collector.example://", ("Zq9000000",)),
+    name="OTEL_EXPORTER_OTLP_ENDPOINT",
+    protocol="http/protobuf",
+)
+# A lone surrogate in the user info was accepted, and failed every export (requests encodes it as latin-1).
+@example(
+    case=("http://alice:Zq9\udcff@collector.example:4318", ("Zq9\udcff",)),
+    name="OTEL_EXPORTER_OTLP_ENDPOINT",
+    protocol="http/protobuf",
+)
+def test_fuzz_endpoints_never_show_their_credentials(
+    case: tuple[str, tuple[str, ...]], name: str, protocol: str
+) -> None:
+    endpoint, secrets = case
+    assume(endpoint.count("Zq9") == len(secrets))  # the planted credentials, not pieces of them elsewhere
+    outcome = _read({name: endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}, secrets)
+    if isinstance(outcome, ConfigError):
+        assert outcome.variable == name
