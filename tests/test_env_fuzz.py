@@ -15,7 +15,7 @@ import logging
 import string
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from urllib.parse import quote
 
@@ -50,35 +50,41 @@ class _Recording(dict):  # type: ignore[type-arg]
         return super().__getitem__(name)
 
 
-def _asked(values: Mapping[str, str]) -> set[str]:
+def _asked(read: Callable[[Mapping[str, str]], object], values: Mapping[str, str]) -> set[str]:
     environ = _Recording(values)
     with suppress(ConfigError):
-        TelemetryConfig.from_env(environ)
+        read(environ)
     return environ.asked
 
 
-def _names_read() -> list[str]:
-    """Every variable from_env reads: the table's names, and those it asks for, also when the ones it
-    asked for first are set (the launcher's restart counts ask for TORCHELASTIC_MAX_RESTARTS)."""
-    names = {part.strip() for variable in VARIABLES for part in variable.name.split(",")}
-    names |= _asked({})
+def _names_read(
+    read: Callable[[Mapping[str, str]], object], value: str, start: Iterable[str] = ()
+) -> list[str]:
+    """Every variable ``read`` reads: ``start``, and those it asks for, also when the ones it asked for
+    first are set to ``value`` (the launcher's restart counts ask for TORCHELASTIC_MAX_RESTARTS, a
+    WORLD_SIZE over 1 for RANK)."""
+    names = set(start) | _asked(read, {})
     while True:
-        accepted = {name: "0" for name in names if _accepted({name: "0"})}
-        more = _asked(accepted) - names
+        accepted = {name: value for name in names if _accepted(read, {name: value})}
+        more = _asked(read, accepted) - names
         if not more:
             return sorted(names)
         names |= more
 
 
-def _accepted(environ: Mapping[str, str]) -> bool:
+def _accepted(read: Callable[[Mapping[str, str]], object], environ: Mapping[str, str]) -> bool:
     try:
-        TelemetryConfig.from_env(environ)
+        read(environ)
     except ConfigError:
         return False
     return True
 
 
-NAMES = _names_read()
+NAMES = _names_read(
+    TelemetryConfig.from_env,
+    "0",
+    {part.strip() for variable in VARIABLES for part in variable.name.split(",")},
+)
 DEFAULTS = sorted({v.default_text for v in VARIABLES if v.default_text} | {"true", "false", "none", "grpc"})
 
 # Text of every kind: lone surrogates (what a non-UTF-8 byte of the environment becomes), NUL and
@@ -122,7 +128,7 @@ SECRET = st.text(
 
 def _forms(secret: str) -> set[str]:
     """The secret as written, percent-encoded and as its own words (the marker keeps each distinct)."""
-    return {secret, quote(secret, safe=""), secret.split()[0]}
+    return {secret, quote(secret, safe="", errors="surrogatepass"), secret.split()[0]}
 
 
 @contextmanager
@@ -322,6 +328,15 @@ def _endpoint(draw: st.DrawFn) -> tuple[str, tuple[str, ...]]:
     name="OTEL_EXPORTER_OTLP_ENDPOINT",
     protocol="http/protobuf",
 )
+# urlsplit's error quoted the user info, and the error carried it.
+@example(
+    case=("[alice:Zq9000000@[::1]:4318", ("Zq9000000",)), name="OTEL_EXPORTER_OTLP_ENDPOINT", protocol="grpc"
+)
+@example(
+    case=("http://alice:Zq9000000\uff03@h:1", ("Zq9000000",)),
+    name="OTEL_EXPORTER_OTLP_ENDPOINT",
+    protocol="grpc",
+)
 # A lone surrogate in the user info was accepted, and failed every export (requests encodes it as latin-1).
 @example(
     case=("http://alice:Zq9\udcff@collector.example:4318", ("Zq9\udcff",)),
@@ -336,3 +351,4 @@ def test_fuzz_endpoints_never_show_their_credentials(
     outcome = _read({name: endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol}, secrets)
     if isinstance(outcome, ConfigError):
         assert outcome.variable == name
+

@@ -174,6 +174,9 @@ def test_config_reprs_redact_headers_and_url_credentials(capsys: pytest.CaptureF
         {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": f"user:{PASSWORD}@[zz]:1"},
         # A "://" after the credentials of a scheme-less endpoint (found by tests/test_env_fuzz.py).
         {"OTEL_EXPORTER_OTLP_ENDPOINT": f"user:{PASSWORD}@collector.example://"},
+        # urlsplit's own error quotes the user info (found by tests/test_env_fuzz.py).
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": f"[user:{PASSWORD}@[::1]:4318"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:{PASSWORD}\uff03@collector.example:4318"},
         {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}%0D%0AX-Evil:%201"},
         {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}%00"},
         {"OTEL_EXPORTER_OTLP_METRICS_HEADERS": f"a=1,Bearer {TOKEN}"},

@@ -212,8 +212,15 @@ def _check_endpoint(
     text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
     try:
         parts = urlsplit(text)
-    except ValueError as exc:  # "Invalid IPv6 URL"
-        raise ConfigError(variable, shown, accepted, str(exc)) from None
+    except ValueError as exc:
+        # Its message can quote the netloc, user info and all ("'alice:pw@[::1' does not appear to be an
+        # IPv4 or IPv6 address"): say what is wrong without it.
+        detail = (
+            "its host or user info changes under NFKC normalization"
+            if "NFKC" in str(exc)
+            else "brackets that hold no IP address"
+        )
+        raise ConfigError(variable, shown, accepted, detail) from None
     if parts.scheme not in schemes:
         raise ConfigError(variable, shown, accepted)
     if "@" in parts.path + parts.query + parts.fragment:
