@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from urllib.parse import quote
 
+import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
@@ -26,8 +27,9 @@ from openlora_otel.config import VARIABLES, ConfigError, TelemetryConfig
 from tests.support.fuzz import fuzz
 
 # One from_env over a 100k-character value takes milliseconds; this bound only catches a hang or a
-# quadratic scan, on a loaded machine.
-LIMIT_S = 2.0
+# quadratic scan (seconds to minutes at 100k characters). Loose: on the shared 2-core machine one call
+# on a short value once took 2.1 s.
+LIMIT_S = 10.0
 
 
 class _Recording(dict):  # type: ignore[type-arg]
@@ -352,3 +354,164 @@ def test_fuzz_endpoints_never_show_their_credentials(
     if isinstance(outcome, ConfigError):
         assert outcome.variable == name
 
+
+# -- the launcher's variables read outside the table -------------------------------------------------
+
+_BLANKS = st.text(st.sampled_from(" \t\n\x0b\x0c\r\x1c\x1d\x1e\x1f\x85\xa0\u2003\u3000"), max_size=2)
+_DIGITS = st.one_of(
+    st.integers(min_value=0, max_value=10**30).map(str),
+    st.sampled_from(["\xb2", "\u0663", "\uff12", "1\x1c", "\x1c3", " 2 ", "2\u2003", "-1", "+2", "2_0"]),
+)
+_LAUNCHER_VALUE = _DIGITS | HOSTILE
+# Small ranks, with the blanks str.strip() drops around them.
+_RANK = st.tuples(_BLANKS, st.integers(min_value=0, max_value=9), _BLANKS).map(
+    lambda parts: f"{parts[0]}{parts[1]}{parts[2]}"
+)
+
+
+def _shared_run_id(environ: Mapping[str, str]) -> object:
+    from openlora_otel.distributed import shared_run_id
+
+    return shared_run_id(environ)
+
+
+# torchrun's store is asked only under torchrun (TORCHELASTIC_USE_AGENT_STORE=true), over the network:
+# left out here; its MASTER_PORT check is a plain test below.
+RUN_ID_NAMES = [name for name in _names_read(_shared_run_id, "2") if name != "TORCHELASTIC_USE_AGENT_STORE"]
+
+
+@fuzz
+@given(environ=st.dictionaries(st.sampled_from(RUN_ID_NAMES), _LAUNCHER_VALUE, max_size=5))
+# A digit that is not ASCII passed str.isdigit() and then failed int(): setup_telemetry() raised ValueError.
+@example(environ={"SLURM_STEP_NUM_TASKS": "\xb2"})
+# int() refuses more than 4300 digits (ValueError), which setup_telemetry() raised.
+@example(environ={"SLURM_STEP_NUM_TASKS": "0" * 4301})
+@example(environ={"WORLD_SIZE": "2" * 4301})
+# Digits of any length made the Slurm run id, past the 128 characters a run id may have: setup failed.
+@example(environ={"SLURM_JOB_ID": "0", "SLURM_STEP_ID": "1" * 200, "SLURM_STEP_NUM_TASKS": "2"})
+def test_fuzz_the_shared_run_id_never_fails(environ: dict[str, str]) -> None:
+    from openlora_otel.config import run_id_problem
+
+    started = time.monotonic()
+    with _recorded():
+        run_id, source = _shared_run_id(environ)  # type: ignore[misc]
+    assert time.monotonic() - started < LIMIT_S
+    assert run_id_problem(run_id) is None
+    if source == "Slurm job and step":
+        job, step = run_id.removeprefix("slurm-").split(".")
+        assert job.isascii() and job.isdigit() and step.isascii() and step.isdigit(), run_id
+    else:
+        assert source == "random", source
+
+
+@fuzz
+@given(
+    environ=st.dictionaries(
+        st.sampled_from(["RANK", "LOCAL_RANK", "WORLD_SIZE"]), _LAUNCHER_VALUE, max_size=3
+    )
+)
+# from_env strips what str.strip() strips (\x1c included), int() does not: the demo then failed with
+# "invalid literal for int()", naming no variable.
+@example(environ={"RANK": "\x1c0"})
+def test_fuzz_the_demos_ranks_are_the_configs(environ: dict[str, str]) -> None:
+    from openlora_otel.demo.ddp import ranks_from_env
+
+    config = _read(environ)
+    if not isinstance(config, TelemetryConfig):
+        return  # the demo stops at the configuration's error first
+    try:
+        ranks = ranks_from_env(environ)
+    except ValueError as error:
+        assert str(error).startswith("RANK=") and "WORLD_SIZE=" in str(error), error
+        return
+    attributes = config.resource_attributes
+    assert ranks.rank == attributes.get("openlora.rank", 0)
+    assert ranks.local_rank == attributes.get("openlora.local_rank", 0)
+    assert ranks.world_size == attributes.get("openlora.world_size", 1)
+
+
+@fuzz
+@given(visible=_SHORT | _DIGITS | st.lists(_DIGITS | _SHORT, max_size=4).map(",".join))
+# A digit that is not ASCII passed str.isdigit() and then failed int(): no GPU metrics, a traceback logged.
+@example(visible="\xb2")
+# A fullwidth digit was read as that GPU's index; CUDA reads no device from it.
+@example(visible="\uff10")
+# int() refuses more than 4300 digits (ValueError).
+@example(visible="1," + "9" * 4301)
+def test_fuzz_cuda_visible_devices_picks_gpus_as_cuda_does(visible: str) -> None:
+    # CUDA stops at the first entry that names no GPU; one that is not ASCII names none (an index is
+    # ASCII digits, a UUID ASCII), so the GPUs are those of the entries before it.
+    entries = visible.split(",")
+    cut = next((number for number, entry in enumerate(entries) if not entry.strip().isascii()), None)
+    selected = _visible_gpus(visible)
+    if cut is not None:
+        assert selected == _visible_gpus(",".join(entries[:cut])), (visible, selected)
+
+
+def _visible_gpus(visible: str) -> list[int]:
+    from openlora_otel.hardware.gpu import GpuCollector
+    from tests.support.fake_nvml import FakeNvml, h100s
+
+    collector = GpuCollector(
+        FakeNvml(h100s(8)), devices="process", cuda_visible_devices=visible, torch_devices=lambda: None
+    )
+    return [device.index for device in collector._selected()]
+
+
+def test_a_launcher_port_that_is_not_ascii_digits_asks_no_store(caplog) -> None:  # type: ignore[no-untyped-def]
+    from openlora_otel.distributed import _from_torchrun_store
+
+    caplog.set_level(logging.DEBUG)
+    for port in ("\xb2", "\uff12\uff19\uff15\uff10\uff10", "29500 "):
+        assert _from_torchrun_store({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, "abc") is None
+    assert caplog.records == []  # nothing tried, nothing to say
+
+
+def test_the_demo_with_a_bad_world_size_says_so_in_one_line(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from openlora_otel.cli import main
+
+    for value in ("abc", "\xb2", "9" * 4301):
+        monkeypatch.setenv("WORLD_SIZE", value)
+        assert main(["demo", "--checkpoint-dir", str(tmp_path / "checkpoints")]) == 2
+        error = capsys.readouterr().err
+        assert "WORLD_SIZE=" in error and "Traceback" not in error, error
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"SLURM_STEP_NUM_TASKS": "\xb2"},
+        {"WORLD_SIZE": "2" * 4301},
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1" * 200, "SLURM_STEP_NUM_TASKS": "2"},
+    ],
+)
+def test_launcher_values_no_launcher_sets_give_a_random_run_id(environ: dict[str, str]) -> None:
+    from openlora_otel.distributed import shared_run_id
+
+    assert shared_run_id(environ)[1] == "random"
+
+
+def test_a_slurm_step_still_shares_its_run_id() -> None:
+    from openlora_otel.distributed import shared_run_id
+
+    environ = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "0" * 30 + "8"}
+    assert shared_run_id(environ) == ("slurm-4242.0", "Slurm job and step")
+
+
+def test_the_demos_ranks_are_read_as_the_configuration_reads_them() -> None:
+    from openlora_otel.demo.ddp import ranks_from_env
+
+    environ = {"WORLD_SIZE": "2\x1c", "RANK": "\x1c1", "LOCAL_RANK": " 1\u2003"}
+    TelemetryConfig.from_env(environ)
+    ranks = ranks_from_env(environ)
+    assert (ranks.rank, ranks.local_rank, ranks.world_size) == (1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [("\xb2", []), ("\uff10", []), ("3,\uff10,1", [3]), ("1," + "9" * 4301 + ",2", [1])],
+)
+def test_cuda_visible_devices_in_digits_that_are_not_ascii_name_no_gpu(
+    visible: str, expected: list[int]
+) -> None:
+    assert _visible_gpus(visible) == expected
