@@ -515,3 +515,37 @@ def test_cuda_visible_devices_in_digits_that_are_not_ascii_name_no_gpu(
     visible: str, expected: list[int]
 ) -> None:
     assert _visible_gpus(visible) == expected
+
+
+# What os.environ can hold: no NUL; a byte that is not UTF-8 becomes a lone surrogate from U+DC80 to U+DCFF.
+_SETTABLE = st.text(
+    st.characters(codec=None, exclude_categories=(), exclude_characters="\x00").filter(
+        lambda c: not "\ud800" <= c < "\udc80" and not "\udd00" <= c <= "\udfff"
+    ),
+    max_size=200,
+)
+
+
+@fuzz
+@given(seed=_SETTABLE)
+# A byte that is not UTF-8 went into openlora_run_info as a lone surrogate and failed every scrape.
+@example(seed="4\udcff2")
+def test_fuzz_lightnings_seed_is_a_label_value_that_can_be_sent(seed: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from openlora_otel.integrations.lightning import trainer_hyperparameters
+    from openlora_otel.run import MAX_VALUE_LENGTH, normalize_hyperparameters
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", seed)
+    value = normalize_hyperparameters(trainer_hyperparameters(SimpleNamespace(), SimpleNamespace())).get(
+        "seed"
+    )
+    if value is not None:
+        value.encode("utf-8")
+        assert len(value) <= MAX_VALUE_LENGTH and value == " ".join(value.split())
+
+
+def test_a_hyperparameter_that_is_not_utf8_is_sent_with_a_replacement_character() -> None:
+    from openlora_otel.run import hyperparameter_value
+
+    assert hyperparameter_value("4\udcff2") == "4\ufffd2"
