@@ -1,8 +1,9 @@
 """Property-based tests (hypothesis, bounded by tests/support/fuzz.py) of every environment variable
 reader: each variable ``TelemetryConfig.from_env`` reads, found by reading it (so a new one is covered
 without a change here), fed arbitrary text, alone and several at once; the ``OTEL_EXPORTER_OTLP_HEADERS``
-and ``OTEL_RESOURCE_ATTRIBUTES`` lists; the endpoints with credentials in them; and the readers of the
-launcher's variables outside the table.
+and ``OTEL_RESOURCE_ATTRIBUTES`` lists; the endpoints with credentials in them; and the readers of
+variables outside the table (the shared run id, the demo's ranks, ``CUDA_VISIBLE_DEVICES``, Lightning's
+``PL_GLOBAL_SEED``).
 
 The rule they hold: a config is built, or a :class:`ConfigError` naming the variable is raised (one line,
 no other exception type), quickly; no error, warning or log line carries a credential planted in the
@@ -407,7 +408,7 @@ def test_fuzz_the_shared_run_id_never_fails(environ: dict[str, str]) -> None:
 @fuzz
 @given(
     environ=st.dictionaries(
-        st.sampled_from(["RANK", "LOCAL_RANK", "WORLD_SIZE"]), _LAUNCHER_VALUE, max_size=3
+        st.sampled_from(["RANK", "LOCAL_RANK", "WORLD_SIZE"]), _RANK | _LAUNCHER_VALUE, max_size=3
     )
 )
 # from_env strips what str.strip() strips (\x1c included), int() does not: the demo then failed with
@@ -485,7 +486,7 @@ def test_the_demo_with_a_bad_world_size_says_so_in_one_line(tmp_path, monkeypatc
         {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "1" * 200, "SLURM_STEP_NUM_TASKS": "2"},
     ],
 )
-def test_launcher_values_no_launcher_sets_give_a_random_run_id(environ: dict[str, str]) -> None:
+def test_launcher_values_that_no_launcher_sets_give_a_random_run_id(environ: dict[str, str]) -> None:
     from openlora_otel.distributed import shared_run_id
 
     assert shared_run_id(environ)[1] == "random"
