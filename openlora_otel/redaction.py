@@ -53,11 +53,20 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 def secret_forms(value: str) -> set[str]:
     """``value`` and the forms it is likely to be echoed in (percent-encoded, repr-escaped, its tokens)."""
-    forms = {value, quote(value, safe=""), quote(value), repr(value)[1:-1]}
+    forms = {value, _quote(value, safe=""), _quote(value), repr(value)[1:-1]}
     for token in value.split():
         if token.lower() not in _AUTH_SCHEMES:
-            forms.update({token, quote(token, safe="")})
+            forms.update({token, _quote(token, safe="")})
     return {form for form in forms if len(form) >= MIN_SECRET_LENGTH}
+
+
+def _quote(value: str, safe: str = "/") -> str:
+    """quote(), also of text with a lone surrogate (plain quote() raised UnicodeEncodeError): a byte of the
+    environment that is not UTF-8 is encoded as the byte it was, any other surrogate as UTF-8 would."""
+    try:
+        return quote(value, safe=safe, errors="surrogateescape")
+    except UnicodeEncodeError:
+        return quote(value, safe=safe, errors="surrogatepass")
 
 
 def url_secrets(url: str, *, path: bool = False) -> set[str]:

@@ -550,3 +550,34 @@ def test_a_hyperparameter_that_is_not_utf8_is_sent_with_a_replacement_character(
     from openlora_otel.run import hyperparameter_value
 
     assert hyperparameter_value("4\udcff2") == "4\ufffd2"
+
+
+# -- the credentials of any environment, for scrubbing -----------------------------------------------
+
+
+@fuzz
+@given(headers=HOSTILE, endpoint=HOSTILE)
+# quote() of a lone surrogate raised UnicodeEncodeError: `doctor` crashed with a traceback.
+@example(headers="authorization=Bearer abc\udcff", endpoint="")
+@example(headers="", endpoint="http://user:pass\udcffword@collector:4318")
+def test_fuzz_the_credentials_of_any_environment_are_found(headers: str, endpoint: str) -> None:
+    from openlora_otel.config import secrets_in_env
+
+    started = time.monotonic()
+    secrets = secrets_in_env({"OTEL_EXPORTER_OTLP_HEADERS": headers, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    assert time.monotonic() - started < LIMIT_S
+    for item in headers.split(","):
+        key, sep, value = item.partition("=")
+        written = (value if sep else key).strip()  # an entry without "=" may be a pasted token
+        assert len(written) < 4 or written in secrets
+
+
+def test_doctor_on_credentials_that_are_not_utf8_fails_the_configuration_in_one_line(
+    monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    from openlora_otel.cli import main
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer s3cr3t\udcff")
+    assert main(["doctor", "--timeout", "1"]) == 2
+    output = "".join(capsys.readouterr())
+    assert "[FAIL] configuration" in output and "s3cr3t" not in output, output
