@@ -69,13 +69,14 @@ def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     if agreed:
         return agreed, "process group store"
     world = env.get("WORLD_SIZE", "")
-    several = (world.isdigit() and int(world) > 1) or _more_than_one(env.get("SLURM_STEP_NUM_TASKS", ""))
+    several = _more_than_one(world) or _more_than_one(env.get("SLURM_STEP_NUM_TASKS", ""))
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "")
     # Only for the tasks of one multi-task srun step: the sequential runs of an interactive
     # step (srun --pty bash, salloc) share job and step ids but are separate runs.
-    if several and job.isdigit() and step.isdigit():
+    # Slurm's ids are 32-bit numbers: longer digits are no Slurm's, and would make too long a run id.
+    if several and _digits(job) and _digits(step) and len(job) <= 20 and len(step) <= 20:
         return f"slurm-{job}.{step}", "Slurm job and step"
-    if world.isdigit() and int(world) > 1:
+    if _more_than_one(world):
         _logger.warning(
             "openlora-otel: rank %s of %s made up its own run id: nothing shares one (no OPENLORA_RUN_ID, "
             "no torchrun, torch.distributed not initialized yet, no srun). Set OPENLORA_RUN_ID to the same "
@@ -86,8 +87,15 @@ def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     return candidate, "random"
 
 
+def _digits(value: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes a superscript two, which int() refuses, and a fullwidth
+    two, which it reads as 2."""
+    return value.isascii() and value.isdigit()
+
+
 def _more_than_one(value: str) -> bool:
-    return value.isdigit() and int(value) > 1
+    # Without int(): it refuses more than 4300 digits.
+    return _digits(value) and value.lstrip("0") not in ("", "1")
 
 
 def _bounded(what: str, call: Callable[[], str | None]) -> str | None:
@@ -133,7 +141,7 @@ def _agree(store: Any, candidate: str) -> str | None:
 
 def _from_torchrun_store(env: Mapping[str, str], candidate: str) -> str | None:
     host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
-    if not host or not port.isdigit():
+    if not host or not _digits(port):
         return None
     # torch is imported here, not inside the bounded thread: a torchrun worker imports it anyway,
     # and an import still running when the bound ran out could be cut by the interpreter's exit

@@ -48,15 +48,25 @@ _USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]{0,31}://)[^/?#\
 # the URL it failed on): redacted token by token, in linear time (a regex restarting at every "://"
 # of "a://a://..." scanned to the end from each).
 _TOKEN_RE = re.compile(r"[^\s'\"]+")
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 def secret_forms(value: str) -> set[str]:
     """``value`` and the forms it is likely to be echoed in (percent-encoded, repr-escaped, its tokens)."""
-    forms = {value, quote(value, safe=""), quote(value), repr(value)[1:-1]}
+    forms = {value, _quote(value, safe=""), _quote(value), repr(value)[1:-1]}
     for token in value.split():
         if token.lower() not in _AUTH_SCHEMES:
-            forms.update({token, quote(token, safe="")})
+            forms.update({token, _quote(token, safe="")})
     return {form for form in forms if len(form) >= MIN_SECRET_LENGTH}
+
+
+def _quote(value: str, safe: str = "/") -> str:
+    """quote(), also of text with a lone surrogate (plain quote() raised UnicodeEncodeError): a byte of the
+    environment that is not UTF-8 is encoded as the byte it was, any other surrogate as UTF-8 would."""
+    try:
+        return quote(value, safe=safe, errors="surrogateescape")
+    except UnicodeEncodeError:
+        return quote(value, safe=safe, errors="surrogatepass")
 
 
 def url_secrets(url: str, *, path: bool = False) -> set[str]:
@@ -122,11 +132,11 @@ def _split(url: str) -> tuple[str, str | None, str, str | None, str | None]:
     The user info runs to the last ``@`` anywhere (see the module's policy), so what follows it holds
     no ``@``; the query starts at the first ``?`` after that, the fragment at the first ``#``.
     """
-    prefix, sep, rest = url.partition("://")
-    if not sep:
-        prefix, rest = "", url
-    else:
-        prefix += sep
+    # Only a scheme before "://" starts the URL: in "user:pw@host:4317/a://b" (gRPC's form has none)
+    # the "://" is later, and taking all before it as the scheme showed the password.
+    scheme = _SCHEME_RE.match(url)
+    prefix = scheme[0] if scheme else ""
+    rest = url[len(prefix) :]
     userinfo: str | None = None
     if "@" in rest:
         userinfo, _, rest = rest.rpartition("@")

@@ -62,6 +62,9 @@ def hyperparameter_key(key: object) -> str:
     return text[:MAX_KEY_LENGTH].rstrip("_")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def hyperparameter_value(value: object) -> str | None:
     """``value`` as short text: numbers compact (``0.0002``, ``8``), booleans ``true``/``false``,
     sequences and sets joined with ``,`` (sets sorted); None for None. At most
@@ -86,6 +89,9 @@ def hyperparameter_value(value: object) -> str | None:
         text = str(value)
     # One line of printable text: a label value a person reads in a legend.
     text = " ".join(text.split())
+    # A lone surrogate (a byte of the environment that is not UTF-8, as in PL_GLOBAL_SEED) would fail
+    # every export and scrape of the run info: it is sent as U+FFFD.
+    text = _SURROGATE.sub("\ufffd", text)
     if not text:
         return None  # an empty label value is no label at all in Prometheus
     if len(text) > MAX_VALUE_LENGTH:

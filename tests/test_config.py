@@ -928,3 +928,31 @@ def test_tls_files_made_by_openssl_are_accepted_and_a_mismatch_refused(tmp_path)
     )  # fmt: skip
     with pytest.raises(ConfigError, match="encrypted"):
         cfg(OTEL_EXPORTER_OTLP_CLIENT_KEY=encrypted, OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=rsa_cert)
+
+
+# Found by tests/test_env_fuzz.py (issue 29): a byte of the environment that is not UTF-8 reaches Python
+# as a lone surrogate; taken into the Resource or the endpoint, it failed every scrape and export.
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("OTEL_SERVICE_NAME", "trainer\udcff"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "team=ml\udcff"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "te\udcffam=ml"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "service.name=trainer\udcff"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/otlp\udcff"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://alice:pw\udcff@collector:4318"),
+    ],
+)
+def test_text_that_is_not_utf8_is_refused_naming_its_variable(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError, match="not valid UTF-8") as info:
+        TelemetryConfig.from_env({variable: value})
+    assert info.value.variable == variable
+    str(info.value).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "changes", [{"service_name": "trainer\udcff"}, {"resource_attributes": {"team": "ml\udcff"}}]
+)
+def test_text_that_is_not_utf8_is_refused_in_code_too(changes: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        TelemetryConfig(**changes)  # type: ignore[arg-type]

@@ -126,3 +126,19 @@ def test_rules_command_replaces_the_runbook_base_and_nothing_else(tmp_path: Path
             run_rules("--runbook-base", bad)
         assert exited.value.code == 2
 
+
+def test_the_testing_page_names_every_property_based_test_file() -> None:
+    """Each test file that takes the shared settings of tests/support/fuzz.py is in the testing page's
+    table, and the page says the default number of examples that file has."""
+    from tests.support import docs_text
+
+    table = docs_text.marked("docs/testing.md", "fuzz-tests")
+    files = [
+        path.relative_to(ROOT).as_posix()
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if re.search(r"^from tests\.support\.fuzz import fuzz$", path.read_text(), re.M)
+    ]
+    assert files
+    assert [name for name in files if f"| `{name}` |" not in table] == []
+    default = re.search(r'"OPENLORA_FUZZ_EXAMPLES", "(\d+)"', (ROOT / "tests/support/fuzz.py").read_text())
+    assert default and f"(default {default[1]})" in docs_text.text("docs/testing.md")

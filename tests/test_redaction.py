@@ -79,6 +79,10 @@ def test_redact_scrubs_any_url_credentials_and_keeps_the_rest() -> None:
     )
     assert redact("failed: 'http://h:1/x?token=abc#f' (403)") == f"failed: 'http://h:1/x?token={REDACTED}#{REDACTED}' (403)"
     assert redact_url("user:pw@h:4317") == f"{REDACTED}@h:4317"
+    # Only a scheme starts a URL: a "://" after the credentials of a scheme-less one is no scheme's
+    # (found by tests/test_env_fuzz.py, issue 29; the password was shown).
+    assert redact_url("user:pw@h:4317/a://b") == f"{REDACTED}@h:4317/a://b"
+    assert "pw12" in url_secrets("user:pw12@h://")
     assert redact_url("http://u:pw@[::1") == f"http://{REDACTED}@[::1"  # too malformed for urlsplit
     assert redact("mail me@example.org, see http://host/a@b") == "mail me@example.org, see http://host/a@b"
     # Short values are not scrubbed from free text (they would garble it); they guard nothing.
@@ -168,6 +172,11 @@ def test_config_reprs_redact_headers_and_url_credentials(capsys: pytest.CaptureF
         {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": f"https://user:{PASSWORD}@h\n:4318"},
         {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": f"user:{PASSWORD}@h:99999"},
         {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": f"user:{PASSWORD}@[zz]:1"},
+        # A "://" after the credentials of a scheme-less endpoint (found by tests/test_env_fuzz.py).
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"user:{PASSWORD}@collector.example://"},
+        # urlsplit's own error quotes the user info (found by tests/test_env_fuzz.py).
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_ENDPOINT": f"[user:{PASSWORD}@[::1]:4318"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://user:{PASSWORD}\uff03@collector.example:4318"},
         {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}%0D%0AX-Evil:%201"},
         {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{TOKEN}%00"},
         {"OTEL_EXPORTER_OTLP_METRICS_HEADERS": f"a=1,Bearer {TOKEN}"},

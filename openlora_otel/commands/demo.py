@@ -319,7 +319,9 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
         return None
     if args.hf_trainer:
         return "--checkpoint-dir works with the demo's own loop; drop --hf-trainer"
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    # Read before the configuration checks it: a WORLD_SIZE that is not a number is its error to report.
+    world_size = os.environ.get("WORLD_SIZE", "").strip()
+    if world_size.isascii() and world_size.isdigit() and len(world_size) <= 20 and int(world_size) > 1:
         return "--checkpoint-dir works in one process; under torchrun drop it"
     from openlora_otel.demo.train import RUN_FILE
 

@@ -70,6 +70,7 @@ from openlora_otel.config.checks import (
     _ms_accepted,
     _s_accepted,
     _seconds,
+    _utf8_problem,
     check_certificate_file,
     check_client_key_pair,
     check_private_key_file,
@@ -284,6 +285,15 @@ class TelemetryConfig:
             )
         if not self.service_name:
             raise ConfigError("service_name", self.service_name, "a non-empty string")
+        # Sent with every export: a lone surrogate would fail each one and every scrape.
+        attributes = [str(part) for item in self.resource_attributes.items() for part in item]
+        for name, value, texts in (
+            ("service_name", self.service_name, [self.service_name]),
+            ("resource_attributes", dict(self.resource_attributes), attributes),
+        ):
+            problem = next(filter(None, map(_utf8_problem, texts)), None)
+            if problem:
+                raise ConfigError(name, value, "text in UTF-8", problem)
         if self.gpu_metrics not in GPU_MODES:
             raise ConfigError("gpu_metrics", self.gpu_metrics, _choices(GPU_MODES))
         if self.gpu_devices not in GPU_DEVICE_MODES:
@@ -359,7 +369,7 @@ class TelemetryConfig:
         resource_attributes: dict[str, str | int] = dict(
             env.key_values("OTEL_RESOURCE_ATTRIBUTES", what="resource attributes")
         )
-        service_name = env.get("OTEL_SERVICE_NAME") or str(
+        service_name = env.text("OTEL_SERVICE_NAME") or str(
             resource_attributes.pop("service.name", "") or DEFAULT_SERVICE_NAME
         )
         resource_attributes.pop("service.name", None)

@@ -162,6 +162,16 @@ def _label_text_problem(text: str, max_length: int) -> str | None:
 HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTORY_MAX_BYTES} (1 MiB)"
 
 
+def _utf8_problem(text: str) -> str | None:
+    """Why ``text`` cannot be sent with the metrics, or None: a lone surrogate, which is how Python reads a
+    byte of the environment that is not UTF-8, fails every export and every scrape (UnicodeEncodeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8 (a byte the environment could not decode)"
+    return None
+
+
 def _choices(values: tuple[str, ...]) -> str:
     return "one of " + ", ".join(f"`{v}`" for v in values)
 
@@ -196,11 +206,21 @@ def _check_endpoint(
     # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):
         raise ConfigError(variable, shown, accepted, "it contains a space or a control character")
+    problem = _utf8_problem(endpoint)
+    if problem:
+        raise ConfigError(variable, shown, accepted, problem)
     text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
     try:
         parts = urlsplit(text)
-    except ValueError as exc:  # "Invalid IPv6 URL"
-        raise ConfigError(variable, shown, accepted, str(exc)) from None
+    except ValueError as exc:
+        # Its message can quote the netloc, user info and all ("'alice:pw@[::1' does not appear to be an
+        # IPv4 or IPv6 address"): say what is wrong without it.
+        detail = (
+            "its host or user info changes under NFKC normalization"
+            if "NFKC" in str(exc)
+            else "brackets that hold no IP address"
+        )
+        raise ConfigError(variable, shown, accepted, detail) from None
     if parts.scheme not in schemes:
         raise ConfigError(variable, shown, accepted)
     if "@" in parts.path + parts.query + parts.fragment:

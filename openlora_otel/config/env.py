@@ -31,6 +31,7 @@ from openlora_otel.config.checks import (
     _host_problem,
     _in_range,
     _ms_accepted,
+    _utf8_problem,
     run_name_problem,
 )
 from openlora_otel.redaction import secret_forms, url_secrets
@@ -46,6 +47,14 @@ class Env:
 
     def get(self, name: str) -> str:
         return self._environ.get(name, "").strip()
+
+    def text(self, name: str) -> str:
+        """Text sent with the metrics (the service name): refused unless it is valid UTF-8."""
+        raw = self.get(name)
+        problem = _utf8_problem(raw)
+        if problem:
+            raise ConfigError(name, raw, "text in UTF-8", problem)
+        return raw
 
     def __contains__(self, name: str) -> bool:
         return name in self._environ
@@ -179,6 +188,11 @@ class Env:
                     variable, shown, accepted, f"value of {key!r} is not valid percent-encoding"
                 ) from None
             name = unquote(key)
+            problem = _utf8_problem(name + decoded)
+            if problem:
+                # Sent with every export: a lone surrogate would fail each one.
+                entry = "an entry" if headers else f"entry {item.strip()!r}"
+                raise ConfigError(variable, shown, accepted, f"{entry}: {problem}")
             if headers:
                 # HTTP drops leading/trailing spaces of a field value; requests refuses them.
                 decoded = decoded.strip(" ")

@@ -61,9 +61,10 @@ def ranks_from_env(environ: Mapping[str, str]) -> Ranks:
     Called after ``TelemetryConfig.from_env`` has validated them as integers
     from 0 to 2**31 - 1; anything else left here is a launch mistake.
     """
-    world_size = int(environ.get("WORLD_SIZE") or 1)
-    rank = int(environ.get("RANK") or 0)
-    local_rank = int(environ.get("LOCAL_RANK") or 0)
+    # Stripped as the configuration strips them: int() keeps the blanks str.strip() drops ("\x1c").
+    world_size = int(environ.get("WORLD_SIZE", "").strip() or 1)
+    rank = int(environ.get("RANK", "").strip() or 0)
+    local_rank = int(environ.get("LOCAL_RANK", "").strip() or 0)
     if world_size < 1 or rank >= world_size:
         raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: expected 0 <= RANK < WORLD_SIZE")
     return Ranks(rank=rank, local_rank=local_rank, world_size=world_size)

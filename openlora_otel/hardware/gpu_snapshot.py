@@ -492,8 +492,10 @@ class GpuCollector:
             for entry in (e.strip() for e in self._visible.split(",")):
                 if not entry:
                     break
-                if entry.isdigit():
-                    matches = [d for d in gpus if d.index == int(entry)]
+                # ASCII: isdigit() also takes superscript digits, which int() refuses, and fullwidth ones, which
+                # it reads but CUDA does not. int() refuses more than 4300 digits; no index has more than 20.
+                if entry.isascii() and entry.isdigit():
+                    matches = [d for d in gpus if len(entry) <= 20 and d.index == int(entry)]
                 else:  # a GPU- or MIG- UUID, or a unique prefix of one, as CUDA accepts
                     key = _norm_uuid(entry)
                     matches = [d for d in devices if _norm_uuid(d.uuid).startswith(key)]
