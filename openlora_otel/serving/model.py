@@ -223,7 +223,7 @@ def _draw(torch: Any, logits: Any, sampling: Sampling) -> int:
     logits go to -inf, probability 0, and a tiny temperature is greedy. In float32, or unshifted,
     a temperature of 1e-40 overflowed and ``torch.multinomial`` refused the NaNs (a 500).
     """
-    logits = logits.double().cpu()
+    logits = logits.float().cpu().double()  # copied as float32 (half the bytes of float64), widened here
     probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         ordered, order = torch.sort(probs, descending=True)
