@@ -84,11 +84,18 @@ def test_idle_connections_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_forked_child_does_not_keep_the_port() -> None:
     telemetry = setup_telemetry(config=_config())
     port = _port(telemetry)
+    ready, started = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the child: a DataLoader worker that outlives the parent's telemetry
+        # fork() returns here after the at-fork hooks ran (ours closes the inherited socket); until the
+        # child is scheduled the socket is still open in it, so the parent waits for this byte.
+        os.write(started, b"1")
         time.sleep(5)
         os._exit(0)
     try:
+        os.close(started)
+        assert os.read(ready, 1) == b"1"  # on a loaded machine the child can run seconds after fork()
+        os.close(ready)
         telemetry.shutdown()
         # The port is free again while the child still runs, and nobody answers on it.
         with socket.socket() as sock:

@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 CHILD_PRELUDE = """
 import os, signal, sys, time
+# Ctrl-C is KeyboardInterrupt, as in a terminal: a test run started in the background of a
+# non-interactive shell ignores SIGINT, every child inherits that, and Python then leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from openlora_otel import setup_telemetry
 """
 
