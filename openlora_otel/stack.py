@@ -91,7 +91,7 @@ def check_runbook_base(base: str) -> str:
     as a template), a byte that was not UTF-8 (the file could not be written), a quote, a backslash
     or ``#``; and a '%' that is not an escape, a bad port, no host.
     """
-    from openlora_otel._args import check_url
+    from openlora_otel.config.checks import check_url
 
     shown = redact_url(base)
     if not base or not set(base) <= _RUNBOOK_BASE_CHARS or re.search(r"%(?![0-9A-Fa-f]{2})", base):

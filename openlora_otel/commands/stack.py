@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel._args import check_url
 from openlora_otel.commands.rules import add_runbook_base_argument
 from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.config.checks import check_url
 from openlora_otel.discovery import scrape_address
 from openlora_otel.redaction import redact_url
 from openlora_otel.stack import (
