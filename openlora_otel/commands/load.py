@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from openlora_otel._args import number
+from openlora_otel.commands._args import number
 from openlora_otel.serving.load import (
     DEFAULT_PROMPT,
     DEFAULT_URL,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from openlora_otel._args import fail
+from openlora_otel.commands._args import fail
 from openlora_otel.report.model import ReportError, Run
 
 DEFAULT_SINCE = "1h"  # report.serving.DEFAULT_SINCE, without importing it for --help

@@ -6,8 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
 from openlora_otel._device import add_device_argument, device_problem
+from openlora_otel.commands._args import (
+    fail,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 
 
