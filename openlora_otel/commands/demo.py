@@ -391,8 +391,8 @@ def _save_problem(args: argparse.Namespace) -> str | None:
     from pathlib import Path
 
     from openlora_otel.demo.corpus import ALPHABET
-    from openlora_otel.demo.layout import BASE, LayoutError, adapter_name_problem, read_base
     from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.model.layout import BASE, LayoutError, adapter_name_problem, read_base
 
     root = Path(args.save)
     if root.exists() and not root.is_dir():

@@ -18,7 +18,7 @@ from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 
 
 def register(commands: Any) -> None:
-    from openlora_otel.demo.layout import ADAPTER_NAME_RULE
+    from openlora_otel.model.layout import ADAPTER_NAME_RULE
 
     serve = commands.add_parser(
         "serve",
@@ -146,7 +146,7 @@ def limits_from(args: argparse.Namespace) -> Any:
 
 def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
     """The saved base and the adapters to serve, or what is wrong with DIR / --adapter."""
-    from openlora_otel.demo.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
+    from openlora_otel.model.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
     from openlora_otel.serving.server import MAX_TOKENS_LIMIT
 
     if not 0 <= args.port <= 65535:

@@ -81,7 +81,7 @@ class DemoOptions:
     # Each batch takes this much longer to arrive (an input-bound run).
     data_delay_ms: float = 0.0
     # Save the base model (first run into the directory) and the trained adapter for `serve`
-    # (layout: openlora_otel/demo/layout.py); rank 0 saves, after a run that was not stopped early.
+    # (layout: openlora_otel/model/layout.py); rank 0 saves, after a run that was not stopped early.
     save_dir: str | None = None
     adapter_name: str | None = None  # default: seed-<seed>
     # Checkpoints (the plain loop, one process): the adapter, optimizer, scheduler, data generator and
@@ -610,7 +610,7 @@ class _Saving:
     """``--save DIR``: the base the adapter is trained on, saved first when DIR has none yet."""
 
     def __init__(self, options: DemoOptions, rank: int) -> None:
-        from openlora_otel.demo.layout import BASE, SavedBase, read_base
+        from openlora_otel.model.layout import BASE, SavedBase, read_base
 
         self.options = options
         self.rank = rank
@@ -628,7 +628,7 @@ class _Saving:
         """The fresh base, before LoRA: rank 0 saves it (every rank draws the same from the seed)."""
         if self.options.save_dir and self.rank == 0:
             from openlora_otel.demo.corpus import ALPHABET
-            from openlora_otel.demo.layout import save_base
+            from openlora_otel.model.layout import save_base
 
             self.base = save_base(
                 self.options.save_dir,
@@ -641,7 +641,7 @@ class _Saving:
     def save_adapter(self, model: Any, result: DemoResult, run_id: str, run_name: str) -> str | None:
         if not self.options.save_dir or self.rank != 0 or self.base is None:
             return None
-        from openlora_otel.demo.layout import save_adapter
+        from openlora_otel.model.layout import save_adapter
 
         options = self.options
         info = {

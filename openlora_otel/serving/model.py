@@ -29,7 +29,7 @@ from typing import Any
 
 from openlora_otel._device import Placement, resolve_device
 from openlora_otel.demo.corpus import CharTokenizer
-from openlora_otel.demo.layout import SavedAdapter, SavedBase, quiet_progress
+from openlora_otel.model.layout import SavedAdapter, SavedBase, quiet_progress
 
 __all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "Sampling", "ServedModels"]
 
