@@ -390,8 +390,8 @@ def _save_problem(args: argparse.Namespace) -> str | None:
         return None
     from pathlib import Path
 
-    from openlora_otel.demo.corpus import ALPHABET
     from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.model.corpus import ALPHABET
     from openlora_otel.model.layout import BASE, LayoutError, adapter_name_problem, read_base
 
     root = Path(args.save)

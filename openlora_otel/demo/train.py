@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from openlora_otel._device import Placement, resolve_device
-from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
+from openlora_otel.model.corpus import CharTokenizer, generate_corpus
 from openlora_otel.telemetry import Telemetry
 from openlora_otel.training.flops import report_model_flops
 from openlora_otel.training.guard import DivergenceGuard
@@ -627,7 +627,7 @@ class _Saving:
     def on_base(self, base: Any) -> None:
         """The fresh base, before LoRA: rank 0 saves it (every rank draws the same from the seed)."""
         if self.options.save_dir and self.rank == 0:
-            from openlora_otel.demo.corpus import ALPHABET
+            from openlora_otel.model.corpus import ALPHABET
             from openlora_otel.model.layout import save_base
 
             self.base = save_base(

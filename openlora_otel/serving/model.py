@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openlora_otel._device import Placement, resolve_device
-from openlora_otel.demo.corpus import CharTokenizer
+from openlora_otel.model.corpus import CharTokenizer
 from openlora_otel.model.layout import SavedAdapter, SavedBase, quiet_progress
 
 __all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "Sampling", "ServedModels"]
