@@ -7,7 +7,6 @@ import math
 import sys
 from typing import Any
 
-from openlora_otel._device import add_device_argument, device_problem
 from openlora_otel.commands._args import (
     fail,
     non_negative_float,
@@ -17,6 +16,7 @@ from openlora_otel.commands._args import (
 )
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 from openlora_otel.demo.train import DemoOptions
+from openlora_otel.model.device import add_device_argument, device_problem
 
 
 def register(commands: Any) -> None:

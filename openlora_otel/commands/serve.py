@@ -6,7 +6,6 @@ import argparse
 import sys
 from typing import Any
 
-from openlora_otel._device import add_device_argument, device_problem
 from openlora_otel.commands._args import (
     fail,
     non_negative_float,
@@ -15,6 +14,7 @@ from openlora_otel.commands._args import (
     positive_int,
 )
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
+from openlora_otel.model.device import add_device_argument, device_problem
 
 
 def register(commands: Any) -> None:

@@ -1,7 +1,7 @@
 """The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, with live telemetry.
 
 It runs where ``--device`` says (``auto``: the first CUDA device when there is one, else the
-CPU; see ``openlora_otel/_device.py``): the model, the corpus and every batch live there, and
+CPU; see ``openlora_otel/model/device.py``): the model, the corpus and every batch live there, and
 on a CUDA device with bfloat16 the forward passes run under autocast. Under torchrun the
 ranks train on CPU with gloo.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel._device import Placement, resolve_device
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
 from openlora_otel.model.corpus import CharTokenizer, generate_corpus
+from openlora_otel.model.device import Placement, resolve_device
 from openlora_otel.telemetry import Telemetry
 from openlora_otel.training.flops import report_model_flops
 from openlora_otel.training.guard import DivergenceGuard
@@ -66,7 +66,7 @@ class DemoOptions:
     seed: int = 0
     eval_every: int = 50
     seq_len: int = 64
-    # auto, cpu, cuda or cuda:N (openlora_otel/_device.py); distributed runs train on CPU.
+    # auto, cpu, cuda or cuda:N (openlora_otel/model/device.py); distributed runs train on CPU.
     device: str = "auto"
     hf_trainer: bool = False
     quiet: bool = False
