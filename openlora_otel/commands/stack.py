@@ -1,5 +1,5 @@
 """``openlora-otel stack``: its parser, the checks of its arguments, and the plan it writes and starts
-(:mod:`openlora_otel.stack` holds the configs, the servers and the alert printer)."""
+(:mod:`openlora_otel.stack.servers` holds the configs, the servers and the alert printer)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.config.checks import check_url
 from openlora_otel.discovery import scrape_address
 from openlora_otel.redaction import redact_url
-from openlora_otel.stack import (
+from openlora_otel.stack.servers import (
     ALERTMANAGER_BINARIES,
     DEFAULT_ALERTMANAGER_PORT,
     DEFAULT_EVALUATION_INTERVAL,

@@ -1,4 +1,5 @@
-"""``openlora-otel stack``: Prometheus and Alertmanager on this machine, without Docker.
+"""``openlora-otel stack``: Prometheus and Alertmanager on this machine, without Docker (the configs,
+the two servers and the alert printer; the parser is :mod:`openlora_otel.commands.stack`).
 
 The compose stack in ``collector/`` needs Docker. On a plain Linux box the pull path needs only
 two binaries (Debian: ``prometheus`` and ``prometheus-alertmanager``; or the upstream tarballs).
