@@ -1,5 +1,5 @@
 """``openlora-otel rules``: the shipped alerting and recording rules, with the runbook URLs' base of your
-choice (:func:`openlora_otel.stack.rules_text`)."""
+choice (:func:`openlora_otel.stack.rules.rules_text`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel.stack import DEFAULT_RUNBOOK_BASE, check_runbook_base, rules_text
+from openlora_otel.stack.rules import DEFAULT_RUNBOOK_BASE, check_runbook_base, rules_text
 
 
 def runbook_base(text: str) -> str:
