@@ -1,6 +1,6 @@
 """Argument types and checks the command line's parsers share (``openlora-otel demo``, ``serve``, ``load``,
-``report``, ``stack``); the check of a URL argument is
-:func:`openlora_otel.config.checks.check_url`."""
+``report``, ``rules``, ``stack``): the numbers, ``fail()``, ``--runbook-base``. The check of a URL
+argument is :func:`openlora_otel.config.checks.check_url`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import argparse
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from openlora_otel.stack.rules import DEFAULT_RUNBOOK_BASE, check_runbook_base
 
 
 def number(kind: type, *, allow_zero: bool = False) -> Callable[[str], Any]:
@@ -38,3 +40,24 @@ def fail(command: str, problem: object) -> int:
     """Say on stderr why ``openlora-otel COMMAND`` cannot go on (``openlora-otel COMMAND: problem``); exit status 2."""
     print(f"openlora-otel {command}: {problem}", file=sys.stderr)
     return 2
+
+
+def runbook_base(text: str) -> str:
+    """The argument type of ``--runbook-base`` (``rules`` and ``stack``)."""
+    try:
+        return check_runbook_base(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_runbook_base_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--runbook-base",
+        type=runbook_base,
+        default=DEFAULT_RUNBOOK_BASE,
+        metavar="URL",
+        help="what every alert's runbook_url starts with (an http:// or https:// URL), before '#' and the "
+        "alert's name in lower case: "
+        "the docs site's runbooks page (default %(default)s, where the site is meant to be published; "
+        "`mkdocs serve` serves it at http://127.0.0.1:8000/runbooks/)",
+    )

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel.commands.rules import add_runbook_base_argument
+from openlora_otel.commands._args import add_runbook_base_argument
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.config.checks import check_url
 from openlora_otel.discovery import scrape_address
