@@ -498,7 +498,7 @@ def run_demo(
     data-parallel; all ranks then stop at the same step (see ``demo/ddp.py``).
     """
     torch, _, _ = _require()
-    from openlora_otel.integrations._common import describe_lora
+    from openlora_otel.integrations.common import describe_lora
 
     if options.hf_trainer and options.distributed:
         raise ValueError("the Hugging Face Trainer path runs one process; distributed runs use the plain loop")
@@ -564,7 +564,7 @@ def _run(
         out.flush()
     resume_state = _load_checkpoint(options, model, training, torch) if options.resume else None
     if options.checkpoint_dir:
-        from openlora_otel.integrations._common import start_progress
+        from openlora_otel.integrations.common import start_progress
 
         # The run's highest step next to its checkpoints; resumed, the steps the earlier attempt did
         # after the checkpoint (the progress file says how far it got) count as lost_progress.
