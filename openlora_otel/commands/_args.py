@@ -1,5 +1,6 @@
 """Argument types and checks the command line's parsers share (``openlora-otel demo``, ``serve``, ``load``,
-``report``, ``rules``, ``stack``): the numbers, ``fail()``, ``--runbook-base``. The check of a URL
+``report``, ``rules``, ``stack``): the numbers, the one way to a usage error (:func:`usage_error`,
+through the parser :func:`command_parser` made) and :func:`fail`, ``--runbook-base``. The check of a URL
 argument is :func:`openlora_otel.config.checks.check_url`."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from openlora_otel.stack.rules import DEFAULT_RUNBOOK_BASE, check_runbook_base
 
@@ -36,8 +37,24 @@ positive_float = number(float)
 non_negative_float = number(float, allow_zero=True)
 
 
+def command_parser(subparsers: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of ``openlora-otel NAME`` (``kwargs`` as ``add_parser`` takes them), kept in the parsed
+    arguments as ``parser`` so that :func:`usage_error` can reach it."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(name, **kwargs)
+    parser.set_defaults(parser=parser)
+    return parser
+
+
+def usage_error(args: argparse.Namespace, problem: object) -> NoReturn:
+    """The arguments of the command ``args`` were parsed for cannot be used together: its usage line, then
+    ``openlora-otel COMMAND: error: problem`` on stderr (argparse's own form); exit status 2."""
+    parser: argparse.ArgumentParser = args.parser
+    parser.error(str(problem))
+
+
 def fail(command: str, problem: object) -> int:
-    """Say on stderr why ``openlora-otel COMMAND`` cannot go on (``openlora-otel COMMAND: problem``); exit status 2."""
+    """Say on stderr why ``openlora-otel COMMAND`` cannot go on (``openlora-otel COMMAND: problem``), when
+    what is wrong is found past the arguments (a file, a directory, the environment); exit status 2."""
     print(f"openlora-otel {command}: {problem}", file=sys.stderr)
     return 2
 

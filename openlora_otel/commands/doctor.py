@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from openlora_otel._deps import OPTIONAL_PACKAGES, is_installed
+from openlora_otel.commands._args import command_parser, usage_error
 from openlora_otel.config import PROMETHEUS_PORT_VARIABLE, ConfigError, TelemetryConfig, secrets_in_env
 from openlora_otel.redaction import redact
 
@@ -267,7 +268,8 @@ def _check_otlp(config: TelemetryConfig, timeout_s: float) -> Check:
 
 
 def register(commands: Any) -> None:
-    doctor = commands.add_parser(
+    doctor = command_parser(
+        commands,
         "doctor",
         help="check the configuration, the ports and endpoints it names, and the optional packages",
         description="Print the configuration resolved from the environment (secrets redacted), check that "
@@ -277,10 +279,10 @@ def register(commands: Any) -> None:
     doctor.add_argument(
         "--timeout", type=float, default=2.0, metavar="SECONDS", help="per network check (default 2)"
     )
-    doctor.set_defaults(doctor_parser=doctor, func=run)
+    doctor.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
-        args.doctor_parser.error("--timeout must be > 0")
+        usage_error(args, "--timeout must be > 0")
     return run_doctor(timeout_s=args.timeout)

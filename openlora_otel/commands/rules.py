@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel.commands._args import add_runbook_base_argument
+from openlora_otel.commands._args import add_runbook_base_argument, command_parser
 from openlora_otel.stack.rules import rules_text
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = command_parser(
+        commands,
         "rules",
         help="print (or write) the Prometheus alerting and recording rules, with your runbook URL base",
         description="Print the alerting and recording rules openlora-otel ships "
