@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from openlora_otel._device import DeviceError, Placement, device_choice, resolve_device
+from openlora_otel.model.device import DeviceError, Placement, device_choice, resolve_device
 
 
 class _Cuda:

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from openlora_otel.cli import main
+from openlora_otel.commands.doctor import run_doctor
 from openlora_otel.commands.env import variables_markdown
-from openlora_otel.doctor import run_doctor
 from tests.support.otlp_receiver import HttpReceiver
 from tests.support.processes import free_port
 

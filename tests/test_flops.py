@@ -99,8 +99,8 @@ def test_the_hand_count_of_the_demo_model_in_numbers() -> None:
 
 def test_demo_model_matches_the_hand_count() -> None:
     pytest.importorskip("peft")
-    from openlora_otel.demo.corpus import CharTokenizer
     from openlora_otel.demo.train import DemoOptions, build_model
+    from openlora_otel.model.corpus import CharTokenizer
 
     options = DemoOptions()
     vocab = CharTokenizer().vocab_size
@@ -144,8 +144,8 @@ def _measured_per_token(model: Any, vocab: int, seq_len: int, *, backward: bool 
 
 def test_torchs_flop_counter_agrees_with_the_demo_count_up_to_the_documented_skip() -> None:
     pytest.importorskip("peft")
-    from openlora_otel.demo.corpus import CharTokenizer
     from openlora_otel.demo.train import DemoOptions, build_model
+    from openlora_otel.model.corpus import CharTokenizer
 
     model = build_model(DemoOptions(), CharTokenizer().vocab_size)
     # Layer 0's q/k/v read the embedding's output, which needs no gradient: autograd skips the input

@@ -429,7 +429,7 @@ def test_under_ddp_every_rank_stops_at_the_same_step(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from openlora_otel.integrations._common import GUARD_SYNC_EVERY
+    from openlora_otel.integrations.common import GUARD_SYNC_EVERY
     from tests.support.processes import child_env
 
     script = tmp_path / "ddp_guard.py"

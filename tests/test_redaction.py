@@ -423,7 +423,7 @@ def test_doctor_on_an_invalid_configuration(env: dict[str, str]) -> None:
 
 def test_doctor_when_the_http_probe_fails() -> None:
     """A header the probe cannot send makes urllib raise with the value in its message."""
-    from openlora_otel.doctor import _check_otlp
+    from openlora_otel.commands.doctor import _check_otlp
 
     server = HttpReceiver()
     try:

@@ -25,9 +25,9 @@ pytest.importorskip("opentelemetry.instrumentation.fastapi")
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.cli import main
-from openlora_otel.demo.corpus import ALPHABET
-from openlora_otel.demo.layout import LayoutError, SavedBase, read_adapter, read_saved
 from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.model.corpus import ALPHABET
+from openlora_otel.model.layout import LayoutError, SavedBase, read_adapter, read_saved
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, Sampling, ServedModels, _held_back
 from openlora_otel.serving.server import Admission, Overloaded
 from tests.support.polling import wait_until
@@ -197,7 +197,7 @@ def test_generation_stops_when_cancelled(models: ServedModels) -> None:
 
 @pytest.mark.process
 def test_an_adapter_trained_on_another_base_is_refused(models: ServedModels, saved: Path, tmp_path) -> None:
-    from openlora_otel.demo.layout import read_adapter
+    from openlora_otel.model.layout import read_adapter
 
     other = tmp_path / "other"
     shutil.copytree(saved / "adapters" / "a1", other)
@@ -720,7 +720,7 @@ def test_a_replaced_directory_is_never_deleted_while_it_is_the_one_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The old adapter is moved aside before the new one moves in: at no moment is half of one in place."""
-    from openlora_otel.demo import layout
+    from openlora_otel.model import layout
 
     target = tmp_path / "adapters" / "a1"
 

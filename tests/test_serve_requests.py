@@ -18,7 +18,7 @@ for _module in SERVE_MODULES:
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from openlora_otel.demo.corpus import ALPHABET  # noqa: E402
+from openlora_otel.model.corpus import ALPHABET  # noqa: E402
 from openlora_otel.serving.model import Sampling, _draw  # noqa: E402
 from openlora_otel.serving.protocol import OFF_VALUES  # noqa: E402
 from tests.support.fuzz import fuzz  # noqa: E402

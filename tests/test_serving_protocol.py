@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from openlora_otel.demo.corpus import CharTokenizer
+from openlora_otel.model.corpus import CharTokenizer
 from openlora_otel.serving import protocol
 from openlora_otel.serving.protocol import CHAT, COMPLETION, MAX_N, ProtocolError, parse, render_chat
 

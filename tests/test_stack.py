@@ -24,6 +24,7 @@ import yaml
 
 from openlora_otel import stack
 from openlora_otel.commands import stack as stack_command
+from openlora_otel.stack import servers
 from tests.support.processes import child_env, free_port, reap
 from tests.support.stack import start_stack, tool, wait_for_line
 
@@ -237,7 +238,7 @@ def test_a_dead_alertmanagers_log_is_shown_without_the_webhooks_token(tmp_path: 
     padding = "x" * (2000 - len(line) + line.index("9TokenXYZ"))
     (tmp_path / "alertmanager.log").write_text("y" * 500 + line + padding)
     plan = stack.StackPlan(tmp_path, targets=("localhost:9464",), webhook_url=SLACK_WEBHOOK, builtin_receiver=False)
-    stack._Server.exited_flag = True  # the stand-in (fake_servers): Alertmanager exits at once
+    servers._Server.exited_flag = True  # the stand-in (fake_servers): Alertmanager exits at once
     out, err = io.StringIO(), io.StringIO()
     assert stack.start(plan, err, out) == 1
     assert "Alertmanager exited with status 0; the end of" in err.getvalue()
@@ -313,8 +314,8 @@ def fake_servers(monkeypatch: pytest.MonkeyPatch) -> list:
         def stop(self) -> None:
             pass
 
-    monkeypatch.setattr(stack, "_Server", FakeServer)
-    monkeypatch.setattr(stack, "find_binary", lambda names: "/nonexistent/" + names[0])
+    monkeypatch.setattr(servers, "_Server", FakeServer)
+    monkeypatch.setattr(servers, "find_binary", lambda names: "/nonexistent/" + names[0])
     return started
 
 
@@ -356,7 +357,7 @@ def test_start_says_it_runs_only_once_prometheus_scrapes_the_targets(
 def test_start_fails_when_prometheus_never_scrapes_the_targets(
     tmp_path: Path, fake_servers: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stack, "READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(servers, "READY_TIMEOUT_S", 1.0)
     api = _FakePrometheusApi("localhost:9464")
     plan = stack.StackPlan(
         tmp_path,
@@ -383,7 +384,7 @@ def test_start_fails_when_prometheus_never_scrapes_the_targets(
 def test_a_file_sd_stack_has_no_targets_to_wait_for(tmp_path: Path) -> None:
     # The ranks register themselves whenever they start; nothing is listening on this port.
     plan = stack.StackPlan(tmp_path, file_sd_dir=str(tmp_path / "sd"), prometheus_port=free_port())
-    assert stack._scraping(plan)
+    assert servers._scraping(plan)
 
 
 def test_the_alert_printer_shows_each_alert_with_its_run() -> None:

@@ -387,12 +387,12 @@ def test_numpy_scalars_and_0d_arrays_are_read_as_their_value_and_a_day_long_step
 def test_a_callback_step_that_lasted_days_is_recorded_as_a_day_not_raised_into_the_trainer(
     setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from openlora_otel.integrations import _common
+    from openlora_otel.integrations import common
 
     training, reader = setup
     clock = FakeClock()
-    monkeypatch.setattr(_common.time, "perf_counter", clock.perf_counter)
-    step = _common.StepClock()
+    monkeypatch.setattr(common.time, "perf_counter", clock.perf_counter)
+    step = common.StepClock()
     step.idle()
     clock.now += 3 * 86400.0  # the machine slept waiting for the batch, then in the step
     step.batch_started()

@@ -1,5 +1,5 @@
 """The URL arguments of the command line (``load --url``, ``report --prometheus``, ``stack --webhook``), all
-checked by ``openlora_otel._args.check_url``: a URL that cannot be used is a one-line usage error (exit 2),
+checked by ``openlora_otel.config.checks.check_url``: a URL that cannot be used is a one-line usage error (exit 2),
 never a traceback, and no output ever shows its password (nor a webhook's path, its token). In process;
 no connection leaves the machine (``socket.create_connection`` refuses every one)."""
 

@@ -7,14 +7,23 @@ import math
 import sys
 from typing import Any
 
-from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
-from openlora_otel._device import add_device_argument, device_problem
+from openlora_otel.commands._args import (
+    command_parser,
+    fail,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    usage_error,
+)
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
 from openlora_otel.demo.train import DemoOptions
+from openlora_otel.model.device import add_device_argument, device_problem
 
 
 def register(commands: Any) -> None:
-    demo = commands.add_parser(
+    demo = command_parser(
+        commands,
         "demo",
         help="fine-tune a small LoRA model (CUDA when there is one, else CPU) with live metrics (needs the demo extra)",
         description="Fine-tune a small Llama built from a config with LoRA (PEFT) on a generated corpus, on "
@@ -27,7 +36,7 @@ def register(commands: Any) -> None:
         "Exit status: 0 done, 2 usage or configuration error, 3 stopped by the divergence guard, "
         "130 / 143 stopped by SIGINT / SIGTERM (telemetry flushed first in every case).",
     )
-    demo.set_defaults(demo_parser=demo, func=run)
+    demo.set_defaults(func=run)
     defaults = DemoOptions()
     demo.add_argument(
         "--steps",
@@ -160,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         environ["OTEL_METRICS_EXPORTER"] = args.exporter
     problem = _checkpoint_problem(args)
     if problem:
-        args.demo_parser.error(problem)
+        usage_error(args, problem)
     if args.resume:
         from openlora_otel.demo.train import CheckpointError, read_run_file
 
@@ -181,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         config = TelemetryConfig.from_env(environ)
     except ConfigError as exc:
         if args.exporter is not None and exc.variable == "OTEL_METRICS_EXPORTER":
-            args.demo_parser.error(
+            usage_error(
+                args,
                 f"argument --exporter: {args.exporter!r} is not valid: expected {exc.accepted}"
             )
         return fail("demo", exc)
@@ -197,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         or _hf_device_problem(args)
     )
     if problem:
-        args.demo_parser.error(problem)
+        usage_error(args, problem)
     if ranks.distributed and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
         print(
             f"openlora-otel demo: WORLD_SIZE={ranks.world_size} but MASTER_ADDR and MASTER_PORT are not both "
@@ -384,9 +394,9 @@ def _save_problem(args: argparse.Namespace) -> str | None:
         return None
     from pathlib import Path
 
-    from openlora_otel.demo.corpus import ALPHABET
-    from openlora_otel.demo.layout import BASE, LayoutError, adapter_name_problem, read_base
     from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.model.corpus import ALPHABET
+    from openlora_otel.model.layout import BASE, LayoutError, adapter_name_problem, read_base
 
     root = Path(args.save)
     if root.exists() and not root.is_dir():

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from openlora_otel.commands._args import command_parser
 from openlora_otel.config import GROUPS, VARIABLES
 
 
 def register(commands: Any) -> None:
-    env = commands.add_parser(
+    env = command_parser(
+        commands,
         "env",
         help="list every environment variable with its default and meaning",
         description="Print the tables of environment variables openlora-otel reads, by group, as Markdown.",

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, TextIO
 
-from openlora_otel._args import number
+from openlora_otel.commands._args import command_parser, number, usage_error
 from openlora_otel.serving.load import (
     DEFAULT_PROMPT,
     DEFAULT_URL,
@@ -35,7 +35,8 @@ def _mix(text: str) -> tuple[tuple[str, float], ...]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``load`` subcommand to ``openlora-otel``'s subparsers."""
-    parser = subparsers.add_parser(
+    parser = command_parser(
+        subparsers,
         "load",
         help="send a bounded load of completions to `openlora-otel serve` and print client-side latencies",
         description="Send POST /v1/completions to URL on a fixed schedule (open loop: request i starts "
@@ -106,7 +107,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="per request, all of it (default %(default)s)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    parser.set_defaults(load_parser=parser)
     return parser
 
 
@@ -114,7 +114,6 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     """Carry out ``openlora-otel load`` for parsed ``args``."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    parser: argparse.ArgumentParser = args.load_parser
     options = LoadOptions(
         url=args.url,
         rate=args.rate,
@@ -131,12 +130,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         check_options(options)
     except LoadUsageError as exc:
-        parser.error(str(exc))
+        usage_error(args, str(exc))
     # Opened first: a run is not thrown away for a path that cannot be written.
     try:
         json_file = open(args.json, "w", encoding="utf-8") if args.json else None  # noqa: SIM115
     except OSError as exc:
-        parser.error(f"--json {args.json}: {exc.strerror or exc}")
+        usage_error(args, f"--json {args.json}: {exc.strerror or exc}")
     try:
         try:
             result = run_load(options, log=err)

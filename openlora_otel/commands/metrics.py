@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from openlora_otel.commands._args import command_parser
 from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
 
 
 def register(commands: Any) -> None:
-    metrics = commands.add_parser(
+    metrics = command_parser(
+        commands,
         "metrics",
         help="list every metric with its Prometheus series name, type, unit and meaning",
         description="Print the table of metrics openlora-otel exports, as Markdown.",

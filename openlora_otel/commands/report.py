@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from openlora_otel._args import fail
+from openlora_otel.commands._args import command_parser, fail, usage_error
 from openlora_otel.report.model import ReportError, Run
 
 DEFAULT_SINCE = "1h"  # report.serving.DEFAULT_SINCE, without importing it for --help
@@ -24,7 +24,8 @@ def register(commands: Any) -> None:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``report`` command to the CLI's subcommands."""
-    parser = subparsers.add_parser(
+    parser = command_parser(
+        subparsers,
         "report",
         help="draw runs (loss, eval metrics, gradient norm, learning rate, throughput, step time, GPU) as PNG and "
         "an interactive HTML page",
@@ -115,7 +116,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "to 0.99, debiased so it starts at the first value; the raw line is drawn faint behind. Evaluation "
         "points are not smoothed (default %(default)s; the page has a slider)",
     )
-    parser.set_defaults(report_parser=parser)
     return parser
 
 
@@ -161,19 +161,20 @@ def _formats(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``openlora-otel report`` with parsed ``args``; the exit status."""
-    parser: argparse.ArgumentParser = args.report_parser
     try:
         formats = _formats(args.format)
     except ValueError as exc:
-        parser.error(f"argument --format: {exc}")
+        usage_error(args, f"argument --format: {exc}")
     if args.adapter and not args.prometheus:
-        parser.error("--adapter needs --prometheus URL (the server that scraped the adapter's server)")
+        usage_error(args, "--adapter needs --prometheus URL (the server that scraped the adapter's server)")
     if not args.paths and not args.prometheus:
-        parser.error(
+        usage_error(
+            args,
             "nothing to draw: give history files or directories, or --prometheus URL --run ID_OR_NAME"
         )
     if args.prometheus and not args.run and not args.adapter:
-        parser.error(
+        usage_error(
+            args,
             "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it to compare runs) "
             "or --adapter NAME"
         )

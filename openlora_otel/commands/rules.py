@@ -1,5 +1,5 @@
 """``openlora-otel rules``: the shipped alerting and recording rules, with the runbook URLs' base of your
-choice (:func:`openlora_otel.stack.rules_text`)."""
+choice (:func:`openlora_otel.stack.rules.rules_text`)."""
 
 from __future__ import annotations
 
@@ -8,32 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel.stack import DEFAULT_RUNBOOK_BASE, check_runbook_base, rules_text
-
-
-def runbook_base(text: str) -> str:
-    """The argument type of ``--runbook-base`` (here and in ``stack``)."""
-    try:
-        return check_runbook_base(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def add_runbook_base_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--runbook-base",
-        type=runbook_base,
-        default=DEFAULT_RUNBOOK_BASE,
-        metavar="URL",
-        help="what every alert's runbook_url starts with (an http:// or https:// URL), before '#' and the "
-        "alert's name in lower case: "
-        "the docs site's runbooks page (default %(default)s, where the site is meant to be published; "
-        "`mkdocs serve` serves it at http://127.0.0.1:8000/runbooks/)",
-    )
+from openlora_otel.commands._args import add_runbook_base_argument, command_parser
+from openlora_otel.stack.rules import rules_text
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = command_parser(
+        commands,
         "rules",
         help="print (or write) the Prometheus alerting and recording rules, with your runbook URL base",
         description="Print the alerting and recording rules openlora-otel ships "

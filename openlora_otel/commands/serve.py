@@ -6,15 +6,24 @@ import argparse
 import sys
 from typing import Any
 
-from openlora_otel._args import fail, non_negative_float, non_negative_int, positive_float, positive_int
-from openlora_otel._device import add_device_argument, device_problem
+from openlora_otel.commands._args import (
+    command_parser,
+    fail,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    usage_error,
+)
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
+from openlora_otel.model.device import add_device_argument, device_problem
 
 
 def register(commands: Any) -> None:
-    from openlora_otel.demo.layout import ADAPTER_NAME_RULE
+    from openlora_otel.model.layout import ADAPTER_NAME_RULE
 
-    serve = commands.add_parser(
+    serve = command_parser(
+        commands,
         "serve",
         help="serve a model saved by `demo --save` and its LoRA adapters over HTTP (needs the serve extra)",
         description="Serve the base model and adapters saved by `openlora-otel demo --save DIR` over HTTP "
@@ -28,7 +37,7 @@ def register(commands: Any) -> None:
         "in-flight requests finish within --shutdown-timeout (then cancel them), deliver the final "
         "metrics. Exit status: 0 stopped, 2 usage or configuration error.",
     )
-    serve.set_defaults(serve_parser=serve, func=run)
+    serve.set_defaults(func=run)
     serve.add_argument("directory", metavar="DIR", help="a directory written by `openlora-otel demo --save DIR`")
     serve.add_argument(
         "--adapter",
@@ -140,7 +149,7 @@ def limits_from(args: argparse.Namespace) -> Any:
 
 def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
     """The saved base and the adapters to serve, or what is wrong with DIR / --adapter."""
-    from openlora_otel.demo.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
+    from openlora_otel.model.layout import LayoutError, adapter_name_problem, read_adapter, read_saved
     from openlora_otel.serving.server import MAX_TOKENS_LIMIT
 
     if not 0 <= args.port <= 65535:
@@ -187,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", exc)
     found = _serve_problem(args)
     if isinstance(found, str):
-        args.serve_parser.error(found)
+        usage_error(args, found)
     base, adapters = found
     environ = dict(os.environ)
     if args.exporter is not None:

@@ -1,5 +1,5 @@
 """``openlora-otel stack``: its parser, the checks of its arguments, and the plan it writes and starts
-(:mod:`openlora_otel.stack` holds the configs, the servers and the alert printer)."""
+(:mod:`openlora_otel.stack.servers` holds the configs, the servers and the alert printer)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel._args import check_url
-from openlora_otel.commands.rules import add_runbook_base_argument
+from openlora_otel.commands._args import add_runbook_base_argument, command_parser, usage_error
 from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.config.checks import check_url
 from openlora_otel.discovery import scrape_address
 from openlora_otel.redaction import redact_url
-from openlora_otel.stack import (
+from openlora_otel.stack.servers import (
     ALERTMANAGER_BINARIES,
     DEFAULT_ALERTMANAGER_PORT,
     DEFAULT_EVALUATION_INTERVAL,
@@ -84,7 +84,8 @@ def _webhook(text: str) -> str:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``stack`` subcommand to ``openlora-otel``'s subparsers."""
-    parser = subparsers.add_parser(
+    parser = command_parser(
+        subparsers,
         "stack",
         help="write (and with --start run) a native Prometheus and Alertmanager for local runs, no Docker",
         description="Write into DIR a Prometheus config that scrapes the local ranks' endpoints "
@@ -148,7 +149,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="(default %(default)s)",
     )
     add_runbook_base_argument(parser)
-    parser.set_defaults(stack_parser=parser)
     return parser
 
 
@@ -156,11 +156,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     """Carry out ``openlora-otel stack`` for parsed ``args``."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    parser: argparse.ArgumentParser = args.stack_parser
     if args.receiver_only:
         return receive_only(args.receiver_port, out, err)
     if args.dir is None:
-        parser.error("--dir is required (where the configs go), unless --receiver-only")
+        usage_error(args, "--dir is required (where the configs go), unless --receiver-only")
     try:
         config = TelemetryConfig.from_env()
     except ConfigError as exc:
@@ -174,10 +173,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
             else DEFAULT_METRICS_PORT
         )
     if port + args.ranks - 1 > 65535:
-        parser.error(f"--port {port} with --ranks {args.ranks} runs past port 65535")
+        usage_error(args, f"--port {port} with --ranks {args.ranks} runs past port 65535")
     ports = {args.prometheus_port, args.alertmanager_port} | (set() if args.webhook else {args.receiver_port})
     if len(ports) < (2 if args.webhook else 3):
-        parser.error("--prometheus-port, --alertmanager-port and --receiver-port must differ")
+        usage_error(args, "--prometheus-port, --alertmanager-port and --receiver-port must differ")
     directory = args.dir.expanduser().resolve()
     plan = StackPlan(
         directory=directory,

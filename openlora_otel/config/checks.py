@@ -245,6 +245,30 @@ def _check_endpoint(
     return parts
 
 
+def check_url(option: str, text: str, *, host_port: bool = False, hide_path: bool = False) -> SplitResult:
+    """``text`` split, when ``option`` (``--url``, say) can use it: an http:// or https:// URL
+    (``host_port``: or a bare ``HOST:PORT``) with a host, a port from 1 to 65535 if any, no space
+    or control character, no unescaped ``@`` after the host, no byte that was not UTF-8 (it
+    arrives as a lone surrogate, which no file or request can carry) and only ASCII after the host
+    (percent-encoded). The checks of an OTLP endpoint (:func:`_check_endpoint`) and those two; the
+    check of every URL argument of the command line (``--url``, ``--prometheus``, ``--webhook-url``...).
+
+    Else :class:`ConfigError`, one line naming ``option``, which shows
+    ``text`` without its user info, query values and fragment (``hide_path``: nor its path, a
+    webhook's token), so a usage error never prints a password.
+    """
+    shown = redact_url(text, path=hide_path)
+    accepted = "an http:// or https:// URL" + (", or HOST:PORT" if host_port else "")
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        raise ConfigError(option, shown, accepted, "it holds bytes that are not UTF-8 text")
+    schemes = ("", "http", "https") if host_port else ("http", "https")
+    parts = _check_endpoint(option, text, schemes=schemes, accepted=accepted, shown=shown)
+    if not (parts.path + parts.query + parts.fragment).isascii():
+        # http.client sends the request line as ASCII: it raised UnicodeEncodeError on the first request.
+        raise ConfigError(option, shown, accepted, "percent-encode the non-ASCII characters after its host")
+    return parts
+
+
 _UNESCAPED_USERINFO = (
     "an `@` after the host: percent-encode `/`, `?`, `#` and `@` in a user name or password "
     "(`%2F`, `%3F`, `%23`, `%40`)"

@@ -1,7 +1,7 @@
 """The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, with live telemetry.
 
 It runs where ``--device`` says (``auto``: the first CUDA device when there is one, else the
-CPU; see ``openlora_otel/_device.py``): the model, the corpus and every batch live there, and
+CPU; see ``openlora_otel/model/device.py``): the model, the corpus and every batch live there, and
 on a CUDA device with bfloat16 the forward passes run under autocast. Under torchrun the
 ranks train on CPU with gloo.
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from openlora_otel._device import Placement, resolve_device
-from openlora_otel.demo.corpus import CharTokenizer, generate_corpus
 from openlora_otel.demo.ddp import StepSync, TrainingGroup
+from openlora_otel.model.corpus import CharTokenizer, generate_corpus
+from openlora_otel.model.device import Placement, resolve_device
 from openlora_otel.telemetry import Telemetry
 from openlora_otel.training.flops import report_model_flops
 from openlora_otel.training.guard import DivergenceGuard
@@ -66,7 +66,7 @@ class DemoOptions:
     seed: int = 0
     eval_every: int = 50
     seq_len: int = 64
-    # auto, cpu, cuda or cuda:N (openlora_otel/_device.py); distributed runs train on CPU.
+    # auto, cpu, cuda or cuda:N (openlora_otel/model/device.py); distributed runs train on CPU.
     device: str = "auto"
     hf_trainer: bool = False
     quiet: bool = False
@@ -81,7 +81,7 @@ class DemoOptions:
     # Each batch takes this much longer to arrive (an input-bound run).
     data_delay_ms: float = 0.0
     # Save the base model (first run into the directory) and the trained adapter for `serve`
-    # (layout: openlora_otel/demo/layout.py); rank 0 saves, after a run that was not stopped early.
+    # (layout: openlora_otel/model/layout.py); rank 0 saves, after a run that was not stopped early.
     save_dir: str | None = None
     adapter_name: str | None = None  # default: seed-<seed>
     # Checkpoints (the plain loop, one process): the adapter, optimizer, scheduler, data generator and
@@ -498,7 +498,7 @@ def run_demo(
     data-parallel; all ranks then stop at the same step (see ``demo/ddp.py``).
     """
     torch, _, _ = _require()
-    from openlora_otel.integrations._common import describe_lora
+    from openlora_otel.integrations.common import describe_lora
 
     if options.hf_trainer and options.distributed:
         raise ValueError("the Hugging Face Trainer path runs one process; distributed runs use the plain loop")
@@ -564,7 +564,7 @@ def _run(
         out.flush()
     resume_state = _load_checkpoint(options, model, training, torch) if options.resume else None
     if options.checkpoint_dir:
-        from openlora_otel.integrations._common import start_progress
+        from openlora_otel.integrations.common import start_progress
 
         # The run's highest step next to its checkpoints; resumed, the steps the earlier attempt did
         # after the checkpoint (the progress file says how far it got) count as lost_progress.
@@ -610,7 +610,7 @@ class _Saving:
     """``--save DIR``: the base the adapter is trained on, saved first when DIR has none yet."""
 
     def __init__(self, options: DemoOptions, rank: int) -> None:
-        from openlora_otel.demo.layout import BASE, SavedBase, read_base
+        from openlora_otel.model.layout import BASE, SavedBase, read_base
 
         self.options = options
         self.rank = rank
@@ -627,8 +627,8 @@ class _Saving:
     def on_base(self, base: Any) -> None:
         """The fresh base, before LoRA: rank 0 saves it (every rank draws the same from the seed)."""
         if self.options.save_dir and self.rank == 0:
-            from openlora_otel.demo.corpus import ALPHABET
-            from openlora_otel.demo.layout import save_base
+            from openlora_otel.model.corpus import ALPHABET
+            from openlora_otel.model.layout import save_base
 
             self.base = save_base(
                 self.options.save_dir,
@@ -641,7 +641,7 @@ class _Saving:
     def save_adapter(self, model: Any, result: DemoResult, run_id: str, run_name: str) -> str | None:
         if not self.options.save_dir or self.rank != 0 or self.base is None:
             return None
-        from openlora_otel.demo.layout import save_adapter
+        from openlora_otel.model.layout import save_adapter
 
         options = self.options
         info = {

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from openlora_otel.integrations._common import (
+from openlora_otel.integrations.common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
     OpenMarks,

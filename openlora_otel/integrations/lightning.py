@@ -57,7 +57,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from openlora_otel.integrations._common import (
+from openlora_otel.integrations.common import (
     GUARD_SYNC_EVERY,
     ModelFlops,
     OpenMarks,

@@ -24,8 +24,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from openlora_otel._args import check_url
 from openlora_otel.config import ConfigError
+from openlora_otel.config.checks import check_url
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
 from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, promql_string, run_target

@@ -249,10 +249,10 @@ class _Target:
 
     @classmethod
     def parse(cls, url: str) -> _Target:
-        """``url`` checked as every URL argument is (:func:`openlora_otel._args.check_url`); LoadUsageError,
+        """``url`` checked as every URL argument is (:func:`openlora_otel.config.checks.check_url`); LoadUsageError,
         which never shows its password, if it cannot be used."""
-        from openlora_otel._args import check_url
         from openlora_otel.config import ConfigError
+        from openlora_otel.config.checks import check_url
 
         try:
             parts = check_url("--url", url)

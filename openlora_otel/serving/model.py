@@ -6,7 +6,7 @@ concurrent requests, no LoRA matmuls per token, and a module is only read while 
 so any number of worker threads may use the same one at once. The demo's base is about 3 MB;
 32 adapters cost about 100 MB. (A large base would want PEFT's multi-adapter batching instead.)
 The models run on the device chosen at start (``auto``: the first CUDA device when torch sees
-one, else the CPU; see ``openlora_otel/_device.py``), under bf16 autocast on CUDA devices with
+one, else the CPU; see ``openlora_otel/model/device.py``), under bf16 autocast on CUDA devices with
 bfloat16; adapters are merged on the CPU, into a copy of the base kept there, then moved.
 
 Generation runs over the last ``context_length`` tokens (the demo trains on 64-character
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from openlora_otel._device import Placement, resolve_device
-from openlora_otel.demo.corpus import CharTokenizer
-from openlora_otel.demo.layout import SavedAdapter, SavedBase, quiet_progress
+from openlora_otel.model.corpus import CharTokenizer
+from openlora_otel.model.device import Placement, resolve_device
+from openlora_otel.model.layout import SavedAdapter, SavedBase, quiet_progress
 
 __all__ = ["AdapterMismatchError", "Cancelled", "Completion", "PromptError", "Sampling", "ServedModels"]
 

@@ -51,8 +51,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openlora_otel.demo.layout import SavedAdapter, SavedBase
 from openlora_otel.inference.metrics import InferenceRequest
+from openlora_otel.model.layout import SavedAdapter, SavedBase
 from openlora_otel.serving import protocol
 from openlora_otel.serving.limits import (
     DEFAULT_LIMITS,

@@ -220,8 +220,8 @@ class InProcessServe:
         import transformers
 
         from openlora_otel import TelemetryConfig, setup_telemetry
-        from openlora_otel.demo.corpus import ALPHABET
-        from openlora_otel.demo.layout import save_base
+        from openlora_otel.model.corpus import ALPHABET
+        from openlora_otel.model.layout import save_base
         from openlora_otel.serving.model import ServedModels
         from openlora_otel.serving.server import CompletionService, ServeOptions, build_app
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import stack
+from openlora_otel.stack import servers
 from tests.support.processes import child_env, reap
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -58,7 +58,7 @@ def start_stack(directory: Path, *argv: str) -> tuple[subprocess.Popen, list[str
     """The stack with ``--start``, as ``python -m openlora_otel stack``; returns the process and its lines
     up to the one saying it runs."""
     tool("prometheus")
-    stack.find_binary(stack.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
+    servers.find_binary(servers.ALERTMANAGER_BINARIES) or tool("prometheus-alertmanager")
     command = ["-m", "openlora_otel", "stack"]
     process = subprocess.Popen(
         [sys.executable, *command, "--dir", str(directory), "--start", *argv],
