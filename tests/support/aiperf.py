@@ -24,9 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from tests.support.processes import child_env, free_port
+from tests.support.real_parts import missing
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 VERSION = "0.13.0"  # the version .ci/run installs; checked against what the run reports
@@ -62,13 +61,11 @@ def aiperf_binary() -> Path:
     path = Path(_AIPERF) if _AIPERF else ROOT / ".venv-aiperf" / "bin" / "aiperf"
     if path.is_file() and os.access(path, os.X_OK):
         return path
-    message = (
+    missing(
+        ".venv-aiperf",
         f"{path} is not installed: python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install "
-        f"aiperf=={VERSION} (or set OPENLORA_AIPERF to an aiperf executable)"
+        f"aiperf=={VERSION} (or set OPENLORA_AIPERF to an aiperf executable)",
     )
-    if os.environ.get("CI"):
-        pytest.fail(message + " (.ci/run must install it)")
-    pytest.skip(message)
 
 
 def make_tokenizer(aiperf: Path, directory: Path, alphabet: str, timeout: float = 120) -> Path:
