@@ -1,9 +1,10 @@
 """AIPerf (NVIDIA's LLM benchmark client, from PyPI) against ``openlora-otel serve``, for tests/test_aiperf.py.
 
-AIPerf lives in a virtual environment of its own, ``.venv-aiperf`` (``.ci/run`` builds it:
-``pip install aiperf==0.13.0``, no torch), or wherever ``$OPENLORA_AIPERF`` names its ``aiperf``
-executable. A test that needs it skips when it is missing, except under CI (``CI`` set), where a missing
-AIPerf is a failure, as for the servers in tests/support/built.py.
+AIPerf lives in a virtual environment of its own, ``.venv-aiperf`` (``tools/setup-real-parts.sh``
+builds it, and ``.ci/run`` through it: ``pip install aiperf==0.13.0``, no torch), or wherever
+``$OPENLORA_AIPERF`` names its ``aiperf`` executable. A test that needs it skips when it is missing,
+except under CI (``CI`` set), where a missing AIPerf is a failure, as for the servers in
+tests/support/built.py.
 
 Nothing is downloaded at run time: AIPerf's tokenizer is a local directory made here with that
 environment's ``tokenizers`` and ``transformers`` (one token per character of the demo's alphabet, as
