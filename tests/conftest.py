@@ -21,6 +21,7 @@ from openlora_otel.training import metrics as training_module
 from tests.support import (
     aiperf,  # noqa: F401 (reads OPENLORA_AIPERF before clean_env hides it)
     built,  # noqa: F401 (reads OPENLORA_BIN_DIR before clean_env hides it)
+    real_parts,
 )
 from tests.support.clock import FakeClock
 from tests.support.gpu import SteppedTime
@@ -116,6 +117,37 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
     finally:
         _running[0] = None
+
+
+# -- the real parts a machine lacks ------------------------------------------------------------
+# A test that skips because a real part is missing (tests/support/real_parts.py: a Debian package,
+# build/bin, .venv-aiperf) is counted by part after the run, with the one command that sets them all up.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    part = real_parts.part_of(call.excinfo)
+    if report.skipped and part is not None:
+        report.openlora_real_part = part  # a plain attribute: it travels with the report
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> Iterator[None]:
+    yield  # after the rest of the summary (the short test summary too), just above the counts' line
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        part = getattr(report, "openlora_real_part", None)
+        if part is not None:
+            counts[part] = counts.get(part, 0) + 1
+    if not counts:
+        return
+    total = sum(counts.values())
+    terminalreporter.write_sep("-", f"{total} skipped: real parts missing on this machine")
+    width = len(str(max(counts.values())))
+    for part in real_parts.PARTS:  # in the registry's order
+        if part in counts:
+            terminalreporter.write_line(f"{counts[part]:>{width}} need {real_parts.PARTS[part]}")
+    terminalreporter.write_line(f"Set them all up with one command, then run the tests again: {real_parts.SETUP}")
 
 
 @pytest.fixture(autouse=True)

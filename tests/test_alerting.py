@@ -24,6 +24,7 @@ import yaml
 
 from tests.support.built import built
 from tests.support.processes import free_port
+from tests.support.real_parts import debian, missing
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR = ROOT / "collector"
@@ -36,12 +37,10 @@ def tool(*names: str) -> str:
         binary = shutil.which(name)
         if binary:
             return binary
-    message = (
-        f"{' or '.join(names)} is not installed (Debian packages `prometheus`, `prometheus-alertmanager`)"
+    missing(
+        debian("prometheus-alertmanager"),
+        f"{' or '.join(names)} is not installed (Debian package `prometheus-alertmanager`)",
     )
-    if os.environ.get("CI"):
-        pytest.fail(message + "; .ci/run must install it")
-    pytest.skip(message)
 
 
 # The Alertmanager releases the tests run: Debian's 0.25 and 0.35, built from the module proxy by

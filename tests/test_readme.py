@@ -49,11 +49,24 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
 
 
+def test_ci_sets_up_the_real_parts_with_the_newcomers_command() -> None:
+    """.ci/run sets up the real parts with tools/setup-real-parts.sh, the command the README and the skip
+    summary name, before the test command, and keeps no copy of its steps."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^tools/setup-real-parts\.sh$", ci, re.M)
+    assert ci.index("tools/setup-real-parts.sh") < ci.index('bash -c "$test_command"')
+    for step in ("apt-get", "tools/build.sh\n", "aiperf_version="):
+        assert step not in ci, step
+    setup = (ROOT / "tools" / "setup-real-parts.sh").read_text()
+    for step in ("apt-get install", "\ntools/build.sh\n", "aiperf_version="):
+        assert step in setup, step
+
+
 def test_ci_installs_the_aiperf_the_tests_and_readme_name() -> None:
-    """.ci/run's pinned AIPerf is the version tests/support/aiperf.py checks and the README installs."""
+    """The set-up's pinned AIPerf is the version tests/support/aiperf.py checks and the README installs."""
     from tests.support.aiperf import VERSION
 
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / "tools" / "setup-real-parts.sh").read_text()
     assert re.search(r"^aiperf_version=(\S+)$", ci, re.M).group(1) == VERSION
     assert '.venv-aiperf/bin/pip install -q "aiperf==$aiperf_version"' in ci
     install = f"python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install -q aiperf=={VERSION}"

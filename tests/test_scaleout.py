@@ -15,7 +15,6 @@ the shipped *.default files with the same kind of rewrites, so what ships is wha
 from __future__ import annotations
 
 import copy
-import os
 import re
 import shlex
 import shutil
@@ -41,6 +40,7 @@ from tests.support.polling import wait_until
 from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess as Server
 from tests.support.ranks import FAST_S, SLOW_S, Ranks, write_rules
+from tests.support.real_parts import debian, missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -51,10 +51,7 @@ RUN_ID = "scaleout-run"
 def binary(name: str, package: str) -> str:
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed (Debian package `{package}`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
+        missing(debian(package), f"{name} is not installed (Debian package `{package}`)")
     return path
 
 
@@ -427,9 +424,7 @@ def test_central_prometheus_receives_the_ranks_and_the_dashboards_work(stack: St
 @pytest.mark.e2e
 def test_victoriametrics_receives_the_ranks_and_the_dashboards_work(stack: Stack) -> None:
     if stack.vm is None:
-        if os.environ.get("CI"):
-            pytest.fail(stack.vm_missing + "; .ci/run must install it")
-        pytest.skip(stack.vm_missing)
+        missing(debian("victoria-metrics"), stack.vm_missing)
     wait_for_records(stack.vm)
     check_store(stack.vm, stack.ranks)
 

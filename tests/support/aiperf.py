@@ -1,9 +1,10 @@
 """AIPerf (NVIDIA's LLM benchmark client, from PyPI) against ``openlora-otel serve``, for tests/test_aiperf.py.
 
-AIPerf lives in a virtual environment of its own, ``.venv-aiperf`` (``.ci/run`` builds it:
-``pip install aiperf==0.13.0``, no torch), or wherever ``$OPENLORA_AIPERF`` names its ``aiperf``
-executable. A test that needs it skips when it is missing, except under CI (``CI`` set), where a missing
-AIPerf is a failure, as for the servers in tests/support/built.py.
+AIPerf lives in a virtual environment of its own, ``.venv-aiperf`` (``tools/setup-real-parts.sh``
+builds it, and ``.ci/run`` through it: ``pip install aiperf==0.13.0``, no torch), or wherever
+``$OPENLORA_AIPERF`` names its ``aiperf`` executable. A test that needs it skips when it is missing,
+except under CI (``CI`` set), where a missing AIPerf is a failure, as for the servers in
+tests/support/built.py.
 
 Nothing is downloaded at run time: AIPerf's tokenizer is a local directory made here with that
 environment's ``tokenizers`` and ``transformers`` (one token per character of the demo's alphabet, as
@@ -24,9 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from tests.support.processes import child_env, free_port
+from tests.support.real_parts import missing
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 VERSION = "0.13.0"  # the version .ci/run installs; checked against what the run reports
@@ -62,13 +62,11 @@ def aiperf_binary() -> Path:
     path = Path(_AIPERF) if _AIPERF else ROOT / ".venv-aiperf" / "bin" / "aiperf"
     if path.is_file() and os.access(path, os.X_OK):
         return path
-    message = (
+    missing(
+        ".venv-aiperf",
         f"{path} is not installed: python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install "
-        f"aiperf=={VERSION} (or set OPENLORA_AIPERF to an aiperf executable)"
+        f"aiperf=={VERSION} (or set OPENLORA_AIPERF to an aiperf executable)",
     )
-    if os.environ.get("CI"):
-        pytest.fail(message + " (.ci/run must install it)")
-    pytest.skip(message)
 
 
 def make_tokenizer(aiperf: Path, directory: Path, alphabet: str, timeout: float = 120) -> Path:

@@ -1,7 +1,8 @@
 """The servers tools/build.sh builds from the Go module proxy (build/bin, or $OPENLORA_BIN_DIR).
 
 A test that needs one skips when it is not built, except under CI (``CI`` set), where .ci/run builds
-them all and a missing one is a failure, as for the Debian binaries.
+them all (tools/setup-real-parts.sh) and a missing one is a failure, as for the Debian binaries
+(tests/support/real_parts.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+from tests.support.real_parts import missing
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # binary -> the tools/build.sh target that builds it
@@ -38,7 +39,4 @@ def built(name: str) -> str:
     path = bin_dir() / name
     if path.is_file() and os.access(path, os.X_OK):
         return str(path)
-    message = f"{path} is not built: run tools/build.sh {TARGETS[name]}"
-    if os.environ.get("CI"):
-        pytest.fail(message + " (.ci/run must build it)")
-    pytest.skip(message)
+    missing("build/bin", f"{path} is not built: run tools/build.sh {TARGETS[name]}")

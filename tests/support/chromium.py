@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
+from tests.support.real_parts import debian, missing
 
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium's own connections (component updates, sync) are
@@ -29,10 +29,7 @@ FLAGS = (
 def chromium() -> str:
     """The browser's path; skips without it, fails under CI (where .ci/run installs it)."""
     if not os.access(CHROMIUM, os.X_OK):
-        message = f"{CHROMIUM} is not installed (Debian package `chromium`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
+        missing(debian("chromium"), f"{CHROMIUM} is not installed (Debian package `chromium`)")
     return CHROMIUM
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support import real_parts
 from tests.support.built import built
 from tests.support.processes import free_port, reap
 
@@ -34,10 +35,7 @@ def _release_binary(name: str, major: int, missing: str) -> str:
         return built(name)
     binary = shutil.which(name)
     if binary is None:
-        message = f"{missing} (Debian package `prometheus`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
+        real_parts.missing(real_parts.debian("prometheus"), f"{missing} (Debian package `prometheus`)")
     return binary
 
 

@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from openlora_otel.stack import servers
 from tests.support.processes import child_env, reap
+from tests.support.real_parts import debian, missing
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -22,10 +21,7 @@ def tool(name: str) -> str:
     binary = shutil.which(name)
     if binary is None:
         package = "prometheus-alertmanager" if name == "amtool" else "prometheus"
-        message = f"{name} is not installed (Debian package `{package}`)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run must install it")
-        pytest.skip(message)
+        missing(debian(package), f"{name} is not installed (Debian package `{package}`)")
     return binary
 
 
