@@ -157,7 +157,10 @@ def test_two_demo_runs_on_one_target_the_healthy_one_is_never_paged(
             ), prometheus.query("ALERTS")
         code, output = _demo(metrics, port, instance, healthy_id, "lr-1e-3", "--steps", "30")
         assert code == 0, output
-        assert prometheus.query(f'last_over_time(target_info{{openlora_run_id="{healthy_id}"}}[5m])')
+        # Through the Collector its last push is batched (up to 2 s) before a scrape takes it.
+        assert prometheus.wait_for(
+            f'last_over_time(target_info{{openlora_run_id="{healthy_id}"}}[5m])', timeout=30
+        )
         if metrics.push:
             deadline = time.monotonic() + EXPIRATION_S + 30
             while (
