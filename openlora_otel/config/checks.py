@@ -259,8 +259,6 @@ def check_url(option: str, text: str, *, host_port: bool = False, hide_path: boo
     """
     shown = redact_url(text, path=hide_path)
     accepted = "an http:// or https:// URL" + (", or HOST:PORT" if host_port else "")
-    if any("\ud800" <= c <= "\udfff" for c in text):
-        raise ConfigError(option, shown, accepted, "it holds bytes that are not UTF-8 text")
     schemes = ("", "http", "https") if host_port else ("http", "https")
     parts = _check_endpoint(option, text, schemes=schemes, accepted=accepted, shown=shown)
     if not (parts.path + parts.query + parts.fragment).isascii():
