@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import threading
 from pathlib import Path
 
 import pytest
@@ -31,27 +30,19 @@ from openlora_otel.demo.train import (
     read_run_file,
 )
 from tests.support.fuzz import fuzz
+from tests.support.polling import within
 
 
 def _demo(*args: str, timeout: float = 120.0) -> int:
     """``openlora-otel demo ARGS`` in a thread, so a demo that hangs fails the test instead of stopping it."""
-    outcome: list[object] = []
 
-    def target() -> None:
+    def demo() -> int:
         try:
-            outcome.append(main(["demo", "--steps", "2", "--batch-size", "2", "--quiet", *args]))
+            return main(["demo", "--steps", "2", "--batch-size", "2", "--quiet", *args])
         except SystemExit as exc:
-            outcome.append(exc.code)
-        except BaseException as exc:
-            outcome.append(exc)
+            return exc.code  # type: ignore[return-value]
 
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(timeout)
-    assert not worker.is_alive(), "the demo hung"
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]  # type: ignore[return-value]
+    return within(timeout, demo, "the demo")
 
 
 def _one_line_refusal(capsys: pytest.CaptureFixture[str], *words: str) -> str:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,25 +17,7 @@ from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import ReportError
 from openlora_otel.training.goodput import ProgressFile
 from tests.support.fuzz import fuzz
-
-
-def _within(seconds: float, call: Callable[[], object]) -> object:
-    """``call()``, failing the test (not hanging it) when it takes longer than ``seconds``."""
-    outcome: list[object] = []
-
-    def target() -> None:
-        try:
-            outcome.append(call())
-        except BaseException as exc:
-            outcome.append(exc)
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert not worker.is_alive(), "the read blocked"
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+from tests.support.polling import within
 
 
 def _make(kind: str, path: Path) -> str:
@@ -60,10 +40,10 @@ def test_only_regular_files_are_read(kind: str, tmp_path: Path) -> None:
     path = tmp_path / "f"
     what = _make(kind, path)
     with pytest.raises(NotARegularFile) as info:
-        _within(10, lambda: read_regular_file(path, max_bytes=100))
+        within(10, lambda: read_regular_file(path, max_bytes=100))
     assert str(info.value) == f"{path} is {what}, not a regular file"
     with pytest.raises(NotARegularFile):
-        _within(10, lambda: open_regular_file(path))
+        within(10, lambda: open_regular_file(path))
 
 
 def test_a_regular_file_is_read_up_to_its_bound(tmp_path: Path) -> None:
@@ -87,8 +67,8 @@ def test_a_progress_file_that_is_no_file_is_ignored_with_one_warning(
     path = tmp_path / ProgressFile.NAME
     what = _make(kind, path)
     progress = ProgressFile(tmp_path)
-    assert _within(10, progress.reached) is None
-    assert _within(10, lambda: progress.earlier_attempt(5, run_id="r")) is None
+    assert within(10, progress.reached) is None
+    assert within(10, lambda: progress.earlier_attempt(5, run_id="r")) is None
     assert [r.getMessage() for r in caplog.records] == [
         f"openlora-otel: could not read {path} is {what}, not a regular file; ignored"
     ]
@@ -99,10 +79,10 @@ def test_a_history_file_that_is_no_file_is_a_clear_error(kind: str, tmp_path: Pa
     path = tmp_path / "run.jsonl"
     what = _make(kind, path)
     with pytest.raises(NotARegularFile):
-        _within(10, lambda: list(read_history(path)))
+        within(10, lambda: list(read_history(path)))
     for given_path in (path, tmp_path):  # named, or found in the directory
         with pytest.raises(ReportError, match=f"^{path} is {what}, not a regular file$"):
-            _within(10, lambda given_path=given_path: read_runs([str(given_path)]))
+            within(10, lambda given_path=given_path: read_runs([str(given_path)]))
 
 
 # -- property-based: whatever the progress file holds, a step count or None, never an exception ----

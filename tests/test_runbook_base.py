@@ -4,10 +4,8 @@ checks) whose every runbook_url is that base, '#' and the alert's anchor."""
 
 from __future__ import annotations
 
-import io
 import string
 import tempfile
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -15,23 +13,12 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from openlora_otel.cli import main as cli_main
 from openlora_otel.stack import DEFAULT_RUNBOOK_BASE, check_runbook_base, rules_text
+from tests.support.cli import run_cli
 from tests.support.fuzz import fuzz
 from tests.support.prometheus_server import promtool
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    """Exit status and everything printed of ``openlora-otel ARGV``, in process."""
-    out = io.StringIO()
-    with redirect_stdout(out), redirect_stderr(out):
-        try:
-            code = cli_main(argv)
-        except SystemExit as exited:  # argparse's usage errors
-            code = exited.code
-    return int(code or 0), out.getvalue()
 
 
 def runbook_urls(text: str) -> dict[str, str]:
@@ -52,11 +39,11 @@ ANCHORS = {alert: url.removeprefix(DEFAULT_RUNBOOK_BASE) for alert, url in DEFAU
 def assert_refused(base: str, tmp_path: Path) -> None:
     """Both commands refuse ``base``: exit 2, one line, and no file written."""
     target = tmp_path / "openlora.yml"
-    code, output = run(["rules", "--runbook-base", base, "--output", str(target)])
+    code, output = run_cli(["rules", "--runbook-base", base, "--output", str(target)])
     assert code == 2 and "argument --runbook-base:" in output and "Traceback" not in output, output
     assert not target.exists()
     directory = tmp_path / "stack"
-    code, output = run(["stack", "--dir", str(directory), "--runbook-base", base])
+    code, output = run_cli(["stack", "--dir", str(directory), "--runbook-base", base])
     assert code == 2 and "argument --runbook-base:" in output and "Traceback" not in output, output
     assert not directory.exists()
 
@@ -91,7 +78,7 @@ def test_what_cannot_be_a_url_in_a_runbook_link_is_refused_and_leaves_no_file(
 
 def test_a_refusal_never_shows_the_password(tmp_path: Path) -> None:
     base = "https://ops:Zq7PW-s3cret@wiki.example:99999/runbooks/"
-    code, output = run(["rules", "--runbook-base", base])
+    code, output = run_cli(["rules", "--runbook-base", base])
     assert code == 2 and "Zq7PW-s3cret" not in output and "<redacted>@wiki.example" in output, output
 
 
@@ -102,7 +89,7 @@ ODD_BASE = "https://wiki.example:8443/ops/run-books;v=2/?page=1&x=$y[0]%41!*(),+
 @pytest.mark.process
 def test_rules_with_an_unusual_valid_base_pass_promtool(tmp_path: Path) -> None:
     target = tmp_path / "openlora.yml"
-    assert run(["rules", "--runbook-base", ODD_BASE, "--output", str(target)])[0] == 0
+    assert run_cli(["rules", "--runbook-base", ODD_BASE, "--output", str(target)])[0] == 0
     result = promtool("check", "rules", str(target))
     assert result.returncode == 0, result.stdout + result.stderr
     assert runbook_urls(target.read_text()) == {alert: ODD_BASE + anchor for alert, anchor in ANCHORS.items()}
@@ -141,5 +128,5 @@ def test_fuzz_an_accepted_runbook_base_makes_rules_pyyaml_loads_with_that_base_a
     # Nothing else changed.
     assert text.replace(base + "#", DEFAULT_RUNBOOK_BASE + "#") == rules_text()
     target = tmp_path / "openlora.yml"
-    code, output = run(["rules", "--runbook-base", base, "--output", str(target)])
+    code, output = run_cli(["rules", "--runbook-base", base, "--output", str(target)])
     assert code == 0 and target.read_text(encoding="utf-8") == text, output

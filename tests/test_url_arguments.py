@@ -5,10 +5,8 @@ no connection leaves the machine (``socket.create_connection`` refuses every one
 
 from __future__ import annotations
 
-import io
 import socket
 import string
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -16,7 +14,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from openlora_otel.cli import main as cli_main
+from tests.support.cli import run_cli
 from tests.support.fuzz import fuzz
 
 SECRET = "Zq7PW-s3cret"
@@ -30,17 +28,6 @@ def no_connections(monkeypatch: pytest.MonkeyPatch) -> None:
         raise ConnectionRefusedError(111, "Connection refused (no connection leaves this test)")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    """Exit status and everything printed (stdout and stderr) of ``openlora-otel ARGV``, in process."""
-    out = io.StringIO()
-    with redirect_stdout(out), redirect_stderr(out):
-        try:
-            code = cli_main(argv)
-        except SystemExit as exited:  # argparse's usage errors
-            code = exited.code
-    return int(code or 0), out.getvalue()
 
 
 def load(url: str) -> list[str]:
@@ -78,7 +65,7 @@ def assert_refused(code: int, output: str, *secrets: str) -> None:
     ],
 )
 def test_load_url_refusals_are_usage_errors_without_the_password(url: str) -> None:
-    code, output = run(load(url))
+    code, output = run_cli(load(url))
     assert_refused(code, output, SECRET)
     assert "--url=" in output and "<redacted>@" in output
 
@@ -96,7 +83,7 @@ def test_load_url_refusals_are_usage_errors_without_the_password(url: str) -> No
     ],
 )
 def test_report_prometheus_refusals_are_usage_errors_without_the_password(url: str) -> None:
-    code, output = run(report(url))
+    code, output = run_cli(report(url))
     assert_refused(code, output, SECRET)
     assert output.startswith("openlora-otel report: --prometheus=")
 
@@ -110,18 +97,18 @@ def test_report_prometheus_refusals_are_usage_errors_without_the_password(url: s
     ],
 )
 def test_stack_webhook_refusals_are_usage_errors_without_the_token(url: str, tmp_path: Path) -> None:
-    code, output = run(stack(url, tmp_path / "stack"))
+    code, output = run_cli(stack(url, tmp_path / "stack"))
     assert_refused(code, output, SECRET)
     assert "argument --webhook: --webhook=" in output and not (tmp_path / "stack").exists()
 
 
 def test_an_accepted_url_is_tried_and_its_password_still_never_shown(tmp_path: Path) -> None:
-    code, output = run(load(f"http://u:{SECRET}@localhost:8000/v1?key={SECRET}"))
+    code, output = run_cli(load(f"http://u:{SECRET}@localhost:8000/v1?key={SECRET}"))
     assert code == 1 and "cannot connect to localhost:8000" in output and SECRET not in output
-    code, output = run(report(f"http://u:{SECRET}@localhost:9090/prom?key={SECRET}"))
+    code, output = run_cli(report(f"http://u:{SECRET}@localhost:9090/prom?key={SECRET}"))
     assert code == 2 and "cannot reach Prometheus at http://<redacted>@localhost:9090/prom" in output
     assert SECRET not in output
-    code, output = run(stack(f"https://u:{SECRET}@hooks.example/services/{SECRET}", tmp_path))
+    code, output = run_cli(stack(f"https://u:{SECRET}@hooks.example/services/{SECRET}", tmp_path))
     assert code == 0 and "sent to https://<redacted>@hooks.example/<redacted>" in output
     assert SECRET not in output
 
@@ -181,13 +168,13 @@ def _secrets(url: str) -> list[str]:
 def test_fuzz_url_arguments_never_trace_back_nor_show_the_password(url: str, tmp_path: Path) -> None:
     """Bounded by tests/support/fuzz.py; about 2 s at the default 150 examples."""
     secrets = _secrets(url)
-    code, output = run(load(url))
+    code, output = run_cli(load(url))
     assert code in (1, 2), output  # refused, or accepted and not reachable
     assert "Traceback" not in output and not any(secret in output for secret in secrets), output
-    code, output = run(report(url))
+    code, output = run_cli(report(url))
     assert code == 2, output  # refused, or not reachable
     assert "Traceback" not in output and not any(secret in output for secret in secrets), output
-    code, output = run(stack(url, tmp_path / "stack"))
+    code, output = run_cli(stack(url, tmp_path / "stack"))
     assert code in (0, 2), output
     # The webhook's path is hidden too: no piece of the URL after its host is printed.
     assert "Traceback" not in output and not any(secret in output for secret in secrets), output

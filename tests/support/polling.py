@@ -1,7 +1,8 @@
-"""One bounded wait for a condition to hold."""
+"""Bounded waits: for a condition to hold (:func:`wait_until`), for a call that may block (:func:`within`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -29,3 +30,23 @@ def wait_until(
     if what is not None:
         raise AssertionError(f"not within {timeout} s: {what}")
     return value
+
+
+def within(seconds: float, call: Callable[[], T], what: str = "the call") -> T:
+    """``call()`` in a daemon thread, failing the test (AssertionError naming ``what``) instead of hanging
+    it when it takes longer than ``seconds``; its result, or what it raised (SystemExit included)."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"{what} blocked for over {seconds} s"
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]  # type: ignore[return-value]
