@@ -5,7 +5,6 @@ scale-out tests, query."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.support.processes import child_env, reap
+from tests.support.processes import child_env, free_port_range, reap
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # The shipped rules file; it must define every record the cluster dashboard reads.
@@ -105,29 +104,6 @@ telemetry.shutdown()
 # The ranks' model: 1 MFLOP per token on a device of 100 GFLOP/s, so 512 tokens every 20 ms is
 # an MFU of about a quarter.
 FLOPS_PER_TOKEN, PEAK_FLOPS = 1e6, 1e11
-
-
-def free_port_range(count: int) -> int:
-    """A base port such that base .. base + count - 1 are all free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 class Ranks:
