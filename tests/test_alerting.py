@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.support.built import built
-from tests.support.processes import free_port
+from tests.support.processes import free_port, free_port_range
 from tests.support.real_parts import debian, missing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -470,23 +470,6 @@ time.sleep(120)
 """
 
 
-def _two_free_ports() -> int:
-    """A port P with P and P+1 free on loopback (the stack's --ranks 2 scrapes both)."""
-    import socket
-
-    for _ in range(50):
-        port = free_port()
-        if port >= 65535:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    pytest.skip("no two adjacent free ports")
-
-
 @pytest.mark.e2e
 def test_a_run_that_raises_and_one_that_is_sigkilled_reach_the_webhook(tmp_path: Path, webhook: Webhook) -> None:
     """A process that raises reports `failed` in its final scrape (OpenloraRunFailed, with the exception's
@@ -497,7 +480,7 @@ def test_a_run_that_raises_and_one_that_is_sigkilled_reach_the_webhook(tmp_path:
     from tests.support.processes import child_env, reap
     from tests.support.stack import start_stack
 
-    port = _two_free_ports()
+    port = free_port_range(2)  # the stack's --ranks 2 scrapes port and port + 1
     prometheus_port, alertmanager_port = free_port(), free_port()
     process, _ = start_stack(
         tmp_path / "stack",

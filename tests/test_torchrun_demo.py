@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.polling import wait_until
-from tests.support.processes import child_env, free_port
+from tests.support.processes import child_env, free_port_range
 from tests.support.prometheus_server import Prometheus
 
 pytest.importorskip("torch")
@@ -33,19 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 THRESHOLD = 1.5  # OpenloraRankStraggling's; checked against the rules file below
 RATIO = "rank:openlora_training_straggler_ratio:2m"
-
-
-def two_free_ports() -> int:
-    """A base port whose next port is free too: LOCAL_RANK 0 and 1 serve on base and base + 1."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise AssertionError("no two consecutive free ports on 127.0.0.1")
 
 
 def descendants(pid: int) -> list[int]:
@@ -140,7 +126,7 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
     tiers, and straight into Prometheus 3's receiver (tests/support/metrics_paths.py)."""
     from tests.support.metrics_paths import MetricsPath
 
-    base = two_free_ports()
+    base = free_port_range(2)  # LOCAL_RANK 0 and 1 serve on base and base + 1
     rules = tmp_path / "rules"
     rules.mkdir()
     shutil.copy(RULES, rules / "openlora.yml")
