@@ -49,6 +49,13 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert 'bash -c "$test_command"' in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_test_command_runs_a_test_file_to_a_worker() -> None:
+    """The suite runs on pytest-xdist workers, a file to a worker (--dist loadfile): the module-scoped
+    fixtures (a trained adapter, a running server) are then built once, not once per worker."""
+    command = block("test-command")
+    assert re.search(r"pytest -q -n \d+ --dist loadfile$", command), command
+
+
 def test_ci_sets_up_the_real_parts_with_the_newcomers_command() -> None:
     """.ci/run sets up the real parts with tools/setup-real-parts.sh, the command the README and the skip
     summary name, before the test command, and keeps no copy of its steps."""
