@@ -396,7 +396,7 @@ def test_a_signal_before_the_first_step_stops_the_run_cleanly(monkeypatch) -> No
 
     from openlora_otel.demo import train
 
-    real = train._evaluate
+    real = train.evaluate
     calls = []
 
     def evaluate(*args, **kwargs):
@@ -405,7 +405,7 @@ def test_a_signal_before_the_first_step_stops_the_run_cleanly(monkeypatch) -> No
             os.kill(os.getpid(), signal.SIGINT)  # delivered while the evaluation runs
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "_evaluate", evaluate)
+    monkeypatch.setattr(train, "evaluate", evaluate)
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
     try:
         result = run_demo(DemoOptions(steps=50, batch_size=2, eval_every=0, quiet=True), telemetry, where="memory")

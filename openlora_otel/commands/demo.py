@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         from openlora_otel.demo import train as _train
         from openlora_otel.demo.train import DemoOptions, run_demo
 
-        torch, _, _ = _train._require()
+        torch, _, _ = _train.require_libraries()
     except MissingDependencyError as exc:
         print(
             f"openlora-otel demo: {exc}".replace("openlora-otel[torch]", "openlora-otel[demo]").replace(

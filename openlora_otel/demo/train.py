@@ -133,7 +133,7 @@ class DemoResult:
         return EXIT_CODES.get(self.interrupted or "", 0)
 
 
-class _Stop:
+class Stop:
     """Set by SIGINT/SIGTERM (or the caller's event); the loop checks it once per step."""
 
     def __init__(self, event: threading.Event | None = None) -> None:
@@ -167,7 +167,7 @@ class _Stop:
 
 
 @contextmanager
-def _signals(stop: _Stop) -> Iterator[None]:
+def stop_on_signals(stop: Stop) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be installed from the main thread
         return
@@ -179,7 +179,7 @@ def _signals(stop: _Stop) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-class _Progress:
+class ProgressLine:
     """One updating line on a terminal, a line every ~10% otherwise; nothing when quiet."""
 
     def __init__(self, total: int, where: str, out: TextIO, quiet: bool) -> None:
@@ -219,7 +219,7 @@ class _Progress:
             self.out.flush()
 
 
-def _require() -> tuple[Any, Any, Any]:
+def require_libraries() -> tuple[Any, Any, Any]:
     from openlora_otel._deps import require
 
     for module in ("torch", "transformers", "peft"):
@@ -243,7 +243,7 @@ def build_model(
     With ``base_path`` the base weights are read from a saved base (``demo --save``) instead
     of drawn from the seed; otherwise ``on_base`` gets the fresh base before LoRA is added.
     """
-    torch, transformers, peft = _require()
+    torch, transformers, peft = require_libraries()
     torch.manual_seed(options.seed)
     if base_path is not None:
         base = transformers.LlamaForCausalLM.from_pretrained(base_path, local_files_only=True)
@@ -277,11 +277,11 @@ def _lora_config(peft: Any, options: DemoOptions) -> Any:
     )
 
 
-class _Data:
+class Data:
     """The corpus on the training device; batches are windows of it, drawn there (no copy per step)."""
 
     def __init__(self, options: DemoOptions, rank: int = 0, device: Any = None) -> None:
-        torch, _, _ = _require()
+        torch, _, _ = require_libraries()
         self.torch = torch
         tokenizer = CharTokenizer()
         self.vocab_size = tokenizer.vocab_size
@@ -308,7 +308,7 @@ class _Data:
         return self.torch.stack([self.train[s : s + self.seq_len] for s in starts.tolist()])
 
 
-def _perplexity(loss: float) -> float:
+def perplexity(loss: float) -> float:
     """exp(loss), inf past what a float holds (a diverged model's loss; math.exp would raise)."""
     try:
         return math.exp(loss)
@@ -316,7 +316,7 @@ def _perplexity(loss: float) -> float:
         return math.inf
 
 
-def _evaluate(model: Any, data: _Data, placement: Placement, training: Any = None) -> float:
+def evaluate(model: Any, data: Data, placement: Placement, training: Any = None) -> float:
     """The eval loss; with ``training``, its time counts as ``evaluation`` in ``openlora.training.time``."""
     from contextlib import nullcontext
 
@@ -374,7 +374,7 @@ def write_run_file(directory: str | os.PathLike[str], run_id: str, attempt: int)
 
 
 def read_checkpoint(directory: str | os.PathLike[str], torch: Any) -> dict[str, Any]:
-    """``DIR/checkpoint.pt``, as :func:`_save_checkpoint` writes it: a regular file of at most
+    """``DIR/checkpoint.pt``, as :func:`save_checkpoint` writes it: a regular file of at most
     :data:`MAX_CHECKPOINT_BYTES`, loaded with ``weights_only`` (tensors and plain containers only, no
     code), holding the step, the adapter, optimizer and scheduler state and the data generator's.
     Anything else raises :class:`CheckpointError`."""
@@ -398,7 +398,7 @@ def read_checkpoint(directory: str | os.PathLike[str], torch: Any) -> dict[str, 
         detail = next((line for line in lines if not line.startswith(_TORCH_LOAD_BOILERPLATE)), "")
         raise CheckpointError(
             f"{path} is not a checkpoint torch reads with weights_only=True "
-            f"({type(exc).__name__}{': ' if detail.strip() else ''}{_first_line(detail, 120)})"
+            f"({type(exc).__name__}{': ' if detail.strip() else ''}{first_line(detail, 120)})"
         ) from None
     problem = _checkpoint_state_problem(state, torch)
     if problem:
@@ -428,7 +428,7 @@ def _checkpoint_state_problem(state: Any, torch: Any) -> str | None:
     return None
 
 
-def _load_checkpoint(options: DemoOptions, model: Any, training: Any, torch: Any) -> dict[str, Any]:
+def load_checkpoint(options: DemoOptions, model: Any, training: Any, torch: Any) -> dict[str, Any]:
     """--resume: the latest checkpoint's adapter into ``model``; the rest (optimizer, ...) is returned."""
     import peft
 
@@ -439,7 +439,7 @@ def _load_checkpoint(options: DemoOptions, model: Any, training: Any, torch: Any
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # another --lora-r, another model
             raise CheckpointError(
                 f"{Path(options.checkpoint_dir or '.') / CHECKPOINT_FILE} does not fit this model "
-                f"(another --lora-r?): {_first_line(exc)}"
+                f"(another --lora-r?): {first_line(exc)}"
             ) from None
     return state
 
@@ -449,15 +449,15 @@ def _os_problem(path: Path, exc: OSError) -> str:
     return str(exc) if exc.filename is None else f"{path}: {exc.strerror or exc}"
 
 
-def _first_line(message: object, limit: int = 200) -> str:
+def first_line(message: object, limit: int = 200) -> str:
     """The message's first line (and the next, when the first only introduces it), at most ``limit`` long."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()] or [""]
     text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _save_checkpoint(
-    options: DemoOptions, step: int, model: Any, optimizer: Any, scheduler: Any, data: _Data, training: Any
+def save_checkpoint(
+    options: DemoOptions, step: int, model: Any, optimizer: Any, scheduler: Any, data: Data, training: Any
 ) -> None:
     """The adapter, optimizer, scheduler, data generator and step, replacing DIR/checkpoint.pt atomically."""
     import peft
@@ -497,7 +497,7 @@ def run_demo(
     ``options.distributed`` it joins torchrun's process group (gloo) and trains
     data-parallel; all ranks then stop at the same step (see ``demo/ddp.py``).
     """
-    torch, _, _ = _require()
+    torch, _, _ = require_libraries()
     from openlora_otel.integrations.common import describe_lora
 
     if options.hf_trainer and options.distributed:
@@ -510,11 +510,11 @@ def run_demo(
             f"device {placement.name}: the Hugging Face Trainer picks cuda:0 itself; "
             f"run with CUDA_VISIBLE_DEVICES={placement.device.index} --device cuda instead"
         )
-    stop = _Stop(stop_event)
+    stop = Stop(stop_event)
     group = None
     # From the first moment: a signal while the model is built or first evaluated stops the run
     # before its first step (it used to raise KeyboardInterrupt there, with no final export).
-    with _signals(stop):
+    with stop_on_signals(stop):
         try:
             group = TrainingGroup(torch) if options.distributed else None
             return _run(options, telemetry, torch, describe_lora, group, where, out, stop, placement)
@@ -531,14 +531,14 @@ def _run(
     group: TrainingGroup | None,
     where: str,
     out: TextIO,
-    stop: _Stop,
+    stop: Stop,
     placement: Placement,
 ) -> DemoResult:
     # The same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(options.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rank = group.rank if group else 0
-    data = _Data(options, rank=rank, device=placement.device)
+    data = Data(options, rank=rank, device=placement.device)
     saving = _Saving(options, rank)
     model = build_model(options, data.vocab_size, base_path=saving.base_path, on_base=saving.on_base)
     model.to(placement.device)
@@ -562,7 +562,7 @@ def _run(
             + "\n"
         )
         out.flush()
-    resume_state = _load_checkpoint(options, model, training, torch) if options.resume else None
+    resume_state = load_checkpoint(options, model, training, torch) if options.resume else None
     if options.checkpoint_dir:
         from openlora_otel.integrations.common import start_progress
 
@@ -574,20 +574,20 @@ def _run(
             int(resume_state["step"]) if resume_state else 0,
             run_id=telemetry.run_id,
         )
-    first_eval = _evaluate(model, data, placement, training)
-    training.record_eval(loss=first_eval, perplexity=_perplexity(first_eval))
+    first_eval = evaluate(model, data, placement, training)
+    training.record_eval(loss=first_eval, perplexity=perplexity(first_eval))
     if options.hf_trainer:
-        result = _train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
+        result = train_hf(options, telemetry, model, data, stop, where, out, guard, placement)
     else:
-        result = _train_loop(
+        result = train_loop(
             options, training, model, data, stop, where, out, group, guard, placement, resume_state
         )
     if group is not None:
         group.close()  # no collective after the loop: evaluation and lingering are per rank
     result.first_eval_loss = first_eval
     if result.steps and not stop.signal:
-        final = _evaluate(model, data, placement, training)
-        training.record_eval(loss=final, perplexity=_perplexity(final))
+        final = evaluate(model, data, placement, training)
+        training.record_eval(loss=final, perplexity=perplexity(final))
         result.final_eval_loss = final
         if final < result.best_eval_loss:  # a NaN is never the best
             result.best_eval_loss = final
@@ -600,7 +600,7 @@ def _run(
         if not options.quiet:
             out.write(f"keeping the final values for {options.linger:g} s: metrics {where} (Ctrl-C to stop)\n")
             out.flush()
-        with _signals(stop):
+        with stop_on_signals(stop):
             stop.event.wait(options.linger)
         result.interrupted = stop.signal
     return result
@@ -656,12 +656,12 @@ class _Saving:
         return str(save_adapter(options.save_dir, options.saved_adapter_name, model, base=self.base, info=info))
 
 
-def _train_loop(
+def train_loop(
     options: DemoOptions,
     training: Any,
     model: Any,
-    data: _Data,
-    stop: _Stop,
+    data: Data,
+    stop: Stop,
     where: str,
     out: TextIO,
     group: TrainingGroup | None = None,
@@ -698,10 +698,10 @@ def _train_loop(
             except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
                 raise CheckpointError(
                     f"{Path(options.checkpoint_dir or '.') / CHECKPOINT_FILE} does not fit this run "
-                    f"(another --lora-r?): {_first_line(exc)}"
+                    f"(another --lora-r?): {first_line(exc)}"
                 ) from None
             start = int(resume_state["step"])
-    progress = _Progress(options.steps, where, out, options.quiet)
+    progress = ProgressLine(options.steps, where, out, options.quiet)
     tokens_per_step = options.batch_size * options.seq_len
     started = time.perf_counter()
     best_eval = last_eval = math.inf  # inf: no evaluation after the first
@@ -754,12 +754,12 @@ def _train_loop(
             stop.adopt(sync.agreed)
             break
         if options.eval_every and step % options.eval_every == 0 and step < options.steps:
-            eval_loss = last_eval = _evaluate(model, data, placement, training)
-            training.record_eval(loss=eval_loss, perplexity=_perplexity(eval_loss))
+            eval_loss = last_eval = evaluate(model, data, placement, training)
+            training.record_eval(loss=eval_loss, perplexity=perplexity(eval_loss))
             if eval_loss < best_eval:  # a NaN is never the best
                 best_eval = eval_loss
         if options.checkpoint_dir and options.checkpoint_every and step % options.checkpoint_every == 0:
-            _save_checkpoint(options, step, model, optimizer, scheduler, data, training)
+            save_checkpoint(options, step, model, optimizer, scheduler, data, training)
         if options.stop_at_step is not None and step >= options.stop_at_step and step < options.steps:
             stop.adopt(STOP_AT_STEP)  # as if the run had been killed here: nothing more happens
             break
@@ -782,12 +782,12 @@ def _train_loop(
     )
 
 
-def _train_hf(
+def train_hf(
     options: DemoOptions,
     telemetry: Telemetry,
     model: Any,
-    data: _Data,
-    stop: _Stop,
+    data: Data,
+    stop: Stop,
     where: str,
     out: TextIO,
     guard: DivergenceGuard | None = None,
@@ -824,7 +824,7 @@ def _train_hf(
 
     class Progress(TrainerCallback):
         def __init__(self) -> None:
-            self.bar = _Progress(options.steps, where, out, options.quiet)
+            self.bar = ProgressLine(options.steps, where, out, options.quiet)
             self.loss: float | None = None
             self.started = time.perf_counter()
 
