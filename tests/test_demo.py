@@ -20,7 +20,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.commands.demo import _summary
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 from tests.support.demo import demo_process, wait_for_line
 from tests.support.otlp_receiver import HttpReceiver
 from tests.support.processes import child_env, free_port
