@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 
 # Prometheus's part, in its own process: GET /metrics every second (bounded: at most 10 minutes).
 SCRAPER = """

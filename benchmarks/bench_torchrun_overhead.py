@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RANK = """
 import json, os, sys
 from openlora_otel import setup_telemetry
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 
 telemetry = setup_telemetry("bench-torchrun")
 options = DemoOptions(steps=int(sys.argv[1]), batch_size=int(sys.argv[2]), eval_every=0, quiet=True, distributed=True)

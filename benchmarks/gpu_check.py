@@ -826,7 +826,8 @@ def child_demo_sync(out: Path, device: str, steps: int) -> None:
     import torch
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from openlora_otel.demo.train import DemoOptions, run_demo
+    from openlora_otel.demo.options import DemoOptions
+    from openlora_otel.demo.train import run_demo
 
     ctx_args = argparse.Namespace(dry_run=device == "cpu")
     ctx = Context(ctx_args)

@@ -20,7 +20,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, _deps, setup_telemetry
 from openlora_otel.cli import main
 from openlora_otel.commands.demo import _summary
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 from tests.support.demo import demo_process, wait_for_line
 from tests.support.otlp_receiver import HttpReceiver
 from tests.support.processes import child_env, free_port
@@ -396,7 +397,7 @@ def test_a_signal_before_the_first_step_stops_the_run_cleanly(monkeypatch) -> No
 
     from openlora_otel.demo import train
 
-    real = train._evaluate
+    real = train.evaluate
     calls = []
 
     def evaluate(*args, **kwargs):
@@ -405,7 +406,7 @@ def test_a_signal_before_the_first_step_stops_the_run_cleanly(monkeypatch) -> No
             os.kill(os.getpid(), signal.SIGINT)  # delivered while the evaluation runs
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "_evaluate", evaluate)
+    monkeypatch.setattr(train, "evaluate", evaluate)
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
     try:
         result = run_demo(DemoOptions(steps=50, batch_size=2, eval_every=0, quiet=True), telemetry, where="memory")

@@ -22,7 +22,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from openlora_otel.cli import main
-from openlora_otel.demo.train import (
+from openlora_otel.demo.checkpoint import (
     CHECKPOINT_FILE,
     RUN_FILE,
     CheckpointError,

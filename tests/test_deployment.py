@@ -526,7 +526,8 @@ def test_dashboard_and_rules_only_name_series_that_exist() -> None:
 DIVERGING_RUN = r"""
 import sys
 from openlora_otel import setup_telemetry
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 
 options = DemoOptions(
     steps=400, batch_size=2, seq_len=16, eval_every=5, nan_at_step=5, lr=1e-3, quiet=True
@@ -668,7 +669,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-            from openlora_otel.demo.train import DemoOptions
+            from openlora_otel.demo.options import DemoOptions
 
             telemetry = setup_telemetry(
                 "openlora-demo",
@@ -734,7 +735,8 @@ def _check_every_query(
     """Train the demo in a thread while every dashboard query, variable and rule runs on what it reports
     (the main run, ``instance`` ``main_instance``, has GPU ``card`` of the fake NVML ``fake``; the
     diverging run is ``diverging_instance``)."""
-    from openlora_otel.demo.train import DemoOptions, run_demo
+    from openlora_otel.demo.options import DemoOptions
+    from openlora_otel.demo.train import run_demo
 
     done, stop = threading.Event(), threading.Event()
     options = DemoOptions(steps=5000, eval_every=25, quiet=True)

@@ -154,7 +154,8 @@ def test_demo_hf_trainer_on_another_gpu_points_at_cuda_visible_devices(capsys) -
 def test_run_demo_refuses_a_gpu_for_a_distributed_run() -> None:
     pytest.importorskip("peft")
     from openlora_otel import TelemetryConfig, setup_telemetry
-    from openlora_otel.demo.train import DemoOptions, run_demo
+    from openlora_otel.demo.options import DemoOptions
+    from openlora_otel.demo.train import run_demo
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
     try:
@@ -167,7 +168,8 @@ def test_run_demo_refuses_a_gpu_for_a_distributed_run() -> None:
 def test_the_demo_on_cpu_says_where_it_trained_and_learns(capsys) -> None:
     pytest.importorskip("peft")
     from openlora_otel import TelemetryConfig, setup_telemetry
-    from openlora_otel.demo.train import DemoOptions, run_demo
+    from openlora_otel.demo.options import DemoOptions
+    from openlora_otel.demo.train import run_demo
 
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
     try:

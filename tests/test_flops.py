@@ -61,7 +61,7 @@ def _llama_attention(seq_len: int, *, backward: bool = True) -> int:
 
 # --- the demo's model, counted by hand ----------------------------------------------------------
 
-# openlora_otel/demo/train.py build_model(): LlamaConfig(hidden_size=128, intermediate_size=256,
+# openlora_otel/demo/llama.py build_model(): LlamaConfig(hidden_size=128, intermediate_size=256,
 # num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False) on the
 # demo's character vocabulary, LoRA r=8 on all seven projections; trained at seq_len 64.
 DEMO_LAYERS = 4
@@ -99,7 +99,8 @@ def test_the_hand_count_of_the_demo_model_in_numbers() -> None:
 
 def test_demo_model_matches_the_hand_count() -> None:
     pytest.importorskip("peft")
-    from openlora_otel.demo.train import DemoOptions, build_model
+    from openlora_otel.demo.llama import build_model
+    from openlora_otel.demo.options import DemoOptions
     from openlora_otel.model.corpus import CharTokenizer
 
     options = DemoOptions()
@@ -144,7 +145,8 @@ def _measured_per_token(model: Any, vocab: int, seq_len: int, *, backward: bool 
 
 def test_torchs_flop_counter_agrees_with_the_demo_count_up_to_the_documented_skip() -> None:
     pytest.importorskip("peft")
-    from openlora_otel.demo.train import DemoOptions, build_model
+    from openlora_otel.demo.llama import build_model
+    from openlora_otel.demo.options import DemoOptions
     from openlora_otel.model.corpus import CharTokenizer
 
     model = build_model(DemoOptions(), CharTokenizer().vocab_size)

@@ -113,7 +113,8 @@ def test_the_demo_resumed_after_a_run_nobody_scraped_counts_the_steps_done_again
     needs_the_demo()
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from openlora_otel.demo.train import DemoOptions, run_demo
+    from openlora_otel.demo.options import DemoOptions
+    from openlora_otel.demo.train import run_demo
     from tests.support.readings import value
 
     options = DemoOptions(

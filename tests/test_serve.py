@@ -25,7 +25,8 @@ pytest.importorskip("opentelemetry.instrumentation.fastapi")
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.cli import main
-from openlora_otel.demo.train import DemoOptions, run_demo
+from openlora_otel.demo.options import DemoOptions
+from openlora_otel.demo.train import run_demo
 from openlora_otel.model.corpus import ALPHABET
 from openlora_otel.model.layout import LayoutError, SavedBase, read_adapter, read_saved
 from openlora_otel.serving.model import AdapterMismatchError, Cancelled, Sampling, ServedModels, _held_back

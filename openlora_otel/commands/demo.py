@@ -17,7 +17,7 @@ from openlora_otel.commands._args import (
     usage_error,
 )
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT
-from openlora_otel.demo.train import DemoOptions
+from openlora_otel.demo.options import DemoOptions
 from openlora_otel.model.device import add_device_argument, device_problem
 
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         usage_error(args, problem)
     if args.resume:
-        from openlora_otel.demo.train import CheckpointError, read_run_file
+        from openlora_otel.demo.checkpoint import CheckpointError, read_run_file
 
         # The attempt before this one: its run id, and this attempt's number after it.
         try:
@@ -217,10 +217,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        from openlora_otel.demo import train as _train
-        from openlora_otel.demo.train import DemoOptions, run_demo
+        from openlora_otel.demo.checkpoint import CheckpointError, read_checkpoint
+        from openlora_otel.demo.llama import require_libraries
+        from openlora_otel.demo.options import DemoOptions
+        from openlora_otel.demo.train import run_demo
 
-        torch, _, _ = _train._require()
+        torch, _, _ = require_libraries()
     except MissingDependencyError as exc:
         print(
             f"openlora-otel demo: {exc}".replace("openlora-otel[torch]", "openlora-otel[demo]").replace(
@@ -235,8 +237,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         # Refused before anything starts: a checkpoint that is no file, no checkpoint, or not this demo's.
         try:
-            _train.read_checkpoint(args.checkpoint_dir, torch)
-        except _train.CheckpointError as exc:
+            read_checkpoint(args.checkpoint_dir, torch)
+        except CheckpointError as exc:
             return fail("demo", f"--resume: {exc}")
     options = DemoOptions(
         steps=args.steps,
@@ -274,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, MissingDependencyError) as exc:
         return fail("demo", exc)
     if options.checkpoint_dir:
-        from openlora_otel.demo.train import write_run_file
+        from openlora_otel.demo.checkpoint import write_run_file
 
         try:
             write_run_file(options.checkpoint_dir, telemetry.run_id, config.run_attempt)
@@ -294,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
             )
     try:
         result = run_demo(options, telemetry, where=where)
-    except _train.CheckpointError as exc:  # the checkpoint changed since the check above, or does not fit
+    except CheckpointError as exc:  # the checkpoint changed since the check above, or does not fit
         return fail("demo", f"--resume: {exc}")
     finally:
         flushed = telemetry.shutdown()
@@ -319,7 +321,7 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
     import os
     from pathlib import Path
 
-    from openlora_otel.demo.train import CHECKPOINT_FILE
+    from openlora_otel.demo.checkpoint import CHECKPOINT_FILE
 
     if args.checkpoint_dir is None:
         if args.resume:
@@ -333,7 +335,7 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
     world_size = os.environ.get("WORLD_SIZE", "").strip()
     if world_size.isascii() and world_size.isdigit() and len(world_size) <= 20 and int(world_size) > 1:
         return "--checkpoint-dir works in one process; under torchrun drop it"
-    from openlora_otel.demo.train import RUN_FILE
+    from openlora_otel.demo.checkpoint import RUN_FILE
 
     root = Path(args.checkpoint_dir)
     if root.exists() and not root.is_dir():
@@ -394,7 +396,7 @@ def _save_problem(args: argparse.Namespace) -> str | None:
         return None
     from pathlib import Path
 
-    from openlora_otel.demo.train import BASE_MODEL
+    from openlora_otel.demo.options import BASE_MODEL
     from openlora_otel.model.corpus import ALPHABET
     from openlora_otel.model.layout import BASE, LayoutError, adapter_name_problem, read_base
 
@@ -418,7 +420,7 @@ def _save_problem(args: argparse.Namespace) -> str | None:
 def _summary(
     result: object, where: str, flushed: bool, *, run_id: str, run_name: str | None = None, world_size: int = 1
 ) -> None:
-    from openlora_otel.demo.train import DemoResult
+    from openlora_otel.demo.options import DemoResult
 
     assert isinstance(result, DemoResult)
     lines = []

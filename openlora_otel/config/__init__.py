@@ -27,12 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from openlora_otel.config.checks import (
-    _ANY_SCHEME,
-    _GLOB_RE,
-    _GLOBS_ACCEPTED,
-    _HEADERS_ACCEPTED,
-    _HOST_ACCEPTED,
-    _HTTP_SCHEMES,
+    ANY_SCHEME,
     COMPRESSIONS,
     DIRECTORY_ACCEPTED,
     EXPORT_INTERVAL_RANGE_MS,
@@ -40,11 +35,16 @@ from openlora_otel.config.checks import (
     EXPORTERS,
     FILE_SD_ACCEPTED,
     FINAL_SCRAPE_TIMEOUT_RANGE_MS,
+    GLOB_RE,
+    GLOBS_ACCEPTED,
     GPU_DEVICE_MODES,
     GPU_MODES,
     GPU_TIMEOUT_RANGE_MS,
+    HEADERS_ACCEPTED,
     HISTORY_INTERVAL_RANGE_MS,
     HISTORY_MAX_BYTES_ACCEPTED,
+    HOST_ACCEPTED,
+    HTTP_SCHEMES,
     INFERENCE_MAX_ADAPTERS_RANGE,
     MAX_RANK,
     MAX_RUN_ATTEMPT,
@@ -61,21 +61,21 @@ from openlora_otel.config.checks import (
     SHUTDOWN_TIMEOUT_RANGE_MS,
     TEMPORALITIES,
     ConfigError,
-    _brackets_closed,
-    _check_endpoint,
-    _choices,
-    _header_problem,
-    _host_problem,
-    _in_range,
-    _ms_accepted,
-    _s_accepted,
-    _seconds,
-    _utf8_problem,
+    brackets_closed,
     check_certificate_file,
     check_client_key_pair,
+    check_endpoint,
     check_private_key_file,
+    choices_accepted,
+    header_problem,
+    host_problem,
+    in_range,
+    in_seconds,
+    ms_accepted,
     run_id_problem,
     run_name_problem,
+    s_accepted,
+    utf8_problem,
 )
 from openlora_otel.config.env import Env, secrets_in_env
 from openlora_otel.config.variables import GROUPS, OTLP_DEFAULT_ENDPOINTS, VARIABLES, Variable, default
@@ -168,20 +168,20 @@ class OTLPConfig:
         # The same rules as from_env, for configs built in code: a bad value fails
         # here, not as an export error (that could echo it) on every interval.
         if self.protocol not in PROTOCOLS:
-            raise ConfigError("otlp.protocol", self.protocol, _choices(PROTOCOLS))
-        _check_endpoint(
-            "otlp.endpoint", self.endpoint, schemes=_HTTP_SCHEMES if self.protocol != "grpc" else _ANY_SCHEME
+            raise ConfigError("otlp.protocol", self.protocol, choices_accepted(PROTOCOLS))
+        check_endpoint(
+            "otlp.endpoint", self.endpoint, schemes=HTTP_SCHEMES if self.protocol != "grpc" else ANY_SCHEME
         )
         for name, value in self.headers:
-            problem = _header_problem(name, value)
+            problem = header_problem(name, value)
             if problem:
-                raise ConfigError("otlp.headers", dict(self.redacted_headers()), _HEADERS_ACCEPTED, problem)
-        if not _in_range(self.timeout_s, _seconds(OTLP_TIMEOUT_RANGE_MS)):
-            raise ConfigError("otlp.timeout_s", self.timeout_s, _s_accepted(OTLP_TIMEOUT_RANGE_MS))
+                raise ConfigError("otlp.headers", dict(self.redacted_headers()), HEADERS_ACCEPTED, problem)
+        if not in_range(self.timeout_s, in_seconds(OTLP_TIMEOUT_RANGE_MS)):
+            raise ConfigError("otlp.timeout_s", self.timeout_s, s_accepted(OTLP_TIMEOUT_RANGE_MS))
         if self.compression not in COMPRESSIONS:
-            raise ConfigError("otlp.compression", self.compression, _choices(COMPRESSIONS))
+            raise ConfigError("otlp.compression", self.compression, choices_accepted(COMPRESSIONS))
         if self.temporality not in TEMPORALITIES:
-            raise ConfigError("otlp.temporality", self.temporality, _choices(TEMPORALITIES))
+            raise ConfigError("otlp.temporality", self.temporality, choices_accepted(TEMPORALITIES))
         for name in ("certificate", "client_certificate"):
             if getattr(self, name):
                 check_certificate_file(f"otlp.{name}", getattr(self, name))
@@ -262,26 +262,26 @@ class TelemetryConfig:
     def __post_init__(self) -> None:
         for name in self.exporters:
             if name not in EXPORTERS:
-                raise ConfigError("exporters", self.exporters, _choices(EXPORTERS))
+                raise ConfigError("exporters", self.exporters, choices_accepted(EXPORTERS))
         if "none" in self.exporters and len(self.exporters) > 1:
             raise ConfigError("exporters", self.exporters, "`none` alone, or a list without `none`")
-        if not (isinstance(self.prometheus_port, int) and _in_range(self.prometheus_port, (0, 65535))):
+        if not (isinstance(self.prometheus_port, int) and in_range(self.prometheus_port, (0, 65535))):
             raise ConfigError("prometheus_port", self.prometheus_port, "an integer from 0 to 65535")
-        host_problem = _host_problem(self.prometheus_host)
-        if host_problem:
-            raise ConfigError("prometheus_host", self.prometheus_host, _HOST_ACCEPTED, host_problem)
+        problem = host_problem(self.prometheus_host)
+        if problem:
+            raise ConfigError("prometheus_host", self.prometheus_host, HOST_ACCEPTED, problem)
         # nan, inf and huge values pass a "> 0" test and then stall or kill a thread.
-        if not _in_range(self.export_interval_ms, EXPORT_INTERVAL_RANGE_MS):
+        if not in_range(self.export_interval_ms, EXPORT_INTERVAL_RANGE_MS):
             raise ConfigError(
-                "export_interval_ms", self.export_interval_ms, _ms_accepted(EXPORT_INTERVAL_RANGE_MS)
+                "export_interval_ms", self.export_interval_ms, ms_accepted(EXPORT_INTERVAL_RANGE_MS)
             )
-        if not _in_range(self.export_timeout_ms, EXPORT_TIMEOUT_RANGE_MS):
+        if not in_range(self.export_timeout_ms, EXPORT_TIMEOUT_RANGE_MS):
             raise ConfigError(
-                "export_timeout_ms", self.export_timeout_ms, _ms_accepted(EXPORT_TIMEOUT_RANGE_MS)
+                "export_timeout_ms", self.export_timeout_ms, ms_accepted(EXPORT_TIMEOUT_RANGE_MS)
             )
-        if not _in_range(self.shutdown_timeout_s, _seconds(SHUTDOWN_TIMEOUT_RANGE_MS)):
+        if not in_range(self.shutdown_timeout_s, in_seconds(SHUTDOWN_TIMEOUT_RANGE_MS)):
             raise ConfigError(
-                "shutdown_timeout_s", self.shutdown_timeout_s, _s_accepted(SHUTDOWN_TIMEOUT_RANGE_MS)
+                "shutdown_timeout_s", self.shutdown_timeout_s, s_accepted(SHUTDOWN_TIMEOUT_RANGE_MS)
             )
         if not self.service_name:
             raise ConfigError("service_name", self.service_name, "a non-empty string")
@@ -291,23 +291,23 @@ class TelemetryConfig:
             ("service_name", self.service_name, [self.service_name]),
             ("resource_attributes", dict(self.resource_attributes), attributes),
         ):
-            problem = next(filter(None, map(_utf8_problem, texts)), None)
+            problem = next(filter(None, map(utf8_problem, texts)), None)
             if problem:
                 raise ConfigError(name, value, "text in UTF-8", problem)
         if self.gpu_metrics not in GPU_MODES:
-            raise ConfigError("gpu_metrics", self.gpu_metrics, _choices(GPU_MODES))
+            raise ConfigError("gpu_metrics", self.gpu_metrics, choices_accepted(GPU_MODES))
         if self.gpu_devices not in GPU_DEVICE_MODES:
-            raise ConfigError("gpu_devices", self.gpu_devices, _choices(GPU_DEVICE_MODES))
-        if not _in_range(self.gpu_timeout_s, _seconds(GPU_TIMEOUT_RANGE_MS)):
-            raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, _s_accepted(GPU_TIMEOUT_RANGE_MS))
-        if self.peak_flops is not None and not _in_range(self.peak_flops, PEAK_FLOPS_RANGE):
+            raise ConfigError("gpu_devices", self.gpu_devices, choices_accepted(GPU_DEVICE_MODES))
+        if not in_range(self.gpu_timeout_s, in_seconds(GPU_TIMEOUT_RANGE_MS)):
+            raise ConfigError("gpu_timeout_s", self.gpu_timeout_s, s_accepted(GPU_TIMEOUT_RANGE_MS))
+        if self.peak_flops is not None and not in_range(self.peak_flops, PEAK_FLOPS_RANGE):
             raise ConfigError("peak_flops", self.peak_flops, PEAK_FLOPS_ACCEPTED)
         if not isinstance(self.host_metrics, bool):
             raise ConfigError("host_metrics", self.host_metrics, "`True` or `False`")
         if isinstance(self.host_metrics_excluded, str) or not all(
-            isinstance(p, str) and _GLOB_RE.fullmatch(p) and _brackets_closed(p) for p in self.host_metrics_excluded
+            isinstance(p, str) and GLOB_RE.fullmatch(p) and brackets_closed(p) for p in self.host_metrics_excluded
         ):
-            raise ConfigError("host_metrics_excluded", self.host_metrics_excluded, "a tuple of " + _GLOBS_ACCEPTED)
+            raise ConfigError("host_metrics_excluded", self.host_metrics_excluded, "a tuple of " + GLOBS_ACCEPTED)
         if self.run_name is not None:
             problem = run_name_problem(self.run_name)
             if problem:
@@ -320,9 +320,9 @@ class TelemetryConfig:
             isinstance(self.run_attempt, int) and 1 <= self.run_attempt <= MAX_RUN_ATTEMPT
         ):
             raise ConfigError("run_attempt", self.run_attempt, f"an integer from 1 to {MAX_RUN_ATTEMPT}")
-        if not _in_range(self.history_interval_ms, HISTORY_INTERVAL_RANGE_MS):
+        if not in_range(self.history_interval_ms, HISTORY_INTERVAL_RANGE_MS):
             raise ConfigError(
-                "history_interval_ms", self.history_interval_ms, _ms_accepted(HISTORY_INTERVAL_RANGE_MS)
+                "history_interval_ms", self.history_interval_ms, ms_accepted(HISTORY_INTERVAL_RANGE_MS)
             )
         if isinstance(self.history_max_bytes, bool) or not (
             isinstance(self.history_max_bytes, int) and self.history_max_bytes >= MIN_HISTORY_MAX_BYTES
@@ -335,11 +335,11 @@ class TelemetryConfig:
             raise ConfigError(
                 "inference_max_adapters", self.inference_max_adapters, f"an integer from {low} to {high}"
             )
-        if not _in_range(self.final_scrape_timeout_s, _seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
+        if not in_range(self.final_scrape_timeout_s, in_seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
                 self.final_scrape_timeout_s,
-                _s_accepted(FINAL_SCRAPE_TIMEOUT_RANGE_MS),
+                s_accepted(FINAL_SCRAPE_TIMEOUT_RANGE_MS),
             )
 
     @property
@@ -434,7 +434,7 @@ def _read_otlp(env: Env) -> OTLPConfig:
         raw = env.get(variable)
         if raw.lower() not in PROTOCOLS:
             detail = "the Python SDK has no http/json exporter" if raw.lower() == "http/json" else ""
-            raise ConfigError(variable, raw, _choices(PROTOCOLS), detail)
+            raise ConfigError(variable, raw, choices_accepted(PROTOCOLS), detail)
         return raw.lower()
 
     _, raw_protocol = env.winner(
@@ -446,7 +446,7 @@ def _read_otlp(env: Env) -> OTLPConfig:
     # it may serve other signals over another protocol, so only its form is checked.
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if base and env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
-        _check_endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", base, schemes=_ANY_SCHEME)
+        check_endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", base, schemes=ANY_SCHEME)
     endpoint_variable, endpoint = env.first(
         "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
@@ -459,25 +459,25 @@ def _read_otlp(env: Env) -> OTLPConfig:
     if resolved_protocol == "http/protobuf":
         if not endpoint:
             endpoint = OTLP_DEFAULT_ENDPOINTS["http/protobuf"]
-        _check_endpoint(
+        check_endpoint(
             endpoint_variable,
             endpoint,
-            schemes=_HTTP_SCHEMES,
+            schemes=HTTP_SCHEMES,
             accepted="an http:// or https:// URL for protocol http/protobuf, e.g. " + OTLP_DEFAULT_ENDPOINTS["http/protobuf"],
         )
         if not per_signal:
             # The spec: the signal path is appended to the base endpoint's path only, before any query
             # (a token in `?api_key=`) or fragment, which would otherwise swallow it. The first `?` or `#`
-            # starts them: one in the user info would have an `@` after it, which _check_endpoint refused.
+            # starts them: one in the user info would have an `@` after it, which check_endpoint refused.
             cut = min((i for i in (endpoint.find("?"), endpoint.find("#")) if i >= 0), default=len(endpoint))
             endpoint = endpoint[:cut].rstrip("/") + "/v1/metrics" + endpoint[cut:]
     else:
         if not endpoint:
             endpoint = OTLP_DEFAULT_ENDPOINTS["grpc"]
-        parts = _check_endpoint(
+        parts = check_endpoint(
             endpoint_variable,
             endpoint,
-            schemes=_ANY_SCHEME,
+            schemes=ANY_SCHEME,
             accepted="for grpc, http://host:port, https://host:port, or host:port with OTEL_EXPORTER_OTLP_INSECURE",
         )
         if parts.scheme:

@@ -6,6 +6,14 @@ Durations and numbers are ASCII decimal digits only (no underscore, sign or ``na
 ``OPENLORA_PEAK_FLOPS``, whose values are like ``989e12``), within documented ranges, so a value that
 would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@``, query
 values and fragment, and header values) never appear in an error.
+
+The helpers the config package's modules share (:func:`check_endpoint`, :func:`host_problem`,
+:func:`in_range`, :func:`ms_accepted`, :func:`choices_accepted`, the ``*_RE`` patterns, the ``*_ACCEPTED``
+texts of headers, hosts and globs...) have public names only so that :mod:`.env`, :mod:`.variables` and
+the package's ``__init__`` import no private name: they are package-internal, and nothing outside
+``openlora_otel.config`` should use them. What the rest of openlora_otel uses from here is
+:class:`ConfigError`, :func:`check_url` and what ``openlora_otel.config`` re-exports. Names that start
+with ``_`` are used in this module only.
 """
 
 from __future__ import annotations
@@ -51,15 +59,15 @@ RUN_ID_ACCEPTED = f"a run id of 1 to {MAX_RUN_ID_LENGTH} printable characters"
 MAX_RANK = 2**31 - 1
 
 
-def _ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
+def ms_range(bounds: tuple[float, float], scale: float = 1.0) -> str:
     """``100 to 86400000 (1 day)``: an accepted range as the docs' table and errors say it."""
     low, high = bounds
     human = {86_400_000: "1 day", 600_000: "10 min", 60_000: "1 min"}.get(int(high), f"{high / 1000:g} s")
     return f"{low * scale:.15g} to {high * scale:.15g} ({human})"
 
 
-def _ms_accepted(bounds: tuple[float, float]) -> str:
-    return f"a number of milliseconds from {_ms_range(bounds)}, in ASCII digits"
+def ms_accepted(bounds: tuple[float, float]) -> str:
+    return f"a number of milliseconds from {ms_range(bounds)}, in ASCII digits"
 
 
 _MAX_SHOWN = 200
@@ -93,28 +101,28 @@ class ConfigError(ValueError):
 
 
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_DIGITS_RE = re.compile(r"[0-9]+")
-_DECIMAL_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
-_HEADERS_ACCEPTED = (
+DIGITS_RE = re.compile(r"[0-9]+")
+DECIMAL_RE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+HEADERS_ACCEPTED = (
     "headers as `key=value` pairs separated by commas, values percent-encoded; "
     "names are HTTP tokens, decoded values printable ASCII"
 )
-_HOST_ACCEPTED = "a host name (at most 253 characters, labels of letters, digits, `-`, `_`) or an IP address"
-_HTTP_SCHEMES = ("http", "https")
-_ANY_SCHEME = ("", "http", "https")
+HOST_ACCEPTED = "a host name (at most 253 characters, labels of letters, digits, `-`, `_`) or an IP address"
+HTTP_SCHEMES = ("http", "https")
+ANY_SCHEME = ("", "http", "https")
 
 PEAK_FLOPS_RANGE = (1.0, 1e21)
 PEAK_FLOPS_ACCEPTED = "a number of FLOP/s from 1 to 1e21 in ASCII digits, with an optional exponent, such as 989e12"
 # A decimal with an optional exponent, ASCII only: float() would also take "1_000", a sign,
 # "nan", "infinity" and non-ASCII (fullwidth) digits.
-_EXPONENT_DECIMAL_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+EXPONENT_DECIMAL_RE = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
-_GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
-_GLOBS_ACCEPTED = "glob patterns over metric names (letters, digits, `.`, `_`, `-`, `*`, `?`, `[...]`), e.g. `system.network.*`"
+GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
+GLOBS_ACCEPTED = "glob patterns over metric names (letters, digits, `.`, `_`, `-`, `*`, `?`, `[...]`), e.g. `system.network.*`"
 
 
-def _brackets_closed(pattern: str) -> bool:
+def brackets_closed(pattern: str) -> bool:
     """Every `[` of a glob opens a set that a later `]` closes (fnmatch's reading)."""
     index = 0
     while (index := pattern.find("[", index)) >= 0:
@@ -162,7 +170,7 @@ def _label_text_problem(text: str, max_length: int) -> str | None:
 HISTORY_MAX_BYTES_ACCEPTED = f"an integer number of bytes of at least {MIN_HISTORY_MAX_BYTES} (1 MiB)"
 
 
-def _utf8_problem(text: str) -> str | None:
+def utf8_problem(text: str) -> str | None:
     """Why ``text`` cannot be sent with the metrics, or None: a lone surrogate, which is how Python reads a
     byte of the environment that is not UTF-8, fails every export and every scrape (UnicodeEncodeError)."""
     try:
@@ -172,11 +180,11 @@ def _utf8_problem(text: str) -> str | None:
     return None
 
 
-def _choices(values: tuple[str, ...]) -> str:
+def choices_accepted(values: tuple[str, ...]) -> str:
     return "one of " + ", ".join(f"`{v}`" for v in values)
 
 
-def _in_range(value: object, bounds: tuple[float, float]) -> bool:
+def in_range(value: object, bounds: tuple[float, float]) -> bool:
     """A real number (not a bool), finite, within ``bounds`` inclusive."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -185,16 +193,16 @@ def _in_range(value: object, bounds: tuple[float, float]) -> bool:
     return bounds[0] <= value <= bounds[1]
 
 
-def _seconds(bounds_ms: tuple[float, float]) -> tuple[float, float]:
+def in_seconds(bounds_ms: tuple[float, float]) -> tuple[float, float]:
     return bounds_ms[0] / 1000.0, bounds_ms[1] / 1000.0
 
 
-def _s_accepted(bounds_ms: tuple[float, float]) -> str:
-    return f"a number of seconds from {_ms_range(bounds_ms, scale=0.001)}"
+def s_accepted(bounds_ms: tuple[float, float]) -> str:
+    return f"a number of seconds from {ms_range(bounds_ms, scale=0.001)}"
 
 
 
-def _check_endpoint(
+def check_endpoint(
     variable: str, endpoint: str, *, schemes: tuple[str, ...], accepted: str = "", shown: str = ""
 ) -> SplitResult:
     """Parse ``endpoint`` or raise a ConfigError that shows it with credentials redacted (or as ``shown``).
@@ -206,7 +214,7 @@ def _check_endpoint(
     # urlsplit silently drops tabs and newlines, so what it parses is not what would be sent.
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):
         raise ConfigError(variable, shown, accepted, "it contains a space or a control character")
-    problem = _utf8_problem(endpoint)
+    problem = utf8_problem(endpoint)
     if problem:
         raise ConfigError(variable, shown, accepted, problem)
     text = endpoint if "://" in endpoint or "" not in schemes else "//" + endpoint
@@ -232,7 +240,7 @@ def _check_endpoint(
     if not match or not match["host"]:
         raise ConfigError(variable, shown, accepted, "no host")
     host = match["host"]
-    problem = _ip_problem(host[1:-1]) if host.startswith("[") else _host_problem(host)
+    problem = _ip_problem(host[1:-1]) if host.startswith("[") else host_problem(host)
     if problem:
         raise ConfigError(variable, shown, accepted, problem)
     port = match["port"]
@@ -250,7 +258,7 @@ def check_url(option: str, text: str, *, host_port: bool = False, hide_path: boo
     (``host_port``: or a bare ``HOST:PORT``) with a host, a port from 1 to 65535 if any, no space
     or control character, no unescaped ``@`` after the host, no byte that was not UTF-8 (it
     arrives as a lone surrogate, which no file or request can carry) and only ASCII after the host
-    (percent-encoded). The checks of an OTLP endpoint (:func:`_check_endpoint`) and those two; the
+    (percent-encoded). The checks of an OTLP endpoint (:func:`check_endpoint`) and those two; the
     check of every URL argument of the command line (``--url``, ``--prometheus``, ``--webhook-url``...).
 
     Else :class:`ConfigError`, one line naming ``option``, which shows
@@ -260,7 +268,7 @@ def check_url(option: str, text: str, *, host_port: bool = False, hide_path: boo
     shown = redact_url(text, path=hide_path)
     accepted = "an http:// or https:// URL" + (", or HOST:PORT" if host_port else "")
     schemes = ("", "http", "https") if host_port else ("http", "https")
-    parts = _check_endpoint(option, text, schemes=schemes, accepted=accepted, shown=shown)
+    parts = check_endpoint(option, text, schemes=schemes, accepted=accepted, shown=shown)
     if not (parts.path + parts.query + parts.fragment).isascii():
         # http.client sends the request line as ASCII: it raised UnicodeEncodeError on the first request.
         raise ConfigError(option, shown, accepted, "percent-encode the non-ASCII characters after its host")
@@ -284,7 +292,7 @@ def _ip_problem(text: str) -> str | None:
     return None
 
 
-def _host_problem(host: str) -> str | None:
+def host_problem(host: str) -> str | None:
     """Why ``host`` is not a usable host name or IP address, or None.
 
     Checked here because the resolver fails late and with the wrong error type:
@@ -311,7 +319,7 @@ def _host_problem(host: str) -> str | None:
     return None
 
 
-def _header_problem(name: str, value: str) -> str | None:
+def header_problem(name: str, value: str) -> str | None:
     """Why a header cannot be sent as is, or None; never quotes the value."""
     if not _TOKEN_RE.fullmatch(name):
         if name.isascii() and name.isprintable():

@@ -11,28 +11,28 @@ from typing import TypeVar
 from urllib.parse import unquote
 
 from openlora_otel.config.checks import (
-    _DECIMAL_RE,
-    _DIGITS_RE,
-    _EXPONENT_DECIMAL_RE,
-    _GLOB_RE,
-    _GLOBS_ACCEPTED,
-    _HEADERS_ACCEPTED,
-    _HOST_ACCEPTED,
+    DECIMAL_RE,
+    DIGITS_RE,
     DIRECTORY_ACCEPTED,
+    EXPONENT_DECIMAL_RE,
     EXPORTERS,
+    GLOB_RE,
+    GLOBS_ACCEPTED,
+    HEADERS_ACCEPTED,
+    HOST_ACCEPTED,
     MAX_RUN_ATTEMPT,
     PEAK_FLOPS_ACCEPTED,
     PEAK_FLOPS_RANGE,
     RUN_NAME_ACCEPTED,
     ConfigError,
-    _brackets_closed,
-    _choices,
-    _header_problem,
-    _host_problem,
-    _in_range,
-    _ms_accepted,
-    _utf8_problem,
+    brackets_closed,
+    choices_accepted,
+    header_problem,
+    host_problem,
+    in_range,
+    ms_accepted,
     run_name_problem,
+    utf8_problem,
 )
 from openlora_otel.redaction import secret_forms, url_secrets
 
@@ -51,7 +51,7 @@ class Env:
     def text(self, name: str) -> str:
         """Text sent with the metrics (the service name): refused unless it is valid UTF-8."""
         raw = self.get(name)
-        problem = _utf8_problem(raw)
+        problem = utf8_problem(raw)
         if problem:
             raise ConfigError(name, raw, "text in UTF-8", problem)
         return raw
@@ -104,7 +104,7 @@ class Env:
             accepted = f"an integer >= {minimum}"
         # int() also takes "1_000", "+5" and non-ASCII digits (fullwidth ones): refuse
         # them, so the value means what it looks like to every other tool.
-        if not _DIGITS_RE.fullmatch(raw) or len(raw) > 20:
+        if not DIGITS_RE.fullmatch(raw) or len(raw) > 20:
             raise ConfigError(name, raw, accepted + ", in ASCII digits")
         value = int(raw, 10)
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -121,8 +121,8 @@ class Env:
 
         def read(name: str) -> float:
             raw = self.get(name)
-            accepted = _ms_accepted(bounds)
-            if not _DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
+            accepted = ms_accepted(bounds)
+            if not DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
                 raise ConfigError(name, raw, accepted)
             value = float(raw)
             if not bounds[0] <= value <= bounds[1]:
@@ -136,7 +136,7 @@ class Env:
             raw = self.get(variable)
             lowered = raw.lower()
             if lowered not in choices:
-                raise ConfigError(variable, raw, _choices(choices))
+                raise ConfigError(variable, raw, choices_accepted(choices))
             return lowered
 
         return self.winner(read, name, *names)[1]
@@ -167,7 +167,7 @@ class Env:
         pairs: list[tuple[str, str]] = []
         headers = what == "headers"
         accepted = (
-            _HEADERS_ACCEPTED
+            HEADERS_ACCEPTED
             if headers
             else f"{what} as `key=value` pairs separated by commas, values percent-encoded"
         )
@@ -188,7 +188,7 @@ class Env:
                     variable, shown, accepted, f"value of {key!r} is not valid percent-encoding"
                 ) from None
             name = unquote(key)
-            problem = _utf8_problem(name + decoded)
+            problem = utf8_problem(name + decoded)
             if problem:
                 # Sent with every export: a lone surrogate would fail each one.
                 entry = "an entry" if headers else f"entry {item.strip()!r}"
@@ -196,7 +196,7 @@ class Env:
             if headers:
                 # HTTP drops leading/trailing spaces of a field value; requests refuses them.
                 decoded = decoded.strip(" ")
-                problem = _header_problem(name, decoded)
+                problem = header_problem(name, decoded)
                 if problem:
                     raise ConfigError(variable, shown, accepted, problem)
             pairs.append((name, decoded))
@@ -263,9 +263,9 @@ def host(env: Env, name: str) -> str | None:
     value = env.get(name)
     if not value:
         return None
-    problem = _host_problem(value)
+    problem = host_problem(value)
     if problem:
-        raise ConfigError(name, value, _HOST_ACCEPTED, problem)
+        raise ConfigError(name, value, HOST_ACCEPTED, problem)
     return value
 
 
@@ -280,10 +280,10 @@ def peak_flops(env: Env, name: str) -> float | None:
     raw = env.get(name)
     if not raw:
         return None
-    if not _EXPONENT_DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
+    if not EXPONENT_DECIMAL_RE.fullmatch(raw) or len(raw) > 32:
         raise ConfigError(name, raw, PEAK_FLOPS_ACCEPTED)
     number = float(raw)
-    if not _in_range(number, PEAK_FLOPS_RANGE):
+    if not in_range(number, PEAK_FLOPS_RANGE):
         raise ConfigError(name, raw, PEAK_FLOPS_ACCEPTED)
     return number
 
@@ -297,8 +297,8 @@ def metric_globs(env: Env, name: str) -> tuple[str, ...] | None:
     patterns = tuple(part.strip() for part in raw.split(",") if part.strip())
     for pattern in patterns:
         # fnmatch reads a `[` without its `]` as a literal character, which no metric name has.
-        if not _GLOB_RE.fullmatch(pattern) or not _brackets_closed(pattern):
-            raise ConfigError(name, raw, "a comma list of " + _GLOBS_ACCEPTED, f"{pattern!r} can match no metric name")
+        if not GLOB_RE.fullmatch(pattern) or not brackets_closed(pattern):
+            raise ConfigError(name, raw, "a comma list of " + GLOBS_ACCEPTED, f"{pattern!r} can match no metric name")
     return patterns
 
 

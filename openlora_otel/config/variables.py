@@ -26,7 +26,7 @@ from openlora_otel.config.checks import (
     MIN_HISTORY_MAX_BYTES,
     OTLP_TIMEOUT_RANGE_MS,
     SHUTDOWN_TIMEOUT_RANGE_MS,
-    _ms_range,
+    ms_range,
 )
 from openlora_otel.config.env import (
     Reader,
@@ -122,7 +122,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OTEL_METRIC_EXPORT_INTERVAL",
         EXPORT,
         "Milliseconds between pushes for `otlp` and `console` (pull is scrape-driven), "
-        + _ms_range(EXPORT_INTERVAL_RANGE_MS)
+        + ms_range(EXPORT_INTERVAL_RANGE_MS)
         + ".",
         default=60000.0,
         field="export_interval_ms",
@@ -131,7 +131,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_METRIC_EXPORT_TIMEOUT",
         EXPORT,
-        "Milliseconds allowed for one collect-and-export cycle, " + _ms_range(EXPORT_TIMEOUT_RANGE_MS) + ".",
+        "Milliseconds allowed for one collect-and-export cycle, " + ms_range(EXPORT_TIMEOUT_RANGE_MS) + ".",
         default=30000.0,
         field="export_timeout_ms",
         read=milliseconds_within(EXPORT_TIMEOUT_RANGE_MS),
@@ -168,7 +168,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT",
         PROMETHEUS,
         "Milliseconds `shutdown()` keeps the Prometheus endpoint open for one more scrape, so the run's final values are collected; only when the endpoint was scraped before, and no longer than about 1.5 observed scrape intervals; "
-        + _ms_range(FINAL_SCRAPE_TIMEOUT_RANGE_MS)
+        + ms_range(FINAL_SCRAPE_TIMEOUT_RANGE_MS)
         + "; 0 turns the wait off.",
         default=15000.0,
         field="final_scrape_timeout_s",
@@ -223,7 +223,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OTEL_EXPORTER_OTLP_TIMEOUT",
         OTLP,
         "Time limit of one OTLP export with its retries, in milliseconds (as the spec says; the Python SDK alone reads seconds), "
-        + _ms_range(OTLP_TIMEOUT_RANGE_MS)
+        + ms_range(OTLP_TIMEOUT_RANGE_MS)
         + "; capped at `OTEL_METRIC_EXPORT_INTERVAL`.",
         default=10000.0,
         seconds=True,
@@ -359,7 +359,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OPENLORA_HISTORY_INTERVAL",
         HISTORY,
         "Milliseconds between two lines of the history file, "
-        + _ms_range(HISTORY_INTERVAL_RANGE_MS)
+        + ms_range(HISTORY_INTERVAL_RANGE_MS)
         + "; the final values are written at shutdown and on SIGTERM.",
         default=5000.0,
         field="history_interval_ms",
@@ -393,7 +393,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OPENLORA_GPU_TIMEOUT",
         HARDWARE,
         "Milliseconds one NVML snapshot may take, "
-        + _ms_range(GPU_TIMEOUT_RANGE_MS)
+        + ms_range(GPU_TIMEOUT_RANGE_MS)
         + "; past that the collection serves the last good one (up to 60 s old) and says how old.",
         default=1000.0,
         field="gpu_timeout_s",
@@ -445,7 +445,7 @@ VARIABLES: tuple[Variable, ...] = (
         "OPENLORA_SHUTDOWN_TIMEOUT",
         PROCESS,
         "Milliseconds `shutdown()` may take, final export included, "
-        + _ms_range(SHUTDOWN_TIMEOUT_RANGE_MS)
+        + ms_range(SHUTDOWN_TIMEOUT_RANGE_MS)
         + "; it returns after that even if the endpoint hangs (plus the final-scrape wait, `OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT`).",
         default=2000.0,
         field="shutdown_timeout_s",
