@@ -304,7 +304,7 @@ def test_process_mode_selects_this_process_gpus(visible, local_rank, expected) -
         local_rank=local_rank,
         torch_devices=lambda: None,
     )
-    assert [d.index for d in collector._selected()] == expected
+    assert [d.index for d in collector.selection.selected()] == expected
 
 
 def test_eight_ranks_on_a_node_report_eight_gpus_not_sixty_four() -> None:
@@ -314,7 +314,7 @@ def test_eight_ranks_on_a_node_report_eight_gpus_not_sixty_four() -> None:
         collector = GpuCollector(
             FakeNvml(cards), devices="process", local_rank=rank, torch_devices=lambda: None
         )
-        reported.extend(d.uuid for d in collector._selected())
+        reported.extend(d.uuid for d in collector.selection.selected())
     assert sorted(reported) == sorted(c.uuid for c in cards)
 
 
@@ -324,14 +324,14 @@ def test_torch_devices_are_matched_by_uuid() -> None:
     collector = GpuCollector(
         FakeNvml(cards), devices="process", local_rank=0, torch_devices=lambda: [(0, bare)]
     )
-    assert [d.index for d in collector._selected()] == [5]
+    assert [d.index for d in collector.selection.selected()] == [5]
 
 
 def test_all_mode_reports_every_gpu() -> None:
     collector = GpuCollector(
         FakeNvml(h100s(8)), devices="all", local_rank=2, torch_devices=lambda: [(0, "x")]
     )
-    assert len(collector._selected()) == 8
+    assert len(collector.selection.selected()) == 8
 
 
 def test_torch_allocator_gauges(collect) -> None:

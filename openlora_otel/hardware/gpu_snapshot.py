@@ -58,13 +58,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from openlora_otel.hardware.gpu_devices import Device, DeviceSelection, torch_cuda_devices
 from openlora_otel.hardware.nvml import (
     FI,
     GPM,
@@ -216,27 +216,6 @@ _U32 = 1 << 32
 _XID_KNOWN = frozenset(XID_CODES)
 
 
-@dataclass(frozen=True)
-class Device:
-    """One NVML device (a GPU or a MIG instance) and its identity attributes."""
-
-    handle: Any
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    parent_uuid: str | None = None
-
-    @property
-    def is_mig(self) -> bool:
-        return self.parent_uuid is not None
-
-    @property
-    def physical_uuid(self) -> str:
-        """The whole GPU's UUID (a MIG instance's parent)."""
-        return self.parent_uuid or self.uuid
-
-
 @dataclass
 class Reading:
     device: Device
@@ -248,14 +227,6 @@ class Reading:
 class Snapshot:
     taken: float
     readings: list[Reading]
-
-
-def _norm_uuid(value: str) -> str:
-    lowered = value.strip().lower()
-    for prefix in ("gpu-", "mig-"):
-        if lowered.startswith(prefix):
-            return lowered[len(prefix) :]
-    return lowered
 
 
 def _driver_major(version: str | None) -> int:
@@ -291,18 +262,22 @@ class GpuCollector:
         torch_devices: Callable[[], list[tuple[int, str]] | None] | None = None,
     ) -> None:
         self._backend = backend
-        self._mode = devices
-        self._visible = cuda_visible_devices
-        self._local_rank = local_rank
         self._timeout_s = timeout_s
         self._pid = os.getpid() if pid is None else pid
-        self._torch_devices = torch_devices or torch_cuda_devices
+        # Which devices a snapshot reads; a fresh listing registers them for XID events.
+        self.selection = DeviceSelection(
+            backend,
+            devices=devices,
+            cuda_visible_devices=cuda_visible_devices,
+            local_rank=local_rank,
+            torch_devices=torch_devices,
+            warn=self._warn_once,
+            discovered=self._register_xid,
+        )
         self._lock = threading.Lock()
         self._last: Snapshot | None = None
         self._inflight: threading.Event | None = None
         self._impatient_until = 0.0
-        self._devices: list[Device] | None = None
-        self._driver_version: str | None = None
         self._unsupported: set[tuple[str, str]] = set()
         self._warned: set[str] = set()
         # Devices that stopped answering, by UUID, until they answer again (reported as failed).
@@ -359,14 +334,14 @@ class GpuCollector:
 
     @property
     def driver_version(self) -> str | None:
-        return self._driver_version
+        return self.selection.driver_version
 
     def xid_counts(self, physical_uuid: str) -> dict[str, int]:
         """XID errors seen on a GPU since collection started, per code (or ``other``)."""
         return dict(self._xid.get(physical_uuid, {}))
 
     def device(self, uuid: str) -> Device | None:
-        for device in self._devices or []:
+        for device in self.selection.listed:
             if device.uuid == uuid:
                 return device
         return self._lost.get(uuid)
@@ -415,7 +390,7 @@ class GpuCollector:
     def snapshot(self) -> Snapshot:
         """Read every selected device once (synchronously: callers go through :meth:`current`)."""
         started = time.monotonic()
-        devices = self._selected()
+        devices = self.selection.selected()
         self._drain_xid()
         readings = []
         for device in devices:
@@ -427,7 +402,7 @@ class GpuCollector:
             reading.values["xid"] = self.xid_counts(device.physical_uuid)
             readings.append(reading)
         # A GPU that fell off the bus may vanish from NVML's list altogether: still report it as failed.
-        listed = {d.uuid for d in self._devices or []} | {d.uuid for d in devices}
+        listed = {d.uuid for d in self.selection.listed} | {d.uuid for d in devices}
         selected = {d.uuid for d in devices}
         for uuid, device in list(self._lost.items()):
             if uuid in selected:
@@ -438,78 +413,6 @@ class GpuCollector:
                 readings.append(Reading(device, {"xid": self.xid_counts(device.physical_uuid)}, lost=True))
         return Snapshot(taken=started, readings=readings)
 
-    def _discover(self) -> list[Device]:
-        if self._devices is not None:
-            return self._devices
-        backend = self._backend
-        devices: list[Device] = []
-        complete = True
-        try:
-            if self._driver_version is None:
-                self._driver_version = backend.driver_version()
-            count = backend.device_count()
-        except GpuError as exc:
-            self._warn_once(f"discover:{exc}", f"listing GPUs through NVML failed ({exc}); will retry")
-            return []
-        for index in range(count):
-            try:
-                handle = backend.handle(index)
-                uuid = backend.uuid(handle)
-                name = backend.name(handle)
-                bus_id = backend.pci_bus_id(handle)
-                found = [Device(handle, index, uuid, name, bus_id)]
-                for mig in backend.mig_handles(handle):
-                    found.append(Device(mig, index, backend.uuid(mig), name, bus_id, uuid))
-            except GpuError as exc:
-                # One GPU that fell off the bus must not take the others' series with it.
-                self._warn_once(
-                    f"discover:{index}:{exc}", f"GPU {index} did not answer NVML ({exc}); will retry"
-                )
-                complete = False
-                continue
-            devices.extend(found)
-        if complete:
-            self._devices = devices
-        self._register_xid(devices)
-        return devices
-
-    def _selected(self) -> list[Device]:
-        devices = self._discover()
-        if self._mode == "all":
-            return devices
-        torch_uuids = self._torch_devices()
-        if torch_uuids:
-            wanted = {_norm_uuid(uuid) for _, uuid in torch_uuids}
-            return [d for d in devices if _norm_uuid(d.uuid) in wanted]
-        return self._visible_devices(devices)
-
-    def _visible_devices(self, devices: list[Device]) -> list[Device]:
-        gpus = [d for d in devices if not d.is_mig]
-        if self._visible is None:
-            chosen = gpus
-        else:
-            chosen = []
-            for entry in (e.strip() for e in self._visible.split(",")):
-                if not entry:
-                    break
-                # ASCII: isdigit() also takes superscript digits, which int() refuses, and fullwidth ones, which
-                # it reads but CUDA does not. int() refuses more than 4300 digits; no index has more than 20.
-                if entry.isascii() and entry.isdigit():
-                    matches = [d for d in gpus if len(entry) <= 20 and d.index == int(entry)]
-                else:  # a GPU- or MIG- UUID, or a unique prefix of one, as CUDA accepts
-                    key = _norm_uuid(entry)
-                    matches = [d for d in devices if _norm_uuid(d.uuid).startswith(key)]
-                if len(matches) != 1:
-                    break  # CUDA ignores everything from the first invalid entry on
-                chosen.append(matches[0])
-        if self._local_rank is not None and 0 <= self._local_rank < len(chosen) and len(chosen) > 1:
-            chosen = [chosen[self._local_rank]]
-        # A whole GPU in MIG mode is represented by its instances.
-        result: list[Device] = []
-        for device in chosen:
-            instances = [d for d in devices if d.parent_uuid == device.uuid]
-            result.extend(instances or [device])
-        return result
 
     # -- reading one device -------------------------------------------------------
     def _read(self, device: Device) -> Reading:
@@ -527,7 +430,7 @@ class GpuCollector:
                 f"GPU {device.index} ({device.uuid}) stopped answering NVML ({exc}); "
                 "its series are dropped until it answers again",
             )
-            self._devices = None  # re-enumerate next time: handles may have changed
+            self.selection.forget()  # re-enumerate next time: handles may have changed
             # The PCIe bytes start over when it answers again (a reset zeroes the fields; a GPM
             # difference would span the outage): the counter drops, which reads as a reset.
             if (slot := self._gpm.get(device.uuid)) is not None:
@@ -559,7 +462,7 @@ class GpuCollector:
 
     def _wanted_fields(self, device: Device) -> list[Field]:
         """The field ids to ask this device for now: its driver's numbering, none refused before."""
-        driver = _driver_major(self._driver_version)
+        driver = _driver_major(self.selection.driver_version)
         return [
             f
             for f in FIELDS
@@ -758,21 +661,3 @@ class GpuCollector:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
-
-
-def torch_cuda_devices() -> list[tuple[int, str]] | None:
-    """(torch index, UUID) of the CUDA devices this process uses, or None when CUDA is not initialized.
-
-    Never imports torch nor initializes CUDA: it looks only if both already happened.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    used = []
-    current = torch.cuda.current_device()
-    for index in range(torch.cuda.device_count()):
-        if index == current or torch.cuda.memory_reserved(index) > 0:
-            uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-            if uuid is not None:
-                used.append((index, str(uuid)))
-    return used or None
