@@ -14,7 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
-from openlora_otel.hardware import gpu_snapshot
+from openlora_otel.hardware import gpu_reads, gpu_snapshot
 from openlora_otel.training import arguments as arguments_module
 from openlora_otel.training import goodput as goodput_module
 from openlora_otel.training import metrics as training_module
@@ -231,9 +231,11 @@ def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
 # -- shared by the GPU tests ------------------------------------------------------------
 @pytest.fixture
 def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
-    """gpu_snapshot.py's clock, stepped by ``collect`` (test_gpu and test_gpu_depth use it in every test)."""
+    """The GPU snapshots' clock (gpu_snapshot.py's and gpu_reads.py's), stepped by ``collect`` (test_gpu and
+    test_gpu_depth use it in every test)."""
     clock = SteppedTime()
-    monkeypatch.setattr(gpu_snapshot, "time", clock)
+    for module in (gpu_snapshot, gpu_reads):
+        monkeypatch.setattr(module, "time", clock)
     return clock
 
 

@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
-from openlora_otel.hardware import gpu, gpu_snapshot, nvml
+from openlora_otel.hardware import gpu, gpu_reads, gpu_snapshot, nvml
 from openlora_otel.hardware.gpu import GpuCollector
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
@@ -22,7 +22,7 @@ from tests.support.readings import served_series
 pytestmark = pytest.mark.usefixtures("stepped_time")
 
 # Per GPU and snapshot: the plain queries, one field-values call, and two GPM calls (Hopper).
-PER_DEVICE_CALLS = len(GpuCollector._QUERIES) + 1 + 2
+PER_DEVICE_CALLS = len(gpu_reads.QUERIES) + 1 + 2
 # Series present only after a second snapshot (GPM), with CUDA in this process, or after an XID.
 LATER = {
     "openlora.gpu.sm.activity",

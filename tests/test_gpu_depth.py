@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel.hardware import gpu_snapshot, nvml
-from openlora_otel.hardware.gpu import FIELDS, GpuCollector
+from openlora_otel.hardware import gpu_reads, gpu_snapshot, nvml
+from openlora_otel.hardware.gpu import FIELDS
 from openlora_otel.hardware.nvml import (
     FI,
     GPM,
@@ -63,7 +63,7 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:
     asked = len(fake.fields_asked[-1])
     # The two hw_* throttle times at one numbering: R580's ids, not the ones replacing them nor later drivers'.
     assert asked == len(FIELDS) - 4
-    assert asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
+    assert asked + len(gpu_reads.QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
 
     # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
     older = FakeNvml([older_gpu(unsupported_fields=set())], driver="535.104.05")
@@ -374,7 +374,7 @@ def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
     card.link = (8, 4)  # the link retrains narrower and slower
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 16  # not re-read yet
-    stepped_time.offset += gpu_snapshot._LINK_EVERY_S
+    stepped_time.offset += gpu_reads.LINK_EVERY_S
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 8
     assert series(data, "openlora.gpu.pcie.link.generation")[0][1] == 4
@@ -435,7 +435,7 @@ def io_bytes(data) -> dict[str, float]:
 
 @pytest.fixture
 def exact_seconds(stepped_time: SteppedTime, monkeypatch) -> None:
-    """gpu_snapshot's clock exactly 1 s on per collect(), none of the real time between them."""
+    """The GPU snapshots' clock exactly 1 s on per collect(), none of the real time between them."""
     monkeypatch.setattr(stepped_time, "monotonic", lambda: 1000.0 + stepped_time.offset)
 
 
