@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
-from openlora_otel.hardware import gpu, gpu_reads, gpu_snapshot, nvml
+from openlora_otel.hardware import gpu, gpu_reads, gpu_thread, nvml
 from openlora_otel.hardware.gpu import GpuCollector
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
@@ -278,7 +278,7 @@ def test_slow_nvml_serves_the_last_good_snapshot_and_never_piles_up_threads(
     for _ in range(5):
         collect(reader)
     assert sum(t.name == "openlora-otel-nvml" for t in threading.enumerate()) <= 1
-    monkeypatch.setattr(gpu_snapshot, "_MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
+    monkeypatch.setattr(gpu_thread, "MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
     assert series(collect(reader), "hw.gpu.memory.usage") == []
 
 

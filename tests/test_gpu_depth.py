@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel.hardware import gpu_reads, gpu_snapshot, nvml
+from openlora_otel.hardware import gpu_reads, gpu_snapshot, gpu_thread, nvml
 from openlora_otel.hardware.gpu import FIELDS
 from openlora_otel.hardware.nvml import (
     FI,
@@ -179,7 +179,7 @@ def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_s
     times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
     assert times["hw_thermal_slowdown"] == 7.0 and times["hw_power_brake_slowdown"] == 3e-6
     fake.fields_asked.clear()
-    monkeypatch.setattr(gpu_snapshot, "_FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
+    monkeypatch.setattr(gpu_thread, "FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
     collect(reader)
     later = [{fid for fid, _ in call} & {252, 253, 270, 271} for call in fake.fields_asked]
     assert later and all(ids == {270, 271} for ids in later)  # one call a snapshot, 252/253 not asked again

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from typing import Any
 
 from openlora_otel.hardware.gpu_devices import Device, DeviceSelection, torch_cuda_devices
 from openlora_otel.hardware.gpu_reads import FIELDS, NvmlReads, Reading
+from openlora_otel.hardware.gpu_thread import SnapshotThread
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, NvmlBackend
 from openlora_otel.names import XID_CODES, XID_OTHER
 
@@ -73,8 +73,6 @@ __all__ = ["FIELDS", "Device", "GpuCollector", "Reading", "Snapshot", "torch_cud
 
 _logger = logging.getLogger(__name__)
 
-_FRESH_FOR_S = 0.5  # snapshots younger than this are shared between callbacks and readers
-_MAX_AGE_S = 60.0  # older than this, a stale snapshot is not served at all
 _XID_PER_SNAPSHOT = 256  # events drained per snapshot at most: a storm cannot hold the helper thread
 
 _XID_KNOWN = frozenset(XID_CODES)
@@ -101,7 +99,6 @@ class GpuCollector:
         torch_devices: Callable[[], list[tuple[int, str]] | None] | None = None,
     ) -> None:
         self._backend = backend
-        self._timeout_s = timeout_s
         self._pid = os.getpid() if pid is None else pid
         # Which devices a snapshot reads; a fresh listing registers them for XID events.
         self.selection = DeviceSelection(
@@ -113,10 +110,6 @@ class GpuCollector:
             warn=self._warn_once,
             discovered=self._register_xid,
         )
-        self._lock = threading.Lock()
-        self._last: Snapshot | None = None
-        self._inflight: threading.Event | None = None
-        self._impatient_until = 0.0
         # What NVML refused, per device UUID and value: not asked again (the reads and XID registration).
         self._unsupported: set[tuple[str, str]] = set()
         self._warned: set[str] = set()
@@ -132,41 +125,15 @@ class GpuCollector:
         self._event_set: Any = None
         self._xid_registered: set[str] = set()
         self._xid: dict[str, dict[str, int]] = {}
-        self._closed = False
+        # Snapshots are taken on its helper thread, bounded in time; it calls _release after close().
+        self._thread = SnapshotThread(
+            self.snapshot, timeout_s=timeout_s, release=self._release, warn=self._warn_once
+        )
 
     # -- what callbacks call ------------------------------------------------
     def current(self) -> tuple[Snapshot | None, float]:
         """The snapshot to report and its age in seconds; (None, 0) when there is none worth serving."""
-        with self._lock:
-            now = time.monotonic()
-            if self._last is not None and now - self._last.taken < _FRESH_FOR_S:
-                return self._last, now - self._last.taken
-            if self._closed:
-                inflight: threading.Event | None = None
-            elif self._inflight is None:
-                self._inflight = threading.Event()
-                threading.Thread(target=self._take, name="openlora-otel-nvml", daemon=True).start()
-                inflight = self._inflight
-            elif now < self._impatient_until:
-                inflight = None  # this collection already waited once for the stuck snapshot
-            else:
-                inflight = self._inflight
-        if inflight is not None and not inflight.wait(self._timeout_s):
-            with self._lock:
-                self._impatient_until = time.monotonic() + _FRESH_FOR_S
-            self._warn_once(
-                "slow",
-                f"an NVML snapshot took longer than {self._timeout_s:g} s; serving the last good one "
-                "(see openlora.gpu.snapshot.age)",
-            )
-        with self._lock:
-            snapshot = self._last
-        if snapshot is None:
-            return None, 0.0
-        age = time.monotonic() - snapshot.taken
-        if age > _MAX_AGE_S:
-            return None, age
-        return snapshot, age
+        return self._thread.current()
 
     @property
     def driver_version(self) -> str | None:
@@ -184,11 +151,7 @@ class GpuCollector:
 
     def close(self) -> None:
         """Free the event set and GPM samples (before nvmlShutdown); a snapshot in flight frees them when done."""
-        with self._lock:
-            self._closed = True
-            busy = self._inflight is not None
-        if not busy:
-            self._release()
+        self._thread.close()
 
     def _release(self) -> None:
         self.reads.release()
@@ -198,23 +161,6 @@ class GpuCollector:
             except Exception:
                 _logger.debug("nvmlEventSetFree failed", exc_info=True)
             self._event_set = None
-
-    # -- the helper thread --------------------------------------------------------
-    def _take(self) -> None:
-        try:
-            snapshot = self.snapshot()
-            with self._lock:
-                self._last = snapshot
-        except Exception:  # pragma: no cover - snapshot() catches per device; belt and braces
-            self._warn_once("snapshot", "taking an NVML snapshot failed", exc=True)
-        finally:
-            with self._lock:
-                event, self._inflight = self._inflight, None
-                closed = self._closed
-            if closed:
-                self._release()
-            if event is not None:
-                event.set()
 
     def snapshot(self) -> Snapshot:
         """Read every selected device once (synchronously: callers go through :meth:`current`)."""
