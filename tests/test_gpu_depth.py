@@ -262,7 +262,7 @@ def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:
     for _ in range(300):
         fake.inject_xid(card, 94)
     first = by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code")
-    assert first == {"94": gpu_snapshot._XID_PER_SNAPSHOT}
+    assert first == {"94": gpu_snapshot.XID_PER_SNAPSHOT}
     assert by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code") == {"94": 300}
 
 

@@ -69,11 +69,11 @@ from openlora_otel.hardware.gpu_thread import SnapshotThread
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, NvmlBackend
 from openlora_otel.names import XID_CODES, XID_OTHER
 
-__all__ = ["FIELDS", "Device", "GpuCollector", "Reading", "Snapshot", "torch_cuda_devices"]
+__all__ = ["FIELDS", "XID_PER_SNAPSHOT", "Device", "GpuCollector", "Reading", "Snapshot", "torch_cuda_devices"]
 
 _logger = logging.getLogger(__name__)
 
-_XID_PER_SNAPSHOT = 256  # events drained per snapshot at most: a storm cannot hold the helper thread
+XID_PER_SNAPSHOT = 256  # events drained per snapshot at most: a storm cannot hold the helper thread
 
 _XID_KNOWN = frozenset(XID_CODES)
 
@@ -215,7 +215,7 @@ class GpuCollector:
     def _drain_xid(self) -> None:
         if self._event_set is None:
             return
-        for _ in range(_XID_PER_SNAPSHOT):
+        for _ in range(XID_PER_SNAPSHOT):
             try:
                 event = self._backend.wait_xid(self._event_set)
             except GpuError as exc:
