@@ -99,7 +99,8 @@ class GpuCollector:
         torch_devices: Callable[[], list[tuple[int, str]] | None] | None = None,
     ) -> None:
         self._backend = backend
-        self._pid = os.getpid() if pid is None else pid
+        # The process whose GPU memory openlora.process.gpu.memory.usage reports.
+        self.pid = os.getpid() if pid is None else pid
         # Which devices a snapshot reads; a fresh listing registers them for XID events.
         self.selection = DeviceSelection(
             backend,

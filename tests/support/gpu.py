@@ -35,7 +35,6 @@ def build(fake: FakeNvml, **kwargs):
     allocator = kwargs.pop("allocator", list)
     collector = GpuCollector(fake, pid=42, torch_devices=lambda: None, **kwargs)
     metrics = GpuMetrics(provider.get_meter("test"), collector, allocator_stats=allocator)
-    metrics._pid = 42
     return reader, metrics
 
 
