@@ -52,6 +52,13 @@ How :class:`GpuCollector` behaves, and why (its readers are the instruments of :
   drops that device's values from the snapshot, logs one warning per distinct
   problem, reports the device as ``hw.status`` failed, and its series come
   back when it answers again. Nothing raises into the scrape or training.
+
+:class:`GpuCollector` wires three collaborators, one job each: which GPUs
+(:class:`~openlora_otel.hardware.gpu_devices.DeviceSelection`), what one GPU's
+values are (:class:`~openlora_otel.hardware.gpu_reads.NvmlReads`) and the helper
+thread (:class:`~openlora_otel.hardware.gpu_thread.SnapshotThread`). It keeps
+what spans them: the XID event set and counts, the devices that stopped
+answering, and one warning per problem.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A collection asks :meth:`SnapshotThread.current`: a snapshot younger than :data:`FRESH_FOR_S` is shared,
 else one is taken on a helper thread, at most one at a time, and the collection waits for it at most
 the timeout before the last good one is served (up to :data:`MAX_AGE_S` old). Kept apart from what a
-snapshot reads, so that a hung NVML call can stall neither a scrape nor the thread count, in one place.
+snapshot reads: the rules that keep a hung NVML call from stalling a scrape or piling up threads, in one place.
 """
 
 from __future__ import annotations
