@@ -392,7 +392,7 @@ def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
     )
     try:
         inference = telemetry.inference
-        assert inference is telemetry.inference and inference._merge
+        assert inference is telemetry.inference and inference.window_histogram
         inference.set_model("tiny-llama")
         inference.adapter_loaded("a1", load_time_s=0.2, trained_by=ORIGIN)
         with inference.request("a1", queued=True) as req:
