@@ -333,7 +333,7 @@ def test_adapter_names_are_capped_and_loaded_ones_keep_their_slots(caplog: pytes
     assert adapters == {"a1", "a2", "tenant-0", "other"}
     assert point(data, DURATION, base_attrs("other")).count == 999
     assert point(data, DURATION, base_attrs("other", **{"error.type": "unknown_adapter"})).count == 1
-    assert len(rig.metrics._adapters) == 3  # names past the cap are not remembered
+    assert len(rig.metrics.adapter_names) == 3  # names past the cap are not remembered
     warnings = [r for r in caplog.records if "distinct adapter" in r.getMessage()]
     assert len(warnings) == 1 and "'tenant-1'" in warnings[0].getMessage()
 

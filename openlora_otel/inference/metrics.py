@@ -356,6 +356,13 @@ class InferenceMetrics:
         with self._lock:
             return tuple(name for name, loaded in self._loaded.items() if loaded)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapter names holding one of the ``max_adapters`` slots, in the order they took them (later
+        names are recorded as ``"other"`` and not remembered)."""
+        with self._lock:
+            return tuple(self._adapters)
+
     # -- requests ---------------------------------------------------------------------
     def request(
         self,
