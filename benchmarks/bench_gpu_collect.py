@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from openlora_otel.hardware import gpu_snapshot
+from openlora_otel.hardware import gpu_snapshot, gpu_thread
 from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 from openlora_otel.training.metrics import TrainingMetrics
 from tests.support.fake_nvml import FakeNvml, h100s
@@ -55,10 +55,10 @@ def one_collection(gpus: int, latency_s: float, shared: bool, repeat: int) -> tu
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     GpuMetrics(provider.get_meter("bench"), GpuCollector(fake, devices="all", torch_devices=lambda: None))
-    fresh = gpu_snapshot._FRESH_FOR_S
+    fresh = gpu_thread.FRESH_FOR_S
     times, calls = [], []
     try:
-        gpu_snapshot._FRESH_FOR_S = fresh if shared else 0.0
+        gpu_thread.FRESH_FOR_S = fresh if shared else 0.0
         reader.get_metrics_data()  # discovery
         for _ in range(repeat):
             time.sleep(fresh if shared else 0)  # the next collection needs a new snapshot
@@ -68,7 +68,7 @@ def one_collection(gpus: int, latency_s: float, shared: bool, repeat: int) -> tu
             times.append(time.perf_counter() - started)
             calls.append(fake.total_calls)
     finally:
-        gpu_snapshot._FRESH_FOR_S = fresh
+        gpu_thread.FRESH_FOR_S = fresh
         provider.shutdown()
     return statistics.median(times), statistics.median(calls)
 
@@ -162,11 +162,12 @@ def main() -> None:
     stop.set()
     scraper.join()
     gpu_time = gpu_snapshot.time
+    later = type("Later", (), {"monotonic": staticmethod(lambda: gpu_time.monotonic() + 1.0)})
     try:  # one more collection a snapshot later drains what arrived after the last one
-        gpu_snapshot.time = type("Later", (), {"monotonic": staticmethod(lambda: gpu_time.monotonic() + 1.0)})
+        gpu_snapshot.time = gpu_thread.time = later
         reader.get_metrics_data()
     finally:
-        gpu_snapshot.time = gpu_time
+        gpu_snapshot.time = gpu_thread.time = gpu_time
     provider.shutdown()
     on_training = fake.threads.get("training", 0)
     print(f"{steps} record_step calls on the training thread while collecting every 50 ms:")

@@ -459,7 +459,7 @@ def _telemetry(ctx: Context, reader: Any) -> Any:
 def stage_values(ctx: Context, stage: dict[str, Any]) -> str:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from openlora_otel.hardware import gpu
+    from openlora_otel.hardware import gpu, gpu_reads
 
     fields = [row[0] for row in SMI_VALUES if row[0] in ctx.smi.fields]
     stage["absent_in_smi"] = [row[0] for row in SMI_VALUES if row[0] not in ctx.smi.fields]
@@ -501,7 +501,7 @@ def stage_values(ctx: Context, stage: dict[str, Any]) -> str:
             collector = telemetry.gpu.collector
             snapshot, _ = collector.current()
             present = set(snapshot.readings[0].values) if snapshot and snapshot.readings else set()
-            expected = {f.key for f in gpu.FIELDS} | {q[0] for q in gpu.GpuCollector._QUERIES}
+            expected = {f.key for f in gpu.FIELDS} | {q[0] for q in gpu_reads.QUERIES}
             expected |= {"link", "link_max", "xid"} | {f"gpm.{k}" for k in ("sm_activity", "sm_occupancy", "tensor_activity", "dram_activity")}
             stage["driver_lacks"] = sorted(expected - present)
             stage["asked_and_refused"] = sorted(f"{key} ({uuid_})" for uuid_, key in collector._unsupported)
@@ -723,7 +723,7 @@ def stage_pcie(ctx: Context, stage: dict[str, Any]) -> str:
                 "hw.gpu.io delta / bytes copied (tx, rx)": moved(ours_before, ours_after),
                 "hw.gpu.io delta / bytes copied (tx, rx), 3 s later": moved(ours_before, ours_later),
             }
-        results["hw.gpu.io source"] = collector._pcie_source.get(uuid)
+        results["hw.gpu.io source"] = collector.reads.pcie_source(uuid)
     finally:
         if collector is not None:
             collector.close()

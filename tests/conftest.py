@@ -14,7 +14,6 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
-from openlora_otel.hardware import gpu_snapshot
 from openlora_otel.training import arguments as arguments_module
 from openlora_otel.training import goodput as goodput_module
 from openlora_otel.training import metrics as training_module
@@ -24,7 +23,7 @@ from tests.support import (
     real_parts,
 )
 from tests.support.clock import FakeClock
-from tests.support.gpu import SteppedTime
+from tests.support.gpu import CLOCKED, SteppedTime
 from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES
 
 # One OpenMP thread for torch here and in every child: on a loaded 2-core machine two spinning
@@ -231,9 +230,10 @@ def receiver(request: pytest.FixtureRequest) -> Iterator[object]:
 # -- shared by the GPU tests ------------------------------------------------------------
 @pytest.fixture
 def stepped_time(monkeypatch: pytest.MonkeyPatch) -> SteppedTime:
-    """gpu_snapshot.py's clock, stepped by ``collect`` (test_gpu and test_gpu_depth use it in every test)."""
+    """The GPU snapshots' clock, stepped by ``collect`` (test_gpu and test_gpu_depth use it in every test)."""
     clock = SteppedTime()
-    monkeypatch.setattr(gpu_snapshot, "time", clock)
+    for module in CLOCKED:
+        monkeypatch.setattr(module, "time", clock)
     return clock
 
 

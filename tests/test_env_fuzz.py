@@ -456,7 +456,7 @@ def _visible_gpus(visible: str) -> list[int]:
     collector = GpuCollector(
         FakeNvml(h100s(8)), devices="process", cuda_visible_devices=visible, torch_devices=lambda: None
     )
-    return [device.index for device in collector._selected()]
+    return [device.index for device in collector.selection.selected()]
 
 
 def test_a_launcher_port_that_is_not_ascii_digits_asks_no_store(caplog) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, MissingDependencyError, TelemetryConfig, setup_telemetry
-from openlora_otel.hardware import gpu, gpu_snapshot, nvml
+from openlora_otel.hardware import gpu, gpu_reads, gpu_thread, nvml
 from openlora_otel.hardware.gpu import GpuCollector
 from openlora_otel.hardware.nvml import GpuError, GpuNotSupported, PynvmlBackend
 from openlora_otel.names import GPU_METRICS
@@ -22,7 +22,7 @@ from tests.support.readings import served_series
 pytestmark = pytest.mark.usefixtures("stepped_time")
 
 # Per GPU and snapshot: the plain queries, one field-values call, and two GPM calls (Hopper).
-PER_DEVICE_CALLS = len(GpuCollector._QUERIES) + 1 + 2
+PER_DEVICE_CALLS = len(gpu_reads.QUERIES) + 1 + 2
 # Series present only after a second snapshot (GPM), with CUDA in this process, or after an XID.
 LATER = {
     "openlora.gpu.sm.activity",
@@ -278,7 +278,7 @@ def test_slow_nvml_serves_the_last_good_snapshot_and_never_piles_up_threads(
     for _ in range(5):
         collect(reader)
     assert sum(t.name == "openlora-otel-nvml" for t in threading.enumerate()) <= 1
-    monkeypatch.setattr(gpu_snapshot, "_MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
+    monkeypatch.setattr(gpu_thread, "MAX_AGE_S", 0.0)  # too old to serve: series go away rather than lie
     assert series(collect(reader), "hw.gpu.memory.usage") == []
 
 
@@ -304,7 +304,7 @@ def test_process_mode_selects_this_process_gpus(visible, local_rank, expected) -
         local_rank=local_rank,
         torch_devices=lambda: None,
     )
-    assert [d.index for d in collector._selected()] == expected
+    assert [d.index for d in collector.selection.selected()] == expected
 
 
 def test_eight_ranks_on_a_node_report_eight_gpus_not_sixty_four() -> None:
@@ -314,7 +314,7 @@ def test_eight_ranks_on_a_node_report_eight_gpus_not_sixty_four() -> None:
         collector = GpuCollector(
             FakeNvml(cards), devices="process", local_rank=rank, torch_devices=lambda: None
         )
-        reported.extend(d.uuid for d in collector._selected())
+        reported.extend(d.uuid for d in collector.selection.selected())
     assert sorted(reported) == sorted(c.uuid for c in cards)
 
 
@@ -324,14 +324,14 @@ def test_torch_devices_are_matched_by_uuid() -> None:
     collector = GpuCollector(
         FakeNvml(cards), devices="process", local_rank=0, torch_devices=lambda: [(0, bare)]
     )
-    assert [d.index for d in collector._selected()] == [5]
+    assert [d.index for d in collector.selection.selected()] == [5]
 
 
 def test_all_mode_reports_every_gpu() -> None:
     collector = GpuCollector(
         FakeNvml(h100s(8)), devices="all", local_rank=2, torch_devices=lambda: [(0, "x")]
     )
-    assert len(collector._selected()) == 8
+    assert len(collector.selection.selected()) == 8
 
 
 def test_torch_allocator_gauges(collect) -> None:

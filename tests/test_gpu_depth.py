@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel.hardware import gpu_snapshot, nvml
-from openlora_otel.hardware.gpu import FIELDS, GpuCollector
+from openlora_otel.hardware import gpu_reads, gpu_snapshot, gpu_thread, nvml
+from openlora_otel.hardware.gpu import FIELDS
 from openlora_otel.hardware.nvml import (
     FI,
     GPM,
@@ -63,7 +63,7 @@ def test_fewer_nvml_calls_per_gpu_than_one_per_value(collect) -> None:
     asked = len(fake.fields_asked[-1])
     # The two hw_* throttle times at one numbering: R580's ids, not the ones replacing them nor later drivers'.
     assert asked == len(FIELDS) - 4
-    assert asked + len(GpuCollector._QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
+    assert asked + len(gpu_reads.QUERIES) + 4 > 2.5 * OLD_CALLS_PER_GPU
 
     # A pre-Hopper board on a driver that answers the throttle and power fields: 8.
     older = FakeNvml([older_gpu(unsupported_fields=set())], driver="535.104.05")
@@ -179,7 +179,7 @@ def test_an_r580_driver_that_refuses_252_253_is_read_at_270_271_from_the_first_s
     times = by(data, "openlora.gpu.throttle.time", "openlora.gpu.throttle.reason")
     assert times["hw_thermal_slowdown"] == 7.0 and times["hw_power_brake_slowdown"] == 3e-6
     fake.fields_asked.clear()
-    monkeypatch.setattr(gpu_snapshot, "_FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
+    monkeypatch.setattr(gpu_thread, "FRESH_FOR_S", 0.0)  # the next collection takes a new snapshot
     collect(reader)
     later = [{fid for fid, _ in call} & {252, 253, 270, 271} for call in fake.fields_asked]
     assert later and all(ids == {270, 271} for ids in later)  # one call a snapshot, 252/253 not asked again
@@ -262,7 +262,7 @@ def test_xid_drain_is_bounded_per_snapshot_and_never_blocks(collect) -> None:
     for _ in range(300):
         fake.inject_xid(card, 94)
     first = by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code")
-    assert first == {"94": gpu_snapshot._XID_PER_SNAPSHOT}
+    assert first == {"94": gpu_snapshot.XID_PER_SNAPSHOT}
     assert by(collect(reader), "openlora.gpu.xid.errors", "openlora.gpu.xid.code") == {"94": 300}
 
 
@@ -374,7 +374,7 @@ def test_pcie_link_maximum_read_once_current_state_at_most_once_a_minute(
     card.link = (8, 4)  # the link retrains narrower and slower
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 16  # not re-read yet
-    stepped_time.offset += gpu_snapshot._LINK_EVERY_S
+    stepped_time.offset += gpu_reads.LINK_EVERY_S
     data = collect(reader)
     assert series(data, "openlora.gpu.pcie.link.width")[0][1] == 8
     assert series(data, "openlora.gpu.pcie.link.generation")[0][1] == 4
@@ -435,7 +435,7 @@ def io_bytes(data) -> dict[str, float]:
 
 @pytest.fixture
 def exact_seconds(stepped_time: SteppedTime, monkeypatch) -> None:
-    """gpu_snapshot's clock exactly 1 s on per collect(), none of the real time between them."""
+    """The GPU snapshots' clock exactly 1 s on per collect(), none of the real time between them."""
     monkeypatch.setattr(stepped_time, "monotonic", lambda: 1000.0 + stepped_time.offset)
 
 

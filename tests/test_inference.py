@@ -333,7 +333,7 @@ def test_adapter_names_are_capped_and_loaded_ones_keep_their_slots(caplog: pytes
     assert adapters == {"a1", "a2", "tenant-0", "other"}
     assert point(data, DURATION, base_attrs("other")).count == 999
     assert point(data, DURATION, base_attrs("other", **{"error.type": "unknown_adapter"})).count == 1
-    assert len(rig.metrics._adapters) == 3  # names past the cap are not remembered
+    assert len(rig.metrics.adapter_names) == 3  # names past the cap are not remembered
     warnings = [r for r in caplog.records if "distinct adapter" in r.getMessage()]
     assert len(warnings) == 1 and "'tenant-1'" in warnings[0].getMessage()
 
@@ -392,7 +392,7 @@ def test_setup_telemetry_serves_the_contract_series_with_merged_windows(
     )
     try:
         inference = telemetry.inference
-        assert inference is telemetry.inference and inference._merge
+        assert inference is telemetry.inference and inference.window_histogram
         inference.set_model("tiny-llama")
         inference.adapter_loaded("a1", load_time_s=0.2, trained_by=ORIGIN)
         with inference.request("a1", queued=True) as req:

@@ -10,9 +10,10 @@ from opentelemetry.sdk.metrics import MeterProvider, MetricsTimeoutError
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.hardware import gpu_snapshot, nvml
+from openlora_otel.hardware import nvml
 from openlora_otel.views import observed_total_views
 from tests.support.fake_nvml import FakeNvml, h100s
+from tests.support.gpu import CLOCKED
 from tests.support.readings import SlowOnce, value
 
 
@@ -67,7 +68,8 @@ def test_gpu_energy_is_not_doubled_after_an_aborted_collection(
         def monotonic() -> float:
             return time.monotonic() + clock["offset"]
 
-    monkeypatch.setattr(gpu_snapshot, "time", Clock)  # each collection a scrape interval later: a new snapshot
+    for module in CLOCKED:  # each collection a scrape interval later: a new snapshot
+        monkeypatch.setattr(module, "time", Clock)
     config = TelemetryConfig(exporters=("none",), gpu_metrics="on", gpu_devices="all")
     telemetry = setup_telemetry(config=config, metric_readers=[memory_reader])
     SlowOnce(telemetry.meter)

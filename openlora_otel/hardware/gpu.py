@@ -17,7 +17,6 @@ is already imported and CUDA already initialized (they never initialize it).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -88,7 +87,6 @@ class GpuMetrics:
         self.collector = collector
         # Looked up at call time, so the module-level reader can be swapped (tests, other frameworks).
         self._allocator_stats = allocator_stats or (lambda: torch_allocator_stats())
-        self._pid = os.getpid()
         spec = {m.name: m for m in names.GPU_METRICS}
         kinds = {
             "gauge": meter.create_observable_gauge,
@@ -296,7 +294,7 @@ class GpuMetrics:
     def _process_memory(self, options: CallbackOptions) -> list[Observation]:
         out = []
         for reading in self._readings():
-            used = reading.values.get("process_memory", {}).get(self._pid)
+            used = reading.values.get("process_memory", {}).get(self.collector.pid)
             if used is not None:
                 out.append(Observation(used, self._attributes(reading.device)))
         return out

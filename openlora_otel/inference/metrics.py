@@ -28,7 +28,7 @@ each only when known), never on the request series: a dashboard joins it on the 
 serving to the training run. Loading the adapter again replaces its series; unloading removes it.
 
 Cost. A request's end takes one lock and bisects its values into per-series
-bucket lists (:class:`~openlora_otel.windows.BucketCounts`); the SDK sees each
+bucket lists (:mod:`openlora_otel.inference.histograms`); the SDK sees each
 series' window once per collection (:func:`~openlora_otel.windows.window_view`,
 which ``setup_telemetry`` installs). On a meter without those views the values
 go to the SDK one by one, at the request's end.
@@ -59,25 +59,17 @@ from typing import Any, TypeVar
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel import names
+from openlora_otel.inference.histograms import PROVIDER as PROVIDER  # where it was defined before
+from openlora_otel.inference.histograms import RequestHistograms, SeriesKey, inference_views
 from openlora_otel.names import (
     ATTR_ADAPTER,
     ATTR_BASE_FINGERPRINT,
     ATTR_BASE_MODEL,
     ATTR_ERROR_TYPE,
-    ATTR_OPERATION,
-    ATTR_PROVIDER,
-    ATTR_REQUEST_MODEL,
-    ATTR_RESPONSE_MODEL,
-    ATTR_TOKEN_TYPE,
     ATTR_TRAINING_EVAL_LOSS,
     ATTR_TRAINING_RUN_ID,
     ATTR_TRAINING_RUN_NAME,
-    REQUEST_DURATION_BUCKETS,
-    TOKEN_BUCKETS,
-    TPOT_BUCKETS,
-    TTFT_BUCKETS,
 )
-from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
 
 __all__ = [
     "ADAPTER_BASE",
@@ -99,32 +91,13 @@ DEFAULT_MAX_ADAPTERS = 32
 MAX_MODELS = 8
 MAX_ERROR_TYPES = 16
 _MAX_LABEL_CHARS = 100
-PROVIDER = "openlora"
 DEFAULT_OPERATION = "text_completion"
 
 _SPECS = {spec.name: spec for spec in names.INFERENCE_METRICS}
-_DURATION = "gen_ai.server.request.duration"
-_TTFT = "gen_ai.server.time_to_first_token"
-_TPOT = "gen_ai.server.time_per_output_token"
-_TOKENS = "openlora.inference.token.usage"
-_LOAD = "openlora.inference.adapter.load.duration"
-_BOUNDS = {
-    _DURATION: REQUEST_DURATION_BUCKETS,
-    _TTFT: TTFT_BUCKETS,
-    _TPOT: TPOT_BUCKETS,
-    _TOKENS: TOKEN_BUCKETS,
-}
 
 F = TypeVar("F", bound=Callable[..., Any])
-# A request's series: (gen_ai.operation.name, gen_ai.request.model, gen_ai.response.model, adapter);
-# a model value of "" is left out.
+# A request's series but for error.type (see histograms.SeriesKey).
 _Key = tuple[str, str, str, str]
-_SeriesKey = tuple[str, str, str, str, str | None]  # and error.type (None: success)
-
-
-def inference_views() -> list[Any]:
-    """The views that let the request histograms take a whole window per collection (``setup_telemetry`` adds them)."""
-    return [window_view(name, bounds) for name, bounds in _BOUNDS.items()]
 
 
 @dataclass(frozen=True)
@@ -171,19 +144,6 @@ def _loss_text(value: Any) -> str | None:
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     return f"{value:.6g}"
-
-
-class _Series:
-    """The windows of one attribute set since the last collection (under the owner's lock)."""
-
-    __slots__ = ("duration", "input", "output", "tpot", "ttft")
-
-    def __init__(self) -> None:
-        self.duration = BucketCounts(REQUEST_DURATION_BUCKETS)
-        self.ttft = BucketCounts(TTFT_BUCKETS)
-        self.tpot = BucketCounts(TPOT_BUCKETS)
-        self.input = BucketCounts(TOKEN_BUCKETS)
-        self.output = BucketCounts(TOKEN_BUCKETS)
 
 
 class InferenceRequest:
@@ -273,37 +233,20 @@ class InferenceMetrics:
             raise ValueError(f"max_adapters must be an integer >= 1, got {max_adapters!r}")
         self._lock = threading.Lock()
         self._max_adapters = max_adapters
-        self._merge = bool(window_histogram) and window_merging_works()
         self._adapters: dict[str, str] = {}  # name -> recorded value (itself, or "other" past the cap)
         self._models: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._operations: dict[str, str] = {}
         self._default_model = ""
         self._default_operation = DEFAULT_OPERATION
-        self._attributes: dict[_SeriesKey, dict[str, str]] = {}
-        self._pending: dict[_SeriesKey, _Series] = {}
         self._active: dict[_Key, list[int]] = {}  # key -> [running, waiting]
         self._loaded: dict[str, int] = {}  # adapter value -> 1 loaded / 0 unloaded
         self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
         self._info: dict[str, dict[str, str]] = {}  # loaded adapter value (not "other") -> its info attributes
         self._warned: set[str] = set()
         self.set_model(model, operation=operation)
-
-        def histogram(name: str) -> Any:
-            spec = _SPECS[name]
-            bounds = _BOUNDS.get(name, REQUEST_DURATION_BUCKETS)
-            return meter.create_histogram(
-                spec.name,
-                unit=spec.unit,
-                description=spec.description,
-                explicit_bucket_boundaries_advisory=list(bounds),
-            )
-
-        self._duration = histogram(_DURATION)
-        self._ttft = histogram(_TTFT)
-        self._tpot = histogram(_TPOT)
-        self._tokens = histogram(_TOKENS)
-        self._load = histogram(_LOAD)
+        # The histograms and each series' pending window (used under self._lock).
+        self._histograms = RequestHistograms(meter, window_histogram=window_histogram, warn=self._warn_once)
         # The first callback of a collection hands the pending windows to the histograms above:
         # the SDK runs observable callbacks before it reads the synchronous instruments.
         for name, callback in (
@@ -324,6 +267,12 @@ class InferenceMetrics:
             )
 
     # -- configuration --------------------------------------------------------------
+    @property
+    def window_histogram(self) -> bool:
+        """Whether a series' values reach the SDK as one window per collection (the views are in place)."""
+        with self._lock:
+            return self._histograms.merging
+
     def set_model(self, model: str, *, operation: str | None = None) -> None:
         """Set the served model: ``gen_ai.response.model`` of later requests, and their ``gen_ai.request.model``
         when they ask for the base (an adapter's requests carry its name); and the default ``gen_ai.operation.name``."""
@@ -407,6 +356,13 @@ class InferenceMetrics:
         with self._lock:
             return tuple(name for name, loaded in self._loaded.items() if loaded)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapter names holding one of the ``max_adapters`` slots, in the order they took them (later
+        names are recorded as ``"other"`` and not remembered)."""
+        with self._lock:
+            return tuple(self._adapters)
+
     # -- requests ---------------------------------------------------------------------
     def request(
         self,
@@ -487,34 +443,18 @@ class InferenceMetrics:
 
     def _finish(self, request: InferenceRequest, now: float) -> None:
         key = request._key
-        error = request._error
-        duration = now - request._t0
-        series_key = (*key, error)
+        series_key = (*key, request._error)
         with self._lock:
             self._active[key][0 if request._started else 1] -= 1
-            series = self._pending.get(series_key)
-            if series is None:
-                series = self._pending[series_key] = _Series()
-            series.duration.add(duration)
-            if error is None:
-                first = request._first
-                if first is not None:
-                    series.ttft.add(first - request._t0)
-                    output = request._output
-                    if output is not None and output >= 2:
-                        series.tpot.add(max(0.0, now - first) / (output - 1))
-                if request._input is not None:
-                    series.input.add(request._input)
-                if request._output is not None:
-                    series.output.add(request._output)
-            if not self._merge:
+            self._histograms.add(series_key, request._t0, now, request._first, request._input, request._output)
+            if not self._histograms.merging:
                 # No window views on this meter: hand the values to the SDK now (slower, same result).
                 self._commit_locked()
 
     # -- collection -------------------------------------------------------------------
     def _observe_running(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
-            self._commit_locked(empty_for_loaded=self._merge)
+            self._commit_locked(empty_for_loaded=self._histograms.merging)
             return self._active_observations(0)
 
     def _observe_waiting(self, options: CallbackOptions) -> Iterable[Observation]:
@@ -532,13 +472,14 @@ class InferenceMetrics:
     def _active_observations(self, index: int) -> list[Observation]:
         seen = set(self._active)
         observations = [
-            Observation(counts[index], self._attrs((*key, None))) for key, counts in self._active.items()
+            Observation(counts[index], self._histograms.attributes((*key, None)))
+            for key, counts in self._active.items()
         ]
         # A loaded adapter's default series reads 0 before its first request (not after it was unloaded).
         for adapter in self._loaded_now():
             key = (self._default_operation, adapter, self._default_model, adapter)
             if key not in seen:
-                observations.append(Observation(0, self._attrs((*key, None))))
+                observations.append(Observation(0, self._histograms.attributes((*key, None))))
         return observations
 
     def _loaded_now(self) -> list[str]:
@@ -546,57 +487,12 @@ class InferenceMetrics:
 
     def _commit_locked(self, empty_for_loaded: bool = False) -> None:
         """Hand every pending window to the histograms (the caller holds the lock)."""
-        pending, self._pending = self._pending, {}
+        empty: list[SeriesKey] = []
         if empty_for_loaded:
             # Loaded adapters get their request-count series at 0, so the first request is a rise.
             for adapter in self._loaded_now():
-                key = (self._default_operation, adapter, self._default_model, adapter, None)
-                pending.setdefault(key, _Series())
-        for series_key, series in pending.items():
-            attributes = self._attrs(series_key)
-            self._put(self._duration, series.duration, attributes, always=True)
-            if series_key[4] is None:
-                self._put(self._ttft, series.ttft, attributes)
-                self._put(self._tpot, series.tpot, attributes)
-                self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
-                self._put(self._tokens, series.output, self._token_attrs(series_key, "output"))
-
-    def _put(
-        self, histogram: Any, counts: BucketCounts, attributes: dict[str, str], always: bool = False
-    ) -> None:
-        if not counts.count and not (always and self._merge):
-            return
-        if self._merge:
-            window = counts.window()
-            histogram.record(window, attributes)
-            if window.merged:
-                return
-            # Told the views are there and they are not: that window counted as one 0. Replay its
-            # values, and every later window's.
-            self._merge = False
-            self._warn_once(
-                "merge",
-                "the inference histograms are not using inference_views() on this meter's provider; "
-                "values are recorded one by one from now on",
-            )
-        replay(histogram.record, counts.counts, counts.sums, attributes)
-
-    def _attrs(self, series_key: _SeriesKey) -> dict[str, str]:
-        attributes = self._attributes.get(series_key)
-        if attributes is None:
-            operation, model, response_model, adapter, error = series_key
-            attributes = {ATTR_OPERATION: operation, ATTR_PROVIDER: PROVIDER, ATTR_ADAPTER: adapter}
-            if model:
-                attributes[ATTR_REQUEST_MODEL] = model
-            if response_model:
-                attributes[ATTR_RESPONSE_MODEL] = response_model
-            if error is not None:
-                attributes[ATTR_ERROR_TYPE] = error
-            self._attributes[series_key] = attributes
-        return attributes
-
-    def _token_attrs(self, series_key: _SeriesKey, kind: str) -> dict[str, str]:
-        return {**self._attrs(series_key), ATTR_TOKEN_TYPE: kind}
+                empty.append((self._default_operation, adapter, self._default_model, adapter, None))
+        self._histograms.commit(empty)
 
     def _record_load(self, adapter: str, seconds: float, error: str | None) -> None:
         attributes = {ATTR_ADAPTER: adapter}
@@ -604,7 +500,7 @@ class InferenceMetrics:
             with self._lock:
                 attributes[ATTR_ERROR_TYPE] = self._capped(self._errors, error, MAX_ERROR_TYPES, "error.type")
         try:
-            self._load.record(seconds, attributes)
+            self._histograms.record_load(seconds, attributes)
         except Exception:  # telemetry never breaks serving
             self._warn_once("load", "recording an adapter load time failed", exc_info=True)
 
