@@ -57,11 +57,11 @@ __all__ = [
 ]
 
 # What the table shows for a value the run does not have.
-_NONE = "n/a"
+NOT_AVAILABLE = "n/a"
 # Points per line: more than a plot's width in pixels shows nothing more, and keeps the page small.
 MAX_POINTS = 1000
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-_RC = {
+MATPLOTLIB_RC = {
     "font.size": 10,
     "axes.titlesize": 12,
     "axes.titleweight": "bold",
@@ -98,7 +98,7 @@ class Summary:
     @property
     def last_loss_text(self) -> str:
         """The table's cell: the last interval's mean, and where the loss went non-finite if it did."""
-        text = _num(self.final_loss)
+        text = number(self.final_loss)
         if self.nonfinite_from is not None:
             text += f" (non-finite by step {self.nonfinite_from:,.0f})"
         return text
@@ -131,7 +131,7 @@ def nonfinite_from(run_curves: dict[str, Curve]) -> float | None:
     return next((step for step, count in run_curves.get("loss_nonfinite", []) if count > 0), None)
 
 
-def _matplotlib() -> Any:
+def import_matplotlib() -> Any:
     try:
         import matplotlib
         from matplotlib.figure import Figure  # noqa: F401  (checks the part we use imports)
@@ -222,9 +222,9 @@ def render(
     serving: Sequence[Any] = (),
 ) -> Drawing:
     """Write the PNG and/or the HTML page of ``runs`` (``x``, ``smoothing``, ``serving``: see :func:`prepare`)."""
-    matplotlib = _matplotlib()
+    matplotlib = import_matplotlib()
     drawing = prepare(runs, x=x, smoothing=smoothing, serving=serving)
-    with matplotlib.rc_context(_RC):  # savefig reads some of them (svg.fonttype) when it writes
+    with matplotlib.rc_context(MATPLOTLIB_RC):  # savefig reads some of them (svg.fonttype) when it writes
         if png is not None:
             png_figure(drawing).savefig(png, format="png", dpi=100)
         if html_path is not None:
@@ -233,7 +233,7 @@ def render(
 
 
 # -- drawing -------------------------------------------------------------------------------
-def _panel_scale(panel: Panel, run_curves: Sequence[dict[str, Curve]]) -> tuple[float, str]:
+def panel_scale(panel: Panel, run_curves: Sequence[dict[str, Curve]]) -> tuple[float, str]:
     """The factor the panel's values are drawn at and its y label (step time in ms when below 1 s)."""
     if panel.key == "step_time":  # a CPU demo's step is ~0.1 s, a large model's many seconds
         values = [y for c in run_curves for _, y in c.get("step_time", [])]
@@ -252,7 +252,7 @@ def _draw(ax: Any, panel: Panel, drawing: Drawing, *, label_marks: bool = True) 
     from matplotlib.ticker import FuncFormatter
 
     run_curves, colors = drawing.curves, drawing.colors
-    scale, ylabel = _panel_scale(panel, run_curves)
+    scale, ylabel = panel_scale(panel, run_curves)
     styles = []
     for index, (curve_set, color) in enumerate(zip(run_curves, colors, strict=True)):
         x_of = drawing.x_of(index)
@@ -358,7 +358,7 @@ def _run_handles(labels: Sequence[str], colors: Sequence[str]) -> list[Any]:
 
 def png_figure(drawing: Drawing) -> Any:
     """The whole report as one matplotlib Figure: every panel, two per row, then the table of runs."""
-    with _matplotlib().rc_context(_RC):
+    with import_matplotlib().rc_context(MATPLOTLIB_RC):
         return _png_figure(drawing)
 
 
@@ -380,7 +380,7 @@ def _png_figure(drawing: Drawing) -> Any:
     figure = Figure(figsize=(14, header_in + body_in), layout="constrained")
     header, body = figure.subfigures(2, 1, height_ratios=[header_in, body_in])
     # The title, the runs' colours and what they share, above every panel: read once, used for all.
-    header.suptitle(_title(runs, drawing.serving), fontsize=16, fontweight="bold")
+    header.suptitle(report_title(runs, drawing.serving), fontsize=16, fontweight="bold")
     header.legend(
         handles=_run_handles(labels, colors),
         loc="center",
@@ -413,12 +413,12 @@ def _table(ax: Any, runs: Sequence[Run], colors: Sequence[str], summaries: Seque
     ax.set_title("Runs", loc="left")
     cells = [
         [
-            _short(run.name, 28),
+            shortened(run.name, 28),
             run.run_id[:16],
-            _int(summary.steps),
+            integer(summary.steps),
             summary.last_loss_text,
-            _num(summary.final_eval_loss),
-            _duration(summary.seconds),
+            number(summary.final_eval_loss),
+            duration(summary.seconds),
         ]
         for run, summary in zip(runs, summaries, strict=True)
     ]
@@ -765,7 +765,7 @@ def page_data(drawing: Drawing) -> dict[str, Any]:
         )
     panels = []
     for panel in drawing.panels:
-        scale, ylabel = _panel_scale(panel, drawing.curves)
+        scale, ylabel = panel_scale(panel, drawing.curves)
         lines = []
         for line in panel.lines:
             per_run: list[list[list[float | None]] | None] = []
@@ -886,18 +886,18 @@ def _adapters_section(drawing: Drawing) -> str:
         energy = f"{s.joules_per_token:.4g} J" if s.joules_per_token is not None else NO_ENERGY
 
         def seconds(value: float | None) -> str:
-            return _NONE if value is None else f"{value:.3g} s"
+            return NOT_AVAILABLE if value is None else f"{value:.3g} s"
 
         rows.append(
             "<tr>"
             f'<td class="name"><span class="swatch" style="background:{color}"></span><strong>{e(adapter.name)}</strong></td>'
             f"<td>{run}</td>"
-            f"<td>{e(adapter.base_model or _NONE)}<br><small><code>{e(adapter.base_fingerprint or '')}</code></small></td>"
-            f'<td class="num">{e(adapter.final_eval_loss or _NONE)}</td>'
-            f'<td class="num">{_NONE if s.requests is None else f"{s.requests:,.0f}"}</td>'
+            f"<td>{e(adapter.base_model or NOT_AVAILABLE)}<br><small><code>{e(adapter.base_fingerprint or '')}</code></small></td>"
+            f'<td class="num">{e(adapter.final_eval_loss or NOT_AVAILABLE)}</td>'
+            f'<td class="num">{NOT_AVAILABLE if s.requests is None else f"{s.requests:,.0f}"}</td>'
             f'<td class="num">{seconds(s.latency_p50)} / {seconds(s.latency_p95)}</td>'
             f'<td class="num">{seconds(s.ttft_p50)} / {seconds(s.ttft_p95)}</td>'
-            f'<td class="num">{_NONE if s.tokens_per_s is None else f"{s.tokens_per_s:,.1f}"}</td>'
+            f'<td class="num">{NOT_AVAILABLE if s.tokens_per_s is None else f"{s.tokens_per_s:,.1f}"}</td>'
             f'<td class="wrap">{e(energy)}</td>'
             "</tr>"
         )
@@ -958,10 +958,10 @@ def html_page(drawing: Drawing) -> str:
             f'<td class="name"><span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong></td>'
             f"<td><code>{e(run.run_id)}</code></td>"
             f'<td class="wrap"><code>{hyperparameters}</code></td>'
-            f'<td class="num">{_int(summary.steps)}</td>'
+            f'<td class="num">{integer(summary.steps)}</td>'
             f'<td class="num">{e(summary.last_loss_text)}</td>'
-            f'<td class="num">{_num(summary.final_eval_loss)}</td>'
-            f'<td class="num">{_duration(summary.seconds)}</td>'
+            f'<td class="num">{number(summary.final_eval_loss)}</td>'
+            f'<td class="num">{duration(summary.seconds)}</td>'
             f'<td class="wrap"><small>{e(rank + run.source)}</small></td>'
             "</tr>"
         )
@@ -1001,10 +1001,10 @@ def html_page(drawing: Drawing) -> str:
         '<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(_title(runs, drawing.serving))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
+        f"<title>{e(report_title(runs, drawing.serving))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
         "</head>\n"
         + ('<body class="wide">\n' if drawing.serving else "<body>\n")
-        + f"<h1>{e(_title(runs, drawing.serving))}</h1>\n"
+        + f"<h1>{e(report_title(runs, drawing.serving))}</h1>\n"
         f'<p class="meta">Written by openlora-otel {e(__version__)} on {now}. Curves of each run\'s lowest rank, '
         "against the optimizer step, the wall time or the time since the run's first step. Drag across a chart "
         "to zoom, double-click to zoom back out; hover for the values; the boxes turn runs on and off. "
@@ -1047,8 +1047,8 @@ PHASE_COLORS = {
 }
 
 
-def _percent(share: float | None) -> str:
-    return _NONE if share is None else f"{100 * share:.1f} %"
+def percent(share: float | None) -> str:
+    return NOT_AVAILABLE if share is None else f"{100 * share:.1f} %"
 
 
 def time_lines(run: Run) -> list[str]:
@@ -1066,8 +1066,8 @@ def time_lines(run: Run) -> list[str]:
     ]
     width = max(len(phase) for phase in time.phases)
     for phase, seconds in time.phases.items():
-        lines.append(f"  {phase:<{width}}  {seconds:12,.1f} s  {_percent(time.share(phase)):>7}")
-    lines.append(f"  {'total':<{width}}  {time.total:12,.1f} s  goodput {_percent(time.goodput)}")
+        lines.append(f"  {phase:<{width}}  {seconds:12,.1f} s  {percent(time.share(phase)):>7}")
+    lines.append(f"  {'total':<{width}}  {time.total:12,.1f} s  goodput {percent(time.goodput)}")
     for attempt in time.attempts:
         lines.append(
             f"  attempt {attempt.label}: {attempt.steps_lost:,} step{'s' if attempt.steps_lost != 1 else ''} "
@@ -1097,16 +1097,16 @@ def _time_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
         )
         name = f'<span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong>'
         bars.append(
-            f"<div>{name} goodput {_percent(time.goodput)} of {_duration(time.total)}"
+            f"<div>{name} goodput {percent(time.goodput)} of {duration(time.total)}"
             f'<div class="bar" role="img" aria-label="{e(run.name)}: time by phase">{segments}</div></div>'
         )
         cells = "".join(
-            f'<td class="num">{time.phases[p]:,.1f} s<br><small>{_percent(time.share(p))}</small></td>'
+            f'<td class="num">{time.phases[p]:,.1f} s<br><small>{percent(time.share(p))}</small></td>'
             for p in phases
         )
         rows.append(
             f'<tr><td class="name">{name}</td>{cells}<td class="num">{time.total:,.1f} s</td>'
-            f'<td class="num"><strong>{_percent(time.goodput)}</strong></td>'
+            f'<td class="num"><strong>{percent(time.goodput)}</strong></td>'
             f'<td class="num">{len(time.attempts)}</td><td class="num">{time.steps_lost:,}</td></tr>'
         )
         for attempt in time.attempts:
@@ -1131,12 +1131,12 @@ def _time_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
 
 
 # -- text ----------------------------------------------------------------------------------
-def _title(runs: Sequence[Run], serving: Sequence[Any] = ()) -> str:
+def report_title(runs: Sequence[Run], serving: Sequence[Any] = ()) -> str:
     if serving:
         adapters = ", ".join(dict.fromkeys(item.adapter.name for item in serving))
-        return f"Adapter report: {_short(adapters, 80)}"
+        return f"Adapter report: {shortened(adapters, 80)}"
     names = ", ".join(dict.fromkeys(run.name for run in runs))
-    return f"Training report: {_short(names, 80)}"
+    return f"Training report: {shortened(names, 80)}"
 
 
 def _pairs(values: dict[str, str]) -> str:
@@ -1154,21 +1154,21 @@ def _compact(value: float) -> str:
     return text
 
 
-def _short(text: str, limit: int) -> str:
+def shortened(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _int(value: int | None) -> str:
-    return _NONE if value is None else f"{value:,}"
+def integer(value: int | None) -> str:
+    return NOT_AVAILABLE if value is None else f"{value:,}"
 
 
-def _num(value: float | None) -> str:
-    return _NONE if value is None else f"{value:.4g}"
+def number(value: float | None) -> str:
+    return NOT_AVAILABLE if value is None else f"{value:.4g}"
 
 
-def _duration(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
-        return _NONE
+        return NOT_AVAILABLE
     if seconds < 120:
         return f"{seconds:.1f} s"
     minutes, secs = divmod(round(seconds), 60)
