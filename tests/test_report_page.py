@@ -245,6 +245,19 @@ def test_the_vendored_chart_library_is_package_data_with_its_licence() -> None:
     assert UPLOT_VERSION in folder.joinpath("README.md").read_text()
 
 
+def test_the_pages_own_style_and_script_are_package_data_inlined_unchanged() -> None:
+    pytest.importorskip("matplotlib")
+    from importlib import resources
+
+    from openlora_otel.report.render import html_page, prepare
+
+    folder = resources.files("openlora_otel.report").joinpath("assets")
+    css, script = folder.joinpath("page.css").read_text(), folder.joinpath("page.js").read_text()
+    page = html_page(prepare([Run("r1", "one", {}, "x.jsonl", rows=[Row(1.0, {"steps": 1.0, "loss": 1.0})])]))
+    assert f"<style>\n{css}</style>" in page
+    assert f"<script>\n{script}</script>" in page
+    assert 'document.getElementById("report-data")' in script
+
 def test_a_run_the_guard_stopped_says_so_from_its_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A real guard trips on the NaN losses; the history's counters and outcome make the mark's text."""
     import time

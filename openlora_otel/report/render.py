@@ -506,230 +506,21 @@ def _adapter_text(ax: Any, drawing: Drawing) -> None:
 
 
 # -- the page ------------------------------------------------------------------------------
-_CSS = """
-body { font-family: "DejaVu Sans", "Liberation Sans", Arial, Helvetica, sans-serif; color: #1a1a1a;
-       max-width: 1100px; margin: 2rem auto; padding: 0 1rem; line-height: 1.45; }
-h1 { font-size: 1.7rem; margin-bottom: .2rem; }
-h2 { font-size: 1.3rem; margin-top: 2.2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
-p.meta { color: #555; margin-top: 0; font-size: .9rem; }
-table { border-collapse: collapse; width: 100%; font-size: .92rem; }
-th, td { text-align: left; padding: .35rem .6rem; border-bottom: 1px solid #e2e2e2; vertical-align: top; }
-th { background: #f4f4f4; }
-td.num { font-variant-numeric: tabular-nums; white-space: nowrap; }
-td.name { white-space: nowrap; }
-td.wrap { overflow-wrap: anywhere; }
-code { font-family: "DejaVu Sans Mono", "Liberation Mono", monospace; font-size: .85rem; }
-.swatch { display: inline-block; width: .9rem; height: .9rem; border-radius: 2px; margin-right: .4rem; vertical-align: -0.1rem; }
-figure { margin: .5rem 0 0 0; }
-.bar { display: flex; height: 1.3rem; border-radius: 3px; overflow: hidden; margin: .3rem 0 .2rem 0; }
-.bar span { display: block; height: 100%; }
-table.time { margin-top: .6rem; }
-figcaption { color: #555; font-size: .9rem; }
-.controls { position: sticky; top: 0; z-index: 10; background: #fff; border-bottom: 1px solid #ddd;
-            padding: .4rem 0; font-size: .92rem; display: flex; flex-wrap: wrap; gap: .3rem 1.4rem; }
-.controls label { white-space: nowrap; cursor: pointer; }
-.controls input[type=range] { vertical-align: middle; width: 9rem; }
-.chart { min-height: 320px; }
-.chart .u-legend { font-size: .85rem; }
-.mark { position: absolute; top: 0; bottom: 0; width: 0; border-left: 2px dashed; pointer-events: none; }
-.mark span { position: absolute; top: 2px; left: 4px; font-size: .8rem; white-space: nowrap; background: #ffffffcc; }
-p.diverged { border-left: 4px solid #d62728; padding: .3rem .6rem; background: #fdf0f0; }
-body.wide { max-width: 1600px; }
-.columns { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 0 1.5rem; }
-p.nodata { color: #555; border: 1px dashed #ccc; padding: 1rem; min-height: 4rem; }
-"""
+# The page's own style and script (assets/page.css, assets/page.js), inlined as uPlot is. The script
+# builds one uPlot chart per panel from the JSON in #report-data. It writes what it read with
+# textContent only (never as HTML); the page's Content-Security-Policy forbids every request, so
+# nothing it does can reach the network.
 
-# The page's own script: builds one uPlot chart per panel from the JSON in #report-data. It writes
-# what it read with textContent only (never as HTML); the page's Content-Security-Policy forbids
-# every request, so nothing it does can reach the network.
-_SCRIPT = r"""
-(function () {
-  "use strict";
-  var data = JSON.parse(document.getElementById("report-data").textContent);
-  var shown = data.runs.map(function () { return true; });
-  var state = { x: data.x, smooth: data.smooth };
-  var charts = [];
-  var DASH = { "-": [], ":": [2, 3], "--": [6, 4], "-.": [6, 3, 2, 3] };
-  var XLABEL = { step: "step", time: "wall time", elapsed: "seconds since the run's first step" };
-
-  function smooth(ys, w) {  // model.smooth: TensorBoard's debiased EMA; non-finite values kept as they are
-    if (!(w > 0)) return ys;
-    var last = 0, n = 0;
-    return ys.map(function (y) {
-      if (y === null || !isFinite(y)) return y;
-      last = last * w + (1 - w) * y; n += 1;
-      return last / (1 - Math.pow(w, n));
-    });
-  }
-  function alpha(color, a) {
-    return color + ("0" + Math.round(255 * a).toString(16)).slice(-2);
-  }
-  function num(v) {
-    if (v === null || v === undefined || !isFinite(v)) return v === null ? "NaN" : "-";
-    return Math.abs(v) >= 1000 ? Math.round(v).toLocaleString("en-US") : String(Number(v.toPrecision(4)));
-  }
-  function xsOf(points, run) {
-    if (state.x === "step") return points[0];
-    if (state.x === "time") return points[1];
-    return points[1].map(function (t) { return t - run.t0; });
-  }
-  function markX(run) {
-    var m = run.mark;
-    if (!m || m.step === null) return null;
-    return state.x === "step" ? m.step : state.x === "time" ? m.time : m.time - run.t0;
-  }
-
-  function build(panel, host) {
-    var tables = [], series = [{
-      label: XLABEL[state.x],
-      value: state.x === "time" ? "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" : function (u, v) { return num(v); }
-    }], owner = [null];
-    data.runs.forEach(function (run, r) {
-      panel.lines.forEach(function (line) {
-        var points = line.runs[r];
-        if (!points) return;
-        var xs = xsOf(points, run), ys = points[2];
-        var smoothed = line.smooth && state.smooth > 0;
-        var common = { dash: DASH[line.style] || [], show: shown[r], spanGaps: false,
-                       value: function (u, v) { return num(v); } };
-        if (smoothed) {
-          tables.push([xs, ys]); owner.push(r);
-          series.push(Object.assign({}, common, { label: run.label + ": " + line.label + " (raw)",
-            stroke: alpha(run.color, 0.25 * line.alpha), width: 1, points: { show: false } }));
-          ys = smooth(ys, state.smooth);
-        }
-        tables.push([xs, ys]); owner.push(r);
-        series.push(Object.assign({}, common, {
-          label: run.label + ": " + line.label + (smoothed ? " (smoothed)" : ""),
-          stroke: alpha(run.color, line.alpha), width: line.width,
-          points: line.marker ? { show: true, size: 6, fill: run.color } : { show: false }
-        }));
-      });
-    });
-    var joined = uPlot.join(tables);
-    var y = {};
-    if (panel.ylim) y.range = [panel.ylim[0], panel.ylim[1]];
-    else if (panel.zero) y.range = function (u, lo, hi) { return [0, hi > 0 ? hi * 1.05 : 1]; };
-    var marks = [];
-    var opts = {
-      width: Math.max(320, host.clientWidth || 900), height: 300,
-      series: series,
-      scales: { x: { time: state.x === "time" }, y: y },
-      axes: [{ label: XLABEL[state.x] }, { label: panel.ylabel, size: 70,
-               values: function (u, ticks) { return ticks.map(num); } }],
-      cursor: { sync: { key: "openlora-report", setSeries: false } },
-      legend: { live: true },
-      hooks: { draw: [function (u) {
-        marks.forEach(function (m) {
-          var x = markX(data.runs[m.run]);
-          var pos = x === null ? NaN : u.valToPos(x, "x");
-          var inside = shown[m.run] && isFinite(pos) && pos >= 0 && pos <= u.over.clientWidth;
-          m.el.style.display = inside ? "" : "none";
-          if (inside) m.el.style.left = pos + "px";
-        });
-      }] }
-    };
-    var chart = new uPlot(opts, joined, host);
-    data.runs.forEach(function (run, r) {  // where a run diverged: on every panel, said on the first
-      if (markX(run) === null) return;
-      var el = document.createElement("div");
-      el.className = "mark";
-      el.dataset.run = String(r);
-      el.style.borderColor = run.color;
-      el.title = run.label + ": " + run.mark.text;
-      if (panel.key === data.panels[0].key) {
-        var text = document.createElement("span");
-        text.style.color = run.color;
-        text.textContent = run.mark.text;
-        el.appendChild(text);
-      }
-      chart.over.appendChild(el);
-      marks.push({ run: r, el: el });
-    });
-    chart.redraw(false, false);
-    return { chart: chart, owner: owner, host: host };
-  }
-
-  function buildServing(panel, host) {  // an adapter's serving: always against the wall time
-    var tables = [], series = [{ label: "wall time", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" }];
-    data.serving.adapters.forEach(function (adapter, a) {
-      panel.lines.forEach(function (line) {
-        var points = line.adapters[a];
-        if (!points) return;
-        tables.push([points[0], points[1]]);
-        series.push({ label: adapter.label + ": " + line.label, stroke: adapter.color, width: line.width,
-                      dash: DASH[line.style] || [], spanGaps: false, points: { show: points[0].length < 3 },
-                      value: function (u, v) { return num(v); } });
-      });
-    });
-    var chart = new uPlot({
-      width: Math.max(320, host.clientWidth || 600), height: 300, series: series,
-      scales: { x: { time: true }, y: { range: function (u, lo, hi) { return [0, hi > 0 ? hi * 1.05 : 1]; } } },
-      axes: [{ label: "wall time" }, { label: panel.ylabel, size: 70,
-               values: function (u, ticks) { return ticks.map(num); } }],
-      cursor: { sync: { key: "openlora-serving", setSeries: false } },
-      legend: { live: true }
-    }, uPlot.join(tables), host);
-    return { chart: chart, owner: [], host: host };
-  }
-
-  function buildAll() {
-    charts.forEach(function (c) { c.chart.destroy(); });
-    charts = data.panels.map(function (panel) {
-      return build(panel, document.getElementById("chart-" + panel.key));
-    });
-    document.body.dataset.charts = String(charts.length);
-    if (data.serving) {
-      var serving = data.serving.panels.map(function (panel) {
-        return buildServing(panel, document.getElementById("chart-" + panel.key));
-      });
-      document.body.dataset.servingCharts = String(serving.length);
-      charts = charts.concat(serving);
-    }
-  }
-
-  function showRun(r, on) {
-    shown[r] = on;
-    charts.forEach(function (c) {
-      c.owner.forEach(function (owner, i) { if (owner === r) c.chart.setSeries(i, { show: on }); });
-      c.chart.redraw(false, false);
-    });
-  }
-
-  var controls = document.getElementById("controls");
-  controls.querySelectorAll("input[name=x]").forEach(function (input) {
-    input.checked = input.value === state.x;
-    input.addEventListener("change", function () { state.x = input.value; buildAll(); });
-  });
-  var weight = document.getElementById("smooth"), shownWeight = document.getElementById("smooth-value");
-  weight.value = String(state.smooth);
-  shownWeight.textContent = state.smooth.toFixed(2);
-  weight.addEventListener("input", function () {
-    state.smooth = Math.min(0.99, Math.max(0, Number(weight.value)));
-    shownWeight.textContent = state.smooth.toFixed(2);
-    buildAll();
-  });
-  controls.querySelectorAll("input[data-run]").forEach(function (input) {
-    input.addEventListener("change", function () { showRun(Number(input.dataset.run), input.checked); });
-  });
-  var resizing = null;
-  window.addEventListener("resize", function () {
-    clearTimeout(resizing);
-    resizing = setTimeout(function () {
-      charts.forEach(function (c) { c.chart.setSize({ width: Math.max(320, c.host.clientWidth), height: 300 }); });
-    }, 150);
-  });
-  buildAll();
-})();
-"""
 # Nothing leaves the page: no source, style, image, font or connection but what is inline.
 _CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
 
 
-def _vendored(name: str) -> str:
-    text = resources.files("openlora_otel.report").joinpath("vendor", "uplot", name).read_text(encoding="utf-8")
+def _inlined(*path: str) -> str:
+    """A file of the package's report folder (package data: the vendored uPlot, the page's own style and
+    script) as text for the <style> or <script> element it goes in."""
+    text = resources.files("openlora_otel.report").joinpath(*path).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():  # would end the element it is inlined in
-        raise ReportError(f"the vendored {name} cannot be inlined: it holds a closing tag")
+        raise ReportError(f"the packaged {'/'.join(path)} cannot be inlined: it holds a closing tag")
     return text
 
 
@@ -1001,7 +792,7 @@ def html_page(drawing: Drawing) -> str:
         '<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{e(report_title(runs, drawing.serving))}</title>\n<style>{_vendored('uPlot.min.css')}</style>\n<style>{_CSS}</style>"
+        f"<title>{e(report_title(runs, drawing.serving))}</title>\n<style>{_inlined('vendor', 'uplot', 'uPlot.min.css')}</style>\n<style>\n{_inlined('assets', 'page.css')}</style>"
         "</head>\n"
         + ('<body class="wide">\n' if drawing.serving else "<body>\n")
         + f"<h1>{e(report_title(runs, drawing.serving))}</h1>\n"
@@ -1027,8 +818,10 @@ def html_page(drawing: Drawing) -> str:
         )
         + f'\n<script type="application/json" id="report-data">{_script_json(page_data(drawing))}</script>\n'
         + f"<script>/* uPlot {UPLOT_VERSION}, MIT licence (c) Leon Sorokin: https://github.com/leeoniya/uPlot */\n"
-        + _vendored("uPlot.iife.min.js")
-        + f"</script>\n<script>{_SCRIPT}</script>\n</body></html>\n"
+        + _inlined("vendor", "uplot", "uPlot.iife.min.js")
+        + "</script>\n<script>\n"
+        + _inlined("assets", "page.js")
+        + "</script>\n</body></html>\n"
     )
 
 
