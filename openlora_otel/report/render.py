@@ -23,6 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from openlora_otel._version import __version__
+from openlora_otel.report.formatting import (
+    NOT_AVAILABLE,
+    duration,
+    integer,
+    number,
+    percent,
+    report_title,
+    shortened,
+)
 from openlora_otel.report.model import (
     PANELS,
     Curve,
@@ -56,8 +65,6 @@ __all__ = [
     "time_lines",
 ]
 
-# What the table shows for a value the run does not have.
-NOT_AVAILABLE = "n/a"
 # Points per line: more than a plot's width in pixels shows nothing more, and keeps the page small.
 MAX_POINTS = 1000
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -840,10 +847,6 @@ PHASE_COLORS = {
 }
 
 
-def percent(share: float | None) -> str:
-    return NOT_AVAILABLE if share is None else f"{100 * share:.1f} %"
-
-
 def time_lines(run: Run) -> list[str]:
     """The text of the run's "Where the time went": seconds and share per phase, goodput, attempts."""
     time = run.time
@@ -924,14 +927,6 @@ def _time_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
 
 
 # -- text ----------------------------------------------------------------------------------
-def report_title(runs: Sequence[Run], serving: Sequence[Any] = ()) -> str:
-    if serving:
-        adapters = ", ".join(dict.fromkeys(item.adapter.name for item in serving))
-        return f"Adapter report: {shortened(adapters, 80)}"
-    names = ", ".join(dict.fromkeys(run.name for run in runs))
-    return f"Training report: {shortened(names, 80)}"
-
-
 def _pairs(values: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in values.items())
 
@@ -945,25 +940,3 @@ def _compact(value: float) -> str:
         mantissa, exponent = text.split("e")
         text = f"{mantissa}e{int(exponent)}"
     return text
-
-
-def shortened(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def integer(value: int | None) -> str:
-    return NOT_AVAILABLE if value is None else f"{value:,}"
-
-
-def number(value: float | None) -> str:
-    return NOT_AVAILABLE if value is None else f"{value:.4g}"
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return NOT_AVAILABLE
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min" if hours else f"{minutes} min {secs:02d} s"
