@@ -526,7 +526,8 @@ def test_a_diverged_run_is_marked_in_the_table_and_on_the_loss_panel() -> None:
     alone looked healthy. The non-finite counter says by which step it went, in the table and as a
     line on the loss panel; a healthy run beside it has neither."""
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import LAST_LOSS, html_page
+    from openlora_otel.report.render import html_page
+    from openlora_otel.report.summary import LAST_LOSS
 
     diverged = Run("a1", "lr-too-high", {"learning_rate": "0.3"}, "a.jsonl")
     healthy = Run("b2", "lr-ok", {"learning_rate": "0.001"}, "b.jsonl")

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ReportError as exc:
         return fail("report", exc)
-    from openlora_otel.report.render import time_lines
+    from openlora_otel.report.summary import time_lines
 
     for run, summary in zip(runs, drawing.summaries, strict=True):
         print(
