@@ -14,7 +14,7 @@ from openlora_otel.report.model import ReportError, Run
 DEFAULT_SINCE = "1h"  # report.serving.DEFAULT_SINCE, without importing it for --help
 
 FORMATS = ("png", "html")
-X_AXES = ("step", "time", "elapsed")  # render.X_AXES, without importing matplotlib for --help
+X_AXES = ("step", "time", "elapsed")  # drawing.X_AXES, without importing matplotlib for --help
 DEFAULT_STEM = "openlora-report"
 
 

@@ -16,13 +16,13 @@ import html
 import json
 import math
 import textwrap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from openlora_otel._version import __version__
+from openlora_otel.report.drawing import MAX_POINTS, Drawing, panel_scale, prepare
 from openlora_otel.report.formatting import (
     NOT_AVAILABLE,
     duration,
@@ -33,36 +33,24 @@ from openlora_otel.report.formatting import (
     shortened,
 )
 from openlora_otel.report.model import (
-    PANELS,
-    Curve,
     Panel,
     ReportError,
     Run,
     common_hyperparameters,
-    curves,
     differing_hyperparameters,
-    eval_panels,
-    legend_labels,
     smooth,
-    step_times,
     thin,
 )
-from openlora_otel.report.summary import LAST_LOSS, TIME_HEADING, Summary, summarize
+from openlora_otel.report.summary import LAST_LOSS, TIME_HEADING, Summary
 
 __all__ = [
     "UPLOT_VERSION",
-    "X_AXES",
-    "Drawing",
     "html_page",
     "page_data",
     "png_figure",
-    "prepare",
     "render",
 ]
 
-# Points per line: more than a plot's width in pixels shows nothing more, and keeps the page small.
-MAX_POINTS = 1000
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 MATPLOTLIB_RC = {
     "font.size": 10,
     "axes.titlesize": 12,
@@ -77,8 +65,6 @@ MATPLOTLIB_RC = {
 }
 
 
-# What the x axis can be: the optimizer step, the wall time (UTC), the seconds since the run's first step.
-X_AXES = ("step", "time", "elapsed")
 _XLABEL = {"step": "step", "time": "wall time (UTC)", "elapsed": "seconds since the run's first step"}
 UPLOT_VERSION = "1.6.32"
 
@@ -93,75 +79,6 @@ def import_matplotlib() -> Any:
             "pip install 'openlora-otel[report]'"
         ) from None
     return matplotlib
-
-
-@dataclass
-class Drawing:
-    """Everything a picture of ``runs`` needs, computed once for the PNG and the page."""
-
-    runs: Sequence[Run]
-    curves: list[dict[str, Curve]]
-    panels: list[Panel]
-    labels: list[str]
-    colors: list[str]
-    summaries: list[Summary]
-    times: list[dict[float, float]]  # per run: step -> Unix seconds (model.step_times)
-    x: str = "step"  # one of X_AXES: the PNG's x axis, the page's first
-    smoothing: float = 0.0  # the EMA weight (model.smooth) of the PNG, the page's first
-    # --adapter: each adapter's serving (report.serving.AdapterServing), its colour, the serving panels.
-    serving: Sequence[Any] = ()
-    serving_colors: list[str] = field(default_factory=list)
-    serving_panels: list[Panel] = field(default_factory=list)
-
-    def x_of(self, index: int) -> Callable[[float], Any]:
-        """Run ``index``'s step -> its x value on the PNG (None where the step has no time)."""
-        if self.x == "step":
-            return lambda step: step
-        times = self.times[index]
-        if self.x == "elapsed":
-            start = min(times.values(), default=0.0)
-            return lambda step: None if step not in times else times[step] - start
-        return lambda step: (
-            None if step not in times else _dt.datetime.fromtimestamp(times[step], _dt.UTC).replace(tzinfo=None)
-        )
-
-
-def prepare(
-    runs: Sequence[Run], *, x: str = "step", smoothing: float = 0.0, serving: Sequence[Any] = ()
-) -> Drawing:
-    """Curves, the panels that have data in some run (the others are left out, not drawn empty), legends.
-
-    ``serving``: the --adapter adapters (report.serving.AdapterServing); each gets its training run's
-    colour, and every serving panel is kept (an empty one says why)."""
-    if x not in X_AXES:
-        raise ReportError(f"the x axis {x!r} is not one of {', '.join(X_AXES)}")
-    smooth([], smoothing)  # checks the weight
-    run_curves = [curves(run.rows) for run in runs]
-    colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
-    serving_colors = []
-    for item in serving:
-        owner = next((i for i, run in enumerate(runs) if run.run_id == item.adapter.run_id), None)
-        serving_colors.append(
-            colors[owner] if owner is not None else _COLORS[(len(runs) + len(serving_colors)) % len(_COLORS)]
-        )
-    if serving:
-        from openlora_otel.report.serving import SERVING_PANELS
-    # The evaluation metrics other than the loss, each in its panel, right after the loss.
-    panels = [*PANELS[:1], *eval_panels(key for c in run_curves for key in c), *PANELS[1:]]
-    return Drawing(
-        runs=runs,
-        curves=run_curves,
-        panels=[panel for panel in panels if any(c.get(line.key) for c in run_curves for line in panel.lines)],
-        labels=legend_labels(runs),
-        colors=colors,
-        summaries=[summarize(run, c) for run, c in zip(runs, run_curves, strict=True)],
-        times=[step_times(run.rows) for run in runs],
-        x=x,
-        smoothing=smoothing,
-        serving=serving,
-        serving_colors=serving_colors,
-        serving_panels=list(SERVING_PANELS) if serving else [],
-    )
 
 
 def render(
@@ -185,13 +102,6 @@ def render(
 
 
 # -- drawing -------------------------------------------------------------------------------
-def panel_scale(panel: Panel, run_curves: Sequence[dict[str, Curve]]) -> tuple[float, str]:
-    """The factor the panel's values are drawn at and its y label (step time in ms when below 1 s)."""
-    if panel.key == "step_time":  # a CPU demo's step is ~0.1 s, a large model's many seconds
-        values = [y for c in run_curves for _, y in c.get("step_time", [])]
-        if values and max(values) < 1.0:
-            return 1000.0, "milliseconds per step"
-    return panel.scale, panel.ylabel
 
 
 def _draw(ax: Any, panel: Panel, drawing: Drawing, *, label_marks: bool = True) -> None:
