@@ -32,8 +32,8 @@ from openlora_otel.history import WARNED_LINES, read_history
 from openlora_otel.report.drawing import prepare
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
+from openlora_otel.report.png import png_figure
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
-from openlora_otel.report.render import png_figure
 from tests.support.chromium import chromium, headless
 from tests.support.demo import demo_process, needs_the_demo, wait_for_line
 from tests.support.fake_nvml import FakeNvml, h100s

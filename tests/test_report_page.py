@@ -168,7 +168,7 @@ def test_x_by_time_uses_the_step_timestamps_on_the_png_and_the_page(history: Pat
     from matplotlib.dates import ConciseDateFormatter, num2date
 
     from openlora_otel.report.drawing import prepare
-    from openlora_otel.report.render import png_figure
+    from openlora_otel.report.png import png_figure
 
     runs = read_runs([str(history)])
     drawing = prepare(runs, x="time", smoothing=0.6)
