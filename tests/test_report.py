@@ -527,7 +527,7 @@ def test_a_diverged_run_is_marked_in_the_table_and_on_the_loss_panel() -> None:
     alone looked healthy. The non-finite counter says by which step it went, in the table and as a
     line on the loss panel; a healthy run beside it has neither."""
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import html_page
+    from openlora_otel.report.page import html_page
     from openlora_otel.report.summary import LAST_LOSS
 
     diverged = Run("a1", "lr-too-high", {"learning_rate": "0.3"}, "a.jsonl")

@@ -117,7 +117,7 @@ def test_divergence_names_each_event_by_its_first_step_and_what_stopped_the_run(
 def test_page_data_round_trips_eval_panels_and_the_diverged_mark(history: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from openlora_otel.report.drawing import prepare
-    from openlora_otel.report.render import page_data
+    from openlora_otel.report.page import page_data
 
     runs = read_runs([str(history)])
     assert [run.name for run in runs] == ["healthy", "diverged"]
@@ -152,7 +152,7 @@ def test_page_data_round_trips_eval_panels_and_the_diverged_mark(history: Path, 
 def test_names_cannot_break_out_of_the_script(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from openlora_otel.report.drawing import prepare
-    from openlora_otel.report.render import html_page
+    from openlora_otel.report.page import html_page
 
     name = "</script><script>alert(1)</script> & \u2028"
     rows = [Row(float(s), {"steps": float(s), "loss": v}) for s, v in ((1, 1.0), (2, math.nan), (3, math.inf))]
@@ -240,7 +240,7 @@ def test_the_netlog_check_sees_a_page_that_asks_for_something(tmp_path: Path) ->
 def test_the_vendored_chart_library_is_package_data_with_its_licence() -> None:
     from importlib import resources
 
-    from openlora_otel.report.render import UPLOT_VERSION
+    from openlora_otel.report.page import UPLOT_VERSION
 
     folder = resources.files("openlora_otel.report").joinpath("vendor", "uplot")
     assert folder.joinpath("uPlot.iife.min.js").read_text().startswith(f"/*! https://github.com/leeoniya/uPlot (v{UPLOT_VERSION})")
@@ -253,7 +253,7 @@ def test_the_pages_own_style_and_script_are_package_data_inlined_unchanged() -> 
     from importlib import resources
 
     from openlora_otel.report.drawing import prepare
-    from openlora_otel.report.render import html_page
+    from openlora_otel.report.page import html_page
 
     folder = resources.files("openlora_otel.report").joinpath("assets")
     css, script = folder.joinpath("page.css").read_text(), folder.joinpath("page.js").read_text()
