@@ -79,6 +79,18 @@ def test_no_command_imports_another() -> None:
         assert not others, (path.name, others)
 
 
+def test_no_report_module_imports_a_private_name_of_another() -> None:
+    """What the report's summary, PNG and page share has a public name (formatting.py, drawing.py, issue 30)."""
+    for path in sorted((PACKAGE / "report").glob("*.py")):
+        private = {
+            f"{node.module}.{alias.name}"
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("openlora_otel"))
+            for alias in node.names
+            if alias.name.startswith("_") and not alias.name.startswith("__")
+        }
+        assert not private, (path.name, private)
+
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_a_moved_module_lives_only_at_its_new_path(old: str) -> None:
     importlib.import_module(MOVED[old])

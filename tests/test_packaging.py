@@ -21,8 +21,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGING = ROOT / "build" / "packaging"
 DIST = PACKAGING / "dist"
 WHEEL_VENV = PACKAGING / "wheel-venv"
-# Files every archive must hold beside the modules: the rules the stack writes, the typing marker.
-PACKAGE_DATA = ("openlora_otel/rules/openlora.yml", "openlora_otel/py.typed")
+# Files every archive must hold beside the modules: the rules the stack writes, the typing marker, and
+# what the report's HTML page inlines (the vendored uPlot, the page's own style and script).
+PACKAGE_DATA = (
+    "openlora_otel/rules/openlora.yml",
+    "openlora_otel/py.typed",
+    "openlora_otel/report/vendor/uplot/uPlot.iife.min.js",
+    "openlora_otel/report/vendor/uplot/uPlot.min.css",
+    "openlora_otel/report/assets/page.css",
+    "openlora_otel/report/assets/page.js",
+)
 
 
 def artifacts() -> tuple[Path, Path]:

@@ -29,10 +29,11 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.hardware import nvml
 from openlora_otel.history import WARNED_LINES, read_history
+from openlora_otel.report.drawing import prepare
 from openlora_otel.report.history import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
+from openlora_otel.report.png import png_figure
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus
-from openlora_otel.report.render import png_figure, prepare
 from tests.support.chromium import chromium, headless
 from tests.support.demo import demo_process, needs_the_demo, wait_for_line
 from tests.support.fake_nvml import FakeNvml, h100s
@@ -526,7 +527,8 @@ def test_a_diverged_run_is_marked_in_the_table_and_on_the_loss_panel() -> None:
     alone looked healthy. The non-finite counter says by which step it went, in the table and as a
     line on the loss panel; a healthy run beside it has neither."""
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import LAST_LOSS, html_page
+    from openlora_otel.report.page import html_page
+    from openlora_otel.report.summary import LAST_LOSS
 
     diverged = Run("a1", "lr-too-high", {"learning_rate": "0.3"}, "a.jsonl")
     healthy = Run("b2", "lr-ok", {"learning_rate": "0.001"}, "b.jsonl")

@@ -199,7 +199,8 @@ def _training_run(run_id: str = "5f0c1234") -> Run:
 
 def test_png_and_page_put_the_serving_panels_beside_the_training_run(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import page_data, render
+    from openlora_otel.report.page import page_data
+    from openlora_otel.report.render import render
 
     now = time.time()
     curves = {

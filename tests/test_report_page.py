@@ -116,7 +116,8 @@ def test_divergence_names_each_event_by_its_first_step_and_what_stopped_the_run(
 # -- the page's data ------------------------------------------------------------------------------
 def test_page_data_round_trips_eval_panels_and_the_diverged_mark(history: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import page_data, prepare
+    from openlora_otel.report.drawing import prepare
+    from openlora_otel.report.page import page_data
 
     runs = read_runs([str(history)])
     assert [run.name for run in runs] == ["healthy", "diverged"]
@@ -150,7 +151,8 @@ def test_page_data_round_trips_eval_panels_and_the_diverged_mark(history: Path, 
 
 def test_names_cannot_break_out_of_the_script(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from openlora_otel.report.render import html_page, prepare
+    from openlora_otel.report.drawing import prepare
+    from openlora_otel.report.page import html_page
 
     name = "</script><script>alert(1)</script> & \u2028"
     rows = [Row(float(s), {"steps": float(s), "loss": v}) for s, v in ((1, 1.0), (2, math.nan), (3, math.inf))]
@@ -165,7 +167,8 @@ def test_x_by_time_uses_the_step_timestamps_on_the_png_and_the_page(history: Pat
     pytest.importorskip("matplotlib")
     from matplotlib.dates import ConciseDateFormatter, num2date
 
-    from openlora_otel.report.render import png_figure, prepare
+    from openlora_otel.report.drawing import prepare
+    from openlora_otel.report.png import png_figure
 
     runs = read_runs([str(history)])
     drawing = prepare(runs, x="time", smoothing=0.6)
@@ -237,13 +240,27 @@ def test_the_netlog_check_sees_a_page_that_asks_for_something(tmp_path: Path) ->
 def test_the_vendored_chart_library_is_package_data_with_its_licence() -> None:
     from importlib import resources
 
-    from openlora_otel.report.render import UPLOT_VERSION
+    from openlora_otel.report.page import UPLOT_VERSION
 
     folder = resources.files("openlora_otel.report").joinpath("vendor", "uplot")
     assert folder.joinpath("uPlot.iife.min.js").read_text().startswith(f"/*! https://github.com/leeoniya/uPlot (v{UPLOT_VERSION})")
     assert "MIT License" in folder.joinpath("LICENSE").read_text()
     assert UPLOT_VERSION in folder.joinpath("README.md").read_text()
 
+
+def test_the_pages_own_style_and_script_are_package_data_inlined_unchanged() -> None:
+    pytest.importorskip("matplotlib")
+    from importlib import resources
+
+    from openlora_otel.report.drawing import prepare
+    from openlora_otel.report.page import html_page
+
+    folder = resources.files("openlora_otel.report").joinpath("assets")
+    css, script = folder.joinpath("page.css").read_text(), folder.joinpath("page.js").read_text()
+    page = html_page(prepare([Run("r1", "one", {}, "x.jsonl", rows=[Row(1.0, {"steps": 1.0, "loss": 1.0})])]))
+    assert f"<style>\n{css}</style>" in page
+    assert f"<script>\n{script}</script>" in page
+    assert 'document.getElementById("report-data")' in script
 
 def test_a_run_the_guard_stopped_says_so_from_its_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A real guard trips on the NaN losses; the history's counters and outcome make the mark's text."""

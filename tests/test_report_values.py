@@ -136,7 +136,7 @@ def test_odd_values_are_shown_escaped_or_shortened(
 
 
 def test_a_nan_timestamp_is_no_time_in_the_summary(lines: list[str], tmp_path: Path) -> None:
-    from openlora_otel.report.render import summarize
+    from openlora_otel.report.summary import summarize
 
     (run,) = read_runs([str(_write(tmp_path, lines, _nan_timestamp))])
     assert summarize(run).seconds is None  # not NaN: nothing to measure the run's length by
@@ -226,7 +226,7 @@ def test_fuzz_history_reader_and_report(
         runs = read_runs([str(path)])
     except ReportError:
         return
-    from openlora_otel.report.render import summarize
+    from openlora_otel.report.summary import summarize
 
     for run in runs:
         for text in (run.run_id, run.name, run.source, *run.hyperparameters, *run.hyperparameters.values()):

@@ -14,7 +14,7 @@ from openlora_otel.report.model import ReportError, Run
 DEFAULT_SINCE = "1h"  # report.serving.DEFAULT_SINCE, without importing it for --help
 
 FORMATS = ("png", "html")
-X_AXES = ("step", "time", "elapsed")  # render.X_AXES, without importing matplotlib for --help
+X_AXES = ("step", "time", "elapsed")  # drawing.X_AXES, without importing matplotlib for --help
 DEFAULT_STEM = "openlora-report"
 
 
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ReportError as exc:
         return fail("report", exc)
-    from openlora_otel.report.render import time_lines
+    from openlora_otel.report.summary import time_lines
 
     for run, summary in zip(runs, drawing.summaries, strict=True):
         print(

@@ -17,7 +17,7 @@ Where the time went (``openlora.training.time`` by phase, ``openlora.training.st
 is read from every process of a run: each rank and each attempt. Attempts of one run id
 append to the same file; their lines are told apart by the Resource
 (``openlora.run.attempt`` and ``service.instance.id``, new in each process), and
-:func:`~openlora_otel.report.model.time_breakdown` sums each process's last values.
+:func:`~openlora_otel.report.goodput.time_breakdown` sums each process's last values.
 """
 
 from __future__ import annotations
@@ -40,19 +40,8 @@ from openlora_otel.names import (
     RUN_METRICS,
     TRAINING_PHASES,
 )
-from openlora_otel.report.model import (
-    EVAL_PREFIX,
-    QUANTITIES,
-    SHOWN_METRIC,
-    STEPS_LOST_METRIC,
-    TIME_METRIC,
-    ReportError,
-    Row,
-    Run,
-    TimeSample,
-    shown,
-    time_breakdown,
-)
+from openlora_otel.report.goodput import STEPS_LOST_METRIC, TIME_METRIC, TimeSample, time_breakdown
+from openlora_otel.report.model import EVAL_PREFIX, QUANTITIES, SHOWN_METRIC, ReportError, Row, Run, shown
 from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
 from openlora_otel.run import hyperparameters_from
 
