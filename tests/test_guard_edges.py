@@ -64,7 +64,7 @@ def test_reset_then_the_collection_trips_again(setup) -> None:
 def test_on_trip_can_flush_telemetry(setup) -> None:
     """on_trip=lambda t: telemetry.force_flush() (push the trip out now) can never succeed from the guard's thread.
 
-    _check_current_window calls guard._observe (and so on_trip) with _guard_lock held; the flush's
+    _check_current_window calls guard.observe (and so on_trip) with _guard_lock held; the flush's
     collection calls _roll, which waits for _guard_lock until force_flush's own bound gives up.
     Meanwhile that collection holds the SDK's collect lock, so every scrape waits too. With a
     plain provider.force_flush() / reader.collect() (no bound) it is a deadlock for ever.

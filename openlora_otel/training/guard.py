@@ -150,16 +150,18 @@ class DivergenceGuard:
             self._finite_seen = 0
             self._steps_at_reset = self._steps_now() if self._steps_now is not None else 0
 
-    # -- called by TrainingMetrics --------------------------------------------------
-    def _bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
+    # -- TrainingMetrics' side: what attach_guard() and the collections call ---------------
+    # Application code need not call these: TrainingMetrics.attach_guard() does.
+    def bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
+        """Count each trip with ``count_trip(reason)``; ``steps_now()`` gives the steps recorded so far."""
         with self._lock:
             self._count_trip = count_trip
             self._steps_now = steps_now
 
-    def _observe(self, window: LossWindow, *, complete: bool) -> Trip | None:
+    def observe(self, window: LossWindow, *, complete: bool) -> Trip | None:
         """Judge a window; a ``complete`` window also moves the history on (caller serialises the calls).
 
-        Returns a new trip, which the caller hands to :meth:`_fire` once it holds no lock.
+        Returns a new trip, which the caller hands to :meth:`fire` once it holds no lock.
         """
         with self._lock:
             run = window.trailing if window.count else self._run + window.nonfinite
@@ -200,7 +202,7 @@ class DivergenceGuard:
                     self._finite_seen += window.count
         return trip
 
-    def _fire(self, trip: Trip) -> None:
+    def fire(self, trip: Trip) -> None:
         """Log and count a trip; hand it to ``on_trip`` on a thread of its own.
 
         Its own thread: the hook may flush the telemetry, post to a chat or take

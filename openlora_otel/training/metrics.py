@@ -507,7 +507,7 @@ class TrainingMetrics:
             self._guard = guard
         for reason in GUARD_REASONS:  # the series exist from the start, so increase() sees the first trip
             self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
-        guard._bind(
+        guard.bind(
             lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}),
             lambda: self._steps_recorded + self._window.steps,
         )
@@ -554,9 +554,9 @@ class TrainingMetrics:
         with self._guard_lock:
             if self._window is not window:  # the collection took it and judges it whole
                 return
-            trip = guard._observe(_loss_window(loss, steps), complete=False)
+            trip = guard.observe(_loss_window(loss, steps), complete=False)
         if trip is not None:
-            guard._fire(trip)
+            guard.fire(trip)
 
     # -- where the time goes (goodput) ------------------------------------------
     def phase(self, name: str) -> Any:
@@ -689,7 +689,7 @@ class TrainingMetrics:
         with self._guard_lock:
             trip = self._roll_locked(now)
         if trip is not None and self._guard is not None:
-            self._guard._fire(trip)  # after the lock: on_trip may collect
+            self._guard.fire(trip)  # after the lock: on_trip may collect
 
     def _roll_locked(self, now: float) -> Trip | None:
         """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
@@ -728,7 +728,7 @@ class TrainingMetrics:
         guard = self._guard
         trip = None
         if guard is not None and "loss" not in failed:
-            trip = guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
+            trip = guard.observe(_loss_window(window.loss, self._steps_recorded), complete=True)
         if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
             window.grad.nonfinite
         ):
