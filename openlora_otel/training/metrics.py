@@ -200,8 +200,7 @@ class TrainingMetrics:
         self._peak_flops = self._configured_peak
         self._guard: DivergenceGuard | None = None
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
-        self._guard_stop = threading.Event()
-        self._guard_thread: threading.Thread | None = None
+        self._guard_stop = threading.Event()  # ends the guard's check thread (close())
         self._steps_recorded = 0  # for Trip.steps: committed windows' steps
         self._dropped_foreign = 0
         self._dropped_unfolded = 0
@@ -512,20 +511,17 @@ class TrainingMetrics:
             lambda: self._steps_recorded + self._window.steps,
         )
         if not self._closed:
-            self._guard_thread = threading.Thread(
-                target=self._guard_loop, args=(guard,), name="openlora-otel-guard", daemon=True
-            )
-            self._guard_thread.start()
+            guard.start(lambda: self._guard_check(guard), self._guard_stop)
         return guard
 
-    def _guard_loop(self, guard: DivergenceGuard) -> None:
-        while not self._guard_stop.wait(guard.check_interval_s):
-            if self._closed:
-                return
-            try:
-                self._check_current_window(guard)
-            except Exception:
-                self._warn_once("guard", "the divergence guard's check failed; it retries", exc=True)
+    def _guard_check(self, guard: DivergenceGuard) -> None:
+        """What the guard's thread runs every ``check_interval_s`` (never raises: the thread goes on)."""
+        if self._closed:
+            return  # close() is about to set _guard_stop, which ends the thread
+        try:
+            self._check_current_window(guard)
+        except Exception:
+            self._warn_once("guard", "the divergence guard's check failed; it retries", exc=True)
 
     def _check_current_window(self, guard: DivergenceGuard) -> None:
         """Show the guard the window so far, read back the collection's way, without taking it."""
@@ -649,11 +645,8 @@ class TrainingMetrics:
         True when none is left running. A check in the middle of reading the device back gives up
         at once on close, so the thread never touches the device after the shutdown (at
         interpreter exit CUDA may already be going away)."""
-        thread = self._guard_thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout_s)
-        return not thread.is_alive()
+        guard = self._guard
+        return guard is None or guard.join(timeout_s)
 
     # -- collection ---------------------------------------------------------------
     @property
