@@ -62,15 +62,15 @@ from openlora_otel.names import (
     TRAINING_PHASES,
 )
 from openlora_otel.training.arguments import (
-    _INT64_MAX,
+    INT64_MAX,
     MAX_STEP_TIME_S,
-    _adapter_values,
-    _count,
-    _Foreign,
-    _host_number,
-    _positive,
-    _prepare,
-    _seconds,
+    Foreign,
+    adapter_values,
+    checked_count,
+    checked_positive,
+    checked_seconds,
+    host_number,
+    prepare_value,
 )
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard, Trip
@@ -117,7 +117,7 @@ class _Total:
 
     def add(self, amount: int) -> bool:
         """Add ``amount``; False when the total reached int64's maximum and part of it was not counted."""
-        room = _INT64_MAX - self.total
+        room = INT64_MAX - self.total
         taken = amount if amount <= room else room
         self.total += taken
         self.counter.add(taken)  # also when 0: the series exists from the first collection
@@ -196,7 +196,7 @@ class TrainingMetrics:
         # Model FLOPs: per token from set_model_flops(); the peak given there, unless
         # the configuration (OPENLORA_PEAK_FLOPS) set one, which wins.
         self._flops_per_token: float | None = None
-        self._configured_peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
+        self._configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
         self._peak_flops = self._configured_peak
         self._guard: DivergenceGuard | None = None
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
@@ -294,24 +294,24 @@ class TrainingMetrics:
         else:
             # The check inline for the usual float; the call only for anything else.
             if type(step_time_s) is not float or not 0.0 <= step_time_s <= MAX_STEP_TIME_S:
-                step_time_s = _seconds(step_time_s, "step_time_s")
+                step_time_s = checked_seconds(step_time_s, "step_time_s")
             step_time = step_time_s
         if data_time_s is not None and (
             type(data_time_s) is not float or not 0.0 <= data_time_s <= MAX_STEP_TIME_S
         ):
-            data_time_s = _seconds(data_time_s, "data_time_s")
+            data_time_s = checked_seconds(data_time_s, "data_time_s")
         # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
         if tokens is not None and (type(tokens) is not int or tokens >> 63):
-            tokens = _count(tokens, "tokens")
+            tokens = checked_count(tokens, "tokens")
         if samples is not None and (type(samples) is not int or samples >> 63):
-            samples = _count(samples, "samples")
+            samples = checked_count(samples, "samples")
         # Validate everything before touching state: a call that raises records nothing.
         if loss is not None and type(loss) is not float:
-            loss = _prepare(loss, "loss")
+            loss = prepare_value(loss, "loss")
         if grad_norm is not None and (type(grad_norm) is not float or grad_norm < 0.0):
-            grad_norm = _prepare(grad_norm, "grad_norm")
+            grad_norm = prepare_value(grad_norm, "grad_norm")
         if learning_rate is not None and (type(learning_rate) is not float or learning_rate < 0.0):
-            learning_rate = _prepare(learning_rate, "learning_rate")
+            learning_rate = prepare_value(learning_rate, "learning_rate")
         with self._lock:
             if self._closed:
                 return
@@ -355,7 +355,7 @@ class TrainingMetrics:
         :meth:`record_step`; the values join the current window's means.
         """
         values = [
-            None if v is None else _prepare(v, what)
+            None if v is None else prepare_value(v, what)
             for v, what in ((loss, "loss"), (grad_norm, "grad_norm"), (learning_rate, "learning_rate"))
         ]
         with self._lock:
@@ -372,7 +372,7 @@ class TrainingMetrics:
 
     def _defer(self, series: _Series, value: Any) -> None:
         """Keep a tensor (lock held); fold torch tensors on their device every ``_FOLD_EVERY``."""
-        if type(value) is _Foreign:
+        if type(value) is Foreign:
             if len(series.foreign) < _MAX_FOREIGN:
                 series.foreign.append(value.value)
             else:
@@ -407,7 +407,7 @@ class TrainingMetrics:
     # -- other records ----------------------------------------------------------
     def record_epoch(self, epoch: float) -> None:
         """Set the current epoch (may be fractional, as the Hugging Face Trainer reports it)."""
-        value = _host_number(epoch, "epoch")
+        value = host_number(epoch, "epoch")
         if not (value >= 0 and math.isfinite(value)):
             raise ValueError(f"epoch must be finite and >= 0, got {epoch!r}")
         self._epoch = value
@@ -424,10 +424,10 @@ class TrainingMetrics:
         """
         values: dict[str, float] = {}
         if loss is not None:
-            values["loss"] = _host_number(loss, "loss")
+            values["loss"] = host_number(loss, "loss")
         for key, value in metrics.items():
             if value is not None:
-                values[key] = _host_number(value, key)
+                values[key] = host_number(value, key)
         for key, number in values.items():
             if key != "loss" and key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
                 self._warn_once(
@@ -464,7 +464,7 @@ class TrainingMetrics:
         > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
         module name (a string, as PEFT also takes a regex), or an iterable of names.
         """
-        self._adapter = _adapter_values(
+        self._adapter = adapter_values(
             r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
         )
 
@@ -477,8 +477,8 @@ class TrainingMetrics:
         achieved FLOP/s is reported (on a CPU, say). See
         :func:`openlora_otel.training.flops.training_flops_per_token` for the estimate.
         """
-        flops = _positive(per_token, "per_token")
-        peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
+        flops = checked_positive(per_token, "per_token")
+        peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
         self._flops_per_token = flops
         self._peak_flops = self._configured_peak if self._configured_peak is not None else peak
 
@@ -573,11 +573,11 @@ class TrainingMetrics:
         done again: their time counts as ``lost_progress`` and ``openlora.training.steps.lost``
         counts them. Returns that number.
         """
-        step = _count(step, "step")
+        step = checked_count(step, "step")
         if reached is None and self._progress is not None:
             reached = self._progress.earlier_attempt(step, run_id=self._run_id)
         elif reached is not None:
-            reached = _count(reached, "reached")
+            reached = checked_count(reached, "reached")
         lost = self._clock.resumed(step, reached)
         if lost:
             _logger.info(
@@ -612,7 +612,7 @@ class TrainingMetrics:
         # _roll holds the guard lock from taking the window until its steps are in the clock.
         locked = self._guard_lock.acquire(timeout=max(0.0, timeout_s))
         try:
-            step = min(self._clock.global_step + self._window.steps, _INT64_MAX)
+            step = min(self._clock.global_step + self._window.steps, INT64_MAX)
         finally:
             if locked:
                 self._guard_lock.release()
