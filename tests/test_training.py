@@ -432,11 +432,11 @@ def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: 
 
     carry: list = []
     slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0, 3.0, 1.0, 0])
-    assert readback._poll_readbacks([("loss", [slow])], carry) == []
+    assert readback.poll_readbacks([("loss", [slow])], carry) == []
     assert carry == [("loss", [slow])]
     later: list = []
-    assert readback._poll_readbacks(carry, later) == [
-        ("loss", readback._Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
+    assert readback.poll_readbacks(carry, later) == [
+        ("loss", readback.Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
     ]
     assert later == []
 
@@ -749,7 +749,7 @@ def test_cpu_tensors_are_read_at_once_and_never_folded_on_the_step(setup, monkey
     def no_fold(*args, **kwargs):
         raise AssertionError("a fold on the step path")
 
-    monkeypatch.setattr(training_module, "_fold_by_device", no_fold)
+    monkeypatch.setattr(training_module, "fold_by_device", no_fold)
     training, reader = setup
     weight = torch.tensor(3.0, requires_grad=True)
     for _ in range(1200):

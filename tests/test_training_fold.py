@@ -22,10 +22,10 @@ FOLD_EVERY = training_module._FOLD_EVERY
 
 
 class FailingFold:
-    """Stands in for `_fold_by_device` (the step path's fold), failing while ``failing`` is set."""
+    """Stands in for `fold_by_device` (the step path's fold), failing while ``failing`` is set."""
 
     def __init__(self) -> None:
-        self.real = training_module._fold_by_device
+        self.real = training_module.fold_by_device
         self.calls = 0
         self.failing = True
 
@@ -41,7 +41,7 @@ def test_a_failed_fold_is_tried_once_per_window_not_once_per_step(
 ) -> None:
     training, reader = setup
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     steps = 3 * FOLD_EVERY
     with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         for step in range(steps):
@@ -68,7 +68,7 @@ def test_a_failed_fold_is_tried_once_per_window_not_once_per_step(
 def test_a_window_that_failed_again_tries_again_once(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     training, reader = setup
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     for window in range(3):
         for _ in range(2 * FOLD_EVERY):
             training.record_step(loss=torch.tensor(1.0))
@@ -83,7 +83,7 @@ def test_memory_stays_bounded_after_a_failed_fold_and_drops_are_counted(
     cap = 2 * FOLD_EVERY
     monkeypatch.setattr(training_module, "_MAX_UNFOLDED", cap)
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     steps = cap + 1000
     for _ in range(steps):
         training.record_step(loss=torch.tensor(3.0), grad_norm=torch.tensor(0.5))

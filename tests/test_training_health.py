@@ -90,7 +90,7 @@ def test_fold_and_combine_match_a_plain_python_reduction(seed: int) -> None:
         chunks.append(values[start : start + size])
         start += size
     partials = [readback._fold([torch.tensor(v, dtype=torch.float64) for v in chunk], torch) for chunk in chunks]
-    got = readback._Folded.from_values(readback._combine(partials, torch).tolist())
+    got = readback.Folded.from_values(readback._combine(partials, torch).tolist())
     total, count, nonfinite, last, highest, lowest, trailing = _python_fold(values)
     assert got.total == pytest.approx(total)
     assert (got.count, got.nonfinite, got.trailing) == (count, nonfinite, trailing)

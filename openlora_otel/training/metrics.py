@@ -74,7 +74,7 @@ from openlora_otel.training.arguments import (
 )
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard, Trip
-from openlora_otel.training.readback import _fold_by_device, _fold_partials, _poll_readbacks, _start_readback
+from openlora_otel.training.readback import fold_by_device, fold_partials, poll_readbacks, start_readback
 from openlora_otel.training.window import (
     _loss_window,
     _Readers,
@@ -391,10 +391,10 @@ class TrainingMetrics:
         if len(deferred) >= _FOLD_EVERY:
             torch = sys.modules["torch"]
             try:
-                series.partials.extend(_fold_by_device(deferred, torch))
+                series.partials.extend(fold_by_device(deferred, torch))
                 series.deferred = []
                 if len(series.partials) >= _FOLD_EVERY:
-                    series.partials = _fold_partials(series.partials, torch)
+                    series.partials = fold_partials(series.partials, torch)
             except Exception:  # never let bookkeeping break the step; read them all at collection instead
                 series.fold_failed = True
                 self._warn_once(
@@ -535,13 +535,13 @@ class TrainingMetrics:
             loss.add_host(float(item))
         if loss.deferred or loss.partials:
             failed: list[str] = []
-            handles = _start_readback(
+            handles = start_readback(
                 loss.partials, loss.deferred, sys.modules.get("torch"), lambda: failed.append("loss")
             )
             waiting: list[tuple[str, list[Any]]] = []
             # This thread has nothing else to do: it waits for a device that runs far behind
             # the host as long as the window lasts, rather than giving up and starting over.
-            for _, folded in _poll_readbacks(
+            for _, folded in poll_readbacks(
                 [("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S, stop=self._guard_stop
             ):
                 loss.merge(folded)
@@ -707,12 +707,12 @@ class TrainingMetrics:
                 else:
                     series.add_host(number)
             if series.deferred or series.partials:
-                handles = _start_readback(
+                handles = start_readback(
                     series.partials, series.deferred, torch, lambda label=label: self._fail_read(label, failed)
                 )
                 if handles:
                     pending.append((label, handles))
-        ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
+        ready = poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
         merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
         for label, folded in ready:
             merged[label].merge(folded)

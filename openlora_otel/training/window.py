@@ -29,7 +29,7 @@ from typing import Any
 
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.guard import LossWindow
-from openlora_otel.training.readback import _Folded
+from openlora_otel.training.readback import Folded
 from openlora_otel.windows import BucketCounts
 
 __all__ = ["collecting_for"]
@@ -81,7 +81,7 @@ class _Series:
             self.trailing += 1
         self.last = value
 
-    def merge(self, values: _Folded) -> None:
+    def merge(self, values: Folded) -> None:
         self.total += values.total
         self.count += values.count
         self.nonfinite += values.nonfinite
@@ -93,9 +93,9 @@ class _Series:
         # when none of them was finite.
         self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
 
-    def folded(self) -> _Folded:
+    def folded(self) -> Folded:
         """The host-side values as one fold (what a reader's span adds up)."""
-        return _Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
+        return Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
 
     def copy(self) -> _Series:
         """A copy whose lists can be read while the step path appends to the original's."""
