@@ -76,13 +76,13 @@ from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.readback import fold_by_device, fold_partials, poll_readbacks, start_readback
 from openlora_otel.training.window import (
-    _loss_window,
-    _Readers,
-    _Series,
-    _Snapshot,
-    _span_snapshot,
-    _Window,
+    Readers,
+    Series,
+    Snapshot,
+    Window,
     collecting_for,
+    loss_window,
+    span_snapshot,
 )
 from openlora_otel.windows import replay, window_merging_works, window_view
 
@@ -184,10 +184,10 @@ class TrainingMetrics:
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
         self._merge_windows = bool(window_histogram) and window_merging_works()
-        self._window = _Window(started=time.monotonic())
+        self._window = Window(started=time.monotonic())
         self._last_call: float | None = None
         started = time.monotonic()
-        self._readers = _Readers(readers, started)
+        self._readers = Readers(readers, started)
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
         self._epoch: float | None = None
         self._eval_loss: float | None = None
@@ -370,7 +370,7 @@ class TrainingMetrics:
                 else:
                     self._defer(series, value)
 
-    def _defer(self, series: _Series, value: Any) -> None:
+    def _defer(self, series: Series, value: Any) -> None:
         """Keep a tensor (lock held); fold torch tensors on their device every ``_FOLD_EVERY``."""
         if type(value) is Foreign:
             if len(series.foreign) < _MAX_FOREIGN:
@@ -550,7 +550,7 @@ class TrainingMetrics:
         with self._guard_lock:
             if self._window is not window:  # the collection took it and judges it whole
                 return
-            trip = guard.observe(_loss_window(loss, steps), complete=False)
+            trip = guard.observe(loss_window(loss, steps), complete=False)
         if trip is not None:
             guard.fire(trip)
 
@@ -650,7 +650,7 @@ class TrainingMetrics:
 
     # -- collection ---------------------------------------------------------------
     @property
-    def _snapshot(self) -> _Snapshot:
+    def _snapshot(self) -> Snapshot:
         """What the gauges of the collection on this thread report."""
         return self._readers.snapshot()
 
@@ -687,7 +687,7 @@ class TrainingMetrics:
     def _roll_locked(self, now: float) -> Trip | None:
         """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
         with self._lock:
-            window, self._window = self._window, _Window(started=now)
+            window, self._window = self._window, Window(started=now)
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
         self._commit(window)
@@ -721,14 +721,14 @@ class TrainingMetrics:
         guard = self._guard
         trip = None
         if guard is not None and "loss" not in failed:
-            trip = guard.observe(_loss_window(window.loss, self._steps_recorded), complete=True)
+            trip = guard.observe(loss_window(window.loss, self._steps_recorded), complete=True)
         if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
             window.grad.nonfinite
         ):
             self._warn_saturated()
         # The window goes to every reader's span; the collecting reader reports its span.
         reader, span = self._readers.take(window, now)
-        snapshot = _span_snapshot(span, reader.snapshot, now, failed)
+        snapshot = span_snapshot(span, reader.snapshot, now, failed)
         if span.last_step is not None:
             # The step's perf_counter() reading, placed on the wall clock as it reads now: an age
             # computed against the current wall clock (Prometheus's time()) stays right even if
@@ -747,7 +747,7 @@ class TrainingMetrics:
             )
         return trip
 
-    def _commit(self, window: _Window) -> None:
+    def _commit(self, window: Window) -> None:
         """Hand the window's counts and step durations to the SDK's synchronous instruments."""
         try:
             self._book_time(window)
@@ -779,7 +779,7 @@ class TrainingMetrics:
         # SDK call per step (min and max become the extreme buckets' means).
         replay(self._duration.record, durations.counts, durations.sums)
 
-    def _book_time(self, window: _Window) -> None:
+    def _book_time(self, window: Window) -> None:
         """Add the seconds per phase since the previous collection, and the steps lost to a restart."""
         # data_timed: the waits of steps that had a step before them (the first step's wait is start-up's).
         spent = self._clock.take(
