@@ -231,12 +231,12 @@ def test_calls_after_shutdown_are_ignored(memory_reader: InMemoryMetricReader) -
     training.record_step(loss=1.0, tokens=5)
     telemetry.shutdown()
     # What was recorded before shutdown stays for a final collection; nothing after it is taken.
-    assert training._window.steps == 1
+    assert training._recording.window.steps == 1
     training.record_step(loss=9.0, tokens=5)
     training.record_values(loss=9.0)
     training.record_epoch(3)
-    assert training._window.steps == 1
-    assert training._window.loss.count == 1
+    assert training._recording.window.steps == 1
+    assert training._recording.window.loss.count == 1
 
 
 class StandIn:
@@ -357,7 +357,7 @@ def test_odd_argument_types_raise_type_or_value_errors_that_say_what_is_accepted
     call, make, error, text = ODD_ARGUMENTS[case]
     with pytest.raises(error, match=text):
         _record(training, call, make())
-    assert training._window.steps == 0  # a refused call records nothing
+    assert training._recording.window.steps == 0  # a refused call records nothing
     assert value(reader.get_metrics_data(), "openlora.training.eval.loss") is None
 
 
@@ -495,7 +495,7 @@ def test_training_on_a_disabled_telemetry_is_a_cheap_no_op(monkeypatch: pytest.M
     # Validation still applies, so a disabled run catches the same mistakes.
     with pytest.raises(TypeError):
         training.record_step(loss="bad")
-    assert training._window.steps == 2000  # bounded state: counters, no per-step storage
+    assert training._recording.window.steps == 2000  # bounded state: counters, no per-step storage
     telemetry.shutdown()
 
 
@@ -517,7 +517,7 @@ def test_values_that_cannot_be_exported_are_refused_at_the_call(setup, call, tex
     training, reader = setup
     with pytest.raises(ValueError, match=text):
         call(training)
-    assert training._window.steps == 0  # nothing recorded
+    assert training._recording.window.steps == 0  # nothing recorded
     training.record_step(tokens=2**63 - 1)  # the largest count is fine
     assert value(reader.get_metrics_data(), "openlora.training.tokens") == 2**63 - 1
 
@@ -754,7 +754,7 @@ def test_cpu_tensors_are_read_at_once_and_never_folded_on_the_step(setup, monkey
     weight = torch.tensor(3.0, requires_grad=True)
     for _ in range(1200):
         training.record_step(loss=weight * 0.5, grad_norm=torch.tensor([1.5]), learning_rate=torch.tensor(1e-4))
-    window = training._window
+    window = training._recording.window
     assert not window.loss.deferred and not window.grad.deferred and not window.lr.deferred
     data = reader.get_metrics_data()
     assert value(data, "openlora.training.loss") == 1.5

@@ -125,7 +125,7 @@ def test_data_wait_is_absent_until_given_and_validated(setup) -> None:
             training.record_step(data_time_s=bad)
     with pytest.raises(TypeError, match="data_time_s must be a number"):
         training.record_step(data_time_s="0.1")
-    assert training._window.steps == 0  # a refused call records nothing
+    assert training._recording.window.steps == 0  # a refused call records nothing
 
 
 def test_a_wait_longer_than_the_interval_reads_as_all_waiting(clock: FakeClock, setup) -> None:
@@ -262,7 +262,7 @@ def test_the_guard_checks_on_its_own_when_nothing_collects() -> None:
             telemetry.training.record_step(loss=torch.tensor(math.inf))
         assert tripped.wait(10), "the guard's own check never ran"
         assert guard.trip is not None and guard.trip.reason == "nonfinite_loss"
-        assert telemetry.training._window.steps == 5  # it looked without taking the window
+        assert telemetry.training._recording.window.steps == 5  # it looked without taking the window
     finally:
         telemetry.shutdown()
 

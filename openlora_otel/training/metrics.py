@@ -77,6 +77,7 @@ from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.readback import fold_by_device, fold_partials, poll_readbacks, start_readback
 from openlora_otel.training.window import (
     Readers,
+    Recording,
     Series,
     Snapshot,
     Window,
@@ -177,14 +178,12 @@ class TrainingMetrics:
         run_id: str = "",
         attempt: int = 1,
     ) -> None:
-        self._lock = threading.Lock()
-        self._closed = False
         if list(step_duration_buckets) != list(STEP_DURATION_BUCKETS):
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
         self._merge_windows = bool(window_histogram) and window_merging_works()
-        self._window = Window(started=time.monotonic())
+        self._recording = Recording(started=time.monotonic())  # the window the record calls fill
         self._last_call: float | None = None
         started = time.monotonic()
         self._readers = Readers(readers, started)
@@ -202,8 +201,6 @@ class TrainingMetrics:
         self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
         self._guard_stop = threading.Event()  # ends the guard's check thread (close())
         self._steps_recorded = 0  # for Trip.steps: committed windows' steps
-        self._dropped_foreign = 0
-        self._dropped_unfolded = 0
         self._warned: set[str] = set()
         # Where the process's time goes (goodput), and the file that carries the highest step to
         # the next attempt (track_progress()).
@@ -312,10 +309,11 @@ class TrainingMetrics:
             grad_norm = prepare_value(grad_norm, "grad_norm")
         if learning_rate is not None and (type(learning_rate) is not float or learning_rate < 0.0):
             learning_rate = prepare_value(learning_rate, "learning_rate")
-        with self._lock:
-            if self._closed:
+        recording = self._recording
+        with recording.lock:
+            if recording.closed:
                 return
-            window = self._window
+            window = recording.window
             window.steps += 1
             window.last_step = now
             if loss is not None:
@@ -358,10 +356,11 @@ class TrainingMetrics:
             None if v is None else prepare_value(v, what)
             for v, what in ((loss, "loss"), (grad_norm, "grad_norm"), (learning_rate, "learning_rate"))
         ]
-        with self._lock:
-            if self._closed:
+        recording = self._recording
+        with recording.lock:
+            if recording.closed:
                 return
-            window = self._window
+            window = recording.window
             for series, value in zip((window.loss, window.grad, window.lr), values, strict=True):
                 if value is None:
                     continue
@@ -376,7 +375,7 @@ class TrainingMetrics:
             if len(series.foreign) < _MAX_FOREIGN:
                 series.foreign.append(value.value)
             else:
-                self._dropped_foreign += 1
+                self._recording.dropped_foreign += 1
             return
         deferred = series.deferred
         if series.fold_failed:
@@ -385,7 +384,7 @@ class TrainingMetrics:
             if len(deferred) < _MAX_UNFOLDED:
                 deferred.append(value)
             else:
-                self._dropped_unfolded += 1
+                self._recording.dropped_unfolded += 1
             return
         deferred.append(value)
         if len(deferred) >= _FOLD_EVERY:
@@ -508,15 +507,15 @@ class TrainingMetrics:
             self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
         guard.bind(
             lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}),
-            lambda: self._steps_recorded + self._window.steps,
+            lambda: self._steps_recorded + self._recording.window.steps,
         )
-        if not self._closed:
+        if not self._recording.closed:
             guard.start(lambda: self._guard_check(guard), self._guard_stop)
         return guard
 
     def _guard_check(self, guard: DivergenceGuard) -> None:
         """What the guard's thread runs every ``check_interval_s`` (never raises: the thread goes on)."""
-        if self._closed:
+        if self._recording.closed:
             return  # close() is about to set _guard_stop, which ends the thread
         try:
             self._check_current_window(guard)
@@ -525,8 +524,9 @@ class TrainingMetrics:
 
     def _check_current_window(self, guard: DivergenceGuard) -> None:
         """Show the guard the window so far, read back the collection's way, without taking it."""
-        with self._lock:
-            window = self._window
+        recording = self._recording
+        with recording.lock:
+            window = recording.window
             loss = window.loss.copy()
             steps = self._steps_recorded + window.steps
         if not (loss.count or loss.nonfinite or loss.deferred or loss.partials or loss.foreign):
@@ -548,7 +548,7 @@ class TrainingMetrics:
             if failed or waiting:
                 return  # not readable yet: the next check or the collection sees it
         with self._guard_lock:
-            if self._window is not window:  # the collection took it and judges it whole
+            if recording.window is not window:  # the collection took it and judges it whole
                 return
             trip = guard.observe(loss_window(loss, steps), complete=False)
         if trip is not None:
@@ -612,7 +612,7 @@ class TrainingMetrics:
         # _roll holds the guard lock from taking the window until its steps are in the clock.
         locked = self._guard_lock.acquire(timeout=max(0.0, timeout_s))
         try:
-            step = min(self._clock.global_step + self._window.steps, INT64_MAX)
+            step = min(self._clock.global_step + self._recording.window.steps, INT64_MAX)
         finally:
             if locked:
                 self._guard_lock.release()
@@ -636,7 +636,7 @@ class TrainingMetrics:
         # record paths check it under the lock, so a record racing with close() either
         # lands in the window the final collection takes (the collection takes the lock)
         # or is ignored. Both are fine.
-        self._closed = True
+        self._recording.closed = True
         self._clock.close(time.perf_counter(), last_step=self._last_call)
         self._guard_stop.set()
 
@@ -686,8 +686,9 @@ class TrainingMetrics:
 
     def _roll_locked(self, now: float) -> Trip | None:
         """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
-        with self._lock:
-            window, self._window = self._window, Window(started=now)
+        recording = self._recording
+        with recording.lock:
+            window, recording.window = recording.window, Window(started=now)
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
         self._commit(window)
@@ -735,14 +736,14 @@ class TrainingMetrics:
             # the wall clock was stepped since, and the step path pays no time.time() call.
             snapshot.last_step_time = time.time() - (time.perf_counter() - span.last_step)
         reader.snapshot = snapshot
-        if self._dropped_foreign:
+        if recording.dropped_foreign:
             self._warn_once(
-                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
+                "foreign", f"{recording.dropped_foreign} tensor-like values dropped (no collection for too long)"
             )
-        if self._dropped_unfolded:
+        if recording.dropped_unfolded:
             self._warn_once(
                 "unfolded",
-                f"{self._dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
+                f"{recording.dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
                 f"them failed and more than {_MAX_UNFOLDED} waited for one collection",
             )
         return trip

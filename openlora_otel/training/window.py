@@ -144,6 +144,23 @@ class Window:
         self.data_wall += window.data_wall
 
 
+class Recording:
+    """What the step path shares with the collection: the window it fills now and the lock it fills it
+    under, whether it still takes records, and how many tensors it had to drop (told at collection).
+
+    The record calls add to ``window`` holding ``lock``; a collection swaps in a fresh one under it.
+    """
+
+    __slots__ = ("closed", "dropped_foreign", "dropped_unfolded", "lock", "window")
+
+    def __init__(self, started: float) -> None:
+        self.lock = threading.Lock()
+        self.window = Window(started=started)
+        self.closed = False
+        self.dropped_foreign = 0  # tensor-likes past _MAX_FOREIGN in one window
+        self.dropped_unfolded = 0  # tensors past _MAX_UNFOLDED after a failed fold
+
+
 class _Reader:
     """One reader's view: the span it has not reported yet and what its gauges show."""
 
