@@ -18,7 +18,7 @@ from tests.support.readings import value  # noqa: E402
 # CPU tensors stand in for device tensors here: kept and folded as on a GPU.
 pytestmark = pytest.mark.usefixtures("defer_cpu_tensors")
 
-FOLD_EVERY = training_module._FOLD_EVERY
+FOLD_EVERY = training_module.FOLD_EVERY
 
 
 class FailingFold:
@@ -81,7 +81,7 @@ def test_memory_stays_bounded_after_a_failed_fold_and_drops_are_counted(
 ) -> None:
     training, reader = setup
     cap = 2 * FOLD_EVERY
-    monkeypatch.setattr(training_module, "_MAX_UNFOLDED", cap)
+    monkeypatch.setattr(training_module, "MAX_UNFOLDED", cap)
     fold = FailingFold()
     monkeypatch.setattr(training_module, "fold_by_device", fold)
     steps = cap + 1000

@@ -40,7 +40,7 @@ def test_one_spike_in_500_steps_is_reported_at_its_value(setup, kind: str) -> No
 
 def test_extremes_survive_folds_on_the_device_and_ignore_non_finite(setup) -> None:
     training, reader = setup
-    steps = 3 * training_module._FOLD_EVERY + 17  # several folds, then a tail of unfolded tensors
+    steps = 3 * training_module.FOLD_EVERY + 17  # several folds, then a tail of unfolded tensors
     for step in range(steps):
         loss = math.nan if step % 97 == 5 else (50.0 if step == 700 else 1.0)
         low = -3.0 if step == 1100 else 1.0  # a loss can be negative (a reward, a log-likelihood)

@@ -76,6 +76,9 @@ from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard, Trip
 from openlora_otel.training.readback import fold_by_device, fold_partials, poll_readbacks, start_readback
 from openlora_otel.training.window import (
+    FOLD_EVERY,
+    MAX_FOREIGN,
+    MAX_UNFOLDED,
     Readers,
     Recording,
     Series,
@@ -91,16 +94,6 @@ __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
 
-# Tensors kept per window before they are folded on their device into one partial
-# result (one small reduction per this many steps keeps memory flat without a reader).
-_FOLD_EVERY = 512
-# After a fold fails, a window stops folding (retrying would re-stack the whole growing
-# list on every step, under the lock) and keeps at most this many tensors until its
-# collection; beyond it they are dropped and counted.
-_MAX_UNFOLDED = 16384
-# Tensor-like objects that are not torch tensors (duck-typed test doubles, other
-# frameworks) cannot be folded without reading them; beyond this they are dropped.
-_MAX_FOREIGN = 65536
 # How long the guard's own check polls (its thread has nothing else to do).
 _GUARD_READBACK_WAIT_S = 5.0
 _MAX_EVAL_METRICS = 64
@@ -370,9 +363,9 @@ class TrainingMetrics:
                     self._defer(series, value)
 
     def _defer(self, series: Series, value: Any) -> None:
-        """Keep a tensor (lock held); fold torch tensors on their device every ``_FOLD_EVERY``."""
+        """Keep a tensor (lock held); fold torch tensors on their device every ``FOLD_EVERY``."""
         if type(value) is Foreign:
-            if len(series.foreign) < _MAX_FOREIGN:
+            if len(series.foreign) < MAX_FOREIGN:
                 series.foreign.append(value.value)
             else:
                 self._recording.dropped_foreign += 1
@@ -381,24 +374,24 @@ class TrainingMetrics:
         if series.fold_failed:
             # One failed attempt per window: retrying on each step would re-stack the whole
             # growing list under the lock (milliseconds per step after a few thousand).
-            if len(deferred) < _MAX_UNFOLDED:
+            if len(deferred) < MAX_UNFOLDED:
                 deferred.append(value)
             else:
                 self._recording.dropped_unfolded += 1
             return
         deferred.append(value)
-        if len(deferred) >= _FOLD_EVERY:
+        if len(deferred) >= FOLD_EVERY:
             torch = sys.modules["torch"]
             try:
                 series.partials.extend(fold_by_device(deferred, torch))
                 series.deferred = []
-                if len(series.partials) >= _FOLD_EVERY:
+                if len(series.partials) >= FOLD_EVERY:
                     series.partials = fold_partials(series.partials, torch)
             except Exception:  # never let bookkeeping break the step; read them all at collection instead
                 series.fold_failed = True
                 self._warn_once(
                     "fold",
-                    f"folding kept tensors failed; this window keeps up to {_MAX_UNFOLDED} of them "
+                    f"folding kept tensors failed; this window keeps up to {MAX_UNFOLDED} of them "
                     "for its collection (the next window folds again)",
                     exc=True,
                 )
@@ -744,7 +737,7 @@ class TrainingMetrics:
             self._warn_once(
                 "unfolded",
                 f"{recording.dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
-                f"them failed and more than {_MAX_UNFOLDED} waited for one collection",
+                f"them failed and more than {MAX_UNFOLDED} waited for one collection",
             )
         return trip
 

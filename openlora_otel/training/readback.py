@@ -1,7 +1,7 @@
 """Deferred tensor values: folded on their own device, read back at collection without a sync.
 
 The step path keeps loss, gradient norm and learning rate tensors as references
-(see :mod:`openlora_otel.training.metrics`), which folds every ``_FOLD_EVERY``
+(see :mod:`openlora_otel.training.metrics`), which folds every ``FOLD_EVERY``
 of them on their device into one small partial result (``_fold``): sum and
 count of the finite values, the non-finite count, the last value, the finite
 extremes and the trailing non-finite run. At collection a series' partials and

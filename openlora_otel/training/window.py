@@ -36,6 +36,16 @@ from openlora_otel.windows import BucketCounts
 
 __all__ = ["collecting_for"]
 
+# Tensors kept per window before they are folded on their device into one partial
+# result (one small reduction per this many steps keeps memory flat without a reader).
+FOLD_EVERY = 512
+# After a fold fails, a window stops folding (retrying would re-stack the whole growing
+# list on every step, under the lock) and keeps at most this many tensors until its
+# collection; beyond it they are dropped and counted.
+MAX_UNFOLDED = 16384
+# Tensor-like objects that are not torch tensors (duck-typed test doubles, other
+# frameworks) cannot be folded without reading them; beyond this they are dropped.
+MAX_FOREIGN = 65536
 # An empty window shorter than this keeps the previous throughput (two readers back to back).
 _MIN_EMPTY_WINDOW_S = 1.0
 
@@ -157,8 +167,8 @@ class Recording:
         self.lock = threading.Lock()
         self.window = Window(started=started)
         self.closed = False
-        self.dropped_foreign = 0  # tensor-likes past _MAX_FOREIGN in one window
-        self.dropped_unfolded = 0  # tensors past _MAX_UNFOLDED after a failed fold
+        self.dropped_foreign = 0  # tensor-likes past MAX_FOREIGN in one window
+        self.dropped_unfolded = 0  # tensors past MAX_UNFOLDED after a failed fold
 
 
 class _Reader:
