@@ -14,6 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
+from openlora_otel.training import collection as collection_module
 from openlora_otel.training import metrics as training_module
 from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
@@ -678,6 +679,7 @@ def test_the_step_path_reads_no_wall_clock(monkeypatch: pytest.MonkeyPatch, setu
 
     fake = Counting()
     monkeypatch.setattr(training_module, "time", fake)
+    monkeypatch.setattr(collection_module, "time", fake)
     for _ in range(100):
         fake.sleep(0.01)
         training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=8, samples=1)

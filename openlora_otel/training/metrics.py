@@ -4,40 +4,15 @@ Why not one OpenTelemetry instrument call per value: each SDK call costs a few
 microseconds, and the usual recipe calls ``loss.item()`` every step, which
 stalls the GPU pipeline. Here ``record_step`` only updates plain Python
 accumulators under a lock (about a microsecond for all six values) and keeps
-device tensors as references. Everything else happens at collection time, on the
-exporter's or the scrape's thread:
+device tensors as references. A CPU tensor's value is ready, and is read at the
+call like a number (:func:`~.arguments._cpu_number`). Everything else happens at
+collection time, on the exporter's or the scrape's thread
+(:mod:`openlora_otel.training.collection`).
 
-- gauges report the window since the previous collection: loss and gradient
-  norm are the mean of the window's finite values (NaN/inf are counted in the
-  ``*.nonfinite`` counters instead, so a single bad step never turns the gauge
-  into NaN); learning rate is the latest value; throughput is tokens (samples)
-  over the window's wall time. A window with no step repeats the previous
-  loss, gradient norm and learning rate; throughput drops to 0 once such an
-  empty window is at least a second long (a stalled run must show as stalled).
-- ``openlora.training.last_step.timestamp`` is the wall-clock time of the
-  latest ``record_step``: the step path stores the ``perf_counter()`` reading it
-  takes anyway, and the collection converts it. It lets PromQL compare ranks'
-  progress (``time() - ...``) without any communication between them.
-- device tensors are reduced on their own device and read back there without
-  a sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
-  yet are carried into the next collection. A CPU tensor's value is ready, and is
-  read at the call like a number (:func:`~.arguments._cpu_number`).
-- the window's counts go into synchronous SDK counters and its step durations
-  into the ``openlora.training.step.duration`` histogram when the window is
-  taken. Measurements of synchronous instruments stay in the SDK until a
-  collection completes, so a collection that fails after the window was taken
-  neither loses nor repeats it (observable counters would: the SDK adds an
-  aborted collection's observation to the next one's).
-- on the provider ``setup_telemetry`` builds, :func:`step_duration_view` makes
-  the histogram take a whole window as one measurement, so a collection costs
-  the same after ten steps or ten million; on any other meter the window is
-  replayed, one ``record`` per step (exact, about 5 us per step).
-
-Each reader of the provider ``setup_telemetry`` builds reports the steps since
-its own previous collection (:mod:`openlora_otel.training.window`). Here: the
-instruments, the step path (the record calls, on the caller's thread; their
-argument checks are :mod:`openlora_otel.training.arguments`), the guard's
-thread, and the collection that takes the window and judges it once.
+Here: the step path (the record calls, on the caller's thread; their argument
+checks are :mod:`openlora_otel.training.arguments`) and the public API. What the
+step path shares with the collection is one :class:`~.window.Recording`: the
+window being filled and its lock.
 """
 
 from __future__ import annotations
@@ -45,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
@@ -55,14 +29,9 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from openlora_otel import names
 from openlora_otel.names import (
     ATTR_EVAL_METRIC,
-    ATTR_GUARD_REASON,
-    ATTR_TRAINING_PHASE,
-    GUARD_REASONS,
     STEP_DURATION_BUCKETS,
-    TRAINING_PHASES,
 )
 from openlora_otel.training.arguments import (
-    INT64_MAX,
     MAX_STEP_TIME_S,
     Foreign,
     adapter_values,
@@ -72,50 +41,24 @@ from openlora_otel.training.arguments import (
     host_number,
     prepare_value,
 )
+from openlora_otel.training.collection import Collection, observed, step_duration_view
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
-from openlora_otel.training.guard import DivergenceGuard, Trip
-from openlora_otel.training.readback import fold_by_device, fold_partials, poll_readbacks, start_readback
+from openlora_otel.training.guard import DivergenceGuard
+from openlora_otel.training.readback import fold_by_device, fold_partials
 from openlora_otel.training.window import (
     FOLD_EVERY,
     MAX_FOREIGN,
     MAX_UNFOLDED,
-    Readers,
     Recording,
     Series,
-    Snapshot,
-    Window,
     collecting_for,
-    loss_window,
-    span_snapshot,
 )
-from openlora_otel.windows import replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
 
-# How long the guard's own check polls (its thread has nothing else to do).
-_GUARD_READBACK_WAIT_S = 5.0
 _MAX_EVAL_METRICS = 64
-_DURATION = "openlora.training.step.duration"
-
-
-class _Total:
-    """A synchronous counter and what was added to it, kept within int64 (saturates rather than poisons exports)."""
-
-    __slots__ = ("counter", "total")
-
-    def __init__(self, counter: Any) -> None:
-        self.counter = counter
-        self.total = 0
-
-    def add(self, amount: int) -> bool:
-        """Add ``amount``; False when the total reached int64's maximum and part of it was not counted."""
-        room = INT64_MAX - self.total
-        taken = amount if amount <= room else room
-        self.total += taken
-        self.counter.add(taken)  # also when 0: the series exists from the first collection
-        return taken == amount
 
 
 class TrainingMetrics:
@@ -175,12 +118,9 @@ class TrainingMetrics:
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
-        self._merge_windows = bool(window_histogram) and window_merging_works()
         self._recording = Recording(started=time.monotonic())  # the window the record calls fill
         self._last_call: float | None = None
         started = time.monotonic()
-        self._readers = Readers(readers, started)
-        self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
         self._epoch: float | None = None
         self._eval_loss: float | None = None
         self._eval: dict[str, float] = {}
@@ -190,10 +130,6 @@ class TrainingMetrics:
         self._flops_per_token: float | None = None
         self._configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
         self._peak_flops = self._configured_peak
-        self._guard: DivergenceGuard | None = None
-        self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
-        self._guard_stop = threading.Event()  # ends the guard's check thread (close())
-        self._steps_recorded = 0  # for Trip.steps: committed windows' steps
         self._warned: set[str] = set()
         # Where the process's time goes (goodput), and the file that carries the highest step to
         # the next attempt (track_progress()).
@@ -201,7 +137,6 @@ class TrainingMetrics:
         self._run_id = run_id
         self._attempt = attempt
         self._progress: ProgressFile | None = None
-        self._phases_started = False
 
         spec = {m.name: m for m in (*names.TRAINING_METRICS, *names.ADAPTER_METRICS)}
 
@@ -210,55 +145,32 @@ class TrainingMetrics:
                 name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
             )
 
-        def raw_counter(name: str) -> Any:
-            return meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
-
-        def counter(name: str) -> _Total:
-            return _Total(raw_counter(name))
-
-        # Counters are synchronous: a window's counts are added once, when it is taken
-        # (see the module docstring for why not observable counters).
-        self._steps = counter("openlora.training.steps")
-        self._tokens = counter("openlora.training.tokens")
-        self._samples = counter("openlora.training.samples")
-        self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
-        self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
-        # Counted with attributes, one at a time: plain SDK counters.
-        self._guard_trips = raw_counter("openlora.training.guard.trips")
-        self._eval_nonfinite = raw_counter("openlora.training.eval.nonfinite")
-        self._time = raw_counter("openlora.training.time")
-        self._lost_steps = raw_counter("openlora.training.steps.lost")
-        duration = spec[_DURATION]
-        self._duration = meter.create_histogram(
-            duration.name,
-            unit=duration.unit,
-            description=duration.description,
-            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
+        # The window's instruments, its guard and what each collection does with it.
+        self._collection = Collection(
+            meter,
+            self._recording,
+            readers=readers,
+            started=started,
+            window_histogram=window_histogram,
+            clock=self._clock,
+            warn=self._warn_once,
+            write_progress=self._write_progress,
         )
-        # The first callback of every collection takes the window; the rest read the snapshot.
-        gauge("openlora.training.loss", self._observe_loss)
-        gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
-        gauge("openlora.training.loss.max", lambda o: self._one(self._snapshot.loss_max))
-        gauge("openlora.training.loss.min", lambda o: self._one(self._snapshot.loss_min))
-        gauge("openlora.training.gradient_norm.max", lambda o: self._one(self._snapshot.grad_max))
-        gauge("openlora.training.gradient_norm.min", lambda o: self._one(self._snapshot.grad_min))
-        gauge("openlora.training.data_wait.duration", lambda o: self._one(self._snapshot.data_wait))
-        gauge("openlora.training.data_wait.fraction", lambda o: self._one(self._snapshot.data_fraction))
-        gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
-        gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
-        gauge("openlora.training.last_step.timestamp", lambda o: self._one(self._snapshot.last_step_time))
-        gauge("openlora.training.throughput.tokens", lambda o: self._one(self._snapshot.tokens_per_s))
-        gauge("openlora.training.throughput.samples", lambda o: self._one(self._snapshot.samples_per_s))
-        gauge("openlora.model.flops_per_token", lambda o: self._one(self._flops_per_token))
-        gauge("openlora.training.throughput.flops", lambda o: self._one(self._achieved_flops()))
-        gauge("openlora.training.peak_flops", lambda o: self._one(self._peak_flops))
-        gauge("openlora.training.model_flops.utilization", lambda o: self._one(self._utilization()))
-        gauge("openlora.training.epoch", lambda o: self._one(self._epoch))
-        gauge("openlora.training.eval.loss", lambda o: self._one(self._eval_loss))
+        # Counted with attributes, one at a time: a plain SDK counter.
+        eval_nonfinite = spec["openlora.training.eval.nonfinite"]
+        self._eval_nonfinite = meter.create_counter(
+            eval_nonfinite.name, unit=eval_nonfinite.unit, description=eval_nonfinite.description
+        )
+        gauge("openlora.model.flops_per_token", lambda o: observed(self._flops_per_token))
+        gauge("openlora.training.throughput.flops", lambda o: observed(self._achieved_flops()))
+        gauge("openlora.training.peak_flops", lambda o: observed(self._peak_flops))
+        gauge("openlora.training.model_flops.utilization", lambda o: observed(self._utilization()))
+        gauge("openlora.training.epoch", lambda o: observed(self._epoch))
+        gauge("openlora.training.eval.loss", lambda o: observed(self._eval_loss))
         gauge("openlora.training.eval.value", self._observe_eval)
         for adapter_spec in names.ADAPTER_METRICS:
             key = adapter_spec.name
-            gauge(key, lambda o, key=key: self._one(self._adapter.get(key)))
+            gauge(key, lambda o, key=key: observed(self._adapter.get(key)))
 
     # -- the step path --------------------------------------------------------
     def record_step(
@@ -475,7 +387,7 @@ class TrainingMetrics:
         self._peak_flops = self._configured_peak if self._configured_peak is not None else peak
 
     def _achieved_flops(self) -> float | None:
-        tokens_per_s, per_token = self._snapshot.tokens_per_s, self._flops_per_token
+        tokens_per_s, per_token = self._collection.snapshot().tokens_per_s, self._flops_per_token
         return None if tokens_per_s is None or per_token is None else tokens_per_s * per_token
 
     def _utilization(self) -> float | None:
@@ -490,62 +402,8 @@ class TrainingMetrics:
         """
         if not isinstance(guard, DivergenceGuard):
             raise TypeError(f"attach_guard takes a DivergenceGuard, got {type(guard).__name__}")
-        with self._guard_lock:
-            if self._guard is guard:
-                return guard
-            if self._guard is not None:
-                raise ValueError("a divergence guard is already attached to this TrainingMetrics")
-            self._guard = guard
-        for reason in GUARD_REASONS:  # the series exist from the start, so increase() sees the first trip
-            self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
-        guard.bind(
-            lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}),
-            lambda: self._steps_recorded + self._recording.window.steps,
-        )
-        if not self._recording.closed:
-            guard.start(lambda: self._guard_check(guard), self._guard_stop)
+        self._collection.attach(guard)
         return guard
-
-    def _guard_check(self, guard: DivergenceGuard) -> None:
-        """What the guard's thread runs every ``check_interval_s`` (never raises: the thread goes on)."""
-        if self._recording.closed:
-            return  # close() is about to set _guard_stop, which ends the thread
-        try:
-            self._check_current_window(guard)
-        except Exception:
-            self._warn_once("guard", "the divergence guard's check failed; it retries", exc=True)
-
-    def _check_current_window(self, guard: DivergenceGuard) -> None:
-        """Show the guard the window so far, read back the collection's way, without taking it."""
-        recording = self._recording
-        with recording.lock:
-            window = recording.window
-            loss = window.loss.copy()
-            steps = self._steps_recorded + window.steps
-        if not (loss.count or loss.nonfinite or loss.deferred or loss.partials or loss.foreign):
-            return
-        for item in loss.foreign:
-            loss.add_host(float(item))
-        if loss.deferred or loss.partials:
-            failed: list[str] = []
-            handles = start_readback(
-                loss.partials, loss.deferred, sys.modules.get("torch"), lambda: failed.append("loss")
-            )
-            waiting: list[tuple[str, list[Any]]] = []
-            # This thread has nothing else to do: it waits for a device that runs far behind
-            # the host as long as the window lasts, rather than giving up and starting over.
-            for _, folded in poll_readbacks(
-                [("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S, stop=self._guard_stop
-            ):
-                loss.merge(folded)
-            if failed or waiting:
-                return  # not readable yet: the next check or the collection sees it
-        with self._guard_lock:
-            if recording.window is not window:  # the collection took it and judges it whole
-                return
-            trip = guard.observe(loss_window(loss, steps), complete=False)
-        if trip is not None:
-            guard.fire(trip)
 
     # -- where the time goes (goodput) ------------------------------------------
     def phase(self, name: str) -> Any:
@@ -602,13 +460,7 @@ class TrainingMetrics:
         progress = self._progress
         if progress is None:
             return
-        # _roll holds the guard lock from taking the window until its steps are in the clock.
-        locked = self._guard_lock.acquire(timeout=max(0.0, timeout_s))
-        try:
-            step = min(self._clock.global_step + self._recording.window.steps, INT64_MAX)
-        finally:
-            if locked:
-                self._guard_lock.release()
+        step = self._collection.global_step_now(timeout_s)
         progress.write(step, run_id=self._run_id, attempt=self._attempt)
 
     @property
@@ -631,195 +483,32 @@ class TrainingMetrics:
         # or is ignored. Both are fine.
         self._recording.closed = True
         self._clock.close(time.perf_counter(), last_step=self._last_call)
-        self._guard_stop.set()
+        self._collection.stop_guard()
 
     def join_guard(self, timeout_s: float) -> bool:
         """After :meth:`close`, wait (at most ``timeout_s``) for the guard's check thread to end;
         True when none is left running. A check in the middle of reading the device back gives up
         at once on close, so the thread never touches the device after the shutdown (at
         interpreter exit CUDA may already be going away)."""
-        guard = self._guard
-        return guard is None or guard.join(timeout_s)
+        return self._collection.join_guard(timeout_s)
 
-    # -- collection ---------------------------------------------------------------
     @property
-    def _snapshot(self) -> Snapshot:
-        """What the gauges of the collection on this thread report."""
-        return self._readers.snapshot()
-
-    @staticmethod
-    def _one(value: float | int | None) -> list[Observation]:
-        # Non-finite values are left out here: the SDK would drop them anyway, with a
-        # warning on every collection.
-        return [] if value is None or value - value != 0 else [Observation(value)]
-
-    def _observe_loss(self, options: CallbackOptions) -> list[Observation]:
-        try:
-            self._roll()
-        except Exception:  # the scrape must survive anything a tensor read throws
-            self._warn_once(
-                "roll", "reading training values failed; this collection reports stale values", exc=True
-            )
-        return self._one(self._snapshot.loss)
+    def _guard(self) -> DivergenceGuard | None:
+        """The attached guard, if any (``Telemetry`` reads it to decide the run's outcome)."""
+        return self._collection.guard
 
     def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
         return [
             Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items()) if math.isfinite(v)
         ]
 
-    def _roll(self) -> None:
-        now = time.monotonic()
-        # The guard lock is held from the swap until the guard has seen this window whole
-        # (below): a check of the new window in between would count the old one's
-        # non-finite run twice. Only the guard's thread ever waits for it.
-        with self._guard_lock:
-            trip = self._roll_locked(now)
-        if trip is not None and self._guard is not None:
-            self._guard.fire(trip)  # after the lock: on_trip may collect
-
-    def _roll_locked(self, now: float) -> Trip | None:
-        """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
-        recording = self._recording
-        with recording.lock:
-            window, recording.window = recording.window, Window(started=now)
-        # Counts first, before anything that reads a tensor can fail: the window is
-        # handed to the SDK exactly once, and stays there until a collection completes.
-        self._commit(window)
-
-        pending = self._carry
-        self._carry = []
-        failed: set[str] = set()
-        torch = sys.modules.get("torch")
-        for label, series in (("loss", window.loss), ("grad", window.grad), ("lr", window.lr)):
-            # One value or device failing to read (a tensor on a device that went away, a
-            # foreign object that raises) costs only those values, never the rest.
-            for item in series.foreign:
-                try:
-                    number = float(item)
-                except Exception:
-                    self._fail_read(label, failed)
-                else:
-                    series.add_host(number)
-            if series.deferred or series.partials:
-                handles = start_readback(
-                    series.partials, series.deferred, torch, lambda label=label: self._fail_read(label, failed)
-                )
-                if handles:
-                    pending.append((label, handles))
-        ready = poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
-        merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
-        for label, folded in ready:
-            merged[label].merge(folded)
-
-        self._steps_recorded += window.steps
-        guard = self._guard
-        trip = None
-        if guard is not None and "loss" not in failed:
-            trip = guard.observe(loss_window(window.loss, self._steps_recorded), complete=True)
-        if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
-            window.grad.nonfinite
-        ):
-            self._warn_saturated()
-        # The window goes to every reader's span; the collecting reader reports its span.
-        reader, span = self._readers.take(window, now)
-        snapshot = span_snapshot(span, reader.snapshot, now, failed)
-        if span.last_step is not None:
-            # The step's perf_counter() reading, placed on the wall clock as it reads now: an age
-            # computed against the current wall clock (Prometheus's time()) stays right even if
-            # the wall clock was stepped since, and the step path pays no time.time() call.
-            snapshot.last_step_time = time.time() - (time.perf_counter() - span.last_step)
-        reader.snapshot = snapshot
-        if recording.dropped_foreign:
-            self._warn_once(
-                "foreign", f"{recording.dropped_foreign} tensor-like values dropped (no collection for too long)"
-            )
-        if recording.dropped_unfolded:
-            self._warn_once(
-                "unfolded",
-                f"{recording.dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
-                f"them failed and more than {MAX_UNFOLDED} waited for one collection",
-            )
-        return trip
-
-    def _commit(self, window: Window) -> None:
-        """Hand the window's counts and step durations to the SDK's synchronous instruments."""
-        try:
-            self._book_time(window)
-        except Exception:  # the step counts below must be handed over whatever happens here
-            self._warn_once("goodput", "booking the time per phase failed; openlora.training.time misses it", exc=True)
-        saturated = not self._steps.add(window.steps)
-        saturated |= not self._tokens.add(window.tokens)
-        saturated |= not self._samples.add(window.samples)
-        if saturated:
-            self._warn_saturated()
-        durations = window.durations
-        if not durations.count:
-            return
-        if self._merge_windows:
-            batch = durations.window()
-            self._duration.record(batch)
-            if batch.merged:
-                return
-            # Only when told the view is there and it is not: that one window was
-            # counted as a single 0 s step. Every later window is replayed.
-            self._merge_windows = False
-            self._warn_once(
-                "merge",
-                f"{_DURATION} is not using step_duration_view() on this meter's provider; "
-                "step durations are replayed one by one from now on",
-            )
-            return
-        # Per bucket, its count at the bucket's mean: counts and sum are exact, one
-        # SDK call per step (min and max become the extreme buckets' means).
-        replay(self._duration.record, durations.counts, durations.sums)
-
-    def _book_time(self, window: Window) -> None:
-        """Add the seconds per phase since the previous collection, and the steps lost to a restart."""
-        # data_timed: the waits of steps that had a step before them (the first step's wait is start-up's).
-        spent = self._clock.take(
-            time.perf_counter(), steps=window.steps, data_wait=window.data_timed, last_step=window.last_step
-        )
-        if not self._phases_started:
-            # Every phase from the first collection on: a series born later would lose its
-            # first increase in PromQL's increase() and rate().
-            self._phases_started = True
-            for phase in TRAINING_PHASES:
-                spent.setdefault(phase, 0.0)
-            self._lost_steps.add(0)
-        for phase, seconds in spent.items():
-            self._time.add(seconds, {ATTR_TRAINING_PHASE: phase})
-        lost = self._clock.take_lost_steps()
-        if lost:
-            self._lost_steps.add(lost)
+    def _write_progress(self, step: int) -> None:
+        """Keep ``step`` in the progress file of :meth:`track_progress`, if any (each collection calls it)."""
         if self._progress is not None:
-            self._progress.write(self._clock.global_step, run_id=self._run_id, attempt=self._attempt)
-
-    def _fail_read(self, label: str, failed: set[str]) -> None:
-        failed.add(label)
-        self._warn_once(
-            f"read-{label}",
-            f"reading {label} values failed; those values are dropped, the others still count "
-            "(a window with none readable reports no value rather than a stale one)",
-            exc=True,
-        )
-
-    def _warn_saturated(self) -> None:
-        self._warn_once(
-            "int64", "a training counter reached 2**63 - 1, the largest value OTLP carries; it stays there"
-        )
+            self._progress.write(step, run_id=self._run_id, attempt=self._attempt)
 
     def _warn_once(self, key: str, message: str, *, exc: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
 
-
-def step_duration_view() -> Any:
-    """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
-
-    Pass it to ``MeterProvider(views=[...])`` and build ``TrainingMetrics(meter,
-    window_histogram=True)`` on that provider; ``setup_telemetry`` does both. It
-    keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
-    internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
-    """
-    return window_view(_DURATION, STEP_DURATION_BUCKETS)
