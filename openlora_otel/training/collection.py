@@ -65,22 +65,16 @@ from openlora_otel.training.window import (
     Snapshot,
     Window,
     loss_window,
+    observed,
     span_snapshot,
 )
 from openlora_otel.windows import replay, window_merging_works, window_view
 
-__all__ = ["Collection", "observed", "step_duration_view"]
+__all__ = ["Collection", "step_duration_view"]
 
 # How long the guard's own check polls (its thread has nothing else to do).
 _GUARD_READBACK_WAIT_S = 5.0
 _DURATION = "openlora.training.step.duration"
-
-
-def observed(value: float | int | None) -> list[Observation]:
-    """What a gauge callback reports for ``value``: one observation, or none for None or a non-finite value."""
-    # Non-finite values are left out here: the SDK would drop them anyway, with a
-    # warning on every collection.
-    return [] if value is None or value - value != 0 else [Observation(value)]
 
 
 class _Total:

@@ -41,7 +41,7 @@ from openlora_otel.training.arguments import (
     host_number,
     prepare_value,
 )
-from openlora_otel.training.collection import Collection, observed, step_duration_view
+from openlora_otel.training.collection import Collection, step_duration_view
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.training.readback import fold_by_device, fold_partials
@@ -52,6 +52,7 @@ from openlora_otel.training.window import (
     Recording,
     Series,
     collecting_for,
+    observed,
 )
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]

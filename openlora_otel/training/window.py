@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.metrics import Observation
+
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.guard import LossWindow
 from openlora_otel.training.readback import Folded
@@ -214,6 +216,13 @@ class Snapshot:
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
     last_step_time: float | None = None  # seconds since the epoch
+
+
+def observed(value: float | int | None) -> list[Observation]:
+    """What a gauge callback reports for ``value``: one observation, or none for None or a non-finite value."""
+    # Non-finite values are left out here: the SDK would drop them anyway, with a
+    # warning on every collection.
+    return [] if value is None or value - value != 0 else [Observation(value)]
 
 
 class Readers:
