@@ -18,19 +18,14 @@ window being filled and its lock.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import Meter
 
-from openlora_otel import names
-from openlora_otel.names import (
-    ATTR_EVAL_METRIC,
-    STEP_DURATION_BUCKETS,
-)
+from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.arguments import (
     MAX_STEP_TIME_S,
     Foreign,
@@ -38,13 +33,13 @@ from openlora_otel.training.arguments import (
     checked_count,
     checked_positive,
     checked_seconds,
-    host_number,
     prepare_value,
 )
 from openlora_otel.training.collection import Collection, step_duration_view
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
 from openlora_otel.training.guard import DivergenceGuard
 from openlora_otel.training.readback import fold_by_device, fold_partials
+from openlora_otel.training.values import RunValues
 from openlora_otel.training.window import (
     FOLD_EVERY,
     MAX_FOREIGN,
@@ -52,14 +47,11 @@ from openlora_otel.training.window import (
     Recording,
     Series,
     collecting_for,
-    observed,
 )
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
-
-_MAX_EVAL_METRICS = 64
 
 
 class TrainingMetrics:
@@ -122,15 +114,7 @@ class TrainingMetrics:
         self._recording = Recording(started=time.monotonic())  # the window the record calls fill
         self._last_call: float | None = None
         started = time.monotonic()
-        self._epoch: float | None = None
-        self._eval_loss: float | None = None
-        self._eval: dict[str, float] = {}
-        self._adapter: dict[str, float] = {}
-        # Model FLOPs: per token from set_model_flops(); the peak given there, unless
-        # the configuration (OPENLORA_PEAK_FLOPS) set one, which wins.
-        self._flops_per_token: float | None = None
-        self._configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
-        self._peak_flops = self._configured_peak
+        configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
         self._warned: set[str] = set()
         # Where the process's time goes (goodput), and the file that carries the highest step to
         # the next attempt (track_progress()).
@@ -138,13 +122,6 @@ class TrainingMetrics:
         self._run_id = run_id
         self._attempt = attempt
         self._progress: ProgressFile | None = None
-
-        spec = {m.name: m for m in (*names.TRAINING_METRICS, *names.ADAPTER_METRICS)}
-
-        def gauge(name: str, callback: Any) -> None:
-            meter.create_observable_gauge(
-                name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
-            )
 
         # The window's instruments, its guard and what each collection does with it.
         self._collection = Collection(
@@ -157,21 +134,13 @@ class TrainingMetrics:
             warn=self._warn_once,
             write_progress=self._write_progress,
         )
-        # Counted with attributes, one at a time: a plain SDK counter.
-        eval_nonfinite = spec["openlora.training.eval.nonfinite"]
-        self._eval_nonfinite = meter.create_counter(
-            eval_nonfinite.name, unit=eval_nonfinite.unit, description=eval_nonfinite.description
+        # Epoch, evaluation, adapter and model FLOPs, and their gauges (after the window's).
+        self._values = RunValues(
+            meter,
+            configured_peak=configured_peak,
+            tokens_per_s=lambda: self._collection.snapshot().tokens_per_s,
+            warn=self._warn_once,
         )
-        gauge("openlora.model.flops_per_token", lambda o: observed(self._flops_per_token))
-        gauge("openlora.training.throughput.flops", lambda o: observed(self._achieved_flops()))
-        gauge("openlora.training.peak_flops", lambda o: observed(self._peak_flops))
-        gauge("openlora.training.model_flops.utilization", lambda o: observed(self._utilization()))
-        gauge("openlora.training.epoch", lambda o: observed(self._epoch))
-        gauge("openlora.training.eval.loss", lambda o: observed(self._eval_loss))
-        gauge("openlora.training.eval.value", self._observe_eval)
-        for adapter_spec in names.ADAPTER_METRICS:
-            key = adapter_spec.name
-            gauge(key, lambda o, key=key: observed(self._adapter.get(key)))
 
     # -- the step path --------------------------------------------------------
     def record_step(
@@ -312,10 +281,7 @@ class TrainingMetrics:
     # -- other records ----------------------------------------------------------
     def record_epoch(self, epoch: float) -> None:
         """Set the current epoch (may be fractional, as the Hugging Face Trainer reports it)."""
-        value = host_number(epoch, "epoch")
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"epoch must be finite and >= 0, got {epoch!r}")
-        self._epoch = value
+        self._values.record_epoch(epoch)
 
     def record_eval(self, loss: Any = None, **metrics: Any) -> None:
         """Record an evaluation: its loss and any other named metrics (accuracy=..., perplexity=...).
@@ -327,31 +293,7 @@ class TrainingMetrics:
         counts it (per metric name) and one warning per name says so. At most
         64 names besides the loss are kept; more are ignored with one warning.
         """
-        values: dict[str, float] = {}
-        if loss is not None:
-            values["loss"] = host_number(loss, "loss")
-        for key, value in metrics.items():
-            if value is not None:
-                values[key] = host_number(value, key)
-        for key, number in values.items():
-            if key != "loss" and key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
-                self._warn_once(
-                    "eval", f"more than {_MAX_EVAL_METRICS} evaluation metric names; {key!r} ignored"
-                )
-                continue
-            if not math.isfinite(number):
-                # Counted, so an alert can see it: the value's own series goes quiet.
-                self._eval_nonfinite.add(1, {ATTR_EVAL_METRIC: key})
-                self._warn_once(
-                    f"eval-{key}",
-                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
-                    "that series shows no value until a finite one is recorded; "
-                    "openlora.training.eval.nonfinite counts it (warned once per name)",
-                )
-            if key == "loss":  # the `loss` argument: a keyword cannot repeat it
-                self._eval_loss = number
-            else:
-                self._eval[key] = number
+        self._values.record_eval(loss, metrics)
 
     def set_adapter(
         self,
@@ -369,8 +311,10 @@ class TrainingMetrics:
         > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
         module name (a string, as PEFT also takes a regex), or an iterable of names.
         """
-        self._adapter = adapter_values(
-            r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
+        self._values.set_adapter(
+            adapter_values(
+                r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
+            )
         )
 
     def set_model_flops(self, per_token: float, *, peak_flops: float | None = None) -> None:
@@ -382,18 +326,7 @@ class TrainingMetrics:
         achieved FLOP/s is reported (on a CPU, say). See
         :func:`openlora_otel.training.flops.training_flops_per_token` for the estimate.
         """
-        flops = checked_positive(per_token, "per_token")
-        peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
-        self._flops_per_token = flops
-        self._peak_flops = self._configured_peak if self._configured_peak is not None else peak
-
-    def _achieved_flops(self) -> float | None:
-        tokens_per_s, per_token = self._collection.snapshot().tokens_per_s, self._flops_per_token
-        return None if tokens_per_s is None or per_token is None else tokens_per_s * per_token
-
-    def _utilization(self) -> float | None:
-        achieved, peak = self._achieved_flops(), self._peak_flops
-        return None if achieved is None or peak is None else achieved / peak
+        self._values.set_model_flops(per_token, peak_flops)
 
     def attach_guard(self, guard: DivergenceGuard) -> DivergenceGuard:
         """Watch the losses with ``guard`` (see :mod:`openlora_otel.training.guard`); returns it.
@@ -497,11 +430,6 @@ class TrainingMetrics:
     def _guard(self) -> DivergenceGuard | None:
         """The attached guard, if any (``Telemetry`` reads it to decide the run's outcome)."""
         return self._collection.guard
-
-    def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
-        return [
-            Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items()) if math.isfinite(v)
-        ]
 
     def _write_progress(self, step: int) -> None:
         """Keep ``step`` in the progress file of :meth:`track_progress`, if any (each collection calls it)."""
