@@ -151,8 +151,8 @@ class DivergenceGuard:
             self._finite_seen = 0
             self._steps_at_reset = self._steps_now() if self._steps_now is not None else 0
 
-    # -- TrainingMetrics' side: what attach_guard() and the collections call ---------------
-    # Application code need not call these: TrainingMetrics.attach_guard() does.
+    # -- what the training collection calls (openlora_otel.training.collection) ------------
+    # Application code need not call these: TrainingMetrics.attach_guard() sets them going.
     def bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
         """Count each trip with ``count_trip(reason)``; ``steps_now()`` gives the steps recorded so far."""
         with self._lock:
