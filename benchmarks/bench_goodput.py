@@ -37,6 +37,25 @@ ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "dc154b8~1"  # the commit before the goodput clock
 
 
+# The helpers an older metrics.py imports under the private names they had before issue 30 (move 3)
+# made them public: the same objects, lent under the old names while that source is loaded.
+OLD_NAMES = {
+    "arguments": {
+        "_INT64_MAX": "INT64_MAX", "_Foreign": "Foreign", "_prepare": "prepare_value",
+        "_host_number": "host_number", "_count": "checked_count", "_seconds": "checked_seconds",
+        "_positive": "checked_positive", "_adapter_values": "adapter_values",
+    },
+    "readback": {
+        "_fold_by_device": "fold_by_device", "_fold_partials": "fold_partials",
+        "_poll_readbacks": "poll_readbacks", "_start_readback": "start_readback",
+    },
+    "window": {
+        "_loss_window": "loss_window", "_Readers": "Readers", "_Series": "Series",
+        "_Snapshot": "Snapshot", "_span_snapshot": "span_snapshot", "_Window": "Window",
+    },
+}  # fmt: skip
+
+
 def load_before(ref: str) -> type:
     """``TrainingMetrics`` as ``ref`` had it, loaded as a module of its own."""
     source = subprocess.run(
@@ -46,7 +65,18 @@ def load_before(ref: str) -> type:
     spec = importlib.util.spec_from_loader("openlora_otel.training._metrics_before", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    exec(compile(source, f"{ref}:openlora_otel/training/metrics.py", "exec"), module.__dict__)
+    lent = []
+    for name, renamed in OLD_NAMES.items():
+        helpers = importlib.import_module(f"openlora_otel.training.{name}")
+        for old, new in renamed.items():
+            if not hasattr(helpers, old):
+                setattr(helpers, old, getattr(helpers, new))
+                lent.append((helpers, old))
+    try:
+        exec(compile(source, f"{ref}:openlora_otel/training/metrics.py", "exec"), module.__dict__)
+    finally:
+        for helpers, old in lent:
+            delattr(helpers, old)
     return module.TrainingMetrics
 
 

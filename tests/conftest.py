@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel import telemetry as telemetry_module
 from openlora_otel.training import arguments as arguments_module
+from openlora_otel.training import collection as collection_module
 from openlora_otel.training import goodput as goodput_module
 from openlora_otel.training import metrics as training_module
 from tests.support import (
@@ -207,9 +208,10 @@ def defer_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    """One fake clock for the training metrics and their goodput clock (built after this fixture)."""
+    """One fake clock for the training metrics, their collection and their goodput clock (built after this fixture)."""
     fake = FakeClock()
     monkeypatch.setattr(training_module, "time", fake)
+    monkeypatch.setattr(collection_module, "time", fake)
     monkeypatch.setattr(goodput_module, "time", fake)
     return fake
 

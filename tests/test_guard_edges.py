@@ -40,10 +40,10 @@ def test_reset_then_a_check_before_the_next_step_trips_again(setup) -> None:
     guard = training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=3600))
     for _ in range(3):
         training.record_step(loss=math.nan)
-    training._check_current_window(guard)  # what the guard thread does every check_interval_s
+    training._collection._check_current_window(guard)  # what the guard thread does every check_interval_s
     assert guard.tripped
     guard.reset()  # "after restoring a checkpoint, say" (guard.py)
-    training._check_current_window(guard)  # the restore took longer than check_interval_s
+    training._collection._check_current_window(guard)  # the restore took longer than check_interval_s
     assert not guard.tripped, f"tripped again on losses recorded before reset(): {guard.trip}"
 
 
@@ -52,7 +52,7 @@ def test_reset_then_the_collection_trips_again(setup) -> None:
     guard = training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=3600))
     for _ in range(3):
         training.record_step(loss=math.nan)
-    training._check_current_window(guard)
+    training._collection._check_current_window(guard)
     assert guard.tripped
     guard.reset()
     data = reader.get_metrics_data()  # a scrape during the restore
@@ -60,11 +60,11 @@ def test_reset_then_the_collection_trips_again(setup) -> None:
     assert value(data, "openlora.training.guard.trips", **{"openlora.guard.reason": "nonfinite_loss"}) == 1
 
 
-# -- R2: on_trip runs with TrainingMetrics._guard_lock held --------------------------------
+# -- R2: on_trip runs with Collection._guard_lock held ------------------------------------
 def test_on_trip_can_flush_telemetry(setup) -> None:
     """on_trip=lambda t: telemetry.force_flush() (push the trip out now) can never succeed from the guard's thread.
 
-    _check_current_window calls guard._observe (and so on_trip) with _guard_lock held; the flush's
+    _check_current_window calls guard.observe (and so on_trip) with _guard_lock held; the flush's
     collection calls _roll, which waits for _guard_lock until force_flush's own bound gives up.
     Meanwhile that collection holds the SDK's collect lock, so every scrape waits too. With a
     plain provider.force_flush() / reader.collect() (no bound) it is a deadlock for ever.
@@ -85,7 +85,7 @@ def test_on_trip_can_flush_telemetry(setup) -> None:
         DivergenceGuard(nonfinite_losses=1, check_interval_s=3600, on_trip=on_trip_then_done)
     )
     training.record_step(loss=math.nan)
-    training._check_current_window(guard)  # what the guard thread does every check_interval_s
+    training._collection._check_current_window(guard)  # what the guard thread does every check_interval_s
     assert guard.tripped
     assert done.wait(10), "on_trip never finished"
     assert flushed == [True], "force_flush from on_trip timed out waiting for _guard_lock"
@@ -130,7 +130,7 @@ def test_no_spurious_trip_while_a_collection_is_between_taking_and_judging(setup
     training.record_step(loss=math.nan)  # the next window: one NaN
     # The guard thread's check lands in the gap: it must wait for the collection to judge
     # the window it took (the 1.0) before judging the new one.
-    checker = threading.Thread(target=training._check_current_window, args=(guard,), daemon=True)
+    checker = threading.Thread(target=training._collection._check_current_window, args=(guard,), daemon=True)
     checker.start()
     checker.join(0.3)
     slow.release.set()

@@ -108,3 +108,27 @@ def test_the_training_package_re_exports_the_public_names_of_its_modules() -> No
     namespace: dict[str, object] = {}
     exec("from openlora_otel.training import *", namespace)
     assert set(namespace) - {"__builtins__"} == set(training.__all__)
+
+
+def test_no_training_module_reaches_a_private_name_of_another_or_of_the_guard() -> None:
+    """What the training modules share has a public name, and the guard's thread and verdicts are driven
+    through its public methods (issue 30, move 3)."""
+    for path in sorted((PACKAGE / "training").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        private = {
+            f"{node.module}.{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("openlora_otel"))
+            for alias in node.names
+            if alias.name.startswith("_") and not alias.name.startswith("__")
+        }
+        assert not private, (path.name, private)
+        if path.name != "guard.py":
+            of_the_guard = {
+                ast.unparse(node)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and ast.unparse(node.value).split(".")[-1].lstrip("_") == "guard"
+            }
+            assert not of_the_guard, (path.name, of_the_guard)

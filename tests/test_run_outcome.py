@@ -118,7 +118,7 @@ def test_a_latched_guard_trip_is_stopped_by_guard_even_when_an_exception_follows
     guard = training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=3600))
     for _ in range(3):
         training.record_step(loss=math.nan)
-    training._check_current_window(guard)
+    training._collection._check_current_window(guard)
     assert guard.tripped
     with pytest.raises(RuntimeError), final:
         raise RuntimeError("the loop noticed the NaNs too")
@@ -130,7 +130,7 @@ def test_a_guard_reset_after_its_trip_is_finished(final) -> None:
     guard = training.attach_guard(DivergenceGuard(nonfinite_losses=3, check_interval_s=3600))
     for _ in range(3):
         training.record_step(loss=math.nan)
-    training._check_current_window(guard)
+    training._collection._check_current_window(guard)
     guard.reset()
     final.shutdown()
     assert final.final_outcome()["openlora.run.outcome"] == "finished"

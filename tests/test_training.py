@@ -14,6 +14,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.names import ADAPTER_METRICS, TRAINING_METRICS
+from openlora_otel.training import collection as collection_module
 from openlora_otel.training import metrics as training_module
 from openlora_otel.training import readback
 from openlora_otel.training.guard import DivergenceGuard
@@ -231,12 +232,12 @@ def test_calls_after_shutdown_are_ignored(memory_reader: InMemoryMetricReader) -
     training.record_step(loss=1.0, tokens=5)
     telemetry.shutdown()
     # What was recorded before shutdown stays for a final collection; nothing after it is taken.
-    assert training._window.steps == 1
+    assert training._recording.window.steps == 1
     training.record_step(loss=9.0, tokens=5)
     training.record_values(loss=9.0)
     training.record_epoch(3)
-    assert training._window.steps == 1
-    assert training._window.loss.count == 1
+    assert training._recording.window.steps == 1
+    assert training._recording.window.loss.count == 1
 
 
 class StandIn:
@@ -357,7 +358,7 @@ def test_odd_argument_types_raise_type_or_value_errors_that_say_what_is_accepted
     call, make, error, text = ODD_ARGUMENTS[case]
     with pytest.raises(error, match=text):
         _record(training, call, make())
-    assert training._window.steps == 0  # a refused call records nothing
+    assert training._recording.window.steps == 0  # a refused call records nothing
     assert value(reader.get_metrics_data(), "openlora.training.eval.loss") is None
 
 
@@ -432,11 +433,11 @@ def test_gpu_read_back_not_ready_is_carried_to_the_next_collection(monkeypatch: 
 
     carry: list = []
     slow = Slow(polls_until_ready=3, values=[6.0, 3, 1, 2.0, 3.0, 1.0, 0])
-    assert readback._poll_readbacks([("loss", [slow])], carry) == []
+    assert readback.poll_readbacks([("loss", [slow])], carry) == []
     assert carry == [("loss", [slow])]
     later: list = []
-    assert readback._poll_readbacks(carry, later) == [
-        ("loss", readback._Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
+    assert readback.poll_readbacks(carry, later) == [
+        ("loss", readback.Folded(6.0, 3, 1, 2.0, 3.0, 1.0, 0))
     ]
     assert later == []
 
@@ -495,7 +496,7 @@ def test_training_on_a_disabled_telemetry_is_a_cheap_no_op(monkeypatch: pytest.M
     # Validation still applies, so a disabled run catches the same mistakes.
     with pytest.raises(TypeError):
         training.record_step(loss="bad")
-    assert training._window.steps == 2000  # bounded state: counters, no per-step storage
+    assert training._recording.window.steps == 2000  # bounded state: counters, no per-step storage
     telemetry.shutdown()
 
 
@@ -517,7 +518,7 @@ def test_values_that_cannot_be_exported_are_refused_at_the_call(setup, call, tex
     training, reader = setup
     with pytest.raises(ValueError, match=text):
         call(training)
-    assert training._window.steps == 0  # nothing recorded
+    assert training._recording.window.steps == 0  # nothing recorded
     training.record_step(tokens=2**63 - 1)  # the largest count is fine
     assert value(reader.get_metrics_data(), "openlora.training.tokens") == 2**63 - 1
 
@@ -678,6 +679,7 @@ def test_the_step_path_reads_no_wall_clock(monkeypatch: pytest.MonkeyPatch, setu
 
     fake = Counting()
     monkeypatch.setattr(training_module, "time", fake)
+    monkeypatch.setattr(collection_module, "time", fake)
     for _ in range(100):
         fake.sleep(0.01)
         training.record_step(loss=1.0, grad_norm=1.0, learning_rate=0.1, tokens=8, samples=1)
@@ -749,12 +751,12 @@ def test_cpu_tensors_are_read_at_once_and_never_folded_on_the_step(setup, monkey
     def no_fold(*args, **kwargs):
         raise AssertionError("a fold on the step path")
 
-    monkeypatch.setattr(training_module, "_fold_by_device", no_fold)
+    monkeypatch.setattr(training_module, "fold_by_device", no_fold)
     training, reader = setup
     weight = torch.tensor(3.0, requires_grad=True)
     for _ in range(1200):
         training.record_step(loss=weight * 0.5, grad_norm=torch.tensor([1.5]), learning_rate=torch.tensor(1e-4))
-    window = training._window
+    window = training._recording.window
     assert not window.loss.deferred and not window.grad.deferred and not window.lr.deferred
     data = reader.get_metrics_data()
     assert value(data, "openlora.training.loss") == 1.5

@@ -66,7 +66,8 @@ def telemetry(memory_reader: InMemoryMetricReader):
 
 def test_a_large_window_is_one_measurement_with_exact_counts_sum_min_max(telemetry, memory_reader) -> None:
     training = telemetry.training
-    counting = training._duration = CountingRecord(training._duration)
+    collection = training._collection
+    counting = collection._duration = CountingRecord(collection._duration)
     steps = 200_003
     record(training, steps)
     data = memory_reader.get_metrics_data()
@@ -150,7 +151,8 @@ def test_window_histogram_without_the_view_warns_once_and_replays(
 def test_the_view_on_your_own_provider(memory_reader: InMemoryMetricReader) -> None:
     provider = MeterProvider(metric_readers=[memory_reader], views=[step_duration_view()])
     training = TrainingMetrics(provider.get_meter("mine"), window_histogram=True)
-    counting = training._duration = CountingRecord(training._duration)
+    collection = training._collection
+    counting = collection._duration = CountingRecord(collection._duration)
     record(training, 3000)
     [point] = points(memory_reader.get_metrics_data(), "openlora.training.step.duration")
     assert (point.count, list(point.bucket_counts)) == (3000, expected(3000)[0])

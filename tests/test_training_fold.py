@@ -18,14 +18,14 @@ from tests.support.readings import value  # noqa: E402
 # CPU tensors stand in for device tensors here: kept and folded as on a GPU.
 pytestmark = pytest.mark.usefixtures("defer_cpu_tensors")
 
-FOLD_EVERY = training_module._FOLD_EVERY
+FOLD_EVERY = training_module.FOLD_EVERY
 
 
 class FailingFold:
-    """Stands in for `_fold_by_device` (the step path's fold), failing while ``failing`` is set."""
+    """Stands in for `fold_by_device` (the step path's fold), failing while ``failing`` is set."""
 
     def __init__(self) -> None:
-        self.real = training_module._fold_by_device
+        self.real = training_module.fold_by_device
         self.calls = 0
         self.failing = True
 
@@ -41,14 +41,14 @@ def test_a_failed_fold_is_tried_once_per_window_not_once_per_step(
 ) -> None:
     training, reader = setup
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     steps = 3 * FOLD_EVERY
     with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         for step in range(steps):
             training.record_step(loss=torch.tensor(float(step % 7)))
     # Before the fix: one attempt per step from the 512th on (1025 here).
     assert fold.calls == 1
-    assert len(training._window.loss.deferred) == steps
+    assert len(training._recording.window.loss.deferred) == steps
     assert sum("folding kept tensors failed" in r.getMessage() for r in caplog.records) == 1
     # The collection still reads every kept value (its own reduction is not the failing one).
     data = reader.get_metrics_data()
@@ -60,15 +60,15 @@ def test_a_failed_fold_is_tried_once_per_window_not_once_per_step(
     for _ in range(2 * FOLD_EVERY):
         training.record_step(loss=torch.tensor(2.0))
     assert fold.calls == 1 + 2
-    assert len(training._window.loss.deferred) == 0
-    assert len(training._window.loss.partials) == 2
+    assert len(training._recording.window.loss.deferred) == 0
+    assert len(training._recording.window.loss.partials) == 2
     assert value(reader.get_metrics_data(), "openlora.training.loss") == pytest.approx(2.0)
 
 
 def test_a_window_that_failed_again_tries_again_once(setup, monkeypatch: pytest.MonkeyPatch) -> None:
     training, reader = setup
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     for window in range(3):
         for _ in range(2 * FOLD_EVERY):
             training.record_step(loss=torch.tensor(1.0))
@@ -81,14 +81,14 @@ def test_memory_stays_bounded_after_a_failed_fold_and_drops_are_counted(
 ) -> None:
     training, reader = setup
     cap = 2 * FOLD_EVERY
-    monkeypatch.setattr(training_module, "_MAX_UNFOLDED", cap)
+    monkeypatch.setattr(training_module, "MAX_UNFOLDED", cap)
     fold = FailingFold()
-    monkeypatch.setattr(training_module, "_fold_by_device", fold)
+    monkeypatch.setattr(training_module, "fold_by_device", fold)
     steps = cap + 1000
     for _ in range(steps):
         training.record_step(loss=torch.tensor(3.0), grad_norm=torch.tensor(0.5))
-    assert len(training._window.loss.deferred) == cap
-    assert len(training._window.grad.deferred) == cap
+    assert len(training._recording.window.loss.deferred) == cap
+    assert len(training._recording.window.grad.deferred) == cap
     assert fold.calls == 2  # one per series
     with caplog.at_level(logging.WARNING, logger="openlora_otel.training.metrics"):
         data = reader.get_metrics_data()
@@ -142,7 +142,7 @@ def test_a_device_without_float64_folds_in_float32(setup, monkeypatch: pytest.Mo
     for step in range(steps):
         loss = torch.tensor(float(step % 4), dtype=torch.bfloat16)
         training.record_step(loss=loss, grad_norm=torch.tensor(0.25))
-    partials = training._window.loss.partials
+    partials = training._recording.window.loss.partials
     assert partials and all(p.dtype == torch.float32 for p in partials)
     data = reader.get_metrics_data()
     assert value(data, "openlora.training.loss") == pytest.approx(sum(s % 4 for s in range(steps)) / steps)
@@ -153,16 +153,16 @@ def test_close_does_not_wait_for_the_lock(setup) -> None:
     training, _ = setup
     # The main thread holding the lock (stuck in a kernel launch inside a fold) must not
     # keep shutdown, or the SIGTERM exit thread, from closing.
-    training._lock.acquire()
+    training._recording.lock.acquire()
     try:
         closer = threading.Thread(target=training.close, daemon=True)
         closer.start()
         closer.join(timeout=5.0)
         returned = not closer.is_alive()
     finally:
-        training._lock.release()
+        training._recording.lock.release()
     closer.join(timeout=5.0)
     assert returned
-    assert training._closed
+    assert training._recording.closed
     training.record_step(loss=1.0)
-    assert training._window.steps == 0
+    assert training._recording.window.steps == 0

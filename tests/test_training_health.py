@@ -40,7 +40,7 @@ def test_one_spike_in_500_steps_is_reported_at_its_value(setup, kind: str) -> No
 
 def test_extremes_survive_folds_on_the_device_and_ignore_non_finite(setup) -> None:
     training, reader = setup
-    steps = 3 * training_module._FOLD_EVERY + 17  # several folds, then a tail of unfolded tensors
+    steps = 3 * training_module.FOLD_EVERY + 17  # several folds, then a tail of unfolded tensors
     for step in range(steps):
         loss = math.nan if step % 97 == 5 else (50.0 if step == 700 else 1.0)
         low = -3.0 if step == 1100 else 1.0  # a loss can be negative (a reward, a log-likelihood)
@@ -90,7 +90,7 @@ def test_fold_and_combine_match_a_plain_python_reduction(seed: int) -> None:
         chunks.append(values[start : start + size])
         start += size
     partials = [readback._fold([torch.tensor(v, dtype=torch.float64) for v in chunk], torch) for chunk in chunks]
-    got = readback._Folded.from_values(readback._combine(partials, torch).tolist())
+    got = readback.Folded.from_values(readback._combine(partials, torch).tolist())
     total, count, nonfinite, last, highest, lowest, trailing = _python_fold(values)
     assert got.total == pytest.approx(total)
     assert (got.count, got.nonfinite, got.trailing) == (count, nonfinite, trailing)
@@ -125,7 +125,7 @@ def test_data_wait_is_absent_until_given_and_validated(setup) -> None:
             training.record_step(data_time_s=bad)
     with pytest.raises(TypeError, match="data_time_s must be a number"):
         training.record_step(data_time_s="0.1")
-    assert training._window.steps == 0  # a refused call records nothing
+    assert training._recording.window.steps == 0  # a refused call records nothing
 
 
 def test_a_wait_longer_than_the_interval_reads_as_all_waiting(clock: FakeClock, setup) -> None:
@@ -262,7 +262,7 @@ def test_the_guard_checks_on_its_own_when_nothing_collects() -> None:
             telemetry.training.record_step(loss=torch.tensor(math.inf))
         assert tripped.wait(10), "the guard's own check never ran"
         assert guard.trip is not None and guard.trip.reason == "nonfinite_loss"
-        assert telemetry.training._window.steps == 5  # it looked without taking the window
+        assert telemetry.training._recording.window.steps == 5  # it looked without taking the window
     finally:
         telemetry.shutdown()
 

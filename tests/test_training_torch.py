@@ -59,7 +59,7 @@ def test_memory_stays_flat_without_any_collection(setup) -> None:
     training, _ = setup
     for _ in range(20_000):
         training.record_step(loss=torch.tensor(1.0))
-    series = training._window.loss
+    series = training._recording.window.loss
     assert len(series.deferred) < 512
     assert len(series.partials) < 512
 
@@ -133,14 +133,14 @@ def test_a_device_that_fails_to_read_costs_only_its_values_and_never_freezes_the
     meta = torch.tensor(9.0, device="meta")
     for step in range(600):  # past one fold of 512 on the CPU side
         training.record_step(loss=torch.tensor(float(step % 3)))
-    with training._lock:
-        training._window.loss.deferred.append(meta)
+    with training._recording.lock:
+        training._recording.window.loss.deferred.append(meta)
     data = reader.get_metrics_data()
     assert value(data, "openlora.training.loss") == pytest.approx(1.0)  # the CPU values, not dropped
     assert value(data, "openlora.training.window.steps") == 600
 
-    with training._lock:  # a window with nothing readable...
-        training._window.loss.deferred.append(meta)
+    with training._recording.lock:  # a window with nothing readable...
+        training._recording.window.loss.deferred.append(meta)
     assert value(reader.get_metrics_data(), "openlora.training.loss") is None  # ...is no value, not a stale one
     training.record_step(loss=torch.tensor(7.0))
     assert value(reader.get_metrics_data(), "openlora.training.loss") == 7.0

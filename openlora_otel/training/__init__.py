@@ -1,7 +1,10 @@
 """Training-run metrics: the step metrics, the divergence guard and the FLOPs for MFU.
 
 - :mod:`openlora_otel.training.metrics`: :class:`TrainingMetrics`, one cheap call per
-  optimizer step, read when metrics are collected, and :func:`step_duration_view`. Beneath it:
+  optimizer step (the step path and the API), read when metrics are collected. Beneath it:
+  :mod:`~openlora_otel.training.collection` (each collection: the window taken, committed,
+  read back, judged by the guard and reported; :func:`step_duration_view`),
+  :mod:`~openlora_otel.training.values` (epoch, evaluation, adapter, model FLOPs),
   :mod:`~openlora_otel.training.arguments` (what the record calls accept),
   :mod:`~openlora_otel.training.window` (the window of steps and each metric reader's span,
   with :func:`collecting_for`) and :mod:`~openlora_otel.training.readback` (kept tensors folded

@@ -3,9 +3,10 @@
 A wrong type is a programming error and raises at once; a non-finite value is
 data and passes (the window counts it). Loss, gradient norm and learning rate
 come back as a host float, a 0-d torch tensor (never read here: reading it
-would sync the device) or a :class:`_Foreign` tensor-like, read at collection.
+would sync the device) or a :class:`Foreign` tensor-like, read at collection.
 The rules are the ones :class:`~openlora_otel.training.metrics.TrainingMetrics`
-documents.
+documents. The checks it imports have public names: they are the training package's
+own, not re-exported by :mod:`openlora_otel.training`.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ from typing import Any
 DEFER_CPU_TENSORS = False
 
 # OTLP carries integer points as int64: a larger count fails the whole export, every time.
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1
 # The longest step_time_s / data_time_s accepted: one day. Longer is a unit mistake or garbage
 # (1e308 once left the step-duration histogram's _sum at +Inf for the rest of the run).
 MAX_STEP_TIME_S = 86400.0
-# The types _host_number converts without a second look (the others take the slow branch).
+# The types host_number converts without a second look (the others take the slow branch).
 _PLAIN = (int, float)
 # What the refusals say is accepted.
 _ACCEPTED = "a number (a real Python or NumPy scalar, or a 0-d NumPy array) or a one-element tensor"
 
 
-class _Foreign:
+class Foreign:
     """A tensor-like that is not a torch tensor: kept as is and read with ``float()`` at collection."""
 
     __slots__ = ("value",)
@@ -41,8 +42,8 @@ class _Foreign:
         self.value = value
 
 
-def _prepare(value: Any, what: str) -> Any:
-    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `_Foreign`.
+def prepare_value(value: Any, what: str) -> Any:
+    """Validate a loss / grad norm / learning rate off the lock: a host float, a 0-d torch tensor, or a `Foreign`.
 
     The usual cases (a Python number; a 0-d CPU or CUDA tensor) take the first
     branches with no check beyond what they always had; anything unusual (NumPy,
@@ -51,7 +52,7 @@ def _prepare(value: Any, what: str) -> Any:
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{what} must be {_ACCEPTED}, got {type(value).__name__}")
     if isinstance(value, (int, float)):
-        number = _host_number(value, what)
+        number = host_number(value, what)
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {value!r}")
         return number
@@ -80,11 +81,11 @@ def _prepare(value: Any, what: str) -> Any:
             ) from exc
         if count != 1:
             raise ValueError(f"{what} must have exactly one element, got {count!r}")
-        return _Foreign(value)
+        return Foreign(value)
     numpy = sys.modules.get("numpy")
     plain = hasattr(value, "__float__") and not hasattr(value, "__len__")
     if plain or (numpy is not None and isinstance(value, numpy.ndarray)):
-        number = _host_number(value, what)  # NumPy scalars and 0-d arrays, Decimal: host values, no device
+        number = host_number(value, what)  # NumPy scalars and 0-d arrays, Decimal: host values, no device
         if what != "loss" and number < 0:
             raise ValueError(f"{what} must be >= 0, got {number!r}")
         return number
@@ -98,7 +99,7 @@ def _cpu_number(tensor: Any, what: str, torch: Any) -> float:
     millisecond or more: ``benchmarks/bench_step_tail.py``)."""
     if tensor.layout is not torch.strided:
         raise ValueError(f"{what} is a {tensor.layout} tensor; pass a dense tensor (.to_dense()) or a number")
-    number = _host_number(tensor.item(), what)  # a bool or complex tensor: refused as its Python value is
+    number = host_number(tensor.item(), what)  # a bool or complex tensor: refused as its Python value is
     if what != "loss" and number < 0:
         raise ValueError(f"{what} must be >= 0, got {number!r}")
     return number
@@ -118,7 +119,7 @@ def _check_device(tensor: Any, what: str, torch: Any) -> None:
         )
 
 
-def _host_number(value: Any, what: str) -> float:
+def host_number(value: Any, what: str) -> float:
     """``value`` read as a float on the host: a real number, NumPy's included; TypeError / ValueError otherwise.
 
     A Python int or float goes straight to ``float()``; any other type first
@@ -165,7 +166,7 @@ def _unusual_number(value: Any, what: str) -> Any:
     return value
 
 
-def _count(value: Any, what: str) -> int:
+def checked_count(value: Any, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be a non-negative integer, got bool")
     torch = sys.modules.get("torch")
@@ -177,12 +178,12 @@ def _count(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be a non-negative integer, got {type(value).__name__}") from None
     if number < 0:
         raise ValueError(f"{what} must be >= 0, got {number}")
-    if number > _INT64_MAX:
+    if number > INT64_MAX:
         raise ValueError(f"{what} must be <= 2**63 - 1 (the largest integer OTLP carries), got {number}")
     return number
 
 
-def _seconds(value: Any, what: str) -> float:
+def checked_seconds(value: Any, what: str) -> float:
     """A step's duration: a host number from 0 to ``MAX_STEP_TIME_S`` (a tensor is refused, as for counts).
 
     Past a day is refused rather than clamped: it is a unit mistake (milliseconds,
@@ -191,7 +192,7 @@ def _seconds(value: Any, what: str) -> float:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         raise TypeError(f"{what} must be a Python number (reading a tensor here would sync the device)")
-    number = _host_number(value, what)
+    number = host_number(value, what)
     if not 0.0 <= number <= MAX_STEP_TIME_S:  # also refuses NaN and the infinities
         raise ValueError(
             f"{what} must be finite and >= 0, at most {MAX_STEP_TIME_S:g} s (one day), got {value!r}"
@@ -200,14 +201,14 @@ def _seconds(value: Any, what: str) -> float:
     return number
 
 
-def _positive(value: Any, what: str) -> float:
-    number = _host_number(value, what)
+def checked_positive(value: Any, what: str) -> float:
+    number = host_number(value, what)
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"{what} must be finite and > 0, got {value!r}")
     return number
 
 
-def _adapter_values(
+def adapter_values(
     r: int,
     alpha: float,
     dropout: float,
@@ -217,13 +218,13 @@ def _adapter_values(
     total_params: int | None,
 ) -> dict[str, float]:
     """The adapter gauges' values from ``TrainingMetrics.set_adapter``'s arguments, by metric name."""
-    rank = _count(r, "r")
+    rank = checked_count(r, "r")
     if rank == 0:
         raise ValueError("r must be > 0")
-    alpha_value = _host_number(alpha, "alpha")
+    alpha_value = host_number(alpha, "alpha")
     if not (alpha_value > 0 and math.isfinite(alpha_value)):
         raise ValueError(f"alpha must be finite and > 0, got {alpha!r}")
-    dropout_value = _host_number(dropout, "dropout")
+    dropout_value = host_number(dropout, "dropout")
     if not 0.0 <= dropout_value < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
     if isinstance(target_modules, str):
@@ -240,13 +241,13 @@ def _adapter_values(
         "openlora.adapter.rank": rank,
         "openlora.adapter.alpha": alpha_value,
         "openlora.adapter.dropout": dropout_value,
-        "openlora.adapter.target_modules": _count(modules, "target_modules"),
+        "openlora.adapter.target_modules": checked_count(modules, "target_modules"),
     }
-    trainable = None if trainable_params is None else _count(trainable_params, "trainable_params")
+    trainable = None if trainable_params is None else checked_count(trainable_params, "trainable_params")
     if trainable is not None:
         adapter["openlora.adapter.parameters.trainable"] = trainable
     if total_params is not None:
-        total = _count(total_params, "total_params")
+        total = checked_count(total_params, "total_params")
         adapter["openlora.model.parameters"] = total
         if trainable is not None:
             if trainable > total:

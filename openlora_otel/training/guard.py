@@ -118,6 +118,7 @@ class DivergenceGuard:
         self._trip: Trip | None = None
         self._count_trip: Callable[[str], None] | None = None
         self._steps_now: Callable[[], int] | None = None
+        self._thread: threading.Thread | None = None  # the check thread start() runs
         # Steps recorded when reset() was called: losses from before it never count again
         # (they may still sit in the window the next look reads).
         self._steps_at_reset = 0
@@ -150,16 +151,38 @@ class DivergenceGuard:
             self._finite_seen = 0
             self._steps_at_reset = self._steps_now() if self._steps_now is not None else 0
 
-    # -- called by TrainingMetrics --------------------------------------------------
-    def _bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
+    # -- what the training collection calls (openlora_otel.training.collection) ------------
+    # Application code need not call these: TrainingMetrics.attach_guard() sets them going.
+    def bind(self, count_trip: Callable[[str], None], steps_now: Callable[[], int]) -> None:
+        """Count each trip with ``count_trip(reason)``; ``steps_now()`` gives the steps recorded so far."""
         with self._lock:
             self._count_trip = count_trip
             self._steps_now = steps_now
 
-    def _observe(self, window: LossWindow, *, complete: bool) -> Trip | None:
+    def start(self, check: Callable[[], None], stop: threading.Event) -> None:
+        """Call ``check()`` every ``check_interval_s`` on a thread of the guard's own until ``stop`` is set.
+
+        ``check`` shows the guard the current window (:meth:`observe`, ``complete=False``); it must not
+        raise. A daemon thread: it never holds up the interpreter's exit.
+        """
+        self._thread = threading.Thread(
+            target=self._check_every, args=(check, stop), name="openlora-otel-guard", daemon=True
+        )
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> bool:
+        """After ``stop`` is set, wait (at most ``timeout_s``) for the check thread to end; True when none is
+        left running (also when called from that thread, or when none was started)."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def observe(self, window: LossWindow, *, complete: bool) -> Trip | None:
         """Judge a window; a ``complete`` window also moves the history on (caller serialises the calls).
 
-        Returns a new trip, which the caller hands to :meth:`_fire` once it holds no lock.
+        Returns a new trip, which the caller hands to :meth:`fire` once it holds no lock.
         """
         with self._lock:
             run = window.trailing if window.count else self._run + window.nonfinite
@@ -200,7 +223,7 @@ class DivergenceGuard:
                     self._finite_seen += window.count
         return trip
 
-    def _fire(self, trip: Trip) -> None:
+    def fire(self, trip: Trip) -> None:
         """Log and count a trip; hand it to ``on_trip`` on a thread of its own.
 
         Its own thread: the hook may flush the telemetry, post to a chat or take
@@ -212,6 +235,10 @@ class DivergenceGuard:
             self._count_trip(trip.reason)
         if self._on_trip is not None:
             threading.Thread(target=self._call_hook, args=(trip,), name="openlora-otel-on-trip", daemon=True).start()
+
+    def _check_every(self, check: Callable[[], None], stop: threading.Event) -> None:
+        while not stop.wait(self.check_interval_s):
+            check()
 
     def _call_hook(self, trip: Trip) -> None:
         try:

@@ -4,124 +4,54 @@ Why not one OpenTelemetry instrument call per value: each SDK call costs a few
 microseconds, and the usual recipe calls ``loss.item()`` every step, which
 stalls the GPU pipeline. Here ``record_step`` only updates plain Python
 accumulators under a lock (about a microsecond for all six values) and keeps
-device tensors as references. Everything else happens at collection time, on the
-exporter's or the scrape's thread:
+device tensors as references. A CPU tensor's value is ready, and is read at the
+call like a number (:func:`~.arguments._cpu_number`). Everything else happens at
+collection time, on the exporter's or the scrape's thread
+(:mod:`openlora_otel.training.collection`).
 
-- gauges report the window since the previous collection: loss and gradient
-  norm are the mean of the window's finite values (NaN/inf are counted in the
-  ``*.nonfinite`` counters instead, so a single bad step never turns the gauge
-  into NaN); learning rate is the latest value; throughput is tokens (samples)
-  over the window's wall time. A window with no step repeats the previous
-  loss, gradient norm and learning rate; throughput drops to 0 once such an
-  empty window is at least a second long (a stalled run must show as stalled).
-- ``openlora.training.last_step.timestamp`` is the wall-clock time of the
-  latest ``record_step``: the step path stores the ``perf_counter()`` reading it
-  takes anyway, and the collection converts it. It lets PromQL compare ranks'
-  progress (``time() - ...``) without any communication between them.
-- device tensors are reduced on their own device and read back there without
-  a sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
-  yet are carried into the next collection. A CPU tensor's value is ready, and is
-  read at the call like a number (:func:`~.arguments._cpu_number`).
-- the window's counts go into synchronous SDK counters and its step durations
-  into the ``openlora.training.step.duration`` histogram when the window is
-  taken. Measurements of synchronous instruments stay in the SDK until a
-  collection completes, so a collection that fails after the window was taken
-  neither loses nor repeats it (observable counters would: the SDK adds an
-  aborted collection's observation to the next one's).
-- on the provider ``setup_telemetry`` builds, :func:`step_duration_view` makes
-  the histogram take a whole window as one measurement, so a collection costs
-  the same after ten steps or ten million; on any other meter the window is
-  replayed, one ``record`` per step (exact, about 5 us per step).
-
-Each reader of the provider ``setup_telemetry`` builds reports the steps since
-its own previous collection (:mod:`openlora_otel.training.window`). Here: the
-instruments, the step path (the record calls, on the caller's thread; their
-argument checks are :mod:`openlora_otel.training.arguments`), the guard's
-thread, and the collection that takes the window and judges it once.
+Here: the step path (the record calls, on the caller's thread; their argument
+checks are :mod:`openlora_otel.training.arguments`) and the public API. What the
+step path shares with the collection is one :class:`~.window.Recording`: the
+window being filled and its lock.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
-import threading
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import Meter
 
-from openlora_otel import names
-from openlora_otel.names import (
-    ATTR_EVAL_METRIC,
-    ATTR_GUARD_REASON,
-    ATTR_TRAINING_PHASE,
-    GUARD_REASONS,
-    STEP_DURATION_BUCKETS,
-    TRAINING_PHASES,
-)
+from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.arguments import (
-    _INT64_MAX,
     MAX_STEP_TIME_S,
-    _adapter_values,
-    _count,
-    _Foreign,
-    _host_number,
-    _positive,
-    _prepare,
-    _seconds,
+    Foreign,
+    adapter_values,
+    checked_count,
+    checked_positive,
+    checked_seconds,
+    prepare_value,
 )
+from openlora_otel.training.collection import Collection, step_duration_view
 from openlora_otel.training.goodput import PhaseClock, ProgressFile
-from openlora_otel.training.guard import DivergenceGuard, Trip
-from openlora_otel.training.readback import _fold_by_device, _fold_partials, _poll_readbacks, _start_readback
+from openlora_otel.training.guard import DivergenceGuard
+from openlora_otel.training.readback import fold_by_device, fold_partials
+from openlora_otel.training.values import RunValues
 from openlora_otel.training.window import (
-    _loss_window,
-    _Readers,
-    _Series,
-    _Snapshot,
-    _span_snapshot,
-    _Window,
+    FOLD_EVERY,
+    MAX_FOREIGN,
+    MAX_UNFOLDED,
+    Recording,
+    Series,
     collecting_for,
 )
-from openlora_otel.windows import replay, window_merging_works, window_view
 
 __all__ = ["TrainingMetrics", "collecting_for", "step_duration_view"]
 
 _logger = logging.getLogger(__name__)
-
-# Tensors kept per window before they are folded on their device into one partial
-# result (one small reduction per this many steps keeps memory flat without a reader).
-_FOLD_EVERY = 512
-# After a fold fails, a window stops folding (retrying would re-stack the whole growing
-# list on every step, under the lock) and keeps at most this many tensors until its
-# collection; beyond it they are dropped and counted.
-_MAX_UNFOLDED = 16384
-# Tensor-like objects that are not torch tensors (duck-typed test doubles, other
-# frameworks) cannot be folded without reading them; beyond this they are dropped.
-_MAX_FOREIGN = 65536
-# How long the guard's own check polls (its thread has nothing else to do).
-_GUARD_READBACK_WAIT_S = 5.0
-_MAX_EVAL_METRICS = 64
-_DURATION = "openlora.training.step.duration"
-
-
-class _Total:
-    """A synchronous counter and what was added to it, kept within int64 (saturates rather than poisons exports)."""
-
-    __slots__ = ("counter", "total")
-
-    def __init__(self, counter: Any) -> None:
-        self.counter = counter
-        self.total = 0
-
-    def add(self, amount: int) -> bool:
-        """Add ``amount``; False when the total reached int64's maximum and part of it was not counted."""
-        room = _INT64_MAX - self.total
-        taken = amount if amount <= room else room
-        self.total += taken
-        self.counter.add(taken)  # also when 0: the series exists from the first collection
-        return taken == amount
 
 
 class TrainingMetrics:
@@ -177,34 +107,14 @@ class TrainingMetrics:
         run_id: str = "",
         attempt: int = 1,
     ) -> None:
-        self._lock = threading.Lock()
-        self._closed = False
         if list(step_duration_buckets) != list(STEP_DURATION_BUCKETS):
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
-        self._merge_windows = bool(window_histogram) and window_merging_works()
-        self._window = _Window(started=time.monotonic())
+        self._recording = Recording(started=time.monotonic())  # the window the record calls fill
         self._last_call: float | None = None
         started = time.monotonic()
-        self._readers = _Readers(readers, started)
-        self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
-        self._epoch: float | None = None
-        self._eval_loss: float | None = None
-        self._eval: dict[str, float] = {}
-        self._adapter: dict[str, float] = {}
-        # Model FLOPs: per token from set_model_flops(); the peak given there, unless
-        # the configuration (OPENLORA_PEAK_FLOPS) set one, which wins.
-        self._flops_per_token: float | None = None
-        self._configured_peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
-        self._peak_flops = self._configured_peak
-        self._guard: DivergenceGuard | None = None
-        self._guard_lock = threading.Lock()  # orders a guard's look at the current window against _roll
-        self._guard_stop = threading.Event()
-        self._guard_thread: threading.Thread | None = None
-        self._steps_recorded = 0  # for Trip.steps: committed windows' steps
-        self._dropped_foreign = 0
-        self._dropped_unfolded = 0
+        configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
         self._warned: set[str] = set()
         # Where the process's time goes (goodput), and the file that carries the highest step to
         # the next attempt (track_progress()).
@@ -212,64 +122,25 @@ class TrainingMetrics:
         self._run_id = run_id
         self._attempt = attempt
         self._progress: ProgressFile | None = None
-        self._phases_started = False
 
-        spec = {m.name: m for m in (*names.TRAINING_METRICS, *names.ADAPTER_METRICS)}
-
-        def gauge(name: str, callback: Any) -> None:
-            meter.create_observable_gauge(
-                name, callbacks=[callback], unit=spec[name].unit, description=spec[name].description
-            )
-
-        def raw_counter(name: str) -> Any:
-            return meter.create_counter(name, unit=spec[name].unit, description=spec[name].description)
-
-        def counter(name: str) -> _Total:
-            return _Total(raw_counter(name))
-
-        # Counters are synchronous: a window's counts are added once, when it is taken
-        # (see the module docstring for why not observable counters).
-        self._steps = counter("openlora.training.steps")
-        self._tokens = counter("openlora.training.tokens")
-        self._samples = counter("openlora.training.samples")
-        self._loss_nonfinite = counter("openlora.training.loss.nonfinite")
-        self._grad_nonfinite = counter("openlora.training.gradient_norm.nonfinite")
-        # Counted with attributes, one at a time: plain SDK counters.
-        self._guard_trips = raw_counter("openlora.training.guard.trips")
-        self._eval_nonfinite = raw_counter("openlora.training.eval.nonfinite")
-        self._time = raw_counter("openlora.training.time")
-        self._lost_steps = raw_counter("openlora.training.steps.lost")
-        duration = spec[_DURATION]
-        self._duration = meter.create_histogram(
-            duration.name,
-            unit=duration.unit,
-            description=duration.description,
-            explicit_bucket_boundaries_advisory=list(STEP_DURATION_BUCKETS),
+        # The window's instruments, its guard and what each collection does with it.
+        self._collection = Collection(
+            meter,
+            self._recording,
+            readers=readers,
+            started=started,
+            window_histogram=window_histogram,
+            clock=self._clock,
+            warn=self._warn_once,
+            write_progress=self._write_progress,
         )
-        # The first callback of every collection takes the window; the rest read the snapshot.
-        gauge("openlora.training.loss", self._observe_loss)
-        gauge("openlora.training.gradient_norm", lambda o: self._one(self._snapshot.grad))
-        gauge("openlora.training.loss.max", lambda o: self._one(self._snapshot.loss_max))
-        gauge("openlora.training.loss.min", lambda o: self._one(self._snapshot.loss_min))
-        gauge("openlora.training.gradient_norm.max", lambda o: self._one(self._snapshot.grad_max))
-        gauge("openlora.training.gradient_norm.min", lambda o: self._one(self._snapshot.grad_min))
-        gauge("openlora.training.data_wait.duration", lambda o: self._one(self._snapshot.data_wait))
-        gauge("openlora.training.data_wait.fraction", lambda o: self._one(self._snapshot.data_fraction))
-        gauge("openlora.training.learning_rate", lambda o: self._one(self._snapshot.lr))
-        gauge("openlora.training.window.steps", lambda o: self._one(self._snapshot.window_steps))
-        gauge("openlora.training.last_step.timestamp", lambda o: self._one(self._snapshot.last_step_time))
-        gauge("openlora.training.throughput.tokens", lambda o: self._one(self._snapshot.tokens_per_s))
-        gauge("openlora.training.throughput.samples", lambda o: self._one(self._snapshot.samples_per_s))
-        gauge("openlora.model.flops_per_token", lambda o: self._one(self._flops_per_token))
-        gauge("openlora.training.throughput.flops", lambda o: self._one(self._achieved_flops()))
-        gauge("openlora.training.peak_flops", lambda o: self._one(self._peak_flops))
-        gauge("openlora.training.model_flops.utilization", lambda o: self._one(self._utilization()))
-        gauge("openlora.training.epoch", lambda o: self._one(self._epoch))
-        gauge("openlora.training.eval.loss", lambda o: self._one(self._eval_loss))
-        gauge("openlora.training.eval.value", self._observe_eval)
-        for adapter_spec in names.ADAPTER_METRICS:
-            key = adapter_spec.name
-            gauge(key, lambda o, key=key: self._one(self._adapter.get(key)))
+        # Epoch, evaluation, adapter and model FLOPs, and their gauges (after the window's).
+        self._values = RunValues(
+            meter,
+            configured_peak=configured_peak,
+            tokens_per_s=lambda: self._collection.snapshot().tokens_per_s,
+            warn=self._warn_once,
+        )
 
     # -- the step path --------------------------------------------------------
     def record_step(
@@ -295,28 +166,29 @@ class TrainingMetrics:
         else:
             # The check inline for the usual float; the call only for anything else.
             if type(step_time_s) is not float or not 0.0 <= step_time_s <= MAX_STEP_TIME_S:
-                step_time_s = _seconds(step_time_s, "step_time_s")
+                step_time_s = checked_seconds(step_time_s, "step_time_s")
             step_time = step_time_s
         if data_time_s is not None and (
             type(data_time_s) is not float or not 0.0 <= data_time_s <= MAX_STEP_TIME_S
         ):
-            data_time_s = _seconds(data_time_s, "data_time_s")
+            data_time_s = checked_seconds(data_time_s, "data_time_s")
         # `x >> 63` is 0 exactly for 0 <= x < 2**63: one operation for both bounds.
         if tokens is not None and (type(tokens) is not int or tokens >> 63):
-            tokens = _count(tokens, "tokens")
+            tokens = checked_count(tokens, "tokens")
         if samples is not None and (type(samples) is not int or samples >> 63):
-            samples = _count(samples, "samples")
+            samples = checked_count(samples, "samples")
         # Validate everything before touching state: a call that raises records nothing.
         if loss is not None and type(loss) is not float:
-            loss = _prepare(loss, "loss")
+            loss = prepare_value(loss, "loss")
         if grad_norm is not None and (type(grad_norm) is not float or grad_norm < 0.0):
-            grad_norm = _prepare(grad_norm, "grad_norm")
+            grad_norm = prepare_value(grad_norm, "grad_norm")
         if learning_rate is not None and (type(learning_rate) is not float or learning_rate < 0.0):
-            learning_rate = _prepare(learning_rate, "learning_rate")
-        with self._lock:
-            if self._closed:
+            learning_rate = prepare_value(learning_rate, "learning_rate")
+        recording = self._recording
+        with recording.lock:
+            if recording.closed:
                 return
-            window = self._window
+            window = recording.window
             window.steps += 1
             window.last_step = now
             if loss is not None:
@@ -356,13 +228,14 @@ class TrainingMetrics:
         :meth:`record_step`; the values join the current window's means.
         """
         values = [
-            None if v is None else _prepare(v, what)
+            None if v is None else prepare_value(v, what)
             for v, what in ((loss, "loss"), (grad_norm, "grad_norm"), (learning_rate, "learning_rate"))
         ]
-        with self._lock:
-            if self._closed:
+        recording = self._recording
+        with recording.lock:
+            if recording.closed:
                 return
-            window = self._window
+            window = recording.window
             for series, value in zip((window.loss, window.grad, window.lr), values, strict=True):
                 if value is None:
                     continue
@@ -371,36 +244,36 @@ class TrainingMetrics:
                 else:
                     self._defer(series, value)
 
-    def _defer(self, series: _Series, value: Any) -> None:
-        """Keep a tensor (lock held); fold torch tensors on their device every ``_FOLD_EVERY``."""
-        if type(value) is _Foreign:
-            if len(series.foreign) < _MAX_FOREIGN:
+    def _defer(self, series: Series, value: Any) -> None:
+        """Keep a tensor (lock held); fold torch tensors on their device every ``FOLD_EVERY``."""
+        if type(value) is Foreign:
+            if len(series.foreign) < MAX_FOREIGN:
                 series.foreign.append(value.value)
             else:
-                self._dropped_foreign += 1
+                self._recording.dropped_foreign += 1
             return
         deferred = series.deferred
         if series.fold_failed:
             # One failed attempt per window: retrying on each step would re-stack the whole
             # growing list under the lock (milliseconds per step after a few thousand).
-            if len(deferred) < _MAX_UNFOLDED:
+            if len(deferred) < MAX_UNFOLDED:
                 deferred.append(value)
             else:
-                self._dropped_unfolded += 1
+                self._recording.dropped_unfolded += 1
             return
         deferred.append(value)
-        if len(deferred) >= _FOLD_EVERY:
+        if len(deferred) >= FOLD_EVERY:
             torch = sys.modules["torch"]
             try:
-                series.partials.extend(_fold_by_device(deferred, torch))
+                series.partials.extend(fold_by_device(deferred, torch))
                 series.deferred = []
-                if len(series.partials) >= _FOLD_EVERY:
-                    series.partials = _fold_partials(series.partials, torch)
+                if len(series.partials) >= FOLD_EVERY:
+                    series.partials = fold_partials(series.partials, torch)
             except Exception:  # never let bookkeeping break the step; read them all at collection instead
                 series.fold_failed = True
                 self._warn_once(
                     "fold",
-                    f"folding kept tensors failed; this window keeps up to {_MAX_UNFOLDED} of them "
+                    f"folding kept tensors failed; this window keeps up to {MAX_UNFOLDED} of them "
                     "for its collection (the next window folds again)",
                     exc=True,
                 )
@@ -408,10 +281,7 @@ class TrainingMetrics:
     # -- other records ----------------------------------------------------------
     def record_epoch(self, epoch: float) -> None:
         """Set the current epoch (may be fractional, as the Hugging Face Trainer reports it)."""
-        value = _host_number(epoch, "epoch")
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"epoch must be finite and >= 0, got {epoch!r}")
-        self._epoch = value
+        self._values.record_epoch(epoch)
 
     def record_eval(self, loss: Any = None, **metrics: Any) -> None:
         """Record an evaluation: its loss and any other named metrics (accuracy=..., perplexity=...).
@@ -423,31 +293,7 @@ class TrainingMetrics:
         counts it (per metric name) and one warning per name says so. At most
         64 names besides the loss are kept; more are ignored with one warning.
         """
-        values: dict[str, float] = {}
-        if loss is not None:
-            values["loss"] = _host_number(loss, "loss")
-        for key, value in metrics.items():
-            if value is not None:
-                values[key] = _host_number(value, key)
-        for key, number in values.items():
-            if key != "loss" and key not in self._eval and len(self._eval) >= _MAX_EVAL_METRICS:
-                self._warn_once(
-                    "eval", f"more than {_MAX_EVAL_METRICS} evaluation metric names; {key!r} ignored"
-                )
-                continue
-            if not math.isfinite(number):
-                # Counted, so an alert can see it: the value's own series goes quiet.
-                self._eval_nonfinite.add(1, {ATTR_EVAL_METRIC: key})
-                self._warn_once(
-                    f"eval-{key}",
-                    f"evaluation {key} is {number}: OpenTelemetry cannot export a non-finite value, so "
-                    "that series shows no value until a finite one is recorded; "
-                    "openlora.training.eval.nonfinite counts it (warned once per name)",
-                )
-            if key == "loss":  # the `loss` argument: a keyword cannot repeat it
-                self._eval_loss = number
-            else:
-                self._eval[key] = number
+        self._values.record_eval(loss, metrics)
 
     def set_adapter(
         self,
@@ -465,8 +311,10 @@ class TrainingMetrics:
         > 0 (the adapter's scale is alpha / r); ``target_modules`` is a count, one
         module name (a string, as PEFT also takes a regex), or an iterable of names.
         """
-        self._adapter = _adapter_values(
-            r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
+        self._values.set_adapter(
+            adapter_values(
+                r, alpha, dropout, target_modules, trainable_params=trainable_params, total_params=total_params
+            )
         )
 
     def set_model_flops(self, per_token: float, *, peak_flops: float | None = None) -> None:
@@ -478,18 +326,7 @@ class TrainingMetrics:
         achieved FLOP/s is reported (on a CPU, say). See
         :func:`openlora_otel.training.flops.training_flops_per_token` for the estimate.
         """
-        flops = _positive(per_token, "per_token")
-        peak = None if peak_flops is None else _positive(peak_flops, "peak_flops")
-        self._flops_per_token = flops
-        self._peak_flops = self._configured_peak if self._configured_peak is not None else peak
-
-    def _achieved_flops(self) -> float | None:
-        tokens_per_s, per_token = self._snapshot.tokens_per_s, self._flops_per_token
-        return None if tokens_per_s is None or per_token is None else tokens_per_s * per_token
-
-    def _utilization(self) -> float | None:
-        achieved, peak = self._achieved_flops(), self._peak_flops
-        return None if achieved is None or peak is None else achieved / peak
+        self._values.set_model_flops(per_token, peak_flops)
 
     def attach_guard(self, guard: DivergenceGuard) -> DivergenceGuard:
         """Watch the losses with ``guard`` (see :mod:`openlora_otel.training.guard`); returns it.
@@ -499,64 +336,8 @@ class TrainingMetrics:
         """
         if not isinstance(guard, DivergenceGuard):
             raise TypeError(f"attach_guard takes a DivergenceGuard, got {type(guard).__name__}")
-        with self._guard_lock:
-            if self._guard is guard:
-                return guard
-            if self._guard is not None:
-                raise ValueError("a divergence guard is already attached to this TrainingMetrics")
-            self._guard = guard
-        for reason in GUARD_REASONS:  # the series exist from the start, so increase() sees the first trip
-            self._guard_trips.add(0, {ATTR_GUARD_REASON: reason})
-        guard._bind(
-            lambda reason: self._guard_trips.add(1, {ATTR_GUARD_REASON: reason}),
-            lambda: self._steps_recorded + self._window.steps,
-        )
-        if not self._closed:
-            self._guard_thread = threading.Thread(
-                target=self._guard_loop, args=(guard,), name="openlora-otel-guard", daemon=True
-            )
-            self._guard_thread.start()
+        self._collection.attach(guard)
         return guard
-
-    def _guard_loop(self, guard: DivergenceGuard) -> None:
-        while not self._guard_stop.wait(guard.check_interval_s):
-            if self._closed:
-                return
-            try:
-                self._check_current_window(guard)
-            except Exception:
-                self._warn_once("guard", "the divergence guard's check failed; it retries", exc=True)
-
-    def _check_current_window(self, guard: DivergenceGuard) -> None:
-        """Show the guard the window so far, read back the collection's way, without taking it."""
-        with self._lock:
-            window = self._window
-            loss = window.loss.copy()
-            steps = self._steps_recorded + window.steps
-        if not (loss.count or loss.nonfinite or loss.deferred or loss.partials or loss.foreign):
-            return
-        for item in loss.foreign:
-            loss.add_host(float(item))
-        if loss.deferred or loss.partials:
-            failed: list[str] = []
-            handles = _start_readback(
-                loss.partials, loss.deferred, sys.modules.get("torch"), lambda: failed.append("loss")
-            )
-            waiting: list[tuple[str, list[Any]]] = []
-            # This thread has nothing else to do: it waits for a device that runs far behind
-            # the host as long as the window lasts, rather than giving up and starting over.
-            for _, folded in _poll_readbacks(
-                [("loss", handles)], waiting, wait_s=_GUARD_READBACK_WAIT_S, stop=self._guard_stop
-            ):
-                loss.merge(folded)
-            if failed or waiting:
-                return  # not readable yet: the next check or the collection sees it
-        with self._guard_lock:
-            if self._window is not window:  # the collection took it and judges it whole
-                return
-            trip = guard._observe(_loss_window(loss, steps), complete=False)
-        if trip is not None:
-            guard._fire(trip)
 
     # -- where the time goes (goodput) ------------------------------------------
     def phase(self, name: str) -> Any:
@@ -577,11 +358,11 @@ class TrainingMetrics:
         done again: their time counts as ``lost_progress`` and ``openlora.training.steps.lost``
         counts them. Returns that number.
         """
-        step = _count(step, "step")
+        step = checked_count(step, "step")
         if reached is None and self._progress is not None:
             reached = self._progress.earlier_attempt(step, run_id=self._run_id)
         elif reached is not None:
-            reached = _count(reached, "reached")
+            reached = checked_count(reached, "reached")
         lost = self._clock.resumed(step, reached)
         if lost:
             _logger.info(
@@ -613,13 +394,7 @@ class TrainingMetrics:
         progress = self._progress
         if progress is None:
             return
-        # _roll holds the guard lock from taking the window until its steps are in the clock.
-        locked = self._guard_lock.acquire(timeout=max(0.0, timeout_s))
-        try:
-            step = min(self._clock.global_step + self._window.steps, _INT64_MAX)
-        finally:
-            if locked:
-                self._guard_lock.release()
+        step = self._collection.global_step_now(timeout_s)
         progress.write(step, run_id=self._run_id, attempt=self._attempt)
 
     @property
@@ -640,199 +415,29 @@ class TrainingMetrics:
         # record paths check it under the lock, so a record racing with close() either
         # lands in the window the final collection takes (the collection takes the lock)
         # or is ignored. Both are fine.
-        self._closed = True
+        self._recording.closed = True
         self._clock.close(time.perf_counter(), last_step=self._last_call)
-        self._guard_stop.set()
+        self._collection.stop_guard()
 
     def join_guard(self, timeout_s: float) -> bool:
         """After :meth:`close`, wait (at most ``timeout_s``) for the guard's check thread to end;
         True when none is left running. A check in the middle of reading the device back gives up
         at once on close, so the thread never touches the device after the shutdown (at
         interpreter exit CUDA may already be going away)."""
-        thread = self._guard_thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout_s)
-        return not thread.is_alive()
+        return self._collection.join_guard(timeout_s)
 
-    # -- collection ---------------------------------------------------------------
     @property
-    def _snapshot(self) -> _Snapshot:
-        """What the gauges of the collection on this thread report."""
-        return self._readers.snapshot()
+    def _guard(self) -> DivergenceGuard | None:
+        """The attached guard, if any (``Telemetry`` reads it to decide the run's outcome)."""
+        return self._collection.guard
 
-    @staticmethod
-    def _one(value: float | int | None) -> list[Observation]:
-        # Non-finite values are left out here: the SDK would drop them anyway, with a
-        # warning on every collection.
-        return [] if value is None or value - value != 0 else [Observation(value)]
-
-    def _observe_loss(self, options: CallbackOptions) -> list[Observation]:
-        try:
-            self._roll()
-        except Exception:  # the scrape must survive anything a tensor read throws
-            self._warn_once(
-                "roll", "reading training values failed; this collection reports stale values", exc=True
-            )
-        return self._one(self._snapshot.loss)
-
-    def _observe_eval(self, options: CallbackOptions) -> list[Observation]:
-        return [
-            Observation(v, {ATTR_EVAL_METRIC: k}) for k, v in list(self._eval.items()) if math.isfinite(v)
-        ]
-
-    def _roll(self) -> None:
-        now = time.monotonic()
-        # The guard lock is held from the swap until the guard has seen this window whole
-        # (below): a check of the new window in between would count the old one's
-        # non-finite run twice. Only the guard's thread ever waits for it.
-        with self._guard_lock:
-            trip = self._roll_locked(now)
-        if trip is not None and self._guard is not None:
-            self._guard._fire(trip)  # after the lock: on_trip may collect
-
-    def _roll_locked(self, now: float) -> Trip | None:
-        """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
-        with self._lock:
-            window, self._window = self._window, _Window(started=now)
-        # Counts first, before anything that reads a tensor can fail: the window is
-        # handed to the SDK exactly once, and stays there until a collection completes.
-        self._commit(window)
-
-        pending = self._carry
-        self._carry = []
-        failed: set[str] = set()
-        torch = sys.modules.get("torch")
-        for label, series in (("loss", window.loss), ("grad", window.grad), ("lr", window.lr)):
-            # One value or device failing to read (a tensor on a device that went away, a
-            # foreign object that raises) costs only those values, never the rest.
-            for item in series.foreign:
-                try:
-                    number = float(item)
-                except Exception:
-                    self._fail_read(label, failed)
-                else:
-                    series.add_host(number)
-            if series.deferred or series.partials:
-                handles = _start_readback(
-                    series.partials, series.deferred, torch, lambda label=label: self._fail_read(label, failed)
-                )
-                if handles:
-                    pending.append((label, handles))
-        ready = _poll_readbacks(pending, self._carry, lambda label: self._fail_read(label, failed))
-        merged = {"loss": window.loss, "grad": window.grad, "lr": window.lr}
-        for label, folded in ready:
-            merged[label].merge(folded)
-
-        self._steps_recorded += window.steps
-        guard = self._guard
-        trip = None
-        if guard is not None and "loss" not in failed:
-            trip = guard._observe(_loss_window(window.loss, self._steps_recorded), complete=True)
-        if not self._loss_nonfinite.add(window.loss.nonfinite) or not self._grad_nonfinite.add(
-            window.grad.nonfinite
-        ):
-            self._warn_saturated()
-        # The window goes to every reader's span; the collecting reader reports its span.
-        reader, span = self._readers.take(window, now)
-        snapshot = _span_snapshot(span, reader.snapshot, now, failed)
-        if span.last_step is not None:
-            # The step's perf_counter() reading, placed on the wall clock as it reads now: an age
-            # computed against the current wall clock (Prometheus's time()) stays right even if
-            # the wall clock was stepped since, and the step path pays no time.time() call.
-            snapshot.last_step_time = time.time() - (time.perf_counter() - span.last_step)
-        reader.snapshot = snapshot
-        if self._dropped_foreign:
-            self._warn_once(
-                "foreign", f"{self._dropped_foreign} tensor-like values dropped (no collection for too long)"
-            )
-        if self._dropped_unfolded:
-            self._warn_once(
-                "unfolded",
-                f"{self._dropped_unfolded} loss / gradient norm / learning rate tensors dropped: folding "
-                f"them failed and more than {_MAX_UNFOLDED} waited for one collection",
-            )
-        return trip
-
-    def _commit(self, window: _Window) -> None:
-        """Hand the window's counts and step durations to the SDK's synchronous instruments."""
-        try:
-            self._book_time(window)
-        except Exception:  # the step counts below must be handed over whatever happens here
-            self._warn_once("goodput", "booking the time per phase failed; openlora.training.time misses it", exc=True)
-        saturated = not self._steps.add(window.steps)
-        saturated |= not self._tokens.add(window.tokens)
-        saturated |= not self._samples.add(window.samples)
-        if saturated:
-            self._warn_saturated()
-        durations = window.durations
-        if not durations.count:
-            return
-        if self._merge_windows:
-            batch = durations.window()
-            self._duration.record(batch)
-            if batch.merged:
-                return
-            # Only when told the view is there and it is not: that one window was
-            # counted as a single 0 s step. Every later window is replayed.
-            self._merge_windows = False
-            self._warn_once(
-                "merge",
-                f"{_DURATION} is not using step_duration_view() on this meter's provider; "
-                "step durations are replayed one by one from now on",
-            )
-            return
-        # Per bucket, its count at the bucket's mean: counts and sum are exact, one
-        # SDK call per step (min and max become the extreme buckets' means).
-        replay(self._duration.record, durations.counts, durations.sums)
-
-    def _book_time(self, window: _Window) -> None:
-        """Add the seconds per phase since the previous collection, and the steps lost to a restart."""
-        # data_timed: the waits of steps that had a step before them (the first step's wait is start-up's).
-        spent = self._clock.take(
-            time.perf_counter(), steps=window.steps, data_wait=window.data_timed, last_step=window.last_step
-        )
-        if not self._phases_started:
-            # Every phase from the first collection on: a series born later would lose its
-            # first increase in PromQL's increase() and rate().
-            self._phases_started = True
-            for phase in TRAINING_PHASES:
-                spent.setdefault(phase, 0.0)
-            self._lost_steps.add(0)
-        for phase, seconds in spent.items():
-            self._time.add(seconds, {ATTR_TRAINING_PHASE: phase})
-        lost = self._clock.take_lost_steps()
-        if lost:
-            self._lost_steps.add(lost)
+    def _write_progress(self, step: int) -> None:
+        """Keep ``step`` in the progress file of :meth:`track_progress`, if any (each collection calls it)."""
         if self._progress is not None:
-            self._progress.write(self._clock.global_step, run_id=self._run_id, attempt=self._attempt)
-
-    def _fail_read(self, label: str, failed: set[str]) -> None:
-        failed.add(label)
-        self._warn_once(
-            f"read-{label}",
-            f"reading {label} values failed; those values are dropped, the others still count "
-            "(a window with none readable reports no value rather than a stale one)",
-            exc=True,
-        )
-
-    def _warn_saturated(self) -> None:
-        self._warn_once(
-            "int64", "a training counter reached 2**63 - 1, the largest value OTLP carries; it stays there"
-        )
+            self._progress.write(step, run_id=self._run_id, attempt=self._attempt)
 
     def _warn_once(self, key: str, message: str, *, exc: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
             _logger.warning("openlora-otel: %s", message, exc_info=exc)
 
-
-def step_duration_view() -> Any:
-    """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
-
-    Pass it to ``MeterProvider(views=[...])`` and build ``TrainingMetrics(meter,
-    window_histogram=True)`` on that provider; ``setup_telemetry`` does both. It
-    keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
-    internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
-    """
-    return window_view(_DURATION, STEP_DURATION_BUCKETS)

@@ -1,18 +1,20 @@
 """Deferred tensor values: folded on their own device, read back at collection without a sync.
 
 The step path keeps loss, gradient norm and learning rate tensors as references
-(see :mod:`openlora_otel.training.metrics`), which folds every ``_FOLD_EVERY``
+(see :mod:`openlora_otel.training.metrics`), which folds every ``FOLD_EVERY``
 of them on their device into one small partial result (``_fold``): sum and
 count of the finite values, the non-finite count, the last value, the finite
 extremes and the trailing non-finite run. At collection a series' partials and
 its unfolded tensors are combined into one partial per device, and each is
-copied to the host (``_start_readback``). For CUDA (and other accelerator)
+copied to the host (``start_readback``). For CUDA (and other accelerator)
 tensors the copy is asynchronous, into pinned memory, and is only polled,
 never waited on with a synchronizing call, so
 ``torch.cuda.set_sync_debug_mode("error")`` holds; a value the device has not
-produced yet is carried into the next collection (``_poll_readbacks``).
+produced yet is carried into the next collection (``poll_readbacks``).
 
 Nothing here imports torch: callers pass the module they found in ``sys.modules``.
+What the other modules of the training package call has a public name; none of it is
+re-exported by :mod:`openlora_otel.training`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _READBACK_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
-class _Folded:
+class Folded:
     """What a device read-back gives for one series (see `_fold`)."""
 
     total: float
@@ -43,12 +45,12 @@ class _Folded:
     trailing: int
 
     @classmethod
-    def from_values(cls, values: list[float]) -> _Folded:
+    def from_values(cls, values: list[float]) -> Folded:
         total, count, nonfinite, last, highest, lowest, trailing = values
         return cls(total, int(count), int(nonfinite), last, highest, lowest, int(trailing))
 
 
-def _fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
+def fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
     """One partial per device the tensors live on (almost always one)."""
     device = tensors[0].device
     if all(t.device == device for t in tensors):
@@ -59,7 +61,7 @@ def _fold_by_device(tensors: list[Any], torch: Any) -> list[Any]:
     return [_fold(group, torch) for group in groups.values()]
 
 
-def _fold_partials(partials: list[Any], torch: Any) -> list[Any]:
+def fold_partials(partials: list[Any], torch: Any) -> list[Any]:
     """Combine partial results into one per device."""
     groups: dict[Any, list[Any]] = {}
     for partial in partials:
@@ -124,7 +126,7 @@ def _combine(partials: list[Any], torch: Any) -> Any:
     )
 
 
-def _start_readback(partials: list[Any], deferred: list[Any], torch: Any, on_failure: Any) -> list[Any]:
+def start_readback(partials: list[Any], deferred: list[Any], torch: Any, on_failure: Any) -> list[Any]:
     """Combine a series' partials and unfolded tensors into one partial per device; start copying each to the host.
 
     Each device is handled apart: one that fails (calls ``on_failure``) costs only its own values.
@@ -191,20 +193,20 @@ class _DeviceRead:
         return self._host.tolist()
 
 
-def _poll_readbacks(
+def poll_readbacks(
     pending: list[tuple[str, list[Any]]],
     carry: list[tuple[str, list[Any]]],
     on_failure: Any = None,
     wait_s: float | None = None,
     stop: threading.Event | None = None,
-) -> list[tuple[str, _Folded]]:
+) -> list[tuple[str, Folded]]:
     """Values of the finished read-backs; unfinished ones go to ``carry`` for the next collection.
 
     A read-back that raises is dropped alone (``on_failure(label)`` is called). The wait ends
     early when ``stop`` is set.
     """
     deadline = time.monotonic() + (_READBACK_WAIT_S if wait_s is None else wait_s)
-    ready: list[tuple[str, _Folded]] = []
+    ready: list[tuple[str, Folded]] = []
     for label, handles in pending:
         waiting = []
         for handle in handles:
@@ -212,7 +214,7 @@ def _poll_readbacks(
                 while not handle.ready() and time.monotonic() < deadline and not (stop and stop.is_set()):
                     time.sleep(0.001)
                 if handle.ready():
-                    ready.append((label, _Folded.from_values(handle.values())))
+                    ready.append((label, Folded.from_values(handle.values())))
                 else:
                     waiting.append(handle)
             except Exception:

@@ -1,10 +1,10 @@
 """Windows of steps, and what each metric reader's gauges report from them.
 
-The step path fills one :class:`_Window` at a time (step, token and sample
-counts, step durations, data waits, and a :class:`_Series` each for loss,
+The step path fills one :class:`Window` at a time (step, token and sample
+counts, step durations, data waits, and a :class:`Series` each for loss,
 gradient norm and learning rate). A collection takes it whole, reads back its
 tensors (:mod:`openlora_otel.training.readback`) and hands it to
-:class:`_Readers`, which adds it to every reader's span.
+:class:`Readers`, which adds it to every reader's span.
 
 Each reader of the provider ``setup_telemetry`` builds has its own span: with
 two readers (say Prometheus and the history file), each reports the steps since
@@ -12,10 +12,12 @@ its own previous collection, spikes included, whatever the other collected in
 between. A window is still taken, read back and judged by the guard once; what
 it held is then added to every reader's pending span. Readers the provider was
 not built with (someone else's provider) share one span. The collecting
-reader's span becomes its :class:`_Snapshot` (:func:`_span_snapshot`): what its
+reader's span becomes its :class:`Snapshot` (:func:`span_snapshot`): what its
 gauges report until its next collection.
 
-Nothing here reads a clock: the collection passes the times in.
+Nothing here reads a clock: the collection passes the times in. What the other
+modules of the training package use has a public name; of it only
+:func:`collecting_for` is re-exported by :mod:`openlora_otel.training`.
 """
 
 from __future__ import annotations
@@ -27,18 +29,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.metrics import Observation
+
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.guard import LossWindow
-from openlora_otel.training.readback import _Folded
+from openlora_otel.training.readback import Folded
 from openlora_otel.windows import BucketCounts
 
 __all__ = ["collecting_for"]
 
+# Tensors kept per window before they are folded on their device into one partial
+# result (one small reduction per this many steps keeps memory flat without a reader).
+FOLD_EVERY = 512
+# After a fold fails, a window stops folding (retrying would re-stack the whole growing
+# list on every step, under the lock) and keeps at most this many tensors until its
+# collection; beyond it they are dropped and counted.
+MAX_UNFOLDED = 16384
+# Tensor-like objects that are not torch tensors (duck-typed test doubles, other
+# frameworks) cannot be folded without reading them; beyond this they are dropped.
+MAX_FOREIGN = 65536
 # An empty window shorter than this keeps the previous throughput (two readers back to back).
 _MIN_EMPTY_WINDOW_S = 1.0
 
 
-class _Series:
+class Series:
     """One scalar over a window: sum, count, extremes and last value, host values plus deferred tensors.
 
     ``trailing`` is how many values at the end of the window were non-finite in a
@@ -81,7 +95,7 @@ class _Series:
             self.trailing += 1
         self.last = value
 
-    def merge(self, values: _Folded) -> None:
+    def merge(self, values: Folded) -> None:
         self.total += values.total
         self.count += values.count
         self.nonfinite += values.nonfinite
@@ -93,13 +107,13 @@ class _Series:
         # when none of them was finite.
         self.trailing = values.trailing + (self.trailing if values.count == 0 else 0)
 
-    def folded(self) -> _Folded:
+    def folded(self) -> Folded:
         """The host-side values as one fold (what a reader's span adds up)."""
-        return _Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
+        return Folded(self.total, self.count, self.nonfinite, self.last, self.highest, self.lowest, self.trailing)
 
-    def copy(self) -> _Series:
+    def copy(self) -> Series:
         """A copy whose lists can be read while the step path appends to the original's."""
-        twin = _Series()
+        twin = Series()
         for name in self.__slots__:
             value = getattr(self, name)
             setattr(twin, name, list(value) if type(value) is list else value)
@@ -107,14 +121,14 @@ class _Series:
 
 
 @dataclass
-class _Window:
+class Window:
     started: float
     steps: int = 0
     tokens: int = 0
     samples: int = 0
-    loss: _Series = field(default_factory=_Series)
-    grad: _Series = field(default_factory=_Series)
-    lr: _Series = field(default_factory=_Series)
+    loss: Series = field(default_factory=Series)
+    grad: Series = field(default_factory=Series)
+    lr: Series = field(default_factory=Series)
     durations: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
     # perf_counter() of the window's latest step: the step path stores the clock reading it
     # already took; the wall-clock conversion waits for the collection.
@@ -126,7 +140,7 @@ class _Window:
     data_timed: float = 0.0
     data_wall: float = 0.0
 
-    def absorb(self, window: _Window) -> None:
+    def absorb(self, window: Window) -> None:
         """Add a taken, read-back window to this span (a reader's steps since its last collection)."""
         self.steps += window.steps
         self.tokens += window.tokens
@@ -142,14 +156,31 @@ class _Window:
         self.data_wall += window.data_wall
 
 
+class Recording:
+    """What the step path shares with the collection: the window it fills now and the lock it fills it
+    under, whether it still takes records, and how many tensors it had to drop (told at collection).
+
+    The record calls add to ``window`` holding ``lock``; a collection swaps in a fresh one under it.
+    """
+
+    __slots__ = ("closed", "dropped_foreign", "dropped_unfolded", "lock", "window")
+
+    def __init__(self, started: float) -> None:
+        self.lock = threading.Lock()
+        self.window = Window(started=started)
+        self.closed = False
+        self.dropped_foreign = 0  # tensor-likes past MAX_FOREIGN in one window
+        self.dropped_unfolded = 0  # tensors past MAX_UNFOLDED after a failed fold
+
+
 class _Reader:
     """One reader's view: the span it has not reported yet and what its gauges show."""
 
     __slots__ = ("snapshot", "span")
 
     def __init__(self, started: float) -> None:
-        self.span = _Window(started=started)
-        self.snapshot = _Snapshot()
+        self.span = Window(started=started)
+        self.snapshot = Snapshot()
 
 
 # Which reader the current thread collects for (set around a reader's collection by
@@ -169,7 +200,7 @@ def collecting_for(key: Hashable) -> Iterator[None]:
 
 
 @dataclass
-class _Snapshot:
+class Snapshot:
     """What the gauges report until the next collection."""
 
     loss: float | None = None
@@ -187,7 +218,14 @@ class _Snapshot:
     last_step_time: float | None = None  # seconds since the epoch
 
 
-class _Readers:
+def observed(value: float | int | None) -> list[Observation]:
+    """What a gauge callback reports for ``value``: one observation, or none for None or a non-finite value."""
+    # Non-finite values are left out here: the SDK would drop them anyway, with a
+    # warning on every collection.
+    return [] if value is None or value - value != 0 else [Observation(value)]
+
+
+class Readers:
     """Every reader's span and snapshot, by the key its collection runs under (:func:`collecting_for`).
 
     ``None`` is the shared span of readers that were not named; a key first seen at a
@@ -199,12 +237,12 @@ class _Readers:
     def __init__(self, keys: Iterable[Hashable], started: float) -> None:
         self._readers: dict[Hashable, _Reader] = {key: _Reader(started) for key in (None, *keys)}
 
-    def snapshot(self) -> _Snapshot:
+    def snapshot(self) -> Snapshot:
         """What the gauges of the collection on this thread report."""
         reader = self._readers.get(getattr(_collecting, "key", None))
         return reader.snapshot if reader is not None else self._readers[None].snapshot
 
-    def take(self, window: _Window, now: float) -> tuple[_Reader, _Window]:
+    def take(self, window: Window, now: float) -> tuple[_Reader, Window]:
         """Add a taken, read-back window to every reader's span; the collecting reader and its span, now ended."""
         key = getattr(_collecting, "key", None)
         reader = self._readers.get(key)
@@ -212,18 +250,18 @@ class _Readers:
             reader = self._readers[key] = _Reader(window.started)
         for each in self._readers.values():
             each.span.absorb(window)
-        span, reader.span = reader.span, _Window(started=now)
+        span, reader.span = reader.span, Window(started=now)
         return reader, span
 
 
-def _span_snapshot(span: _Window, previous: _Snapshot, now: float, failed: set[str]) -> _Snapshot:
+def span_snapshot(span: Window, previous: Snapshot, now: float, failed: set[str]) -> Snapshot:
     """What a reader's gauges report after its span ending ``now`` (``failed``: series that could not be read).
 
     ``last_step_time`` stays the previous one: placing the span's last step on the wall
     clock is the caller's (it reads the clocks).
     """
     elapsed = now - span.started
-    snapshot = _Snapshot(
+    snapshot = Snapshot(
         loss=_window_value(span.loss, previous.loss, "loss" in failed, mean=True),
         grad=_window_value(span.grad, previous.grad, "grad" in failed, mean=True),
         lr=_window_value(span.lr, previous.lr, "lr" in failed, mean=False),
@@ -246,7 +284,7 @@ def _span_snapshot(span: _Window, previous: _Snapshot, now: float, failed: set[s
     return snapshot
 
 
-def _window_value(series: _Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
+def _window_value(series: Series, previous: float | None, failed: bool, *, mean: bool) -> float | None:
     """The window's mean (or latest) finite value; else the previous one, unless its values could not be read."""
     if series.count:
         if mean:
@@ -258,11 +296,11 @@ def _window_value(series: _Series, previous: float | None, failed: bool, *, mean
     return previous
 
 
-def _loss_window(series: _Series, steps: int) -> LossWindow:
+def loss_window(series: Series, steps: int) -> LossWindow:
     return LossWindow(series.count, series.nonfinite, series.trailing, series.highest, series.total, steps)
 
 
-def _window_extreme(series: _Series, previous: float | None, failed: bool, *, highest: bool) -> float | None:
+def _window_extreme(series: Series, previous: float | None, failed: bool, *, highest: bool) -> float | None:
     """The window's largest (smallest) finite value, with the same fallbacks as `_window_value`."""
     if series.count:
         return series.highest if highest else series.lowest
