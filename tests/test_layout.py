@@ -96,3 +96,17 @@ def test_the_training_package_re_exports_the_public_names_of_its_modules() -> No
     namespace: dict[str, object] = {}
     exec("from openlora_otel.training import *", namespace)
     assert set(namespace) - {"__builtins__"} == set(training.__all__)
+
+
+def test_the_names_package_re_exports_the_public_names_of_its_modules() -> None:
+    """The catalogue was one module (openlora_otel/names.py): ``from openlora_otel.names import X`` still gives every name."""
+    import openlora_otel.names as names
+
+    stems = sorted(path.stem for path in (PACKAGE / "names").glob("*.py") if path.stem != "__init__")
+    modules = [importlib.import_module(f"openlora_otel.names.{stem}") for stem in stems]
+    public = {name: getattr(module, name) for module in modules for name in module.__all__}
+    assert {"MetricSpec", "prometheus_name", "TRAINING_METRICS", "GPU_METRICS", "XID_CODES"} <= set(names.__all__)
+    assert sorted(names.__all__) == sorted(public)
+    for name in names.__all__:
+        assert getattr(names, name) is public[name], name
+    assert not (PACKAGE / "names.py").exists()
