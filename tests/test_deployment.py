@@ -21,8 +21,14 @@ import pytest
 import yaml
 
 from openlora_otel.config import TelemetryConfig
-from openlora_otel.hardware.host import HOST_METRICS
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
+from openlora_otel.names import (
+    ADAPTER_METRICS,
+    GPU_METRICS,
+    HOST_METRICS,
+    INFERENCE_METRICS,
+    RUN_METRICS,
+    TRAINING_METRICS,
+)
 from tests.support import docs_text
 from tests.support.dashboards import http_variable_options, run_every_query, substitute
 from tests.support.metrics_paths import METRIC_PATHS

@@ -1,8 +1,9 @@
 """Metric names, units and attribute keys: the one list docs, dashboards and tests are checked against.
 
 One module per domain (:mod:`~openlora_otel.names.training`, :mod:`~openlora_otel.names.run`,
-:mod:`~openlora_otel.names.inference`, :mod:`~openlora_otel.names.gpu`) over what they share
-(:mod:`~openlora_otel.names.common`: :class:`MetricSpec`, the Prometheus names, the shared keys).
+:mod:`~openlora_otel.names.inference`, :mod:`~openlora_otel.names.gpu`,
+:mod:`~openlora_otel.names.host`) over what they share (:mod:`~openlora_otel.names.common`:
+:class:`MetricSpec`, the Prometheus names, the shared keys).
 Every public name is re-exported here, so ``from openlora_otel.names import X`` works as it did
 when this was one module.
 """
@@ -31,6 +32,7 @@ from openlora_otel.names.gpu import (
     XID_OTHER,
     XID_OTHER_KNOWN,
 )
+from openlora_otel.names.host import HOST_ATTRIBUTES, HOST_METRICS
 from openlora_otel.names.inference import (
     ATTR_ADAPTER,
     ATTR_BASE_FINGERPRINT,
@@ -96,6 +98,8 @@ __all__ = [
     "GPU_METRICS",
     "GPU_PCIE_ERROR_TYPES",
     "GUARD_REASONS",
+    "HOST_ATTRIBUTES",
+    "HOST_METRICS",
     "INFERENCE_METRICS",
     "REQUEST_DURATION_BUCKETS",
     "RUN_METRICS",
