@@ -63,7 +63,7 @@ def metrics_page() -> str:
 
     return "\n".join(
         [
-            GENERATED.format(source="openlora_otel/names.py (openlora-otel metrics)"),
+            GENERATED.format(source="openlora_otel/names/ (openlora-otel metrics)"),
             "",
             "# Metrics",
             "",
