@@ -5,12 +5,15 @@
 
 configuration.md: ``openlora-otel env``'s tables; metrics.md: ``openlora-otel metrics``' tables;
 cli.md: every command's ``--help`` at 100 columns; api.md: mkdocstrings directives for the public API.
+In gpu-metrics.md and host-metrics.md, written by hand, only the block between a pair of markers
+(``<!-- gpu-metrics-table:start -->``, ``...:end -->``) is generated: the table of that catalogue module.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,7 +66,7 @@ def metrics_page() -> str:
 
     return "\n".join(
         [
-            GENERATED.format(source="openlora_otel/names.py (openlora-otel metrics)"),
+            GENERATED.format(source="openlora_otel/names/ (openlora-otel metrics)"),
             "",
             "# Metrics",
             "",
@@ -81,6 +84,30 @@ def metrics_page() -> str:
             "",
         ]
     )
+
+
+def gpu_metrics_table() -> str:
+    from openlora_otel.commands.metrics import metrics_markdown
+    from openlora_otel.names import GPU_METRICS
+
+    return "\n".join([GENERATED.format(source="openlora_otel/names/gpu.py"), "", metrics_markdown(GPU_METRICS), "", ""])
+
+
+def host_metrics_table() -> str:
+    from openlora_otel.commands.metrics import metrics_markdown
+    from openlora_otel.names import HOST_METRICS
+
+    return "\n".join([GENERATED.format(source="openlora_otel/names/host.py"), "", metrics_markdown(HOST_METRICS), "", ""])
+
+
+def with_block(path: Path, marker: str, block: str) -> str:
+    """The text of the hand-written page ``path`` with ``block`` between its one pair of ``marker`` markers."""
+    text = path.read_text() if path.is_file() else ""
+    pattern = re.compile(rf"(<!-- {re.escape(marker)}:start -->\n).*?(<!-- {re.escape(marker)}:end -->)", re.S)
+    found = len(pattern.findall(text))
+    if found != 1:
+        raise ValueError(f"{path.relative_to(ROOT)}: {found} blocks marked {marker!r}, expected 1")
+    return pattern.sub(lambda match: match[1] + block + match[2], text)
 
 
 def _helps() -> list[tuple[str, str]]:
@@ -127,14 +154,18 @@ def api_page() -> str:
 
 
 def pages() -> dict[Path, str]:
-    """Every generated page by its path, with the text it should have."""
+    """Every generated page (or page with a generated block) by its path, with the text it should have."""
     reference = DOCS / "reference"
-    return {
+    generated = {
         reference / "configuration.md": configuration_page(),
         reference / "metrics.md": metrics_page(),
         reference / "cli.md": cli_page(),
         reference / "api.md": api_page(),
     }
+    for page, table in (("gpu-metrics", gpu_metrics_table), ("host-metrics", host_metrics_table)):
+        path = reference / f"{page}.md"
+        generated[path] = with_block(path, f"{page}-table", table())
+    return generated
 
 
 def stale() -> list[Path]:

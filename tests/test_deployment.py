@@ -21,8 +21,14 @@ import pytest
 import yaml
 
 from openlora_otel.config import TelemetryConfig
-from openlora_otel.hardware.host import HOST_METRICS
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
+from openlora_otel.names import (
+    ADAPTER_METRICS,
+    GPU_METRICS,
+    HOST_METRICS,
+    INFERENCE_METRICS,
+    RUN_METRICS,
+    TRAINING_METRICS,
+)
 from tests.support import docs_text
 from tests.support.dashboards import http_variable_options, run_every_query, substitute
 from tests.support.metrics_paths import METRIC_PATHS
@@ -686,7 +692,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
             _check_every_query(
                 telemetry, prometheus, main_instance, diverging_instance, diverging_log, fake, cards[0]
             )
-            # The series names are the ones names.py gives for the path (the docs' table is made
+            # The series names are the ones openlora_otel.names gives for the path (the docs' table is made
             # from them): checked here against what the real Collector and Prometheus 3's receiver made.
             observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
             assert_series_names_follow_the_path(observed, path)

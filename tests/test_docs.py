@@ -29,7 +29,9 @@ def generator():
 
 def test_generated_reference_pages_are_current() -> None:
     pages = generator().pages()
-    assert {path.name for path in pages} == {"configuration.md", "metrics.md", "cli.md", "api.md"}
+    assert {path.name for path in pages} == {
+        "configuration.md", "metrics.md", "cli.md", "api.md", "gpu-metrics.md", "host-metrics.md",
+    }
     stale = [str(path.relative_to(ROOT)) for path, text in pages.items() if not path.is_file() or path.read_text() != text]
     assert not stale, f"stale docs pages {stale}: run `python docs/generate.py`"
 

@@ -29,12 +29,12 @@ from opentelemetry.semconv._incubating.metrics import process_metrics, system_me
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
 from openlora_otel.hardware.host import (
-    HOST_METRICS,
     PROCESS_SELECTION,
     SCOPE_NAME,
     SYSTEM_SELECTION,
     start_host_metrics,
 )
+from openlora_otel.names import HOST_ATTRIBUTES, HOST_METRICS
 from tests.support import docs_text
 from tests.support.processes import child_env, free_port
 from tests.support.readings import points
@@ -144,7 +144,7 @@ def semconv_instrument(name: str) -> tuple[str, str]:
 
 def test_every_metric_has_the_name_kind_unit_and_attributes_of_the_semantic_conventions() -> None:
     found, _ = collect()
-    assert set(found) == {spec.name for spec in HOST_METRICS} == set(SEMCONV_ATTRIBUTES) == set(host.ATTRIBUTES)
+    assert set(found) == {spec.name for spec in HOST_METRICS} == set(SEMCONV_ATTRIBUTES) == set(HOST_ATTRIBUTES)
     for spec in HOST_METRICS:
         kind, unit = semconv_instrument(spec.name)
         assert (spec.kind, spec.unit) == (kind, unit), spec.name
@@ -157,9 +157,9 @@ def test_every_metric_has_the_name_kind_unit_and_attributes_of_the_semantic_conv
             "updowncounter": ("Sum", False),
         }[kind], spec.name
         allowed = SEMCONV_ATTRIBUTES[spec.name]
-        assert set(host.ATTRIBUTES[spec.name]) <= set(allowed), spec.name
+        assert set(HOST_ATTRIBUTES[spec.name]) <= set(allowed), spec.name
         for point in metric.data.data_points:
-            assert set(point.attributes) == set(host.ATTRIBUTES[spec.name]), spec.name
+            assert set(point.attributes) == set(HOST_ATTRIBUTES[spec.name]), spec.name
             for key, value in point.attributes.items():
                 values = allowed[key]
                 assert values is None or value in {member.value for member in values}, (spec.name, key, value)

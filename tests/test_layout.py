@@ -132,3 +132,17 @@ def test_no_training_module_reaches_a_private_name_of_another_or_of_the_guard() 
                 and ast.unparse(node.value).split(".")[-1].lstrip("_") == "guard"
             }
             assert not of_the_guard, (path.name, of_the_guard)
+
+
+def test_the_names_package_re_exports_the_public_names_of_its_modules() -> None:
+    """The catalogue was one module (openlora_otel/names.py): ``from openlora_otel.names import X`` still gives every name."""
+    import openlora_otel.names as names
+
+    stems = sorted(path.stem for path in (PACKAGE / "names").glob("*.py") if path.stem != "__init__")
+    modules = [importlib.import_module(f"openlora_otel.names.{stem}") for stem in stems]
+    public = {name: getattr(module, name) for module in modules for name in module.__all__}
+    assert {"MetricSpec", "prometheus_name", "TRAINING_METRICS", "GPU_METRICS", "XID_CODES"} <= set(names.__all__)
+    assert sorted(names.__all__) == sorted(public)
+    for name in names.__all__:
+        assert getattr(names, name) is public[name], name
+    assert not (PACKAGE / "names.py").exists()

@@ -71,8 +71,7 @@ def test_pull_endpoint_serves_exactly_the_documented_names() -> None:
 
 def test_the_documented_table_lists_every_name_that_differs_between_the_paths() -> None:
 
-    from openlora_otel.hardware.host import HOST_METRICS
-    from openlora_otel.names import GPU_METRICS, INFERENCE_METRICS
+    from openlora_otel.names import GPU_METRICS, HOST_METRICS, INFERENCE_METRICS
 
     table = docs_text.marked("docs/concepts/names.md", "names-table")
     rows = [[cell.strip().strip("`") for cell in line.strip("|").split("|")] for line in table.splitlines()]

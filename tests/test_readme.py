@@ -133,3 +133,17 @@ def test_metric_table_matches_the_names_module() -> None:
 
     assert metrics_markdown() in docs_text.text(METRICS_PAGE)
     assert seeds_markdown() in docs_text.text(METRICS_PAGE)
+
+
+def test_gpu_metric_table_matches_the_names_module() -> None:
+    from openlora_otel.commands.metrics import metrics_markdown
+    from openlora_otel.names import GPU_METRICS
+
+    assert metrics_markdown(GPU_METRICS) in docs_text.marked("docs/reference/gpu-metrics.md", "gpu-metrics-table")
+
+
+def test_host_metric_table_matches_the_names_module() -> None:
+    from openlora_otel.commands.metrics import metrics_markdown
+    from openlora_otel.names import HOST_METRICS
+
+    assert metrics_markdown(HOST_METRICS) in docs_text.marked("docs/reference/host-metrics.md", "host-metrics-table")

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 from openlora_otel.commands._args import command_parser
-from openlora_otel.names import ADAPTER_METRICS, GPU_METRICS, INFERENCE_METRICS, RUN_METRICS, TRAINING_METRICS
+from openlora_otel.names import (
+    ADAPTER_METRICS,
+    GPU_METRICS,
+    INFERENCE_METRICS,
+    RUN_METRICS,
+    TRAINING_METRICS,
+    MetricSpec,
+)
+
+# What the command prints, in this order (the host metrics have their own page's table).
+LISTED = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *INFERENCE_METRICS)
 
 
 def register(commands: Any) -> None:
@@ -26,13 +37,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def metrics_markdown() -> str:
-    """The metric table as Markdown: OpenTelemetry name, Prometheus series, type, unit, meaning."""
+def metrics_markdown(specs: Iterable[MetricSpec] = LISTED) -> str:
+    """The table of ``specs`` as Markdown: OpenTelemetry name, Prometheus series, type, unit, meaning."""
     rows = [
         "| OpenTelemetry name | Prometheus series (pulled; through the Collector where it differs) | Type | Unit | Meaning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *INFERENCE_METRICS):
+    for spec in specs:
         series = spec.prometheus
         if spec.kind == "histogram":
             series = f"{series}_bucket`, `_sum`, `_count"
@@ -46,7 +57,7 @@ def metrics_markdown() -> str:
 def seeds_markdown() -> str:
     """The map from the seeds' metric names to ours."""
     rows = ["| Seeds' name | Ours (Prometheus series) |", "| --- | --- |"]
-    for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *INFERENCE_METRICS):
+    for spec in LISTED:
         if spec.seed_name:
             rows.append(f"| `{spec.seed_name}` | `{spec.prometheus}` |")
     return "\n".join(rows)

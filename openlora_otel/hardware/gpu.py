@@ -45,7 +45,7 @@ _logger = logging.getLogger(__name__)
 
 
 def status_of(reading: Reading, xids: dict[str, int]) -> str:
-    """``hw.state`` of a device: ok, degraded or failed (see names.py, hw.status)."""
+    """``hw.state`` of a device: ok, degraded or failed (see names/gpu.py, hw.status)."""
     values = reading.values
     codes = {int(code) for code in xids if code != XID_OTHER}
     recovery = values.get("recovery_action")

@@ -1,7 +1,8 @@
 """Host and process metrics (CPU, memory, disk and network I/O), read with psutil, named by the semantic conventions.
 
 Each metric is an observable instrument of the kind and unit the OpenTelemetry
-semantic conventions give it (``opentelemetry.semconv._incubating.metrics``),
+semantic conventions give it (``opentelemetry.semconv._incubating.metrics``; the specs
+are in the catalogue, :data:`openlora_otel.names.host.HOST_METRICS`),
 with the conventions' attribute keys (``cpu.mode``, ``cpu.logical_number``,
 ``system.memory.state``, ``disk.io.direction``, ``system.device``,
 ``network.io.direction``, ``network.interface.name``); ``tests/test_host.py``
@@ -60,11 +61,9 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from openlora_otel.names import MetricSpec
+from openlora_otel.names.host import HOST_METRICS
 
 __all__ = [
-    "ATTRIBUTES",
-    "HOST_METRICS",
     "PROCESS_SELECTION",
     "SCOPE_NAME",
     "SYSTEM_SELECTION",
@@ -101,68 +100,6 @@ PROCESS_SELECTION: Mapping[str, tuple[str, ...] | None] = {
     "process.memory.usage": None,
     "process.disk.io": ("read", "write"),
 }
-
-# Metric -> the attribute keys its points carry (semantic-conventions keys; the Prometheus exporters
-# write them with `_` for `.`: cpu_mode, system_memory_state, network_interface_name, ...).
-ATTRIBUTES: Mapping[str, tuple[str, ...]] = {
-    "system.cpu.utilization": ("cpu.logical_number", "cpu.mode"),
-    "system.memory.usage": ("system.memory.state",),
-    "system.memory.linux.available": (),
-    "system.disk.io": ("system.device", "disk.io.direction"),
-    "system.network.io": ("network.interface.name", "network.io.direction"),
-    "process.cpu.time": ("cpu.mode",),
-    "process.memory.usage": (),
-    "process.disk.io": ("disk.io.direction",),
-}
-
-# The instruments of the selection (names.py's form, so the Prometheus names on both paths come from
-# names.prometheus_name): kinds and units are the conventions', descriptions say what we observe.
-HOST_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "system.cpu.utilization",
-        "gauge",
-        "1",
-        "Share of time each logical CPU (`cpu.logical_number`, from 0) spent idle (`cpu.mode=idle`) since the "
-        "previous collection, 0 to 1; busy is 1 minus it (iowait counts as busy). Node only (`LOCAL_RANK` 0).",
-    ),
-    MetricSpec(
-        "system.memory.usage",
-        "updowncounter",
-        "By",
-        "Node memory in use (`system.memory.state=used`: total minus available, as `free` shows it). Node only.",
-    ),
-    MetricSpec(
-        "system.memory.linux.available",
-        "updowncounter",
-        "By",
-        "Node memory available for starting new applications without swapping (MemAvailable); with `used` "
-        "it adds up to the total. Node only, Linux only.",
-    ),
-    MetricSpec(
-        "system.disk.io",
-        "counter",
-        "By",
-        "Bytes read and written (`disk.io.direction`) per block device (`system.device`, every line of "
-        "/proc/diskstats: partitions and loop devices too). Node only.",
-    ),
-    MetricSpec(
-        "system.network.io",
-        "counter",
-        "By",
-        "Bytes received and transmitted (`network.io.direction`) per network interface "
-        "(`network.interface.name`, `lo` included). Node only.",
-    ),
-    MetricSpec(
-        "process.cpu.time", "counter", "s", "CPU seconds of this process by `cpu.mode` (`user`, `system`)."
-    ),
-    MetricSpec("process.memory.usage", "updowncounter", "By", "Resident set size (RSS) of this process."),
-    MetricSpec(
-        "process.disk.io",
-        "counter",
-        "By",
-        "Bytes this process read from and wrote to storage (`disk.io.direction`; page-cache hits not included).",
-    ),
-)
 
 _missing_warned = False
 _missing_lock = threading.Lock()
