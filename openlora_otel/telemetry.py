@@ -28,9 +28,9 @@ from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.exporters.readers import build_readers
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
-from openlora_otel.outcome import RunOutcome
-from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
-from openlora_otel.run import RunInfo, normalize_hyperparameters
+from openlora_otel.run.info import RunInfo, normalize_hyperparameters
+from openlora_otel.run.outcome import RunOutcome
+from openlora_otel.run.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
 from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
@@ -269,7 +269,7 @@ class Telemetry:
         return self._outcome.outcome
 
     def _decide_outcome(self) -> None:
-        """Settle ``openlora.run.outcome`` before the final collection (see :mod:`openlora_otel.outcome`)."""
+        """Settle ``openlora.run.outcome`` before the final collection (see :mod:`openlora_otel.run.outcome`)."""
         try:
             # A shutdown() called inside an `except` block: that exception ends the run.
             self._outcome.note_exception(sys.exc_info()[1])
@@ -584,7 +584,7 @@ def setup_telemetry(
         if config.sdk_disabled:
             resolved_run_id = new_run_id()
         else:
-            from openlora_otel.distributed import shared_run_id
+            from openlora_otel.run.identity import shared_run_id
 
             resolved_run_id, source = shared_run_id()
             _logger.debug("run id %s from %s", resolved_run_id, source)
@@ -678,7 +678,7 @@ def setup_telemetry(
 def _install_sigterm(telemetry: Telemetry) -> None:
     if not telemetry.config.handle_sigterm:
         return
-    from openlora_otel.sigterm import SigtermGuard
+    from openlora_otel.run.sigterm import SigtermGuard
 
     telemetry._sigterm = SigtermGuard.install(telemetry._shutdown_on_sigterm, telemetry._flush_on_chained_sigterm)
 

@@ -53,8 +53,13 @@ from openlora_otel.report.model import (
     shown,
     time_breakdown,
 )
-from openlora_otel.resource import RANK_ATTRIBUTE, RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
-from openlora_otel.run import hyperparameters_from
+from openlora_otel.run.info import hyperparameters_from
+from openlora_otel.run.resource import (
+    RANK_ATTRIBUTE,
+    RUN_ATTEMPT_ATTRIBUTE,
+    RUN_ID_ATTRIBUTE,
+    RUN_NAME_ATTRIBUTE,
+)
 
 __all__ = ["history_files", "read_runs"]
 

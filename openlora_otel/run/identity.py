@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from openlora_otel.resource import new_run_id
+from openlora_otel.run.resource import new_run_id
 
 __all__ = ["STORE_KEY", "shared_run_id"]
 

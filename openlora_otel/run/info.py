@@ -28,7 +28,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel.config import MAX_RUN_NAME_LENGTH, RUN_NAME_ACCEPTED, ConfigError, run_name_problem
 from openlora_otel.names import RUN_METRICS
-from openlora_otel.resource import RUN_NAME_ATTRIBUTE
+from openlora_otel.run.resource import RUN_NAME_ATTRIBUTE
 
 __all__ = [
     "HPARAM_PREFIX",
