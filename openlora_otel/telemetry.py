@@ -28,9 +28,10 @@ from openlora_otel._version import __version__
 from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
 from openlora_otel.exporters.readers import build_readers
 from openlora_otel.inference.metrics import InferenceMetrics, inference_views
+from openlora_otel.run.identity import decide_run_id, decided_run_id
 from openlora_otel.run.info import RunInfo, normalize_hyperparameters
 from openlora_otel.run.outcome import RunOutcome
-from openlora_otel.run.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
+from openlora_otel.run.resource import RUN_ID_ATTRIBUTE, build_resource
 from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
@@ -59,7 +60,6 @@ class Telemetry:
         config: TelemetryConfig,
         meter_provider: MeterProvider,
         resource: Resource | None,
-        run_id: str,
         owns_provider: bool,
         prometheus: Any = None,
         readers: Sequence[MetricReader] = (),
@@ -67,7 +67,7 @@ class Telemetry:
         self._config = config
         self._meter_provider = meter_provider
         self._resource = resource
-        self._run_id = run_id
+        self._run_id = decided_run_id(config)
         self._owns_provider = owns_provider
         self._prometheus = prometheus
         self._readers = tuple(readers)  # each collects under its own key: its own training window
@@ -82,8 +82,8 @@ class Telemetry:
         self._sigterm: Any = None
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
-        self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
-        self._outcome = RunOutcome(self._meter, run_id=run_id, attempt=self._config.run_attempt)
+        self._run = RunInfo(self._meter, config)
+        self._outcome = RunOutcome(self._meter, config)
         # An exception printed before setup (an earlier one in a REPL) is not this run's.
         self._last_value_at_setup = getattr(sys, "last_value", None)
         atexit.register(self._shutdown_at_exit)
@@ -579,16 +579,7 @@ def setup_telemetry(
     if run_name is not None:
         config = config.replace(run_name=run_name)
     hyperparameters = normalize_hyperparameters(hyperparameters)  # a TypeError now, before anything starts
-    resolved_run_id = run_id or config.run_id
-    if not resolved_run_id:
-        if config.sdk_disabled:
-            resolved_run_id = new_run_id()
-        else:
-            from openlora_otel.run.identity import shared_run_id
-
-            resolved_run_id, source = shared_run_id()
-            _logger.debug("run id %s from %s", resolved_run_id, source)
-    config = config.replace(run_id=resolved_run_id)
+    config = decide_run_id(config, run_id)
 
     if config.sdk_disabled:
         _logger.info("OTEL_SDK_DISABLED=true: telemetry is a no-op")
@@ -596,7 +587,6 @@ def setup_telemetry(
             config=config,
             meter_provider=NoOpMeterProvider(),
             resource=None,
-            run_id=resolved_run_id,
             owns_provider=False,
         )
         telemetry.set_run_info(hyperparameters=hyperparameters)
@@ -622,7 +612,6 @@ def setup_telemetry(
                 config=config,
                 meter_provider=existing,
                 resource=getattr(existing, "_sdk_config", None) and existing._sdk_config.resource,  # type: ignore[attr-defined]
-                run_id=resolved_run_id,
                 owns_provider=False,
             )
             if nvml is not None:
@@ -660,7 +649,6 @@ def setup_telemetry(
             config=config,
             meter_provider=provider,
             resource=provider._sdk_config.resource,
-            run_id=resolved_run_id,
             owns_provider=True,
             prometheus=prometheus,
             readers=readers,
@@ -731,8 +719,7 @@ def _build_provider(
     Returns the provider, the pull endpoint (or None) and every reader, each made to
     collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
     """
-    assert config.run_id is not None
-    resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
+    resource = build_resource(config, extra_attributes=resource_attributes)
     if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
         raise AssertionError("run id missing from the resource")
 

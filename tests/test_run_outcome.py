@@ -141,7 +141,7 @@ def test_the_outcome_is_decided_once() -> None:
 
     from openlora_otel.run.outcome import RunOutcome
 
-    outcome = RunOutcome(MeterProvider().get_meter("t"), run_id="r")
+    outcome = RunOutcome(MeterProvider().get_meter("t"), TelemetryConfig(run_id="r"))
     outcome.note_exception(ValueError("x"))
     assert outcome.decide() == "failed"
     outcome.note_signal(15)
