@@ -31,7 +31,7 @@ from openlora_otel.inference.metrics import InferenceMetrics, inference_views
 from openlora_otel.run.identity import decide_run_id, decided_run_id
 from openlora_otel.run.info import RunInfo, normalize_hyperparameters
 from openlora_otel.run.outcome import RunOutcome
-from openlora_otel.run.resource import RUN_ID_ATTRIBUTE, build_resource
+from openlora_otel.run.resource import LOCAL_RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, build_resource
 from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 
@@ -226,7 +226,7 @@ class Telemetry:
         from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
 
         config = self._config
-        local_rank = config.resource_attributes.get("openlora.local_rank")
+        local_rank = config.resource_attributes.get(LOCAL_RANK_ATTRIBUTE)
         collector = GpuCollector(
             backend,
             devices=config.gpu_devices,
@@ -252,7 +252,7 @@ class Telemetry:
         try:
             self._host = start_host_metrics(
                 self._meter_provider,
-                local_rank=config.resource_attributes.get("openlora.local_rank"),
+                local_rank=config.resource_attributes.get(LOCAL_RANK_ATTRIBUTE),
                 excluded=config.host_metrics_excluded,
             )
         except Exception:
