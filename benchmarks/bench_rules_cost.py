@@ -76,9 +76,15 @@ def one_rank_series(world_size: int) -> list[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample one rank's /metrics serves."""
     from openlora_otel import setup_telemetry
     from openlora_otel.config import TelemetryConfig
+    from openlora_otel.run.resource import (
+        GROUP_RANK_ATTRIBUTE,
+        LOCAL_RANK_ATTRIBUTE,
+        RANK_ATTRIBUTE,
+        WORLD_SIZE_ATTRIBUTE,
+    )
 
-    rank_attributes = {"openlora.rank": "0", "openlora.local_rank": "0",
-                       "openlora.world_size": str(world_size), "openlora.group_rank": "0"}  # fmt: skip
+    rank_attributes = {RANK_ATTRIBUTE: "0", LOCAL_RANK_ATTRIBUTE: "0",
+                       WORLD_SIZE_ATTRIBUTE: str(world_size), GROUP_RANK_ATTRIBUTE: "0"}  # fmt: skip
     config = TelemetryConfig(exporters=("prometheus",), prometheus_host="127.0.0.1", prometheus_port=free_port(),
                              gpu_metrics="off", host_metrics=False, quiet=True, run_id="bench-rules",
                              resource_attributes=rank_attributes)  # fmt: skip

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,14 +25,19 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 
 from openlora_otel._version import __version__
-from openlora_otel.config import SHUTDOWN_TIMEOUT_RANGE_MS, ConfigError, TelemetryConfig
-from openlora_otel.exporters.readers import build_readers
-from openlora_otel.inference.metrics import InferenceMetrics, inference_views
-from openlora_otel.outcome import RunOutcome
-from openlora_otel.resource import RUN_ID_ATTRIBUTE, build_resource, new_run_id
-from openlora_otel.run import RunInfo, normalize_hyperparameters
-from openlora_otel.training.metrics import TrainingMetrics, collecting_for, step_duration_view
-from openlora_otel.views import observed_total_views
+from openlora_otel.config import ConfigError, TelemetryConfig
+from openlora_otel.inference.metrics import InferenceMetrics
+from openlora_otel.provider import Hardware, build_provider, current_global_provider, start_nvml
+from openlora_otel.run.identity import decide_run_id, decided_run_id
+from openlora_otel.run.info import RunInfo, normalize_hyperparameters
+from openlora_otel.run.outcome import RunOutcome
+from openlora_otel.shutdown import (
+    run_bounded,
+    timeout_argument,
+    wait_for_final_scrape,
+    will_wait_for_final_scrape,
+)
+from openlora_otel.training.metrics import TrainingMetrics
 
 __all__ = ["METER_NAME", "Telemetry", "setup_telemetry"]
 
@@ -59,15 +64,15 @@ class Telemetry:
         config: TelemetryConfig,
         meter_provider: MeterProvider,
         resource: Resource | None,
-        run_id: str,
         owns_provider: bool,
         prometheus: Any = None,
         readers: Sequence[MetricReader] = (),
+        nvml: Any = None,
     ) -> None:
         self._config = config
         self._meter_provider = meter_provider
         self._resource = resource
-        self._run_id = run_id
+        self._run_id = decided_run_id(config)
         self._owns_provider = owns_provider
         self._prometheus = prometheus
         self._readers = tuple(readers)  # each collects under its own key: its own training window
@@ -76,14 +81,16 @@ class Telemetry:
         self._closed = False
         self._training: TrainingMetrics | None = None
         self._inference: Any = None
-        self._gpu: Any = None
-        self._nvml: Any = None
-        self._host: Any = None
+        self._hardware = Hardware()
         self._sigterm: Any = None
         self._shutdown_done = threading.Event()
         self._shutdown_ok = True
-        self._run = RunInfo(self._meter, run_id=run_id, name=config.run_name)
-        self._outcome = RunOutcome(self._meter, run_id=run_id, attempt=self._config.run_attempt)
+        self._run = RunInfo(self._meter, config)
+        self._outcome = RunOutcome(self._meter, config)
+        if nvml is not None:  # an initialized NVML backend: GPU metrics on our meter
+            self._hardware.attach_gpu(self._meter, config, nvml)
+        if owns_provider:
+            self._hardware.start_host(meter_provider, config)
         # An exception printed before setup (an earlier one in a REPL) is not this run's.
         self._last_value_at_setup = getattr(sys, "last_value", None)
         atexit.register(self._shutdown_at_exit)
@@ -219,44 +226,12 @@ class Telemetry:
     @property
     def gpu(self) -> Any:
         """The :class:`~openlora_otel.hardware.gpu.GpuMetrics` when GPU metrics are on, else None."""
-        return self._gpu
-
-    def _attach_gpu(self, backend: Any) -> None:
-        """Register the GPU instruments on our meter, reading NVML through ``backend`` (already initialized)."""
-        from openlora_otel.hardware.gpu import GpuCollector, GpuMetrics
-
-        config = self._config
-        local_rank = config.resource_attributes.get("openlora.local_rank")
-        collector = GpuCollector(
-            backend,
-            devices=config.gpu_devices,
-            cuda_visible_devices=config.cuda_visible_devices,
-            local_rank=local_rank if isinstance(local_rank, int) else None,
-            timeout_s=config.gpu_timeout_s,
-        )
-        self._nvml = backend
-        self._gpu = GpuMetrics(self._meter, collector)
+        return self._hardware.gpu
 
     @property
     def host(self) -> Any:
         """The :class:`~openlora_otel.hardware.host.HostMetrics` when host and process metrics run, else None."""
-        return self._host
-
-    def _attach_host(self) -> None:
-        """Start host and process metrics on our provider; a failure is logged and leaves them off."""
-        config = self._config
-        if not config.host_metrics:
-            return
-        from openlora_otel.hardware.host import start_host_metrics
-
-        try:
-            self._host = start_host_metrics(
-                self._meter_provider,
-                local_rank=config.resource_attributes.get("openlora.local_rank"),
-                excluded=config.host_metrics_excluded,
-            )
-        except Exception:
-            _logger.warning("host metrics off: starting them failed", exc_info=True)
+        return self._hardware.host
 
     @property
     def is_shutdown(self) -> bool:
@@ -269,7 +244,7 @@ class Telemetry:
         return self._outcome.outcome
 
     def _decide_outcome(self) -> None:
-        """Settle ``openlora.run.outcome`` before the final collection (see :mod:`openlora_otel.outcome`)."""
+        """Settle ``openlora.run.outcome`` before the final collection (see :mod:`openlora_otel.run.outcome`)."""
         try:
             # A shutdown() called inside an `except` block: that exception ends the run.
             self._outcome.note_exception(sys.exc_info()[1])
@@ -291,7 +266,7 @@ class Telemetry:
         ``timeout_s`` that is not a number of seconds in (0, 600] (``TypeError``
         for a non-number, ``ValueError`` otherwise); export problems never raise.
         """
-        timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
+        timeout = timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         if self._closed or not self.enabled:
             return not self._closed
         return self._flush(timeout)
@@ -300,7 +275,7 @@ class Telemetry:
         flush = getattr(self._meter_provider, "force_flush", None)
         if flush is None:
             return True
-        return _run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
+        return run_bounded(lambda: flush(timeout_millis=timeout * 1000), timeout, "force_flush")
 
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Final collect and export, then stop every reader and the pull endpoint.
@@ -321,7 +296,7 @@ class Telemetry:
         exception counts as the run's end (``failed``). Last, the progress file of
         ``training.track_progress()`` gets every step recorded, whatever the exporter.
         """
-        timeout = _timeout_argument(timeout_s, self._config.shutdown_timeout_s)
+        timeout = timeout_argument(timeout_s, self._config.shutdown_timeout_s)
         with self._lock:
             closing_elsewhere = self._closed
             self._closed = True
@@ -344,21 +319,21 @@ class Telemetry:
                 self._training.join_guard(min(0.5, timeout * 0.25))
             # Keep a slice of the bound for closing the endpoint and joining its threads.
             reserve = min(0.25, timeout * 0.2)
-            flush_first = self._will_wait_for_final_scrape() and self._config.enabled_exporters != (
-                "prometheus",
+            flush_first = will_wait_for_final_scrape(self._prometheus, self._config) and (
+                self._config.enabled_exporters != ("prometheus",)
             )
             if flush_first:
                 # Push exporters deliver first: a SIGTERM grace period (10 s under docker stop)
                 # may not outlast the wait for the scraper. The bound then covers both exports.
                 ok = self._flush(max(0.001, timeout - reserve))
-            self._wait_for_final_scrape()
+            wait_for_final_scrape(self._prometheus, self._config)
             if not flush_first:
                 deadline = time.monotonic() + timeout
             budget = max(0.001, deadline - time.monotonic() - reserve)
             if self._owns_provider and isinstance(self._meter_provider, SDKMeterProvider):
                 provider = self._meter_provider
                 ok = (
-                    _run_bounded(lambda: provider.shutdown(timeout_millis=budget * 1000), budget, "shutdown")
+                    run_bounded(lambda: provider.shutdown(timeout_millis=budget * 1000), budget, "shutdown")
                     and ok
                 )
             elif self.enabled:
@@ -380,48 +355,10 @@ class Telemetry:
         if self._training is not None:
             self._training.save_progress(max(0.05, min(1.0, deadline - time.monotonic())))
 
-    def _will_wait_for_final_scrape(self) -> bool:
-        endpoint = self._prometheus
-        return (
-            endpoint is not None
-            and self._config.final_scrape_timeout_s > 0
-            and (endpoint.scrapes > 0 or self._config.expect_scrape)
-        )
-
-    def _wait_for_final_scrape(self) -> None:
-        """Serve until the scraper that has been scraping us collected once more (bounded)."""
-        endpoint = self._prometheus
-        if endpoint is None or not self._will_wait_for_final_scrape():
-            return
-        limit = self._config.final_scrape_timeout_s
-        interval = endpoint.scrape_interval()
-        if interval is not None:
-            limit = min(limit, 1.5 * interval + 0.5)
-        started = time.monotonic()
-        if endpoint.wait_for_scrape(after=started, timeout_s=limit):
-            _logger.debug("final values scraped after %.2f s", time.monotonic() - started)
-        else:
-            _logger.info(
-                "openlora-otel: no scrape within %.1f s of shutdown; the last %.1f s of the run may be missing "
-                "in Prometheus (OPENLORA_PROMETHEUS_FINAL_SCRAPE_TIMEOUT)",
-                limit,
-                limit,
-            )
-
     def _release(self, deadline: float) -> bool:
         """Stop host metrics, NVML, the endpoint and the SIGTERM guard, and free the global slot; never raises."""
         ok = True
-        if self._host is not None:
-            # The provider is shut down: its callbacks no longer run; a later setup may instrument again.
-            self._host.stop()
-        if self._nvml is not None:
-            try:
-                if self._gpu is not None:
-                    self._gpu.collector.close()  # the XID event set and GPM samples, before nvmlShutdown
-                self._nvml.shutdown()
-            except Exception:
-                _logger.debug("nvmlShutdown failed", exc_info=True)
-            self._nvml = None
+        self._hardware.stop()
         if self._prometheus is not None:
             try:
                 ok = self._prometheus.close(max(0.05, deadline - time.monotonic()))
@@ -467,67 +404,6 @@ class Telemetry:
     ) -> None:
         self._outcome.note_exception(exc)
         self.shutdown()
-
-
-# Longest bound shutdown()/force_flush() accept, as OPENLORA_SHUTDOWN_TIMEOUT: past it a wait is a hang.
-MAX_TIMEOUT_S = SHUTDOWN_TIMEOUT_RANGE_MS[1] / 1000.0
-
-
-def _timeout_argument(value: object, default: float) -> float:
-    """``timeout_s`` as given, checked: a real number of seconds in (0, MAX_TIMEOUT_S]; None is ``default``.
-
-    A Python int or float, or a NumPy integer or float scalar (``np.int64(2)``, what
-    arithmetic on NumPy values gives); a bool, NumPy's included, is refused.
-    """
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        numpy = sys.modules.get("numpy")  # not imported: the value cannot be a NumPy scalar
-        if numpy is None or not isinstance(value, (numpy.integer, numpy.floating)):  # np.bool_ is neither
-            raise TypeError(
-                f"timeout_s must be a number of seconds (a Python or NumPy int or float), got {type(value).__name__}"
-            )
-        value = float(value)
-    if not 0.0 < value <= MAX_TIMEOUT_S:  # also refuses NaN
-        raise ValueError(f"timeout_s must be > 0 and <= {MAX_TIMEOUT_S:g} seconds, got {value!r}")
-    return float(value)
-
-
-def _run_bounded(fn: Callable[[], object], timeout_s: float, what: str) -> bool:
-    """Run ``fn`` on a daemon thread and wait at most ``timeout_s``; True if it finished and did not fail."""
-    outcome: list[object] = []
-
-    def target() -> None:
-        try:
-            outcome.append(fn())
-        except Exception:
-            _logger.warning("telemetry %s raised; ignored", what, exc_info=True)
-            outcome.append(False)
-
-    worker = threading.Thread(target=target, name=f"openlora-otel-{what}", daemon=True)
-    started = time.monotonic()
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        _logger.warning(
-            "telemetry %s did not finish within %.1f s (export endpoint unreachable or slow?); "
-            "giving up on it so the program can go on",
-            what,
-            timeout_s,
-        )
-        return False
-    _logger.debug("telemetry %s took %.3f s", what, time.monotonic() - started)
-    return outcome[0] is not False
-
-
-def _current_global_provider() -> MeterProvider | None:
-    """The provider set with ``set_meter_provider``, or None while only the default proxy is there."""
-    provider = metrics.get_meter_provider()
-    # The API hands out a proxy until a real provider is set; it is private, so
-    # recognise it by module rather than importing it.
-    if type(provider).__name__ == "_ProxyMeterProvider":
-        return None
-    return provider
 
 
 def _release_global(telemetry: Telemetry) -> None:
@@ -579,16 +455,7 @@ def setup_telemetry(
     if run_name is not None:
         config = config.replace(run_name=run_name)
     hyperparameters = normalize_hyperparameters(hyperparameters)  # a TypeError now, before anything starts
-    resolved_run_id = run_id or config.run_id
-    if not resolved_run_id:
-        if config.sdk_disabled:
-            resolved_run_id = new_run_id()
-        else:
-            from openlora_otel.distributed import shared_run_id
-
-            resolved_run_id, source = shared_run_id()
-            _logger.debug("run id %s from %s", resolved_run_id, source)
-    config = config.replace(run_id=resolved_run_id)
+    config = decide_run_id(config, run_id)
 
     if config.sdk_disabled:
         _logger.info("OTEL_SDK_DISABLED=true: telemetry is a no-op")
@@ -596,7 +463,6 @@ def setup_telemetry(
             config=config,
             meter_provider=NoOpMeterProvider(),
             resource=None,
-            run_id=resolved_run_id,
             owns_provider=False,
         )
         telemetry.set_run_info(hyperparameters=hyperparameters)
@@ -608,9 +474,9 @@ def setup_telemetry(
                 "setup_telemetry() was already called in this process and that Telemetry is still open; "
                 "use it (telemetry.meter, telemetry.training) or call its shutdown() first"
             )
-        existing = _current_global_provider()
+        existing = current_global_provider()
         # NVML first: with OPENLORA_GPU_METRICS=on a missing driver fails here, before anything runs.
-        nvml = _start_nvml(config)
+        nvml = start_nvml(config)
         ours_before = existing is not None and getattr(existing, "_openlora_otel", False)
         if existing is not None and not ours_before:
             _logger.info(
@@ -622,11 +488,9 @@ def setup_telemetry(
                 config=config,
                 meter_provider=existing,
                 resource=getattr(existing, "_sdk_config", None) and existing._sdk_config.resource,  # type: ignore[attr-defined]
-                run_id=resolved_run_id,
                 owns_provider=False,
+                nvml=nvml,
             )
-            if nvml is not None:
-                telemetry._attach_gpu(nvml)
             if config.host_metrics:
                 _logger.info(
                     "host metrics are not added to a MeterProvider openlora-otel does not own "
@@ -644,7 +508,7 @@ def setup_telemetry(
             return telemetry
 
         try:
-            provider, prometheus, readers = _build_provider(config, resource_attributes, metric_readers)
+            provider, prometheus, readers = build_provider(config, resource_attributes, metric_readers)
         except BaseException:
             if nvml is not None:
                 nvml.shutdown()
@@ -660,14 +524,11 @@ def setup_telemetry(
             config=config,
             meter_provider=provider,
             resource=provider._sdk_config.resource,
-            run_id=resolved_run_id,
             owns_provider=True,
             prometheus=prometheus,
             readers=readers,
+            nvml=nvml,
         )
-        if nvml is not None:
-            telemetry._attach_gpu(nvml)
-        telemetry._attach_host()
         telemetry.set_run_info(hyperparameters=hyperparameters)
         _global_owner = telemetry
     _install_sigterm(telemetry)
@@ -678,7 +539,7 @@ def setup_telemetry(
 def _install_sigterm(telemetry: Telemetry) -> None:
     if not telemetry.config.handle_sigterm:
         return
-    from openlora_otel.sigterm import SigtermGuard
+    from openlora_otel.run.sigterm import SigtermGuard
 
     telemetry._sigterm = SigtermGuard.install(telemetry._shutdown_on_sigterm, telemetry._flush_on_chained_sigterm)
 
@@ -695,84 +556,3 @@ def _announce(telemetry: Telemetry) -> None:
             sys.stderr.flush()
         except Exception:  # a closed or broken stderr must not fail setup
             pass
-
-
-def _start_nvml(config: TelemetryConfig) -> Any:
-    """An initialized NVML backend, or None when GPU metrics are off or (with ``auto``) unavailable."""
-    if config.gpu_metrics == "off":
-        return None
-    from openlora_otel._deps import MissingDependencyError
-    from openlora_otel.hardware import nvml
-
-    try:
-        return nvml.start_backend()
-    except nvml.NvmlUnavailable as exc:
-        if config.gpu_metrics != "on":
-            hint = " (pip install 'openlora-otel[gpu]')" if exc.missing_package else ""
-            _logger.info("GPU metrics off: %s%s", exc, hint)
-            return None
-        if exc.missing_package:
-            raise MissingDependencyError(
-                "OPENLORA_GPU_METRICS=on needs the package 'nvidia-ml-py', which is not installed: "
-                "pip install 'openlora-otel[gpu]'"
-            ) from None
-        raise ConfigError(
-            "OPENLORA_GPU_METRICS", "on", "`auto` or `off` where NVML cannot start", str(exc)
-        ) from None
-
-
-def _build_provider(
-    config: TelemetryConfig,
-    resource_attributes: Mapping[str, str | int | float | bool] | None,
-    extra_readers: Sequence[MetricReader],
-) -> tuple[SDKMeterProvider, Any, list[MetricReader]]:
-    """Create the readers and the provider; on any failure, stop whatever was started.
-
-    Returns the provider, the pull endpoint (or None) and every reader, each made to
-    collect under its own key (:func:`~openlora_otel.training.metrics.collecting_for`).
-    """
-    assert config.run_id is not None
-    resource = build_resource(config, run_id=config.run_id, extra_attributes=resource_attributes)
-    if resource.attributes.get(RUN_ID_ATTRIBUTE) != config.run_id:  # pragma: no cover - invariant
-        raise AssertionError("run id missing from the resource")
-
-    built = build_readers(config, resource)
-    readers, prometheus = built.readers, built.prometheus
-    try:
-        # shutdown_on_exit=False: our own atexit hook shuts down within the bound;
-        # the SDK's would wait for its full export timeout on a dead endpoint.
-        provider = SDKMeterProvider(
-            metric_readers=[*readers, *extra_readers],
-            resource=resource,
-            shutdown_on_exit=False,
-            views=[step_duration_view(), *inference_views(), *observed_total_views()],
-        )
-    except BaseException:
-        built.close()
-        raise
-    provider._openlora_otel = True  # type: ignore[attr-defined]
-    every = [*readers, *extra_readers]
-    for reader in every:
-        _collect_as_itself(reader)
-    return provider, prometheus, every
-
-
-def _collect_as_itself(reader: MetricReader) -> None:
-    """Run ``reader``'s collections under its own key, so the training gauges it reads cover
-    the steps since its own previous collection, not since any reader's.
-
-    The provider hands each reader its collect function (``MetricReader._collect``, set by
-    ``_set_collect_callback``); every path into a collection (a periodic export, a
-    scrape, a flush, the final one) goes through it. Without it the reader shares the
-    one window of readers we did not build.
-    """
-    inner = getattr(reader, "_collect", None)
-    if not callable(inner):  # pragma: no cover - an SDK that collects differently
-        _logger.debug("%s has no collect callback to key; it shares the training window", type(reader).__name__)
-        return
-
-    def collect(*args: Any, **kwargs: Any) -> Any:
-        with collecting_for(reader):
-            return inner(*args, **kwargs)
-
-    reader._collect = collect  # type: ignore[method-assign]

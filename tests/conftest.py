@@ -162,7 +162,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_sigterm_guard_in_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process tests never install the SIGTERM guard: a SIGTERM to pytest (CI's timeout) must stop
     pytest, not run a test's telemetry shutdown and exit 143. The guard is tested in subprocesses."""
-    from openlora_otel.sigterm import SigtermGuard
+    from openlora_otel.run.sigterm import SigtermGuard
 
     monkeypatch.setattr(SigtermGuard, "install", classmethod(lambda cls, *args, **kwargs: None))
 

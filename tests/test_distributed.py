@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import distributed, setup_telemetry
+from openlora_otel import setup_telemetry
 from openlora_otel.config import TelemetryConfig
+from openlora_otel.run import identity
 from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 
@@ -179,7 +180,7 @@ def test_srun_tasks_share_the_slurm_job_and_step(monkeypatch: pytest.MonkeyPatch
 def test_runs_one_after_another_in_an_interactive_slurm_step_get_their_own_ids() -> None:
     # srun --pty bash, salloc: every python started there sees the same job and step.
     env = {"SLURM_JOB_ID": "81234", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}
-    first, second = distributed.shared_run_id(env), distributed.shared_run_id(env)
+    first, second = identity.shared_run_id(env), identity.shared_run_id(env)
     assert first[1] == second[1] == "random"
     assert first[0] != second[0]
 
@@ -196,10 +197,10 @@ def test_the_explicit_run_id_wins_over_the_launcher(monkeypatch: pytest.MonkeyPa
 def test_an_unreachable_torchrun_store_is_survived(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(distributed, "STORE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(identity, "STORE_TIMEOUT_S", 0.5)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     with caplog.at_level(logging.WARNING):
-        run_id, source = distributed.shared_run_id(env)
+        run_id, source = identity.shared_run_id(env)
     assert source == "random" and len(run_id) == 16
     assert "could not agree on a run id through torchrun's store" in caplog.text
 
@@ -207,8 +208,9 @@ def test_an_unreachable_torchrun_store_is_survived(
 _SILENT_STORE = """
 import os, time
 os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1")
-from openlora_otel import distributed, setup_telemetry
-distributed.STORE_TIMEOUT_S = 1.0
+from openlora_otel import setup_telemetry
+from openlora_otel.run import identity
+identity.STORE_TIMEOUT_S = 1.0
 started = time.monotonic()
 telemetry = setup_telemetry()
 print("SETUP TOOK", round(time.monotonic() - started, 2), telemetry.run_id, flush=True)
@@ -368,8 +370,9 @@ def test_torch_is_imported_before_the_bounded_wait_not_inside_it(tmp_path: Path)
     (fake / "__init__.py").write_text(_SLOW_TORCH)
     (fake / "distributed" / "__init__.py").write_text(_SLOW_TORCH_DISTRIBUTED)
     script = (
-        "from openlora_otel import distributed, setup_telemetry\n"
-        "distributed.STORE_TIMEOUT_S = 1.0\n"
+        "from openlora_otel import setup_telemetry\n"
+        "from openlora_otel.run import identity\n"
+        "identity.STORE_TIMEOUT_S = 1.0\n"
         "telemetry = setup_telemetry()\n"
         "print('RUN ID', telemetry.run_id, flush=True)\n"
         "telemetry.shutdown()\n"

@@ -499,7 +499,7 @@ def test_a_late_watcher_leaves_a_shutdown_the_application_began_alone() -> None:
     # machine); the main thread then sits in the shutdown, which is not "stuck in C".
     body = """
 import threading
-from openlora_otel import sigterm
+from openlora_otel.run import sigterm
 heard = sigterm.SigtermGuard._on_wakeup
 def late(self):
     time.sleep(0.3)

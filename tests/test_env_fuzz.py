@@ -371,7 +371,7 @@ _RANK = st.tuples(_BLANKS, st.integers(min_value=0, max_value=9), _BLANKS).map(
 
 
 def _shared_run_id(environ: Mapping[str, str]) -> object:
-    from openlora_otel.distributed import shared_run_id
+    from openlora_otel.run.identity import shared_run_id
 
     return shared_run_id(environ)
 
@@ -460,7 +460,7 @@ def _visible_gpus(visible: str) -> list[int]:
 
 
 def test_a_launcher_port_that_is_not_ascii_digits_asks_no_store(caplog) -> None:  # type: ignore[no-untyped-def]
-    from openlora_otel.distributed import _from_torchrun_store
+    from openlora_otel.run.identity import _from_torchrun_store
 
     caplog.set_level(logging.DEBUG)
     for port in ("\xb2", "\uff12\uff19\uff15\uff10\uff10", "29500 "):
@@ -487,13 +487,13 @@ def test_the_demo_with_a_bad_world_size_says_so_in_one_line(tmp_path, monkeypatc
     ],
 )
 def test_launcher_values_that_no_launcher_sets_give_a_random_run_id(environ: dict[str, str]) -> None:
-    from openlora_otel.distributed import shared_run_id
+    from openlora_otel.run.identity import shared_run_id
 
     assert shared_run_id(environ)[1] == "random"
 
 
 def test_a_slurm_step_still_shares_its_run_id() -> None:
-    from openlora_otel.distributed import shared_run_id
+    from openlora_otel.run.identity import shared_run_id
 
     environ = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "0" * 30 + "8"}
     assert shared_run_id(environ) == ("slurm-4242.0", "Slurm job and step")
@@ -535,7 +535,7 @@ def test_fuzz_lightnings_seed_is_a_label_value_that_can_be_sent(seed: str, monke
     from types import SimpleNamespace
 
     from openlora_otel.integrations.lightning import trainer_hyperparameters
-    from openlora_otel.run import MAX_VALUE_LENGTH, normalize_hyperparameters
+    from openlora_otel.run.info import MAX_VALUE_LENGTH, normalize_hyperparameters
 
     monkeypatch.setenv("PL_GLOBAL_SEED", seed)
     value = normalize_hyperparameters(trainer_hyperparameters(SimpleNamespace(), SimpleNamespace())).get(
@@ -547,7 +547,7 @@ def test_fuzz_lightnings_seed_is_a_label_value_that_can_be_sent(seed: str, monke
 
 
 def test_a_hyperparameter_that_is_not_utf8_is_sent_with_a_replacement_character() -> None:
-    from openlora_otel.run import hyperparameter_value
+    from openlora_otel.run.info import hyperparameter_value
 
     assert hyperparameter_value("4\udcff2") == "4\ufffd2"
 

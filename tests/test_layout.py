@@ -32,6 +32,12 @@ ROOT_MOVED = {
     "doctor": "openlora_otel.commands.doctor",
     "_args": "openlora_otel.commands._args",
     "_device": "openlora_otel.model.device",
+    # A run's identity and life, gathered in openlora_otel/run/ (issue 30).
+    "resource": "openlora_otel.run.resource",
+    "run": "openlora_otel.run.info",
+    "outcome": "openlora_otel.run.outcome",
+    "sigterm": "openlora_otel.run.sigterm",
+    "distributed": "openlora_otel.run.identity",
 }
 
 PACKAGE = Path(__file__).resolve().parents[1] / "openlora_otel"

@@ -10,7 +10,12 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
-from openlora_otel.run import MAX_HYPERPARAMETERS, MAX_VALUE_LENGTH, hyperparameter_key, hyperparameter_value
+from openlora_otel.run.info import (
+    MAX_HYPERPARAMETERS,
+    MAX_VALUE_LENGTH,
+    hyperparameter_key,
+    hyperparameter_value,
+)
 from tests.support.readings import points
 
 

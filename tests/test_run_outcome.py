@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.outcome import error_type
+from openlora_otel.run.outcome import error_type
 from openlora_otel.training.guard import DivergenceGuard
 from tests.support.otlp_receiver import HttpReceiver
 from tests.support.processes import child_env
@@ -139,9 +139,9 @@ def test_a_guard_reset_after_its_trip_is_finished(final) -> None:
 def test_the_outcome_is_decided_once() -> None:
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from openlora_otel.outcome import RunOutcome
+    from openlora_otel.run.outcome import RunOutcome
 
-    outcome = RunOutcome(MeterProvider().get_meter("t"), run_id="r")
+    outcome = RunOutcome(MeterProvider().get_meter("t"), TelemetryConfig(run_id="r"))
     outcome.note_exception(ValueError("x"))
     assert outcome.decide() == "failed"
     outcome.note_signal(15)

@@ -85,7 +85,11 @@ __all__ = [
     "DEFAULT_PROMETHEUS_PORT",
     "DEFAULT_SERVICE_NAME",
     "GROUPS",
+    "GROUP_RANK_ATTRIBUTE",
+    "LOCAL_RANK_ATTRIBUTE",
+    "RANK_ATTRIBUTE",
     "VARIABLES",
+    "WORLD_SIZE_ATTRIBUTE",
     "ConfigError",
     "OTLPConfig",
     "PortOffset",
@@ -122,12 +126,21 @@ PROMETHEUS_PORT_VARIABLE = "OTEL_EXPORTER_PROMETHEUS_PORT"
 
 Protocol = Literal["http/protobuf", "grpc"]
 
+# The Resource attributes the launcher's rank variables are copied into. Defined here, where they are
+# filled, since the configuration is below the run; openlora_otel.run.resource hands them on with the rest.
+RANK_ATTRIBUTE = "openlora.rank"
+LOCAL_RANK_ATTRIBUTE = "openlora.local_rank"
+WORLD_SIZE_ATTRIBUTE = "openlora.world_size"
+GROUP_RANK_ATTRIBUTE = "openlora.group_rank"
+
 _RANK_VARIABLES = (
-    ("RANK", "openlora.rank"),
-    ("LOCAL_RANK", "openlora.local_rank"),
-    ("WORLD_SIZE", "openlora.world_size"),
-    ("GROUP_RANK", "openlora.group_rank"),
+    ("RANK", RANK_ATTRIBUTE),
+    ("LOCAL_RANK", LOCAL_RANK_ATTRIBUTE),
+    ("WORLD_SIZE", WORLD_SIZE_ATTRIBUTE),
+    ("GROUP_RANK", GROUP_RANK_ATTRIBUTE),
 )
+# OPENLORA_PROMETHEUS_PORT_OFFSET's choices and the attribute each adds to the port.
+_OFFSET_ATTRIBUTES = {"rank": RANK_ATTRIBUTE, "local_rank": LOCAL_RANK_ATTRIBUTE}
 
 
 @dataclass(frozen=True)
@@ -403,7 +416,7 @@ def _prometheus_port(env: Env, resource_attributes: Mapping[str, str | int]) -> 
         "OPENLORA_PROMETHEUS_PORT_OFFSET"
     )
     offset = None
-    rank = resource_attributes.get(f"openlora.{mode}") if mode != "none" else None
+    rank = resource_attributes.get(_OFFSET_ATTRIBUTES[mode]) if mode != "none" else None
     if port != 0 and isinstance(rank, int) and rank:
         offset = PortOffset("LOCAL_RANK" if mode == "local_rank" else "RANK", rank)
         port += rank

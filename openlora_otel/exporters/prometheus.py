@@ -40,6 +40,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from openlora_otel.config import (
     DEFAULT_PROMETHEUS_PORT,
+    LOCAL_RANK_ATTRIBUTE,
     PROMETHEUS_PORT_VARIABLE,
     ConfigError,
     TelemetryConfig,
@@ -85,7 +86,7 @@ class PortInUseError(ConfigError):
                 "Another process holds that port (an earlier run still exiting, or another rank or node "
                 "on this host). "
             )
-            under_torchrun = "openlora.local_rank" in config.resource_attributes
+            under_torchrun = LOCAL_RANK_ATTRIBUTE in config.resource_attributes
             if under_torchrun and not (offset and offset.variable == "RANK"):
                 message += (
                     "Several torchrun nodes on one host repeat the same LOCAL_RANK numbers: give each node "

@@ -1,4 +1,4 @@
-"""Run identity metrics (openlora_otel.run, openlora_otel.outcome): the run's info series and how it
+"""Run identity metrics (openlora_otel.run.info, openlora_otel.run.outcome): the run's info series and how it
 ended, with the outcome's attribute keys and values."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from openlora_otel.config.checks import check_url
 from openlora_otel.names import RUN_METRICS
 from openlora_otel.redaction import redact, redact_url, url_secrets
 from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, promql_string, run_target
-from openlora_otel.run import HPARAM_PREFIX, hyperparameters_from
+from openlora_otel.run.info import HPARAM_PREFIX, hyperparameters_from
 
 __all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
 

@@ -17,35 +17,39 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.version import __version__ as _sdk_version
 
 from openlora_otel._version import __version__
-from openlora_otel.config import TelemetryConfig
+from openlora_otel.config import (
+    GROUP_RANK_ATTRIBUTE,
+    LOCAL_RANK_ATTRIBUTE,
+    RANK_ATTRIBUTE,
+    WORLD_SIZE_ATTRIBUTE,
+    TelemetryConfig,
+)
+from openlora_otel.run.identity import decided_run_id
 
 __all__ = [
+    "GROUP_RANK_ATTRIBUTE",
+    "LOCAL_RANK_ATTRIBUTE",
     "RANK_ATTRIBUTE",
     "RUN_ATTEMPT_ATTRIBUTE",
     "RUN_ID_ATTRIBUTE",
     "RUN_NAME_ATTRIBUTE",
+    "WORLD_SIZE_ATTRIBUTE",
     "build_resource",
-    "new_run_id",
 ]
 
 RUN_ID_ATTRIBUTE = "openlora.run.id"
 RUN_NAME_ATTRIBUTE = "openlora.run.name"
 RUN_ATTEMPT_ATTRIBUTE = "openlora.run.attempt"  # OPENLORA_RUN_ATTEMPT, or a launcher's restart count + 1
-RANK_ATTRIBUTE = "openlora.rank"  # from RANK (config._RANK_VARIABLES)
-
-
-def new_run_id() -> str:
-    """A fresh run id: short enough to read in a dashboard, random enough not to collide."""
-    return uuid.uuid4().hex[:16]
+# RANK_ATTRIBUTE, LOCAL_RANK_ATTRIBUTE, WORLD_SIZE_ATTRIBUTE, GROUP_RANK_ATTRIBUTE: from RANK, LOCAL_RANK,
+# WORLD_SIZE, GROUP_RANK, defined by the configuration that copies them into its resource attributes.
 
 
 def build_resource(
     config: TelemetryConfig,
     *,
-    run_id: str,
     extra_attributes: Mapping[str, str | int | float | bool] | None = None,
 ) -> Resource:
-    """Build the Resource from the resolved configuration.
+    """Build the Resource from the resolved configuration, its run id decided (:func:`~.identity.decide_run_id`).
 
     Precedence, lowest first: SDK and host facts, ``OTEL_RESOURCE_ATTRIBUTES`` and
     rank variables (already in ``config.resource_attributes``), ``extra_attributes``
@@ -69,7 +73,7 @@ def build_resource(
     if extra_attributes:
         attributes.update(extra_attributes)
     attributes["service.name"] = config.service_name
-    attributes[RUN_ID_ATTRIBUTE] = run_id
+    attributes[RUN_ID_ATTRIBUTE] = decided_run_id(config)
     attributes[RUN_ATTEMPT_ATTRIBUTE] = config.run_attempt
     if config.run_name:
         # Stripped as openlora.run.info's name is (OPENLORA_RUN_NAME is; run_name= and a built config may not be).

@@ -27,8 +27,10 @@ from collections.abc import Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from openlora_otel.config import TelemetryConfig
 from openlora_otel.names import ATTR_ERROR_TYPE, ATTR_RUN_OUTCOME, ATTR_RUN_SIGNAL, RUN_METRICS
-from openlora_otel.resource import RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE
+from openlora_otel.run.identity import decided_run_id
+from openlora_otel.run.resource import RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["MAX_ERROR_TYPE_LENGTH", "RunOutcome", "error_type"]
 
@@ -57,11 +59,12 @@ def _signal_name(signum: int) -> str:
 class RunOutcome:
     """The ``openlora.run.outcome`` series of one :class:`~openlora_otel.telemetry.Telemetry`.
 
-    What is noted along the way (a signal, an exception) only counts once :meth:`decide`
-    runs at the start of the shutdown; the first decision stays.
+    The run id and attempt are the configuration's. What is noted along the way (a signal, an
+    exception) only counts once :meth:`decide` runs at the start of the shutdown; the first decision stays.
     """
 
-    def __init__(self, meter: Meter, *, run_id: str, attempt: int = 1) -> None:
+    def __init__(self, meter: Meter, config: TelemetryConfig) -> None:
+        run_id, attempt = decided_run_id(config), config.run_attempt
         self._run_id = run_id
         self._attempt = attempt
         self._lock = threading.Lock()

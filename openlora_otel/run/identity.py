@@ -1,12 +1,17 @@
-"""One run id for every rank of a job, whichever way it was launched.
+"""The run's id, decided in one place (:func:`decide_run_id`), the same for every rank of a job.
 
 The run id ties the ranks of one job together in ``target_info`` and in OTLP
 resources, so it must be the same on every rank, yet no rank may wait for the
 others or talk to them during a step. Everything here runs once, in
-``setup_telemetry()``, and asks at most one key-value store for one key.
+``setup_telemetry()``, and asks at most one key-value store for one key. The
+configuration then carries the decided id, next to the attempt it read
+(``OPENLORA_RUN_ATTEMPT`` or a launcher's restart count), and every part of the
+run reads both from it.
 
-Where the id comes from, first match wins (``OPENLORA_RUN_ID`` and a real
-``TORCHELASTIC_RUN_ID`` are read by the configuration before this module):
+Where the id comes from, first match wins: ``setup_telemetry(run_id=...)``;
+``OPENLORA_RUN_ID`` or a real ``TORCHELASTIC_RUN_ID``, which the configuration
+reads; with telemetry disabled (``OTEL_SDK_DISABLED``), a random id; else
+:func:`shared_run_id`:
 
 1. torchrun's own store. torchrun always hosts a TCP store for its workers at
    ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), also with
@@ -35,13 +40,14 @@ import os
 import re
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from openlora_otel.resource import new_run_id
+from openlora_otel.config import TelemetryConfig
 
-__all__ = ["STORE_KEY", "shared_run_id"]
+__all__ = ["STORE_KEY", "decide_run_id", "decided_run_id", "new_run_id", "shared_run_id"]
 
 _logger = logging.getLogger(__name__)
 
@@ -51,6 +57,32 @@ STORE_KEY = "openlora_otel/run_id"
 STORE_TIMEOUT_S = 10.0
 # What a run id read back from a store may look like (ours are 16 hex digits).
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def new_run_id() -> str:
+    """A fresh run id: short enough to read in a dashboard, random enough not to collide."""
+    return uuid.uuid4().hex[:16]
+
+
+def decide_run_id(config: TelemetryConfig, run_id: str | None = None) -> TelemetryConfig:
+    """``config`` with the run id decided: ``run_id`` (setup's argument), else ``config.run_id``
+    (``OPENLORA_RUN_ID``, ``TORCHELASTIC_RUN_ID``), else a random one when telemetry is disabled,
+    else :func:`shared_run_id`. The one place that decides it; setup_telemetry() calls it once."""
+    decided = run_id or config.run_id
+    if not decided:
+        if config.sdk_disabled:
+            decided = new_run_id()
+        else:
+            decided, source = shared_run_id()
+            _logger.debug("run id %s from %s", decided, source)
+    return config.replace(run_id=decided)
+
+
+def decided_run_id(config: TelemetryConfig) -> str:
+    """The run id :func:`decide_run_id` put in ``config``; ValueError for a config it has not decided."""
+    if config.run_id is None:
+        raise ValueError("the configuration carries no run id yet: decide_run_id() decides it at setup")
+    return config.run_id
 
 
 def shared_run_id(environ: Mapping[str, str] | None = None) -> tuple[str, str]:

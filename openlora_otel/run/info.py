@@ -26,9 +26,16 @@ from collections.abc import Iterable, Mapping
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from openlora_otel.config import MAX_RUN_NAME_LENGTH, RUN_NAME_ACCEPTED, ConfigError, run_name_problem
+from openlora_otel.config import (
+    MAX_RUN_NAME_LENGTH,
+    RUN_NAME_ACCEPTED,
+    ConfigError,
+    TelemetryConfig,
+    run_name_problem,
+)
 from openlora_otel.names import RUN_METRICS
-from openlora_otel.resource import RUN_NAME_ATTRIBUTE
+from openlora_otel.run.identity import decided_run_id
+from openlora_otel.run.resource import RUN_NAME_ATTRIBUTE
 
 __all__ = [
     "HPARAM_PREFIX",
@@ -166,13 +173,14 @@ def _one_line(name: object) -> str | None:
 class RunInfo:
     """The ``openlora.run.info`` series of one :class:`~openlora_otel.telemetry.Telemetry`.
 
-    The name given when it is built (``setup_telemetry(run_name=...)``) and values
-    given to :meth:`update` are the user's and win; :meth:`update` with
+    The run id and the name are the configuration's (``setup_telemetry(run_name=...)``); that name
+    and values given to :meth:`update` are the user's and win; :meth:`update` with
     ``explicit=False`` (what the callbacks call) only fills what the user left out.
     """
 
-    def __init__(self, meter: Meter, *, run_id: str, name: str | None = None) -> None:
-        self._run_id = run_id
+    def __init__(self, meter: Meter, config: TelemetryConfig) -> None:
+        name = config.run_name
+        self._run_id = decided_run_id(config)
         self._lock = threading.Lock()
         self._name = _check_name(name, "run_name") if name is not None else None
         self._name_explicit = name is not None
