@@ -1,6 +1,6 @@
 """Metric names, units and attribute keys: the one list docs, dashboards and tests are checked against.
 
-One module per domain (:mod:`~openlora_otel.names.training`, :mod:`~openlora_otel.names.run`,
+One module per domain (:mod:`~openlora_otel.names.training`, :mod:`~openlora_otel.names.resource`,
 :mod:`~openlora_otel.names.inference`, :mod:`~openlora_otel.names.gpu`,
 :mod:`~openlora_otel.names.host`) over what they share (:mod:`~openlora_otel.names.common`:
 :class:`MetricSpec`, the Prometheus names, the shared keys).
@@ -51,7 +51,7 @@ from openlora_otel.names.inference import (
     TPOT_BUCKETS,
     TTFT_BUCKETS,
 )
-from openlora_otel.names.run import (
+from openlora_otel.names.resource import (
     ATTR_RUN_OUTCOME,
     ATTR_RUN_SIGNAL,
     RUN_METRICS,
