@@ -76,7 +76,7 @@ def one_rank_series(world_size: int) -> list[tuple[str, dict[str, str], float]]:
     """(name, labels, value) of every sample one rank's /metrics serves."""
     from openlora_otel import setup_telemetry
     from openlora_otel.config import TelemetryConfig
-    from openlora_otel.run.resource import (
+    from openlora_otel.names import (
         GROUP_RANK_ATTRIBUTE,
         LOCAL_RANK_ATTRIBUTE,
         RANK_ATTRIBUTE,

@@ -20,7 +20,8 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.exporters.readers import build_readers
 from openlora_otel.inference.metrics import inference_views
-from openlora_otel.run.resource import LOCAL_RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE, build_resource
+from openlora_otel.names import LOCAL_RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
+from openlora_otel.run.resource import build_resource
 from openlora_otel.training.metrics import collecting_for, step_duration_view
 from openlora_otel.views import observed_total_views
 

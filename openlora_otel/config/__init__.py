@@ -79,17 +79,19 @@ from openlora_otel.config.checks import (
 )
 from openlora_otel.config.env import Env, secrets_in_env
 from openlora_otel.config.variables import GROUPS, OTLP_DEFAULT_ENDPOINTS, VARIABLES, Variable, default
+from openlora_otel.names.resource import (
+    GROUP_RANK_ATTRIBUTE,
+    LOCAL_RANK_ATTRIBUTE,
+    RANK_ATTRIBUTE,
+    WORLD_SIZE_ATTRIBUTE,
+)
 from openlora_otel.redaction import REDACTED, redact_url, secret_forms, url_secrets
 
 __all__ = [
     "DEFAULT_PROMETHEUS_PORT",
     "DEFAULT_SERVICE_NAME",
     "GROUPS",
-    "GROUP_RANK_ATTRIBUTE",
-    "LOCAL_RANK_ATTRIBUTE",
-    "RANK_ATTRIBUTE",
     "VARIABLES",
-    "WORLD_SIZE_ATTRIBUTE",
     "ConfigError",
     "OTLPConfig",
     "PortOffset",
@@ -126,13 +128,7 @@ PROMETHEUS_PORT_VARIABLE = "OTEL_EXPORTER_PROMETHEUS_PORT"
 
 Protocol = Literal["http/protobuf", "grpc"]
 
-# The Resource attributes the launcher's rank variables are copied into. Defined here, where they are
-# filled, since the configuration is below the run; openlora_otel.run.resource hands them on with the rest.
-RANK_ATTRIBUTE = "openlora.rank"
-LOCAL_RANK_ATTRIBUTE = "openlora.local_rank"
-WORLD_SIZE_ATTRIBUTE = "openlora.world_size"
-GROUP_RANK_ATTRIBUTE = "openlora.group_rank"
-
+# The launcher's rank variables, and the Resource attributes (openlora_otel.names) they are copied into.
 _RANK_VARIABLES = (
     ("RANK", RANK_ATTRIBUTE),
     ("LOCAL_RANK", LOCAL_RANK_ATTRIBUTE),

@@ -67,7 +67,7 @@ from openlora_otel._deps import require
 from openlora_otel.config import DIRECTORY_ACCEPTED, ConfigError, TelemetryConfig
 from openlora_otel.exporters.guard import GuardedExporter
 from openlora_otel.exporters.otlp import temporality_for
-from openlora_otel.run.resource import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
+from openlora_otel.names import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["HistoryExporter", "build_history_exporter", "encode_line", "history_path", "history_reader"]
 

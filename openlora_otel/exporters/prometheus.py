@@ -40,11 +40,11 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from openlora_otel.config import (
     DEFAULT_PROMETHEUS_PORT,
-    LOCAL_RANK_ATTRIBUTE,
     PROMETHEUS_PORT_VARIABLE,
     ConfigError,
     TelemetryConfig,
 )
+from openlora_otel.names import LOCAL_RANK_ATTRIBUTE
 
 if TYPE_CHECKING:
     from openlora_otel.discovery import FileSdRegistration

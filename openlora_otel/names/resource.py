@@ -1,11 +1,34 @@
-"""Run identity metrics (openlora_otel.run.info, openlora_otel.run.outcome): the run's info series and how it
-ended, with the outcome's attribute keys and values."""
+"""The run's identity: the Resource keys that name a run and a rank (openlora_otel.run.resource), and the
+run's info series and how it ended (openlora_otel.run.info, openlora_otel.run.outcome), with the outcome's
+attribute keys and values."""
 
 from __future__ import annotations
 
 from openlora_otel.names.common import MetricSpec
 
-__all__ = ["ATTR_RUN_OUTCOME", "ATTR_RUN_SIGNAL", "RUN_METRICS", "RUN_OUTCOMES"]
+__all__ = [
+    "ATTR_RUN_OUTCOME",
+    "ATTR_RUN_SIGNAL",
+    "GROUP_RANK_ATTRIBUTE",
+    "LOCAL_RANK_ATTRIBUTE",
+    "RANK_ATTRIBUTE",
+    "RUN_ATTEMPT_ATTRIBUTE",
+    "RUN_ID_ATTRIBUTE",
+    "RUN_METRICS",
+    "RUN_NAME_ATTRIBUTE",
+    "RUN_OUTCOMES",
+    "WORLD_SIZE_ATTRIBUTE",
+]
+
+# Resource attributes (docs/concepts/run-identity.md): the run, and the launcher's rank variables (RANK,
+# LOCAL_RANK, WORLD_SIZE, GROUP_RANK) as the configuration copies them.
+RUN_ID_ATTRIBUTE = "openlora.run.id"
+RUN_NAME_ATTRIBUTE = "openlora.run.name"
+RUN_ATTEMPT_ATTRIBUTE = "openlora.run.attempt"  # OPENLORA_RUN_ATTEMPT, or a launcher's restart count + 1
+RANK_ATTRIBUTE = "openlora.rank"
+LOCAL_RANK_ATTRIBUTE = "openlora.local_rank"
+WORLD_SIZE_ATTRIBUTE = "openlora.world_size"
+GROUP_RANK_ATTRIBUTE = "openlora.group_rank"
 
 # Attributes on openlora.run.outcome: how the run ended, and for `terminated` the signal's name.
 ATTR_RUN_OUTCOME = "openlora.run.outcome"

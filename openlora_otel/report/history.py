@@ -37,18 +37,16 @@ from openlora_otel.names import (
     ATTR_EVAL_METRIC,
     ATTR_RUN_OUTCOME,
     ATTR_TRAINING_PHASE,
+    RANK_ATTRIBUTE,
+    RUN_ATTEMPT_ATTRIBUTE,
+    RUN_ID_ATTRIBUTE,
     RUN_METRICS,
+    RUN_NAME_ATTRIBUTE,
     TRAINING_PHASES,
 )
 from openlora_otel.report.goodput import STEPS_LOST_METRIC, TIME_METRIC, TimeSample, time_breakdown
 from openlora_otel.report.model import EVAL_PREFIX, QUANTITIES, SHOWN_METRIC, ReportError, Row, Run, shown
 from openlora_otel.run.info import hyperparameters_from
-from openlora_otel.run.resource import (
-    RANK_ATTRIBUTE,
-    RUN_ATTEMPT_ATTRIBUTE,
-    RUN_ID_ATTRIBUTE,
-    RUN_NAME_ATTRIBUTE,
-)
 
 __all__ = ["history_files", "read_runs"]
 

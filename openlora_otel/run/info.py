@@ -33,9 +33,8 @@ from openlora_otel.config import (
     TelemetryConfig,
     run_name_problem,
 )
-from openlora_otel.names import RUN_METRICS
+from openlora_otel.names import RUN_METRICS, RUN_NAME_ATTRIBUTE
 from openlora_otel.run.identity import decided_run_id
-from openlora_otel.run.resource import RUN_NAME_ATTRIBUTE
 
 __all__ = [
     "HPARAM_PREFIX",

@@ -28,9 +28,15 @@ from collections.abc import Iterable
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from openlora_otel.config import TelemetryConfig
-from openlora_otel.names import ATTR_ERROR_TYPE, ATTR_RUN_OUTCOME, ATTR_RUN_SIGNAL, RUN_METRICS
+from openlora_otel.names import (
+    ATTR_ERROR_TYPE,
+    ATTR_RUN_OUTCOME,
+    ATTR_RUN_SIGNAL,
+    RUN_ATTEMPT_ATTRIBUTE,
+    RUN_ID_ATTRIBUTE,
+    RUN_METRICS,
+)
 from openlora_otel.run.identity import decided_run_id
-from openlora_otel.run.resource import RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["MAX_ERROR_TYPE_LENGTH", "RunOutcome", "error_type"]
 

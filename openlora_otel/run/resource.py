@@ -17,31 +17,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.version import __version__ as _sdk_version
 
 from openlora_otel._version import __version__
-from openlora_otel.config import (
-    GROUP_RANK_ATTRIBUTE,
-    LOCAL_RANK_ATTRIBUTE,
-    RANK_ATTRIBUTE,
-    WORLD_SIZE_ATTRIBUTE,
-    TelemetryConfig,
-)
+from openlora_otel.config import TelemetryConfig
+from openlora_otel.names.resource import RUN_ATTEMPT_ATTRIBUTE, RUN_ID_ATTRIBUTE, RUN_NAME_ATTRIBUTE
 from openlora_otel.run.identity import decided_run_id
 
-__all__ = [
-    "GROUP_RANK_ATTRIBUTE",
-    "LOCAL_RANK_ATTRIBUTE",
-    "RANK_ATTRIBUTE",
-    "RUN_ATTEMPT_ATTRIBUTE",
-    "RUN_ID_ATTRIBUTE",
-    "RUN_NAME_ATTRIBUTE",
-    "WORLD_SIZE_ATTRIBUTE",
-    "build_resource",
-]
+__all__ = ["build_resource"]
 
-RUN_ID_ATTRIBUTE = "openlora.run.id"
-RUN_NAME_ATTRIBUTE = "openlora.run.name"
-RUN_ATTEMPT_ATTRIBUTE = "openlora.run.attempt"  # OPENLORA_RUN_ATTEMPT, or a launcher's restart count + 1
-# RANK_ATTRIBUTE, LOCAL_RANK_ATTRIBUTE, WORLD_SIZE_ATTRIBUTE, GROUP_RANK_ATTRIBUTE: from RANK, LOCAL_RANK,
-# WORLD_SIZE, GROUP_RANK, defined by the configuration that copies them into its resource attributes.
 
 
 def build_resource(
