@@ -1,19 +1,10 @@
 """Prometheus file-based service discovery: each rank registers its pull endpoint while it runs.
 
-With ``OPENLORA_PROMETHEUS_FILE_SD_DIR`` set, a process that serves the pull
-endpoint writes ``<dir>/openlora-<host>-<port>.json``, a one-target list in the
-format of Prometheus ``file_sd_configs``, once the port is bound, and removes it
-at shutdown (also on SIGTERM and at interpreter exit, which run the shutdown),
-after the final scrape. A Prometheus (or a per-node agent) watching
-``<dir>/*.json`` then scrapes every rank of every job without one hand-written
-target, and drops a rank when its file goes.
-
-The file carries no labels: run identity stays on ``target_info`` (from the
-Resource), so a run never multiplies the series. A process killed with SIGKILL
-cannot remove its file, nor can one that ends without the shutdown (a
-``multiprocessing`` child leaving with ``os._exit``, a SIGTERM when the guard is
-not installed). The next process that registers on the same host removes the
-files of this host whose endpoint refuses connections.
+With ``OPENLORA_PROMETHEUS_FILE_SD_DIR`` set, a process serving the pull endpoint writes
+``<dir>/openlora-<host>-<port>.json`` once its port is bound and removes it at shutdown, after the
+final scrape. The file carries no labels (run identity stays on ``target_info``); the files of
+processes that died without a shutdown are removed by the next registration on their host, once
+their endpoint refuses connections. See docs/how-to/many-nodes.md.
 """
 
 from __future__ import annotations

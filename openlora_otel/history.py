@@ -1,38 +1,10 @@
 """Read a run history file (OTLP JSON Lines) back, with nothing but the standard library.
 
-The files come from ``OPENLORA_HISTORY_DIR`` (see
-:mod:`openlora_otel.exporters.history`), or from any writer of the same format,
-such as the OpenTelemetry Collector's file exporter. Each line is one OTLP
-``ExportMetricsServiceRequest`` in the OTLP/JSON encoding; :func:`read_history`
-turns every resource in every line into one :class:`Snapshot`: the Resource's
-attributes, the collection time and the points of each metric by its OTel name
-(``openlora.training.steps``, not the Prometheus name).
-
-Cumulative values (sums and histograms) are totals since the process started;
-gauges are the value at the collection. A torn last line (a write in flight, or
-a process killed mid-write) is skipped and not counted: it is not a line yet.
-
-Every other line the reader cannot use is skipped whole, counted
-(:attr:`HistoryReader.skipped`) and named in a warning (the first
-``WARNED_LINES`` of a file; the rest are only counted): a line that is not JSON,
-nested too deeply for the parser, not an OTLP/JSON object, or with a field of
-the wrong type or out of range where the reader reads it:
-
-- times (``timeUnixNano``) must be integers in [0, 2**64): a JSON integer, an
-  integral JSON number, or a string of digits (as OTLP/JSON writes 64-bit
-  integers). A NaN, infinite, negative, fractional or larger time makes the line
-  unusable: it could not be placed among the others.
-- counts (``count``, ``bucketCounts``) likewise in [0, 2**64); ``asInt`` and an
-  attribute's ``intValue`` in [-2**63, 2**63), the range of OTLP's int64.
-- doubles (``asDouble``, ``sum``, ``min``, ``max``, ``explicitBounds``,
-  ``doubleValue``) are numbers or numeric strings. NaN and infinities (the
-  strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``) are kept: they are data, a
-  diverged run's loss is NaN and the report draws it as such. An integer too
-  large for a float is refused.
-- a boolean is never a number; metric names, attribute keys and ``stringValue``
-  are strings, ``boolValue`` a boolean; ``resourceMetrics``, ``scopeMetrics``,
-  ``metrics``, ``dataPoints``, ``attributes``, an array's ``values``,
-  ``explicitBounds`` and ``bucketCounts`` are lists (a string there is no list).
+:func:`read_history` turns every resource of every line into one :class:`Snapshot` (the Resource's
+attributes, the collection time, each metric's points by its OTel name). A torn last line is skipped
+and not counted; any other line the reader cannot use (not JSON, not OTLP/JSON, a field of the wrong
+type or out of range) is skipped whole, counted in :attr:`HistoryReader.skipped` and named in a
+warning. NaN and infinite values are data and kept. See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Redaction: the one place that hides credentials in text we print or log.
 
-Three kinds of secret reach our messages: the ``user:password@`` part of an endpoint URL, its query
-values and fragment (``?api_key=...``), and OTLP header values (``authorization=Bearer ...``). They can
-come back to us inside text we did not write (an SDK log line, an exception from requests or gRPC, an
-HTTP reason phrase a server chose), so redaction works on arbitrary text: every *known* secret (the
-configured values, in the forms they are likely to be echoed in) is replaced, and so is any
-``scheme://user:pass@`` pattern and any ``scheme://`` URL's query values and fragment, known or not.
-
-Policy for a URL we were given (:func:`redact_url`): the scheme, host, port, path and query *names*
-are shown; the user info, every query *value* and the fragment are not. A webhook's path is hidden
-too: for Slack, Discord or Teams the path is the token. An OTLP endpoint (or a
-webhook, or a Prometheus URL) has no query value we need to show, and a list of secret-sounding names
-(``token``, ``sig``, ...) would miss the next vendor's ``x-goog-api-key``; so all of them go. The user
-info runs to the *last* ``@`` of the URL, not to the first ``/``, ``?`` or ``#`` as RFC 3986 reads it:
-a password holding an unescaped ``/``, ``?`` or ``#`` would otherwise be printed as a host, a path or
-a query. (The configuration refuses an endpoint with an ``@`` after its host, so this over-hides
-only in that error.)
-
-Used by :class:`~openlora_otel.config.ConfigError`, the config reprs, the export guard and ``doctor``.
+Secrets can come back inside text we did not write (an SDK log line, an exception, a reason phrase),
+so :func:`redact` works on any text: every known secret is replaced, and so are any
+``scheme://user:pass@`` and any URL's query values and fragment. :func:`redact_url` shows a URL's
+scheme, host, port, path and query names only. Used by :class:`~openlora_otel.config.ConfigError`,
+the config reprs, the export guard and ``doctor``. See docs/reference/setup.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Views ``setup_telemetry()`` installs so that an aborted collection never double-counts a total.
 
-The SDK aggregates an observable counter or up-down counter by *adding* each
-observation to what it holds, and resets that only when a collection completes.
-When a collection is aborted after a callback ran (the SDK's collect deadline
-passing during a later, slow callback), the next collection adds its
-observation to the one left behind: an energy counter, an ECC error count or a
-memory reading is reported doubled once, and Prometheus then reads the return to
-the true value as a counter reset (a spike in every ``rate()`` and ``increase()``).
-
-An observable instrument reports totals, so the right rule is "the latest
-observation is the value" (the API already asks callbacks not to observe the
-same attributes twice). :func:`observed_total_views` gives that aggregation to
-every observable counter and up-down counter of the provider, ours and those of
-other libraries recording through the global provider.
-
-It subclasses the SDK's private ``_SumAggregation``; a self-test runs once per
-process, and on an SDK whose internals moved the views are left out (the SDK's
-default then applies, with its double count after an aborted collection).
+The SDK adds each observation of an observable counter to what it holds until a collection
+completes, so an aborted collection leaves a total reported doubled once. :func:`observed_total_views`
+makes the latest observation the value, for every observable counter and up-down counter of the
+provider. It subclasses the SDK's private ``_SumAggregation``: a self-test runs once per process, and
+on an SDK whose internals moved the views are left out. See docs/concepts/windows.md.
 """
 
 from __future__ import annotations

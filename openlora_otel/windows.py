@@ -1,20 +1,10 @@
 """Histograms fed a whole window of bucketed values at once: the hot path bisects, the collection merges.
 
-An SDK ``Histogram.record`` costs several microseconds (attribute hashing, a
-lock, the aggregation). A training step or a served request should not pay that
-per value. The hot paths here count values into plain per-bucket lists under
-their own lock instead, and at collection hand each window to the SDK as one
-:class:`BucketWindow`: a float (0.0, so it passes the SDK's checks) that carries
-the bucket counts, the sum, min and max. :func:`window_view` gives an instrument
-the aggregation that merges such a window in O(buckets); the histogram is then
-exactly what per-value ``record`` calls would have made (counts, sum, min, max;
-no exemplars, since a window is not one measurement with a trace context).
-
-The aggregation subclasses the SDK's private explicit-bucket histogram. A
-self-test runs once per process (:func:`window_merging_works`); on an SDK whose
-internals moved, :func:`window_view` is a plain explicit-bucket view and callers
-replay each bucket's count at the bucket's mean (:func:`replay`): counts and sum
-stay exact, only slower.
+Hot paths count values into per-bucket lists under their own lock; at collection each window reaches
+the SDK as one :class:`BucketWindow`, which :func:`window_view`'s aggregation merges in O(buckets),
+exactly as per-value ``record`` calls would have (no exemplars). On an SDK whose internals moved
+(:func:`window_merging_works`), :func:`replay` records each bucket's count at its mean.
+See docs/concepts/collection.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""What a valid value is: :class:`ConfigError`, the accepted choices and ranges, and the checks that
-values from the environment (:mod:`.env`) and values set in code (:class:`~openlora_otel.config.TelemetryConfig`)
-share.
+"""What a valid value is: :class:`ConfigError`, the accepted choices and ranges, and the shared checks.
 
-Durations and numbers are ASCII decimal digits only (no underscore, sign or ``nan``; no exponent but in
-``OPENLORA_PEAK_FLOPS``, whose values are like ``989e12``), within documented ranges, so a value that
-would stall or kill a thread later is refused at setup. Credentials (URL ``user:password@``, query
-values and fragment, and header values) never appear in an error.
-
-The helpers the config package's modules share (:func:`check_endpoint`, :func:`host_problem`,
-:func:`in_range`, :func:`ms_accepted`, :func:`choices_accepted`, the ``*_RE`` patterns, the ``*_ACCEPTED``
-texts of headers, hosts and globs...) have public names only so that :mod:`.env`, :mod:`.variables` and
-the package's ``__init__`` import no private name: they are package-internal, and nothing outside
-``openlora_otel.config`` should use them. What the rest of openlora_otel uses from here is
-:class:`ConfigError`, :func:`check_url` and what ``openlora_otel.config`` re-exports. Names that start
-with ``_`` are used in this module only.
+Values from the environment (:mod:`.env`) and set in code (:class:`~openlora_otel.config.TelemetryConfig`)
+pass the same checks: ASCII digits within documented ranges, so a value that would stall or kill a
+thread later is refused at setup; credentials never appear in an error. The helpers are public for
+the package's modules only: outside ``openlora_otel.config`` use :class:`ConfigError`,
+:func:`check_url` and what the package re-exports. See docs/reference/setup.md.
 """
 
 from __future__ import annotations

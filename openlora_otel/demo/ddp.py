@@ -1,31 +1,9 @@
 """The demo under torchrun: data-parallel training with gloo on CPU, one stop decision, each rank's own step time.
 
-Three choices, each for a reason:
-
-- **Stopping together, without a message of its own.** torchrun forwards
-  SIGTERM and SIGINT to every worker, but each worker sees it at its own
-  moment. A rank that stopped after step k while another went on into step
-  k+1 would leave that one waiting in the gradient all-reduce until gloo's
-  timeout (30 minutes). So no rank stops on its own: each step, every rank's
-  stop reason rides along in the all-reduce of its last gradient bucket (three
-  more numbers, one per reason, in a message DDP sends anyway), and when that
-  all-reduce completes every rank knows the same thing: whether any rank wants
-  to stop, and the strongest reason. All finish that step and stop. A separate
-  4-byte all-reduce per step would have been simpler; measured here it costs
-  0.4 to 1.7 ms (a round trip between two busy processes), about 1% of a step.
-- **Each rank's own step time.** In synchronous data parallelism every rank
-  waits inside ``backward()`` for the slowest rank's gradients, so a step's
-  wall time is the same on every rank and a straggler cannot be told apart by
-  it (two ranks, one 50 ms slower per step: both measured 55 ms a step). The
-  demo records as step time the rank's own work: the step's wall time less
-  what ``backward()`` spent after this rank's last gradient bucket was ready,
-  which is the wait for the other ranks plus the transfer itself. The same
-  communication hook notes that moment. (Once per run the wait falls
-  elsewhere: DDP's second forward rebuilds its gradient buckets, a
-  collective, and that step's own time includes it.)
-- **No buffer broadcast.** The model's only buffers are rotary constants,
-  equal on every rank; broadcasting them would put a collective into every
-  forward, evaluations included, which each rank runs on its own.
+The ranks stop together: each rank's stop reason rides in the all-reduce of its last gradient bucket,
+so no rank is left waiting in a collective another never joins. The step time recorded is the rank's
+own work (the wall time less the wait for the other ranks in ``backward()``), so a straggler shows.
+No buffer broadcast: the only buffers are rotary constants. See docs/getting-started/demo.md.
 """
 
 from __future__ import annotations

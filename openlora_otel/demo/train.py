@@ -1,19 +1,9 @@
 """The demo's fine-tune: a small Llama built from a config, LoRA through PEFT, with live telemetry.
 
-It runs where ``--device`` says (``auto``: the first CUDA device when there is one, else the
-CPU; see ``openlora_otel/model/device.py``): the model, the corpus and every batch live there, and
-on a CUDA device with bfloat16 the forward passes run under autocast. Under torchrun the
-ranks train on CPU with gloo.
-
-Why no plain-torch LoRA fallback: PEFT is what users fine-tune with, the demo
-exists to show our callbacks and adapter pick-up working on the real thing,
-and a second LoRA implementation would be code to maintain that no user runs.
-Without PEFT the demo stops with the package and the extra to install.
-
-This module runs it (:func:`run_demo`): setup, the first and final evaluation, ``--save`` and
-``--linger``. Its parts: :mod:`.options` (what a run is and returns), :mod:`.llama` (the model, the
-data, the evaluation), :mod:`.loops` (the two training loops, the stop flag, the progress line) and
-:mod:`.checkpoint` (the files of ``--checkpoint-dir``).
+:func:`run_demo` runs it (setup, the first and final evaluation, ``--save``, ``--linger``) on the
+``--device`` chosen; its parts are :mod:`.options`, :mod:`.llama`, :mod:`.loops` and
+:mod:`.checkpoint`. No plain-torch LoRA fallback: the demo shows the callbacks on PEFT, what users
+fine-tune with, and without it stops naming the extra to install. See docs/getting-started/demo.md.
 """
 
 from __future__ import annotations

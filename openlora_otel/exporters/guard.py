@@ -1,16 +1,9 @@
 """A wrapper for push exporters: log an outage once, never raise, never export from a forked child.
 
-The SDK's exporters log one error per failed attempt, every interval, for the
-whole outage; a training log full of those hides everything else. The wrapper
-folds them into one warning with the SDK's reason, and one line when exports
-recover.
-
-The SDK's reasons are text we did not write: they can quote the endpoint with its
-``user:password@`` (gRPC does), a header value (requests does, for a header it
-refuses) or whatever reason phrase a server sent. Everything the wrapper logs,
-and every record the SDK logs on its export loggers while the wrapper is
-installed, goes through :func:`openlora_otel.redaction.redact` with the
-exporter's known secrets first.
+The SDK logs one error per failed export for the whole outage; the wrapper folds them into one
+warning, and one line when exports recover. What it logs, and what the SDK logs on its export
+loggers while it is installed, goes through :func:`openlora_otel.redaction.redact`: the SDK's
+reasons can quote credentials. See docs/how-to/collector.md.
 """
 
 from __future__ import annotations

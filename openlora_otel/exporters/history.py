@@ -1,40 +1,10 @@
 """The run's history as a file: OTLP JSON Lines, written from a background reader.
 
-With ``OPENLORA_HISTORY_DIR`` set, every ``OPENLORA_HISTORY_INTERVAL`` milliseconds
-one line is appended to ``<dir>/<run id>.jsonl`` (``<run id>.rank<RANK>.jsonl``
-when the Resource has ``openlora.rank``): one OTLP ``ExportMetricsServiceRequest``
-in the OTLP/JSON encoding (the same JSON as the ``MetricsData`` of the OTLP file
-exporter specification), the format the OpenTelemetry Collector's file exporter
-writes and its ``otlpjsonfile`` receiver reads. Each line holds the Resource and
-every metric, cumulative, so any one line stands on its own and the last one
-holds the run's totals. The final line is written at shutdown (also on SIGTERM
-and at interpreter exit, which run the shutdown). ``openlora_otel.history``
-reads the file back.
-
-Why a reader of its own rather than a sink behind another exporter: it runs
-whatever else is configured (``none`` included), at its own interval, and its
-encoding happens on its thread only; the training step never waits for it.
-
-The encoding is the SDK's own OTLP encoder (``opentelemetry-exporter-otlp-proto-common``,
-from the ``otlp`` extra) and protobuf's JSON mapping, with the two deviations
-OTLP/JSON makes from that mapping: enums as integers, trace and span ids (in
-exemplars) as hex. Field names are lowerCamelCase and 64-bit integers decimal
-strings, as the mapping has them.
-
-Writes are whole lines: each line goes out in one append and is flushed to the
-operating system before the next collection; a reader sees a partial last line
-only while a write is in flight. A write that fails part-way (disk full) is cut
-back to the last whole line.
-
-The file is bounded by ``OPENLORA_HISTORY_MAX_BYTES``: when the next line would
-pass it, the file is compacted in place (the first and last lines and every
-other line in between are kept, through a temporary file renamed over it) and
-from then on only every 2nd collection is written, then every 4th, and so on, so
-the whole run stays, at a lower resolution. The final line is always written.
-
-Failures at run time (disk full, directory removed) are logged once, and the
-recovery once, by :class:`~openlora_otel.exporters.guard.GuardedExporter`;
-training goes on and the next collection tries again.
+With ``OPENLORA_HISTORY_DIR`` set, a reader of its own (whatever else is exported, at its own
+interval, encoding on its own thread) appends one OTLP/JSON ``ExportMetricsServiceRequest`` per
+collection, cumulative, so each line stands alone. Lines are whole, the file is bounded by
+``OPENLORA_HISTORY_MAX_BYTES`` (thinned, never cut off), and failures are logged once by
+:class:`~openlora_otel.exporters.guard.GuardedExporter`. See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

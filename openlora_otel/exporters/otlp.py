@@ -1,14 +1,9 @@
 """OTLP push to an OpenTelemetry Collector, over http/protobuf or gRPC.
 
-Every setting is passed to the SDK exporter explicitly (timeout in seconds,
-endpoint, headers, TLS files), so the SDK's own environment parsing never
-decides anything. The exporter is wrapped so that an unreachable collector is
-reported once, with the SDK's reason (credentials redacted), and its recovery
-once, instead of one error line per export interval for the whole run.
-
-An http/protobuf endpoint whose query carries values (``?api_key=...``) is warned about once at
-setup: our messages redact them, but libraries log the request line at DEBUG (urllib3:
-``POST /v1/metrics?api_key=...``), so a token belongs in a header (``OTEL_EXPORTER_OTLP_HEADERS``).
+Every setting is passed to the SDK exporter explicitly, so the SDK's own environment parsing decides
+nothing; an outage is reported once (:mod:`.guard`). An http/protobuf endpoint with query values is
+warned about at setup: libraries log the request line at DEBUG, so a token belongs in a header.
+See docs/how-to/collector.md.
 """
 
 from __future__ import annotations

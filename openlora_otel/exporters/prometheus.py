@@ -1,20 +1,10 @@
 """Prometheus pull endpoint: a ``/metrics`` HTTP server on a background thread.
 
-The reader gets its own ``CollectorRegistry`` rather than prometheus_client's
-global one, so that the endpoint shows exactly this run's metrics (plus
-``target_info`` with the Resource) and can be torn down and rebuilt in one process.
-
-The server is ours rather than ``prometheus_client.start_http_server`` because a
-training process needs it to behave like a server at the edges of a run:
-
-- every connection has a socket timeout and at most ``MAX_CONNECTIONS`` are
-  served at once, so idle or slow clients cannot pile up threads;
-- ``close()`` kicks out connections still open and joins every thread it
-  started, within a deadline;
-- it counts completed scrapes, so ``Telemetry.shutdown()`` can wait for the
-  scraper to collect the final values of a run (see :meth:`PrometheusEndpoint.wait_for_scrape`);
-- a forked child (a DataLoader worker) drops its copies of the sockets at once,
-  so the port is free again when the parent closes it.
+The reader has its own ``CollectorRegistry``, so the endpoint shows this run's metrics alone and can
+be rebuilt in one process. The server is ours, not ``start_http_server``, to behave at a run's
+edges: bounded connections, a ``close()`` that joins its threads, a count of completed scrapes for
+the final-scrape wait (:meth:`PrometheusEndpoint.wait_for_scrape`), sockets dropped in forked
+children. See docs/concepts/lifecycle.md (The pull endpoint).
 """
 
 from __future__ import annotations

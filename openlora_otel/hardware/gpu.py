@@ -1,17 +1,9 @@
 """GPU telemetry: observable instruments under the ``hw.*`` semantic conventions, fed by one NVML snapshot per collection.
 
-:class:`GpuMetrics` registers the instruments; each callback reads the snapshot a
-:class:`~openlora_otel.hardware.gpu_snapshot.GpuCollector` takes (one per
-collection, on its helper thread, bounded in time: see
-:mod:`openlora_otel.hardware.gpu_snapshot`) and turns its values into
-observations with the device's ``hw.*`` attributes. ``hw.status`` is derived
-from a reading (:func:`status_of`). A callback that fails reports nothing,
-with one warning, and never raises into the scrape.
-
-The torch allocator's gauges read ``torch.cuda.memory_stats`` only when torch
-is already imported and CUDA already initialized (they never initialize it).
-
-``GpuCollector`` and ``FIELDS`` are re-exported here, where they were defined before.
+:class:`GpuMetrics` registers the instruments; each callback reads the collection's snapshot
+(:mod:`openlora_otel.hardware.gpu_snapshot`) and never raises into the scrape. The torch allocator's
+gauges never initialize CUDA. ``GpuCollector`` and ``FIELDS`` are re-exported here, where they were
+defined before. See docs/reference/gpu-metrics.md.
 """
 
 from __future__ import annotations

@@ -1,64 +1,11 @@
 """NVML snapshots of the GPUs: which devices, which values, read on a helper thread, one snapshot per collection.
 
-How :class:`GpuCollector` behaves, and why (its readers are the instruments of :mod:`openlora_otel.hardware.gpu`):
-
-- **One snapshot per collection.** Every GPU instrument's callback asks
-  :meth:`GpuCollector.current` for the snapshot; the first one in a collection
-  takes it, the rest reuse it (a snapshot younger than half a second is
-  shared). NVML calls do not multiply with the number of instruments, and
-  values are converted exactly (milliwatts to watts, MHz to Hz, nanoseconds to
-  seconds), never truncated to whole units.
-- **Few calls per snapshot.** Power, energy, ECC, PCIe and NVLink bytes,
-  throttle times, PCIe errors and remapped rows come through one
-  ``nvmlDeviceGetFieldValues`` call per GPU (:data:`FIELDS`). NVML answers per
-  field: a field the GPU or driver lacks falls back to its own call where one
-  exists (power, energy, ECC, replay counter, remapped rows, violation
-  status), and the choice is remembered. The PCIe link's maximum is read once,
-  its current width and generation at most once a minute (they change only
-  when the link retrains). So a GPU costs 8 calls per snapshot (10 with GPM)
-  where it cost 12, for about three times the values.
-- **XID errors** come from an NVML event set registered for every GPU. The
-  helper thread drains it without waiting (``nvmlEventSetWait_v2`` with a 0 ms
-  timeout) at each snapshot: no thread blocks in the driver, and the training
-  thread never touches NVML. Codes outside a bounded list count as ``other``.
-- **GPM activity** (SM, occupancy, tensor, DRAM; Hopper and later) is the
-  difference of two GPM samples: each snapshot takes one and reports the
-  activity since the previous snapshot's. Absent (not zero) on older GPUs, on
-  MIG instances, and on the first snapshot.
-- **PCIe bytes** (``hw.gpu.io``). NVML's byte counter fields wrap at 2^32
-  (4 GiB: 78 ms at full Gen5 x16 speed, seen on an H200), so where GPM gives
-  PCIe traffic (Hopper and later) the bytes are its average rate between two
-  samples times the time between them, summed from the second snapshot: no
-  wrap, whatever the traffic (link traffic, protocol overhead included, and a
-  fraction of a second in arrears, as measured on an H200). Elsewhere the fields are read, and a 32-bit
-  value that went down is taken as one wrap (right while less than 4 GiB
-  crosses between two snapshots). Which source a GPU uses is settled at its
-  second snapshot and kept, so the counter never jumps between them; a GPU
-  with GPM reports no PCIe bytes on its first snapshot.
-- **Bounded.** A snapshot is taken on a helper thread; the collection waits at
-  most ``OPENLORA_GPU_TIMEOUT``. If NVML is slower than that, the last good
-  snapshot is served (up to 60 s old; ``openlora.gpu.snapshot.age`` says how
-  old) and at most one snapshot is in flight, so a hung driver call never
-  piles up threads nor stalls a scrape.
-- **Which GPUs.** ``process`` (default): once torch has initialized CUDA, the
-  devices torch uses, matched to NVML by UUID; before that, the devices in
-  ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs), narrowed to ``LOCAL_RANK``'s
-  one under torchrun. So eight ranks on a node report eight GPUs, not
-  sixty-four series. ``all``: every GPU on the host (a node-level monitor).
-  MIG instances are reported with their own memory; NVML gives no utilization
-  for them, so none is reported.
-- **Never breaks anything.** A capability a device lacks (``NotSupported``)
-  is remembered per device and value and not asked again; any other failure
-  drops that device's values from the snapshot, logs one warning per distinct
-  problem, reports the device as ``hw.status`` failed, and its series come
-  back when it answers again. Nothing raises into the scrape or training.
-
-:class:`GpuCollector` wires three collaborators, one job each: which GPUs
-(:class:`~openlora_otel.hardware.gpu_devices.DeviceSelection`), what one GPU's
-values are (:class:`~openlora_otel.hardware.gpu_reads.NvmlReads`) and the helper
-thread (:class:`~openlora_otel.hardware.gpu_thread.SnapshotThread`). It keeps
-what spans them: the XID event set and counts, the devices that stopped
-answering, and one warning per problem.
+One snapshot serves every GPU instrument of a collection, from few NVML calls, taken on a helper
+thread the collection waits on for at most ``OPENLORA_GPU_TIMEOUT`` (else the last good snapshot is
+served): a hung driver call never stalls a scrape, and nothing raises into a scrape or training.
+:class:`GpuCollector` wires which GPUs (``gpu_devices``), one GPU's reads (``gpu_reads``) and the
+thread (``gpu_thread``), and keeps what spans them: the XID event set and counts, the devices that
+stopped answering, one warning per problem. See docs/reference/gpu-metrics.md.
 """
 
 from __future__ import annotations

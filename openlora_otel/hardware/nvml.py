@@ -1,18 +1,9 @@
 """The one object through which NVML is reached, so tests can hand in a fake.
 
-:class:`NvmlBackend` is the interface the GPU collector uses: a handful of
-plain calls, each returning host values in SI units where NVML uses others
-(bytes, watts, joules, hertz). :class:`PynvmlBackend` implements it over
-``pynvml`` (the ``nvidia-ml-py`` package, extra ``gpu``), translating NVML's
-errors into :class:`GpuNotSupported` (this device or driver lacks the capability: stop
-asking) and :class:`GpuError` (something went wrong: try again later).
-
-Many values come through one ``nvmlDeviceGetFieldValues`` call per device
-(:meth:`NvmlBackend.field_values`): it returns NVML's own status per field, so
-the collector can tell a field this driver lacks from a device that is gone.
-The field ids below are nvml.h's numbers (nvidia-ml-py 13.615 names them);
-they are part of the driver ABI, so they are written out here rather than
-looked up in whatever pynvml happens to be installed.
+:class:`NvmlBackend` is the interface the GPU collector uses (host values in SI units);
+:class:`PynvmlBackend` implements it over ``pynvml``, turning NVML's errors into
+:class:`GpuNotSupported` (stop asking) and :class:`GpuError` (try again later). The field ids are
+nvml.h's numbers, written out: they are part of the driver ABI. See docs/reference/gpu-metrics.md.
 """
 
 from __future__ import annotations

@@ -1,45 +1,10 @@
 """Per-request serving metrics under the OpenTelemetry GenAI conventions, with the adapter as its own attribute.
 
-One :class:`InferenceMetrics` per process (``telemetry.inference``). A server
-wraps each request::
-
-    with inference.request(adapter="support-v2", queued=True) as req:
-        await slot.acquire()        # counted as waiting
-        req.start()                 # now running
-        ...                         # req.first_token() when the first token is out
-        req.tokens(input=12, output=40)
-
-and the request's duration, time to first token, time per output token and
-token counts land in ``gen_ai.server.*`` histograms (``names.INFERENCE_METRICS``),
-with ``error.type`` on failures. Loaded adapters are announced with
-:meth:`InferenceMetrics.loading_adapter` and show in
-``openlora.inference.adapter.loaded`` whether or not they have traffic.
-
-Where an adapter came from goes with its load, as an :class:`AdapterOrigin`::
-
-    with inference.loading_adapter("support-v2", trained_by=AdapterOrigin(
-        run_id="5f0c...", run_name="support-v2", base_model="llama-3-8b", final_eval_loss=1.23,
-    )):
-        load()
-
-and shows on one series per loaded adapter, ``openlora.inference.adapter.info`` (value 1; the
-training run's id and name, the base model and its fingerprint, the final eval loss as attributes,
-each only when known), never on the request series: a dashboard joins it on the adapter to link
-serving to the training run. Loading the adapter again replaces its series; unloading removes it.
-
-Cost. A request's end takes one lock and bisects its values into per-series
-bucket lists (:mod:`openlora_otel.inference.histograms`); the SDK sees each
-series' window once per collection (:func:`~openlora_otel.windows.window_view`,
-which ``setup_telemetry`` installs). On a meter without those views the values
-go to the SDK one by one, at the request's end.
-
-Cardinality is bounded per process: at most ``max_adapters`` adapter names
-(``OPENLORA_INFERENCE_MAX_ADAPTERS``; names take slots in the order they are first seen),
-later names are recorded as ``"other"``; requests without an adapter as
-``"base"``. ``gen_ai.request.model`` is the name the client asked for: an adapter's (bounded as its
-adapter attribute: itself or ``"other"``), or the base model's; ``gen_ai.response.model`` is the served
-base model (``set_model``); at most 8 model names and 16 ``error.type`` values, then ``_OTHER``
-(the conventions' fallback value).
+One :class:`InferenceMetrics` per process (``telemetry.inference``): a server wraps each request in
+``inference.request(...)`` and each adapter load in ``inference.loading_adapter(...)``. A request's
+end costs one lock and a bisect (the SDK takes a window per collection, :mod:`openlora_otel.windows`),
+and the attributes are bounded per process (adapter names, model names, ``error.type`` values).
+See docs/how-to/serving.md.
 """
 
 from __future__ import annotations

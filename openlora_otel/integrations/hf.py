@@ -3,62 +3,9 @@
     from openlora_otel.integrations.hf import TelemetryCallback
     trainer = Trainer(..., callbacks=[TelemetryCallback(telemetry)])
 
-Every optimizer step, whatever ``logging_steps`` and ``include_num_input_tokens_seen``
-say, one ``record_step`` (at ``on_step_end``) carries:
-
-- the loss: a forward hook on the model keeps ``output.loss`` (detached, never
-  read) of each training forward, that is a forward with the model in training
-  mode and gradients enabled, so evaluation forwards are left out. The step's
-  loss is what the Trainer itself would log for it: the mean of the
-  micro-batch losses, or their sum when the Trainer passed
-  ``num_items_in_batch`` (the model then already divided by the whole step's
-  token count), times the number of processes when
-  ``average_tokens_across_devices`` makes the Trainer do so (data parallel).
-  The sum and mean are taken on the loss's device.
-- tokens: the element count of the model's main input (``input_ids``),
-  padding included, a shape fact; with ``include_num_input_tokens_seen`` on,
-  the Trainer's own count instead. Samples: the first dimension of that input.
-- the learning rate of the first parameter group, read at ``on_optimizer_step``
-  (before the scheduler moves it on, the value the Trainer logs for the step).
-- the step's wall time and how long it waited for its batches (`StepClock`):
-  the wait is the time from the end of the previous step, or of the logging,
-  evaluation or checkpoint that followed it, to ``on_step_begin``. The Trainer
-  fetches all of a step's micro-batches in that gap (``get_batch_samples``),
-  so with gradient accumulation every fetch is counted; the gap also holds the
-  move of the batch to the device and the Trainer's count of the label tokens.
-  Step time runs from that same point to ``on_step_end``, so it includes the
-  wait and leaves out logging, evaluation and checkpoints.
-
-What cannot be had per step: the gradient norm. The Trainer keeps each step's
-norm in a local variable that no callback event receives, and the gradients a
-callback can see (``on_pre_optimizer_step``) are already clipped; the gauge
-gets the Trainer's logged ``grad_norm`` every ``logging_steps`` and the
-callback says so once at train start. When the model computes no loss (label
-smoothing, ``compute_loss_func``, tuple outputs), the loss also comes from the
-logs only, said once.
-
-Which source wins: a value the hooks took per step is never added again from
-``on_log``, so loss and learning rate are counted once; ``grad_norm`` only
-ever comes from ``on_log``. Evaluations (``on_evaluate``) go to
-``record_eval``; a PEFT LoRA config on the model is described at train start;
-metrics are flushed at train end. Independent of ``report_to``: it works with
-``"none"`` and next to other reporters.
-
-Goodput (``openlora.training.time``): the Trainer evaluates and then saves right
-after ``on_step_end`` (and ``on_epoch_end``) when ``control.should_evaluate`` /
-``should_save`` say so; the callback reads those flags there and marks
-``evaluation`` from that point to ``on_evaluate``, then ``checkpoint_save`` to
-``on_save`` (which the Trainer calls after writing the checkpoint). So both are
-timed whole, not from a hook that comes after the work; the evaluation's mark
-includes that step's logging (one read of the loss). An evaluation no flag
-announced (``eval_on_start``, ``trainer.evaluate()``) is marked from its first
-``on_prediction_step``. Not marked: a save under ``save_strategy="best"`` (the
-Trainer decides it after the evaluation, with no hook in between) and the
-checkpoint load of ``resume_from_checkpoint`` (done before ``on_train_begin``:
-it counts as ``startup``). At ``on_train_begin`` the run's highest step is kept
-in ``output_dir/openlora-progress.json`` (``track_progress``), and a Trainer that
-resumed from a checkpoint (``state.global_step > 0``) calls ``resumed``: the
-steps an earlier attempt had done past the checkpoint count as ``lost_progress``.
+One ``record_step`` per optimizer step, whatever ``logging_steps`` says, from hooks that never read a
+tensor; evaluations, saves and resumes are marked for goodput. Only the gradient norm comes from the
+Trainer's logs: no callback sees it unclipped. See docs/getting-started/callbacks.md.
 """
 
 from __future__ import annotations

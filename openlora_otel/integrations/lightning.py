@@ -3,48 +3,9 @@
     from openlora_otel.integrations.lightning import TelemetryCallback
     trainer = lightning.Trainer(..., callbacks=[TelemetryCallback(telemetry)])
 
-Per optimizer step: one ``record_step`` with the step's wall time, how long it
-waited for its batches, tokens, samples and the loss. The loss is the step's
-mean micro-batch loss, summed on the device from the tensors Lightning hands to
-``on_train_batch_end`` (each divided by ``accumulate_grad_batches`` under
-automatic optimization, so the sum is the mean) and passed as a tensor (read
-later, off the training thread: no sync per step); so the divergence guard and
-the window count optimizer steps, as with Hugging Face. The gradient
-norm of the trainable parameters is computed on their device before the
-optimizer step (cheap for LoRA, never read on the training thread); the
-learning rate is read from the first optimizer's first parameter group.
-
-Tokens and samples come from ``tokens_fn(batch)`` / ``samples_fn(batch)`` when
-given. Otherwise: samples is the first dimension of ``batch["input_ids"]`` (or
-of the batch tensor), and tokens the element count of ``input_ids``, padding
-included: both are shape facts, so no device read. Validation metrics come
-from ``trainer.callback_metrics`` at validation end.
-
-Waiting for data (`StepClock`): the time from each ``on_train_batch_end`` (or
-``on_train_start``, ``on_train_epoch_start``, the end of a validation) to the
-next ``on_train_batch_start``, summed over the step's micro-batches, so every
-fetch under gradient accumulation counts. That gap holds Lightning's fetch
-from the dataloader, the move of the batch to the device, the learning-rate
-scheduler and logger bookkeeping, and the other callbacks' ``on_train_batch_end``
-that run after this one (a progress bar among them). Not in it: the first
-epoch's iterator creation (Lightning makes it before ``on_train_start``).
-Step time runs from the end of the previous step to the end of this one,
-waits included, validation excluded (also one run between the micro-batches
-of a step).
-
-Goodput (``openlora.training.time``): validation during a fit (the sanity check
-included) is marked ``evaluation`` from ``on_validation_start`` to
-``on_validation_end``. Saves and loads are timed exactly by wrapping, for the
-fit, the trainer's ``save_checkpoint`` (every ``ModelCheckpoint`` save goes
-through it: building the checkpoint, writing it, the barrier) as
-``checkpoint_save`` and the strategy's ``load_checkpoint`` (reading the file
-that ``fit(ckpt_path=...)`` resumes from) as ``checkpoint_load``; putting the state
-into the module and optimizers is not marked (``startup``). Both wrappers are
-instance attributes, removed at fit end. At ``on_train_start`` the run's highest
-step is kept in the checkpoint callback's ``dirpath`` as
-``openlora-progress.json`` (no file without a checkpoint callback), and a fit resumed from a
-checkpoint (``trainer.global_step > 0``) calls ``resumed``: the steps an earlier
-attempt had done past the checkpoint count as ``lost_progress``.
+One ``record_step`` per optimizer step: the micro-batch losses summed and the gradient norm computed
+on the device, never read on the training thread. Validation and checkpoint saves and loads are
+marked for goodput. See docs/getting-started/callbacks.md.
 """
 
 from __future__ import annotations

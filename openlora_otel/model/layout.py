@@ -1,28 +1,10 @@
 """The directory ``openlora-otel demo --save DIR`` writes and ``openlora-otel serve DIR`` reads.
 
-One base model, any number of LoRA adapters trained on it::
-
-    DIR/
-      base/                         the demo's tiny Llama, rebuilt with no download
-        config.json                 its transformers LlamaConfig (save_pretrained)
-        model.safetensors           its weights (random from the demo's seed; LoRA leaves them frozen)
-        tokenizer.json              {"type": "char", "alphabet": "..."}: one token per character
-        openlora.json               {"format": 1, "base_model": "tiny-llama", "context_length": 64,
-                                     "fingerprint": <sha256 of model.safetensors, 16 hex digits>}
-      adapters/
-        NAME/                       one per demo run (PEFT save_pretrained)
-          adapter_config.json
-          adapter_model.safetensors
-          openlora.json             {"format": 1, "base_fingerprint": ..., "seed": ..., "steps": ...,
-                                     "final_eval_loss": ..., "run_id": ..., "run_name": ...}
-
-The first ``demo --save DIR`` writes ``base/``; later runs into the same DIR train their adapter on
-that saved base (a different seed would otherwise draw different base weights, and an adapter only
-means something on the weights it was trained on). The fingerprint lets ``serve`` refuse an adapter
-trained on another base. ``run_id``, ``run_name`` (added later: older manifests lack it, and read
-the same) and ``final_eval_loss`` name the training run, which ``serve`` shows on the adapter's
-``openlora.inference.adapter.info`` series (:meth:`SavedAdapter.origin`). Nothing here imports
-torch: the demo passes its models in.
+``DIR/base/`` holds the demo's tiny Llama (config, weights, character tokenizer, and an
+``openlora.json`` with its fingerprint); ``DIR/adapters/NAME/`` one PEFT adapter each, whose
+``openlora.json`` names its base's fingerprint (``serve`` refuses an adapter of another base) and its
+training run (:meth:`SavedAdapter.origin`). Nothing here imports torch: the demo passes its models
+in. See docs/how-to/serving.md (Saving).
 """
 
 from __future__ import annotations

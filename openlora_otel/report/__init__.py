@@ -1,13 +1,9 @@
-"""A picture of one or more runs, from history files or a Prometheus server (``openlora-otel report``,
-:mod:`openlora_otel.commands.report`).
+"""A picture of one or more runs, from history files or a Prometheus server (``openlora-otel report``).
 
-Reads runs (:mod:`.history` for ``OPENLORA_HISTORY_DIR`` files, :mod:`.prometheus`
-for a server), turns them into curves against the optimizer step
-(:mod:`.model`; where the time went: :mod:`.goodput`) and draws them
-(:mod:`.render`: a PNG, :mod:`.png`, and a self-contained HTML page, :mod:`.page`,
-both from one :mod:`.drawing`; a run's summary in words: :mod:`.summary`).
-Nothing here is imported by ``import openlora_otel``; matplotlib (the
-``report`` extra) is imported only when a picture is drawn.
+Reads runs (:mod:`.history`, :mod:`.prometheus`), turns them into curves against the step
+(:mod:`.model`, :mod:`.goodput`) and draws a PNG and an HTML page (:mod:`.render`). Not imported by
+``import openlora_otel``; matplotlib (the ``report`` extra) only when a picture is drawn.
+See docs/architecture.md.
 """
 
 from __future__ import annotations

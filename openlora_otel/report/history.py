@@ -1,23 +1,10 @@
 """Read runs from history files: ``OPENLORA_HISTORY_DIR``'s OTLP JSON Lines.
 
-The lines are read by :func:`openlora_otel.history.read_history` (one snapshot
-per process per line; torn, foreign and corrupt lines skipped there, the bad ones
-counted; a line whose ``openlora.rank`` is not a rank is skipped and counted here
-too) and grouped here by
-the Resource's ``openlora.run.id``: ``<run id>.jsonl``, or one
-``<run id>.rank<N>.jsonl`` per rank under a launcher. A run's curves come from
-its lowest rank (rank 0 when it is there: the ranks of a data-parallel run step
-together, and rank 0 is the one a person reads).
-
-Evaluation metrics beyond the loss (``openlora.training.eval.value``) become ``eval.<metric>``
-values per ``openlora.eval.metric``; the run's outcome is its lowest rank's latest
-``openlora.run.outcome``.
-
-Where the time went (``openlora.training.time`` by phase, ``openlora.training.steps.lost``)
-is read from every process of a run: each rank and each attempt. Attempts of one run id
-append to the same file; their lines are told apart by the Resource
-(``openlora.run.attempt`` and ``service.instance.id``, new in each process), and
-:func:`~openlora_otel.report.goodput.time_breakdown` sums each process's last values.
+Lines are read by :func:`openlora_otel.history.read_history` and grouped here by the Resource's
+``openlora.run.id`` (a line whose ``openlora.rank`` is not a rank is skipped and counted). A run's
+curves and outcome come from its lowest rank; where the time went is summed over every process of
+the run, each rank and attempt (:func:`~openlora_otel.report.goodput.time_breakdown`).
+See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """What a report is drawn from: runs as time-ordered samples, turned into curves against the step.
 
-Both sources (history files, a Prometheus server) produce the same thing: a
-:class:`Run` with its identity and a list of :class:`Row` samples, one per
-collection (a history line) or per evaluation time (a Prometheus range query).
-:func:`curves` turns rows into ``(step, value)`` points, the same way for both,
-so a run read from its file and the same run read from Prometheus draw alike.
-
-The quantities are named once here (:data:`QUANTITIES`), with their
-OpenTelemetry names for the files and their Prometheus names (from
-:mod:`openlora_otel.names`) for the server.
+History files and Prometheus both give a :class:`Run` of :class:`Row` samples; :func:`curves` turns
+rows into ``(step, value)`` points the same way for both, so a run draws alike from either source.
+:data:`QUANTITIES` names each quantity once, by its OpenTelemetry and its Prometheus name.
+See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Read runs from a Prometheus server over its HTTP API.
 
-A run is found by its id (``openlora_run_id`` on ``target_info``) or its name
-(``openlora_run_name`` on ``openlora_run_info``, joined to ``target_info`` on
-``job``/``instance``; also on ``target_info`` when the name was set at setup).
-Its processes are the ``target_info`` series with that run id; the curves come
-from the lowest ``openlora_rank``. The time span is where that process's
-``target_info`` named the run, and one ``query_range`` per quantity over it, each
-joined with that ``target_info`` (a port reused by a later run adds nothing), with
-a step chosen for about :data:`POINTS` points, gives rows the same shape a
-history file gives.
+A run is found by its id (``target_info``) or its name (``openlora_run_info``); its curves come from
+its lowest rank, one ``query_range`` per quantity over the span its ``target_info`` named the run,
+each joined with that ``target_info`` (a port reused by a later run adds nothing). The rows have
+the shape a history file gives. See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

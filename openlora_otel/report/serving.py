@@ -1,18 +1,9 @@
 """A served adapter for ``openlora-otel report --adapter NAME``: where it came from and how it served.
 
-Where it came from is its ``openlora_inference_adapter_info`` series (the training run's id and
-name, the base model and its fingerprint, the final eval loss; :mod:`openlora_otel.inference.metrics`).
-How it served is read over wall time from the same Prometheus, with the inference dashboard's
-PromQL (grafana/dashboard_builder/inference.py), per adapter: request latency and time to first
-token (p50, p95, successful requests), output tokens per second, and joules per output token from
-the ``openlora-energy`` recording rules (none when the server had no GPU energy counter).
-
-Every query is scoped to the servers whose info series named the adapter with that training run
-(a join on ``job``, ``instance`` and the adapter's name), so an adapter of the same name trained by
-another run, on another server, adds nothing. The curves' rate window is at least a minute and two
-points wide (no request falls between points); the range's figures are over the whole range
-(``increase`` and ``histogram_quantile`` over it; a series born in the range counts from its first
-scrape, as Prometheus's ``increase`` does).
+Where it came from is its ``openlora_inference_adapter_info`` series; how it served (latency, time to
+first token, output tokens per second, joules per output token) is read from the same Prometheus with
+the inference dashboard's PromQL, scoped to the servers whose info series named the adapter with
+that training run. See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """The limits a public endpoint needs: body size, JSON depth, body and header read times, connections.
 
-Two pieces, both installed by ``openlora-otel serve``:
-
-- :class:`RequestLimits`, a pure ASGI middleware (it wraps ``receive`` and ``send``, it never reads
-  the body for the app): a ``Content-Length`` over ``max_body_bytes`` is refused with 413 before
-  the app runs; a chunked body is counted as it arrives and refused at the first byte over; every
-  body chunk is scanned for bracket depth outside JSON strings (:class:`DepthScanner`, no parsing)
-  and a body nested deeper than ``max_json_depth`` is refused with 400 before ``json.loads`` sees
-  it; a body not complete within ``body_timeout_s`` of the request's headers is refused with 408.
-  A refusal is answered at once with the OpenAI error shape and ``Connection: close`` (the rest of
-  the body is never read), and the app's own later messages are dropped. A client that hangs up
-  while sending its body is one warning line, not uvicorn's traceback.
-- :func:`http_protocol`, uvicorn's HTTP protocol with what uvicorn lacks: a header timeout (a
-  connection must complete each request's headers within ``header_timeout_s`` of connecting or of
-  its previous response; uvicorn's ``timeout_keep_alive`` only closes connections that send
-  nothing at all after a response, and a fresh connection has no timer) and a cap on open
-  connections (past ``max_connections`` the connection that has waited longest for its headers
-  is closed, so half-open connections cannot use up the file descriptors and starve /health).
-- :class:`AcceptErrorLog`, the event loop's exception handler while serving: an ``accept()`` that fails
-  for want of file descriptors (``Too many open files``) is one warning per :data:`WARN_EVERY_S` with
-  the count since the last, not asyncio's traceback per failed ``accept()``.
-
-Every refusal is counted: the HTTP server metrics (opentelemetry-instrumentation-fastapi, outside
-this middleware) record the status code of each refused request, the inference routes also record
-the request in ``gen_ai.server.request.duration`` with ``error.type`` (the error's ``code``), and
-connections closed before they were a request are counted in ``openlora.serve.connections.closed``
-with ``error.type`` ``header_timeout`` or ``connection_limit``, and so are the bytes uvicorn's HTTP
-parser refuses (``invalid_http``: no request reaches the app), answered with a 400 in the OpenAI
-error shape instead of uvicorn's text/plain one.
+Installed by ``openlora-otel serve``, since uvicorn lacks them: :class:`RequestLimits`, a pure ASGI
+middleware for the body limits (it never reads the body for the app); :func:`http_protocol`,
+uvicorn's HTTP protocol with a header timeout and a connection cap; :class:`AcceptErrorLog`, one
+warning instead of a traceback per failed ``accept()``. Every refusal is counted.
+See docs/how-to/serving.md (Limits).
 """
 
 from __future__ import annotations

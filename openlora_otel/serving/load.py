@@ -1,21 +1,10 @@
-"""The load generator behind ``openlora-otel load`` (:mod:`openlora_otel.commands.load`): bounded and
-open-loop, for ``openlora-otel serve``'s HTTP protocol.
+"""The load generator behind ``openlora-otel load``: bounded and open-loop, for ``serve``'s HTTP protocol.
 
-It sends ``POST /v1/completions`` (streaming or not) on a fixed schedule, request ``i`` at ``i / rate``
-seconds after the start, whatever the earlier ones are doing: an open loop, so a slow server shows up
-as latency and errors rather than as a lower request rate (a closed loop would hide it, the
-"coordinated omission" of benchmark folklore). ``concurrency`` caps the requests in flight; a request
-whose slot comes while the cap is reached is not sent and is counted as such, never dropped silently.
-The model of each request is drawn from a weighted mix with a seeded generator, so a run is repeatable.
-
-What it reports (per model name and overall) is what clients saw, to check the server's metrics
-against: whole-request latency and, streaming, the time to the first SSE chunk that carries text,
-as percentiles (linear interpolation between the closest ranks, numpy's default), answers by HTTP
-status and failures by type (the server's ``error.type`` for 4xx/5xx, a client-side kind otherwise),
-and output tokens per second (the server's ``usage.completion_tokens``).
-
-Only the standard library (``http.client`` and threads): it works with the core install. Every wait
-is bounded: a request by ``timeout``, the run by its schedule plus one ``timeout``.
+Request ``i`` goes out ``i / rate`` seconds after the start whatever the earlier ones are doing, so a
+slow server shows as latency and errors, not as a lower rate; ``concurrency`` caps the requests in
+flight (a request past it is counted as not sent). It reports what the clients saw, to hold the
+server's metrics against. Standard library only; every wait is bounded.
+See docs/how-to/load-testing.md.
 """
 
 from __future__ import annotations

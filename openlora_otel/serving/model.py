@@ -1,21 +1,10 @@
 """The saved demo model served: its base and LoRA adapters on one device, generation token by token.
 
-Each adapter is merged (PEFT ``merge_and_unload``) into its own copy of the base at load time,
-so a request's adapter is just which module it runs: no ``set_adapter`` switch shared between
-concurrent requests, no LoRA matmuls per token, and a module is only read while it generates,
-so any number of worker threads may use the same one at once. The demo's base is about 3 MB;
-32 adapters cost about 100 MB. (A large base would want PEFT's multi-adapter batching instead.)
-The models run on the device chosen at start (``auto``: the first CUDA device when torch sees
-one, else the CPU; see ``openlora_otel/model/device.py``), under bf16 autocast on CUDA devices with
-bfloat16; adapters are merged on the CPU, into a copy of the base kept there, then moved.
-
-Generation runs over the last ``context_length`` tokens (the demo trains on 64-character
-windows), one forward pass per token: greedy (argmax) by default, or sampled with a
-:class:`Sampling` (temperature, nucleus ``top_p``, and a ``torch.Generator`` the caller seeds, so
-the same seed gives the same text; the draw runs on the CPU, so a seed means the same on any device). The character model has no end-of-text token: it runs to
-``max_tokens`` ("length"), or, as OpenAI's ``stop``, until its text ends with one of the
-request's stop strings ("stop"; the stop string is generated, counted, and left out of the text).
-torch, transformers and peft are imported when a model is built.
+Each adapter is merged into its own copy of the base at load time, so a request's adapter is just the
+module it runs: no adapter switch shared by concurrent requests, no LoRA matmuls per token, and any
+number of worker threads may run one module at once. Generation is greedy, or sampled with a
+generator the caller seeds (drawn on the CPU: a seed means the same on any device). torch,
+transformers and peft are imported when a model is built. See docs/how-to/serving.md.
 """
 
 from __future__ import annotations

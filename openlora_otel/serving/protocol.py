@@ -1,20 +1,9 @@
 """The OpenAI protocol of ``openlora-otel serve``: request parsing, the chat template, response, chunk and error shapes.
 
-Everything here is pure (no FastAPI, no torch): :func:`parse` turns a request body into a
-:class:`Parsed` request or raises :class:`ProtocolError`, whose :func:`error_body` is OpenAI's
-``{"error": {"message", "type", "param", "code"}}`` (so the ``openai`` client raises its own
-classes: 400 ``BadRequestError``, 404 ``NotFoundError``, 503 ``InternalServerError``). ``code`` is
-the server's short identifier, the same value its metrics record as ``error.type``.
-
-Parameters are an explicit set per endpoint (:data:`COMPLETION_PARAMS`, :data:`CHAT_PARAMS`): a
-field the server does not implement is refused with 400 naming it, unless it holds the value that
-means "off" (:data:`OFF_VALUES`: ``"echo": false``, ``"presence_penalty": 0``, ...); ``null`` is the
-default of every parameter; :data:`IGNORED_PARAMS` are accepted and have no effect here.
-
-The chat template (:func:`render_chat`): the demo's character model knows only
-``"\\n !?,.a-z"``, so each message becomes ``"<role>\\n<content>\\n"`` and the prompt ends with
-``"assistant\\n"``, the model's cue to answer. A character outside the alphabet is refused with 400
-naming it, as the completions prompt is.
+Pure (no FastAPI, no torch): :func:`parse` turns a body into a :class:`Parsed` request or raises
+:class:`ProtocolError`, answered in OpenAI's error shape so the ``openai`` client raises its own
+classes. Parameters are an explicit set per endpoint: one not implemented is refused with 400 unless
+it holds its "off" value (:data:`OFF_VALUES`). See docs/how-to/serving.md (The protocol).
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """``openlora-otel serve``: the saved demo model and its adapters over HTTP, every request measured.
 
-FastAPI on uvicorn, on loopback by default. OpenAI's protocol (request parsing and validation,
-the chat template, answer, chunk and error shapes live in ``openlora_otel/serving/protocol.py``):
-
-- ``POST /v1/completions`` (``prompt``) and ``POST /v1/chat/completions`` (``messages``, rendered
-  into the prompt by the documented template), with ``model`` (an adapter name, or the base
-  model's), ``max_tokens`` (chat: or ``max_completion_tokens``), ``stop``, ``n`` (up to
-  ``protocol.MAX_N``, generated one after another), ``temperature`` (0 or absent: greedy),
-  ``top_p``, ``seed`` (same seed, same text), ``stream`` and ``stream_options.include_usage``;
-  anything else is a 400 naming it. Answers ``text_completion`` / ``chat.completion``; streamed:
-  ``text/event-stream``, one ``data: <chunk>`` per token and choice, a last chunk per choice with its
-  ``finish_reason``, the usage in a chunk of its own with ``choices: []`` when asked for, then
-  ``data: [DONE]``. The demo model has no end-of-text token: it runs to ``max_tokens`` unless a
-  stop string ends the text.
-- Errors: ``{"error": {"message", "type", "param", "code"}}``; ``code`` is what the metrics record
-  as ``error.type``: 404 ``unknown_adapter``, 400 ``invalid_request`` (an unsupported parameter too),
-  503 ``overloaded`` (with ``Retry-After``), 500 with the exception's class name.
-- ``GET /v1/models`` and ``GET /v1/models/{id}``: ``id``, ``object: "model"``, ``created``,
-  ``owned_by``, ``root``, ``parent`` (an adapter's base) and ``adapter``; ``GET /health``.
-
-Concurrency: at most ``max_concurrency`` requests generate at once, each on a worker thread
-(never on the event loop); up to ``max_queue`` more wait in FIFO order; beyond that a request is
-refused at once with 503. A streaming client that disconnects cancels its request (counted as
-``cancelled``) within one token. Every request goes through ``telemetry.inference`` (waiting,
-running, time to first token, tokens, ``error.type``), every adapter load through
-``inference.loading_adapter``; HTTP server metrics come from opentelemetry-instrumentation-fastapi
-on the telemetry's meter provider.
+FastAPI on uvicorn, on loopback by default, speaking OpenAI's protocol (:mod:`.protocol`). At most
+``max_concurrency`` requests generate at once, each on a worker thread (never on the event loop), up
+to ``max_queue`` more wait, and beyond that a request gets 503 at once. Every request goes through
+``telemetry.inference``, every adapter load through ``inference.loading_adapter``.
+See docs/how-to/serving.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""``openlora-otel stack``: Prometheus and Alertmanager on this machine, without Docker (the configs,
-the two servers and the alert printer; the parser is :mod:`openlora_otel.commands.stack`).
+"""``openlora-otel stack``: Prometheus and Alertmanager on this machine, without Docker.
 
-The compose stack in ``collector/`` needs Docker. On a plain Linux box the pull path needs only
-two binaries (Debian: ``prometheus`` and ``prometheus-alertmanager``; or the upstream tarballs).
-This command writes, into one directory, a Prometheus config that scrapes the local ranks'
-endpoints (``localhost:PORT`` .. ``PORT+N-1``, or the targets the ranks register in
-``OPENLORA_PROMETHEUS_FILE_SD_DIR``), loads the alerting rules shipped in this package and sends
-alerts to a local Alertmanager, and an ``alertmanager.yml`` with the routes of
-``collector/alertmanager.yml`` and a webhook receiver. It prints the two command lines; with
-``--start`` it runs both on 127.0.0.1 until Ctrl-C or SIGTERM and stops them cleanly; it says
-they run once Prometheus scrapes the targets, not when it first answers ``/-/ready`` (a
-Prometheus 2 applies its targets on a 5 s tick after that, and a short run started in between
-would never be scraped). Unless ``--webhook`` names a receiver of your own, ``--start`` also runs a
-small one that prints every notification, so a NaN alert shows up in the terminal with the run's
-name and id.
+The configs, the two servers and the alert printer (the parser is :mod:`openlora_otel.commands.stack`):
+a Prometheus that scrapes the local ranks and loads the shipped rules, an Alertmanager with the
+routes of ``collector/alertmanager.yml``; with ``--start`` both run until Ctrl-C or SIGTERM, said to
+be running once Prometheus scrapes the targets. See docs/how-to/local-stack.md.
 """
 
 from __future__ import annotations

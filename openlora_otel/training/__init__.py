@@ -1,23 +1,10 @@
 """Training-run metrics: the step metrics, the divergence guard and the FLOPs for MFU.
 
-- :mod:`openlora_otel.training.metrics`: :class:`TrainingMetrics`, one cheap call per
-  optimizer step (the step path and the API), read when metrics are collected. Beneath it:
-  :mod:`~openlora_otel.training.collection` (each collection: the window taken, committed,
-  read back, judged by the guard and reported; :func:`step_duration_view`),
-  :mod:`~openlora_otel.training.values` (epoch, evaluation, adapter, model FLOPs),
-  :mod:`~openlora_otel.training.arguments` (what the record calls accept),
-  :mod:`~openlora_otel.training.window` (the window of steps and each metric reader's span,
-  with :func:`collecting_for`) and :mod:`~openlora_otel.training.readback` (kept tensors folded
-  on their device and read back without a sync).
-- :mod:`openlora_otel.training.guard`: :class:`DivergenceGuard`, which notices a diverged
-  run (NaN losses, a loss spike) without adding a sync to the step.
-- :mod:`openlora_otel.training.flops`: training FLOPs per token from a model's weights
-  (LoRA-aware) and the GPU peak table, for MFU.
-
-The public names are re-exported here, so ``from openlora_otel.training import
-TrainingMetrics`` keeps working as it did when this was one module. Code that reaches
-private names, or monkeypatches, goes to the module that defines them. None of these
-imports torch: the FLOPs walk imports it when called.
+:mod:`.metrics` (:class:`TrainingMetrics`, over :mod:`.collection`, :mod:`.values`, :mod:`.arguments`,
+:mod:`.window` and :mod:`.readback`), :mod:`.guard` (:class:`DivergenceGuard`), :mod:`.goodput` and
+:mod:`.flops`. Their public names are re-exported here, as when this was one module; code that
+reaches private names, or monkeypatches, goes to the module that defines them. None of them imports
+torch (the FLOPs walk does when called). See docs/architecture.md.
 """
 
 from openlora_otel.training.flops import (

@@ -1,39 +1,9 @@
 """What a metric reader's collection does with the training window: take it, commit it, read it back, judge it.
 
-:class:`~openlora_otel.training.metrics.TrainingMetrics` keeps the step path: its record
-calls fill the :class:`~openlora_otel.training.window.Recording`'s window under its lock,
-and nothing more. :class:`Collection` does the rest, apart, because it is everything that
-may be slow, wait on a device or fail. The first gauge callback of every collection takes
-the window (once, whatever the number of readers), and:
-
-- the window's counts go into synchronous SDK counters and its step durations
-  into the ``openlora.training.step.duration`` histogram first. Measurements of
-  synchronous instruments stay in the SDK until a collection completes, so a
-  collection that fails after the window was taken neither loses nor repeats it
-  (observable counters would: the SDK adds an aborted collection's observation to
-  the next one's).
-- on the provider ``setup_telemetry`` builds, :func:`step_duration_view` makes
-  the histogram take a whole window as one measurement, so a collection costs
-  the same after ten steps or ten million; on any other meter the window is
-  replayed, one ``record`` per step (exact, about 5 us per step).
-- device tensors are reduced on their own device and read back there without
-  a sync (:mod:`openlora_otel.training.readback`). Values a GPU has not produced
-  yet are carried into the next collection.
-- the divergence guard judges the window's losses; between collections its own
-  thread looks at the current window the same way, without taking it.
-- gauges report the window since the previous collection: loss and gradient
-  norm are the mean of the window's finite values (NaN/inf are counted in the
-  ``*.nonfinite`` counters instead, so a single bad step never turns the gauge
-  into NaN); learning rate is the latest value; throughput is tokens (samples)
-  over the window's wall time. A window with no step repeats the previous
-  loss, gradient norm and learning rate; throughput drops to 0 once such an
-  empty window is at least a second long (a stalled run must show as stalled).
-  Each reader of the provider ``setup_telemetry`` builds reports the steps since
-  its own previous collection (:mod:`openlora_otel.training.window`).
-- ``openlora.training.last_step.timestamp`` is the wall-clock time of the
-  latest ``record_step``: the step path stores the ``perf_counter()`` reading it
-  takes anyway, and the collection converts it. It lets PromQL compare ranks'
-  progress (``time() - ...``) without any communication between them.
+:class:`~openlora_otel.training.metrics.TrainingMetrics` keeps the step path; :class:`Collection`
+does everything that may be slow, wait on a device or fail, on the collecting thread. The window's
+counts go to synchronous SDK counters first, so a collection that fails after taking the window
+neither loses nor repeats it. See docs/concepts/collection.md.
 """
 
 from __future__ import annotations

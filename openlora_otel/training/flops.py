@@ -1,25 +1,10 @@
 """Model FLOPs for MFU: training FLOPs per token from a model's weights (LoRA-aware), and GPU peak FLOP/s.
 
-The estimate counts matrix multiplications only, per token, the way MFU is
-usually defined (PaLM, Megatron, torchtitan): a matmul weight of N elements
-costs 2N FLOPs in the forward pass, 2N for the gradient of its input and 2N
-for the gradient of the weight itself. LoRA freezes the base weights, so they
-cost 4N (no weight gradient) while the adapters' A and B cost 6N:
-
-    per_token = 4 x frozen_matmul_params + 6 x trainable_matmul_params
-                + 12 x layers x seq_len x attention_width
-
-The last term is the attention scores (Q K^T) and the weighted sum of values,
-which have no weights: 4 x seq_len x width forward per layer, twice that
-backward. ``attention_width`` is heads x head_dim, read from the Hugging Face
-config; without a config (or without ``seq_len``) the term is left out and the
-estimate says so in ``assumptions``. A model with nothing trainable runs no
-backward pass: everything then costs the forward 2N only.
-
-Nothing here imports torch at module level (``import openlora_otel`` stays
-free of it): the module walk is duck-typed, and :func:`device_peak_flops`
-imports torch when called. The peak table holds datasheet dense figures; the
-The docs' MFU page carries the table, checked against it (:func:`peak_table_markdown`).
+Matmuls only, per token, as MFU is usually defined: a frozen weight of N elements costs 4N (no weight
+gradient), a trainable one 6N, plus attention's scores and values when the config and ``seq_len``
+are known. No torch import at module level: the walk is duck-typed and :func:`device_peak_flops`
+imports torch when called. See docs/reference/mfu.md, whose peak table is checked against this
+one (:func:`peak_table_markdown`).
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Where a training process's wall time went: goodput and badput by cause.
 
-Every second from the process's start is in exactly one phase (``names.TRAINING_PHASES``):
-
-- ``startup``: from the process's start (read from ``/proc``, else the time this
-  clock was built) to the first ``record_step``; a checkpoint load marked inside
-  it counts as ``checkpoint_load``.
-- ``productive``: between steps, less what the steps said they waited for data
-  (``data_time_s``), what marked phases claimed and the steps done again.
-- ``data_wait``: the ``data_time_s`` of the steps.
-- ``evaluation``, ``checkpoint_save``, ``checkpoint_load``: marked with
-  :meth:`PhaseClock.phase` (``telemetry.training.phase("evaluation")``; the HF and
-  Lightning callbacks mark them from their hooks). Marks nest: the innermost counts.
-- ``lost_progress``: steps done again after a restart. An attempt that resumes at
-  step ``k`` when an earlier attempt had reached step ``m`` redoes ``m - k`` steps;
-  their share of the time between steps counts here instead of ``productive``.
-- ``idle``: time no phase claims: after the last step until the process ends, and
-  a stall (no step for longer than :data:`STALL_S` or ten of the latest step
-  intervals, whichever is longer), from that point until the next step.
-
-The clock only moves on phase changes, the first step and collections, so the
-step path pays one attribute test. A collection adds each phase's seconds since
-the previous one to the counter ``openlora.training.time``; goodput is its
-``productive`` share. Restarts of one run (the same ``openlora.run.id``, a new
-``openlora.run.attempt``) add up in Prometheus: see the recording rules.
-
-:class:`ProgressFile` keeps the highest step a run reached in a small JSON file
-(next to its checkpoints), so that the next attempt knows ``m``.
+:class:`PhaseClock` puts every second from the process's start into one phase
+(``names.TRAINING_PHASES``), added to ``openlora.training.time`` at each collection. It moves only on
+phase changes, the first step and collections, so the step path pays one attribute test.
+:class:`ProgressFile` keeps a run's highest step next to its checkpoints, so that the next attempt
+knows which steps it does again. See docs/concepts/run-identity.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """`DivergenceGuard`: notice a diverged run (NaN losses, a loss spike) without adding a sync to the step.
 
-    guard = DivergenceGuard(nonfinite_losses=3, spike_factor=10.0)
-    telemetry.training.attach_guard(guard)
-    for batch in loader:
-        ...
-        telemetry.training.record_step(loss=loss, ...)   # loss may stay a CUDA tensor
-        if guard.tripped:
-            save_checkpoint(); break
-
-The guard only looks at values that are already on the host: the ones the
-collection reads back, and those of its own check, which every
-``check_interval_s`` reads back the current window the same way (folded on the
-device, copied asynchronously, polled; never waited on). So it notices a
-diverged run up to ``check_interval_s`` plus one device read-back after the
-step (or at the next collection, whichever comes first), not at the step
-itself; a training loop that checks ``guard.tripped`` after every step stops
-within that lag. The Hugging Face and Lightning callbacks take ``guard=`` and
-stop the run for you.
-
-Rules, on the losses given to ``record_step`` / ``record_values``:
-
-- ``nonfinite_losses=N``: N losses in a row that are NaN or infinite.
-- ``spike_factor=F`` (off by default): once ``spike_min_steps`` finite losses
-  were seen, a finite loss above F times the baseline, where the baseline is
-  an exponential moving average (weight 0.2) of the previous collection
-  windows' mean losses. The window maximum is compared, so a one-step spike
-  counts.
-
-A trip is latched (``tripped`` stays True until :meth:`DivergenceGuard.reset`),
-counted in ``openlora.training.guard.trips`` with its reason, logged once, and
-handed to ``on_trip`` on a short-lived thread of its own (so that it may flush
-the telemetry or post a message without holding up a collection or the
-guard's check): keep it thread-safe; do checkpoints on the training thread
-after seeing ``tripped``.
+The guard judges only values already on the host: each collection's read-back and its own check
+every ``check_interval_s``, so it trips up to that interval plus one device read-back after the bad
+step. A trip is latched, counted and handed to ``on_trip`` on a thread of its own.
+See docs/getting-started/training-loop.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """`TrainingMetrics`: one cheap call per optimizer step, read when metrics are collected.
 
-Why not one OpenTelemetry instrument call per value: each SDK call costs a few
-microseconds, and the usual recipe calls ``loss.item()`` every step, which
-stalls the GPU pipeline. Here ``record_step`` only updates plain Python
-accumulators under a lock (about a microsecond for all six values) and keeps
-device tensors as references. A CPU tensor's value is ready, and is read at the
-call like a number (:func:`~.arguments._cpu_number`). Everything else happens at
-collection time, on the exporter's or the scrape's thread
-(:mod:`openlora_otel.training.collection`).
-
-Here: the step path (the record calls, on the caller's thread; their argument
-checks are :mod:`openlora_otel.training.arguments`) and the public API. What the
-step path shares with the collection is one :class:`~.window.Recording`: the
-window being filled and its lock.
+``record_step`` updates plain accumulators under a lock and keeps device tensors as references
+(never ``loss.item()``, which stalls the GPU pipeline); everything else happens at collection
+(:mod:`openlora_otel.training.collection`). Here: the step path and the public API, sharing one
+:class:`~.window.Recording` with the collection. See docs/concepts/no-sync.md.
 """
 
 from __future__ import annotations
@@ -57,43 +48,19 @@ _logger = logging.getLogger(__name__)
 class TrainingMetrics:
     """Training instruments under ``openlora.training.*`` and ``openlora.adapter.*``.
 
-    Get it as ``telemetry.training``, or build one from any OpenTelemetry
-    ``Meter``. Safe to call from several threads; calls after :meth:`close`
-    (which ``Telemetry.shutdown()`` calls) are accepted and ignored.
+    Get it as ``telemetry.training``, or build one from any OpenTelemetry ``Meter``. Safe to call
+    from several threads; calls after :meth:`close` (which ``Telemetry.shutdown()`` calls) are
+    accepted and ignored.
 
-    ``readers``: keys of the readers that collect under :func:`collecting_for`
-    (``setup_telemetry`` passes its own); each gets a window of its own from the
-    start. A key first seen at a collection starts from that collection.
+    ``readers``: keys of the readers that collect under :func:`collecting_for` (``setup_telemetry``
+    passes its own), each with a window of its own from the start (a key first seen at a collection
+    starts from that collection). ``window_histogram``: set it only when the meter's provider was
+    built with :func:`step_duration_view` (``setup_telemetry`` does both): each collection then hands
+    the step-duration histogram one pre-bucketed window instead of one SDK call per step.
 
-    ``window_histogram``: set it only when the meter's provider was built with
-    :func:`step_duration_view` (``setup_telemetry`` does both): each collection
-    then hands the step-duration histogram one pre-bucketed window instead of
-    replaying every step's duration (one SDK call per step).
-
-    Argument rules (checked on every call; a wrong type is a programming error
-    and raises at once, a non-finite value is data and is counted):
-
-    - ``loss``, ``grad_norm``: a Python or NumPy real number, a 0-d NumPy array
-      of an integer or float dtype (read as its scalar), or a one-element tensor
-      on the CPU (read at once: its value is ready), a CUDA device or the current
-      ``torch.accelerator`` (never read on the calling thread). NaN/inf are counted, not averaged. A multi-element
-      tensor, a NumPy array of one or more dimensions, a sparse tensor of one or
-      more dimensions, a ``meta`` tensor (it has no data) or a tensor on another
-      kind of device raises ``ValueError``; a string, ``bool`` or ``np.bool_``,
-      a complex number, ``None``-like, or a tensor-like whose ``numel()`` raises
-      raises ``TypeError``. ``grad_norm`` must not be negative.
-    - ``learning_rate``: the same, and not negative.
-    - ``tokens``, ``samples``: integers from 0 to 2**63 - 1 (Python or NumPy); a
-      tensor raises ``TypeError`` because counting it would need a device read.
-    - ``step_time_s``: seconds from 0 to ``MAX_STEP_TIME_S`` (86400, one day);
-      when omitted, the time since the previous ``record_step`` call is used
-      (nothing for the first call). Longer, NaN or infinite raises
-      ``ValueError``: past a day it is a unit mistake or garbage (``1e308`` would
-      leave the step-duration histogram's ``_sum`` at +Inf for the rest of the
-      run), and clamping would record a day-long step that never happened.
-    - ``data_time_s``: seconds this step waited for its batch, within the same
-      bounds. The wait fraction is measured against the wall time between
-      consecutive ``record_step`` calls, whatever ``step_time_s`` covers.
+    Every call checks its arguments: a wrong type raises at once, a non-finite value is data and is
+    counted. Loss, gradient norm and learning rate may stay one-element device tensors (never read on
+    the calling thread); see "Argument rules" in docs/getting-started/training-loop.md.
     """
 
     def __init__(

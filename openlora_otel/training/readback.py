@@ -1,20 +1,10 @@
 """Deferred tensor values: folded on their own device, read back at collection without a sync.
 
-The step path keeps loss, gradient norm and learning rate tensors as references
-(see :mod:`openlora_otel.training.metrics`), which folds every ``FOLD_EVERY``
-of them on their device into one small partial result (``_fold``): sum and
-count of the finite values, the non-finite count, the last value, the finite
-extremes and the trailing non-finite run. At collection a series' partials and
-its unfolded tensors are combined into one partial per device, and each is
-copied to the host (``start_readback``). For CUDA (and other accelerator)
-tensors the copy is asynchronous, into pinned memory, and is only polled,
-never waited on with a synchronizing call, so
-``torch.cuda.set_sync_debug_mode("error")`` holds; a value the device has not
-produced yet is carried into the next collection (``poll_readbacks``).
-
-Nothing here imports torch: callers pass the module they found in ``sys.modules``.
-What the other modules of the training package call has a public name; none of it is
-re-exported by :mod:`openlora_otel.training`.
+The step path's kept tensors are folded every ``FOLD_EVERY`` on their device into small partials; at
+collection they are combined per device and copied to pinned host memory asynchronously, then only
+polled, so ``torch.cuda.set_sync_debug_mode("error")`` holds; a value not produced yet waits for the
+next collection. Nothing here imports torch: callers pass the module they found in ``sys.modules``.
+See docs/concepts/collection.md.
 """
 
 from __future__ import annotations

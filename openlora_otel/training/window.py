@@ -1,23 +1,10 @@
 """Windows of steps, and what each metric reader's gauges report from them.
 
-The step path fills one :class:`Window` at a time (step, token and sample
-counts, step durations, data waits, and a :class:`Series` each for loss,
-gradient norm and learning rate). A collection takes it whole, reads back its
-tensors (:mod:`openlora_otel.training.readback`) and hands it to
-:class:`Readers`, which adds it to every reader's span.
-
-Each reader of the provider ``setup_telemetry`` builds has its own span: with
-two readers (say Prometheus and the history file), each reports the steps since
-its own previous collection, spikes included, whatever the other collected in
-between. A window is still taken, read back and judged by the guard once; what
-it held is then added to every reader's pending span. Readers the provider was
-not built with (someone else's provider) share one span. The collecting
-reader's span becomes its :class:`Snapshot` (:func:`span_snapshot`): what its
-gauges report until its next collection.
-
-Nothing here reads a clock: the collection passes the times in. What the other
-modules of the training package use has a public name; of it only
-:func:`collecting_for` is re-exported by :mod:`openlora_otel.training`.
+The step path fills one :class:`Window`; a collection takes it, reads it back and hands it to
+:class:`Readers`, which adds it to every reader's span (one per reader of ``setup_telemetry``'s
+provider, one shared otherwise); a span becomes its reader's :class:`Snapshot`. Nothing here reads a
+clock. Of the public names only :func:`collecting_for` is re-exported by
+:mod:`openlora_otel.training`. See docs/concepts/collection.md.
 """
 
 from __future__ import annotations
