@@ -51,7 +51,7 @@ def main() -> None:
     # This rank's process holds memory on its own GPU, as a CUDA process does.
     gpus[local_rank % GPUS_PER_NODE].processes[os.getpid()] = 20 * 2**30
     fake = FakeNvml(gpus)
-    nvml.load_pynvml_backend = lambda: fake  # what tests/test_gpu.py does with monkeypatch
+    nvml.load_pynvml_backend = lambda: fake  # what tests/hardware/test_gpu.py does with monkeypatch
 
     telemetry = setup_telemetry()
     training = telemetry.training

@@ -14,7 +14,7 @@ Stages, each timed, each failing on its own (one stage's failure never stops the
   which ids this driver knows and in which unit its throttle counters run.
 - ``pcie``: the PCIe byte counters before and after copying a known number of bytes each way.
 - ``snapshot``: NVML calls per snapshot, by call, and the time of one snapshot (p50, p99, max).
-- ``cuda_tests``: ``tests/test_cuda.py`` (no sync under ``set_sync_debug_mode("error")``).
+- ``cuda_tests``: ``tests/hardware/test_cuda.py`` (no sync under ``set_sync_debug_mode("error")``).
 - ``demo_sync``: the demo on CUDA under ``set_sync_debug_mode("warn")`` while a reader
   collects every 0.25 s; each synchronizing call is attributed by its Python stack to the
   telemetry (must be none) or to the demo's own code (its progress line, evaluations).
@@ -26,7 +26,7 @@ Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` after every stage, so a r
 keeps what it measured. ``--dry-run`` (forced without CUDA) runs ``values``, ``fields`` and
 ``snapshot`` against the fake NVML of ``tests/support/fake_nvml.py`` with an nvidia-smi made from the
 same fake, and the demo and serve stages on the CPU at a small size; ``pcie`` and
-``cuda_tests`` need hardware and say so. The dry run is a test (``tests/test_gpu_check.py``).
+``cuda_tests`` need hardware and say so. The dry run is a test (``tests/hardware/test_gpu_check.py``).
 
     python benchmarks/gpu_check.py OUT [--dry-run] [--stages values,snapshot,...]
     bash benchmarks/gpu_check.sh OUT   # on a machine without network: installs the carried wheels first
@@ -789,7 +789,7 @@ def _run(command: list[str], timeout: float, env: dict[str, str] | None = None) 
 
 
 def stage_cuda_tests(ctx: Context, stage: dict[str, Any]) -> str:
-    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], timeout=300)
+    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/hardware/test_cuda.py"], timeout=300)
     tail = (done.stdout + done.stderr).strip().splitlines()
     stage["details"] = {"exit": done.returncode, "output": tail[-30:]}
     stage["ok"] = done.returncode == 0

@@ -1,7 +1,7 @@
 """Write the generated reference pages of the docs site from the code that defines them.
 
     python docs/generate.py          # rewrite docs/reference/*.md
-    python docs/generate.py --check  # exit 1 naming the stale pages (tests/test_docs.py does the same)
+    python docs/generate.py --check  # exit 1 naming the stale pages (tests/project/test_docs.py does the same)
 
 configuration.md: ``openlora-otel env``'s tables; metrics.md: ``openlora-otel metrics``' tables;
 cli.md: every command's ``--help`` at 100 columns; api.md: mkdocstrings directives for the public API.

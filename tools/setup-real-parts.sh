@@ -26,7 +26,7 @@ fi
 
 # prometheus (also agent mode and the remote-write receiver) and promtool; victoria-metrics as the
 # remote-write store of the scale-out tests; prometheus-alertmanager (and amtool) for the alerting
-# tests; chromium (headless) opens the report's HTML page in tests/test_report.py, with
+# tests; chromium (headless) opens the report's HTML page in tests/report/test_report.py, with
 # fonts-liberation for its text (a recommendation, not a dependency).
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1 \
     || ! command -v victoria-metrics >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1 \
@@ -47,7 +47,7 @@ started=$SECONDS
 tools/build.sh
 echo "Go builds took $((SECONDS - started)) s"
 
-# AIPerf, the LLM benchmark client tests/test_aiperf.py drives `serve` with, from PyPI, pinned, in a
+# AIPerf, the LLM benchmark client tests/serving/test_aiperf.py drives `serve` with, from PyPI, pinned, in a
 # virtual environment of its own (.venv-aiperf, gitignored; tests/support/aiperf.py finds it there): it
 # brings transformers and tokenizers but not torch, and pins versions of its own. About 55 s and 1.2 GB
 # the first time; reused when the pinned version is there. The test

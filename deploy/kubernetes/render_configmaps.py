@@ -5,7 +5,7 @@ The collector configs have one source, deploy/collector/; the manifests carry co
 
     python deploy/kubernetes/render_configmaps.py
 
-tests/test_kubernetes.py fails when the committed file differs from what this writes.
+tests/deploy/test_kubernetes.py fails when the committed file differs from what this writes.
 """
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
 
 # Whole disks only: a partition's bytes are also its disk's, and loop or RAM devices are not
 # storage. Interfaces that are not the node's own links: loopback, containers' veth pairs and
-# bridges, traffic-shaping ifb. Both as in the host metrics page's queries (tests/test_host.py).
+# bridges, traffic-shaping ifb. Both as in the host metrics page's queries (tests/hardware/test_host.py).
 WHOLE_DISKS = 'system_device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
 NODE_LINKS = 'network_interface_name!~"lo|veth.*|docker.*|br-.*|ifb.*"'
 

@@ -5,7 +5,7 @@ semantic conventions give it (``opentelemetry.semconv._incubating.metrics``; the
 are in the catalogue, :data:`openlora_otel.names.host.HOST_METRICS`),
 with the conventions' attribute keys (``cpu.mode``, ``cpu.logical_number``,
 ``system.memory.state``, ``disk.io.direction``, ``system.device``,
-``network.io.direction``, ``network.interface.name``); ``tests/test_host.py``
+``network.io.direction``, ``network.interface.name``); ``tests/hardware/test_host.py``
 compares every one with the semconv package. Why it is built this way:
 
 - **Not through opentelemetry-instrumentation-system-metrics.** Up to its

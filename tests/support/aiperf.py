@@ -1,4 +1,4 @@
-"""AIPerf (NVIDIA's LLM benchmark client, from PyPI) against ``openlora-otel serve``, for tests/test_aiperf.py.
+"""AIPerf (NVIDIA's LLM benchmark client, from PyPI) against ``openlora-otel serve``, for tests/serving/test_aiperf.py.
 
 AIPerf lives in a virtual environment of its own, ``.venv-aiperf`` (``tools/setup-real-parts.sh``
 builds it, and ``.ci/run`` through it: ``pip install aiperf==0.13.0``, no torch), or wherever

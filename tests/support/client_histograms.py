@@ -4,11 +4,11 @@ Each request's client time is its server time plus an overhead o >= 0 (connect, 
 handing the first token to the socket; the server's duration ends after its last send, so o may be a
 hair below 0: ``SLACK_S`` is allowed). :func:`assert_histogram_holds_client_values` and
 :func:`assert_quantile_not_above_client` hold for every run whatever the load (see
-tests/test_serving_e2e.py's docstring for why); :func:`assert_same_or_neighbouring_bucket` is the
+tests/serving/test_serving_e2e.py's docstring for why); :func:`assert_same_or_neighbouring_bucket` is the
 comparison of a client's reported quantile with the server's ``histogram_quantile``, which needs the
 overheads to be small next to the buckets' widths.
 
-Shared by tests/test_serving_e2e.py (``openlora-otel load``) and tests/test_aiperf.py (AIPerf).
+Shared by tests/serving/test_serving_e2e.py (``openlora-otel load``) and tests/serving/test_aiperf.py (AIPerf).
 """
 
 from __future__ import annotations

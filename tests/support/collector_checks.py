@@ -1,7 +1,7 @@
 """Checks of OpenTelemetry Collector configs that the Collector itself does not make.
 
 Whether a config is valid (component types, keys, a pipeline naming a component that is not defined)
-is the real Collector's job: tests/test_collector_binary.py runs ``validate`` and starts each shipped
+is the real Collector's job: tests/deploy/test_collector_binary.py runs ``validate`` and starts each shipped
 config with our distribution. What stays here is this project's policy, which the Collector accepts
 either way: the single-node config (collector/otelcol.yaml) and the agent and gateway tiers
 (deploy/collector/) define no component they leave unused, and put memory_limiter first and batch

@@ -6,7 +6,7 @@
 - ``otlp``: the processes push OTLP straight into Prometheus 3's receiver, configured with the
   ``otlp`` and ``storage`` blocks of deploy/prometheus/otlp.yml (``major`` 0: into VictoriaMetrics
   1.151's OTLP ingestion, which makes no target_info and no job or instance: not a path the
-  dashboards work on, see tests/test_push_paths.py);
+  dashboards work on, see tests/exporters/test_push_paths.py);
 - ``gateway``: the processes push OTLP to a Collector running deploy/collector/agent.yaml, which
   forwards it over OTLP gRPC to one running deploy/collector/gateway.yaml, which remote-writes to
   Prometheus (its remote-write receiver on, evaluating the rules) or, ``major`` 0, to

@@ -1,6 +1,6 @@
 """``openlora-otel serve`` for tests: a saved demo directory and a real serve process on loopback ports.
 
-Shared by tests/test_serve.py and the serve + load end-to-end tests. Every wait is bounded.
+Shared by tests/serving/test_serve.py and the serve + load end-to-end tests. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.processes import child_env, free_port, reap
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-# What the serve process needs: the `serve` extra (tests/test_serve.py skips on the same list, written out: its
+# What the serve process needs: the `serve` extra (tests/serving/test_serve.py skips on the same list, written out: its
 # imports follow the skips).
 SERVE_MODULES = ("torch", "transformers", "peft", "fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi")
 

@@ -1,5 +1,5 @@
 """A fresh interpreter that runs a script, says READY, and is sent SIGTERM: SIGTERM, exit status and
-atexit only mean something for a whole process (tests/test_end_of_run.py, tests/test_push_paths.py)."""
+atexit only mean something for a whole process (tests/run/test_end_of_run.py, tests/exporters/test_push_paths.py)."""
 
 from __future__ import annotations
 

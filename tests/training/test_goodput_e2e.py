@@ -1,0 +1,104 @@
+"""A demo interrupted and resumed, pulled by a real Prometheus (2.42 and 3.16) evaluating the shipped rules:
+how each attempt ended, its goodput over both attempts, the steps the second did again, and the same in `openlora-otel report`
+from the two attempts' history lines. The promtool cases are in tests/rules/goodput_test.yml."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.demo import demo_process, needs_the_demo
+from tests.support.metrics_paths import MetricsPath
+from tests.support.processes import child_env, free_port, reap
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
+RUN = "goodput-e2e"
+CHECKPOINT_EVERY = 5
+STOP_AT = 9  # the first attempt reaches step 9; its last checkpoint is step 5: 4 steps are lost
+
+
+def _attempt(port: int, checkpoints: Path, history: Path, *extra: str) -> str:
+    process = demo_process(
+        "--steps", "16", "--batch-size", "2", "--eval-every", "4", "-q", "--exporter", "prometheus",
+        "--checkpoint-dir", str(checkpoints), "--checkpoint-every", str(CHECKPOINT_EVERY), *extra,
+        env={
+            "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+            # The final scrape at shutdown: each attempt's last values reach Prometheus.
+            "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true",
+            "OPENLORA_RUN_ID": RUN,
+            "OPENLORA_HISTORY_DIR": str(history),
+            "OPENLORA_GPU_METRICS": "off",
+        },
+    )  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=240)
+    finally:
+        reap(process, 10)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def _one(prometheus, expr: str, timeout: float = 60.0) -> float:  # type: ignore[no-untyped-def]
+    found = prometheus.wait_for(expr, timeout=timeout)
+    assert len(found) == 1, (expr, found)
+    return float(found[0]["value"][1])
+
+
+@pytest.mark.e2e
+@pytest.mark.process
+@pytest.mark.parametrize("major", [2, 3], ids=["prometheus2", "prometheus3"])
+def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_path: Path, major: int) -> None:
+    needs_the_demo()
+    port = free_port()
+    checkpoints, history = tmp_path / "checkpoints", tmp_path / "history"
+    with MetricsPath("pull", major, tmp_path, rule_files=[str(RULES)]) as metrics:
+        prometheus = metrics.scrape([f"127.0.0.1:{port}"])
+        _attempt(port, checkpoints, history, "--stop-at-step", str(STOP_AT))
+        _attempt(port, checkpoints, history, "--resume")
+        run = f'openlora_run_id="{RUN}"'
+
+        # Both attempts of the run, on the same host:port, told apart by openlora.run.attempt.
+        attempts = prometheus.query(f"count by (openlora_run_attempt) (last_over_time(target_info{{{run}}}[10m]))")
+        assert {s["metric"]["openlora_run_attempt"] for s in attempts} == {"1", "2"}, attempts
+
+        # How each attempt ended, each under its own attempt number (--stop-at-step ends the first cleanly).
+        ended = prometheus.wait_for(f'count(run:openlora_run:outcome{{{run}}}) == 2', timeout=60)
+        assert ended, prometheus.query(f"run:openlora_run:outcome{{{run}}}")
+        outcomes = prometheus.query(f"run:openlora_run:outcome{{{run}}}")
+        assert {(s["metric"]["openlora_run_attempt"], s["metric"]["openlora_run_outcome"]) for s in outcomes} == {
+            ("1", "finished"),
+            ("2", "finished"),
+        }
+
+        lost = _one(prometheus, f"run:openlora_training_steps_lost:increase1h{{{run}}} > 0")
+        assert lost == STOP_AT - CHECKPOINT_EVERY
+
+        def phase(name: str) -> float:
+            return _one(
+                prometheus,
+                f'run:openlora_training_time_seconds:increase1h{{{run}, openlora_training_phase="{name}"}}',
+            )
+
+        assert phase("lost_progress") > 0
+        assert phase("checkpoint_load") > 0 and phase("checkpoint_save") > 0 and phase("evaluation") > 0
+        assert phase("productive") > 0 and phase("startup") > 0
+        goodput = _one(prometheus, f"run:openlora_training_goodput:ratio1h{{{run}}}")
+        assert 0 < goodput < 1
+        # The ratio is productive time over all of it, both attempts together.
+        every = prometheus.query(f"sum(run:openlora_training_time_seconds:increase1h{{{run}}})")
+        assert goodput == pytest.approx(phase("productive") / float(every[0]["value"][1]), rel=0.05)
+
+    # The report, from the two attempts' lines in the one history file of the run id.
+    assert [p.name for p in history.iterdir()] == [f"{RUN}.jsonl"]
+    report = subprocess.run(
+        [sys.executable, "-m", "openlora_otel", "report", str(history), "--format", "html", "--out", str(tmp_path) + "/"],
+        env=child_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "Where the time went (2 attempts" in report.stdout, report.stdout
+    assert f"attempt 2: {STOP_AT - CHECKPOINT_EVERY} steps lost" in report.stdout, report.stdout
