@@ -1,21 +1,10 @@
-"""Configuration: the one place that reads the environment.
+"""Configuration: the one place that reads openlora-otel's settings from the environment.
 
-Every variable openlora-otel understands is a row of :data:`VARIABLES` (:mod:`.variables`) with its
-group, default, meaning and reader; :meth:`TelemetryConfig.from_env` reads them into one frozen
-:class:`TelemetryConfig`, whose field defaults come from the same rows, and the docs' Configuration page and
-``openlora-otel env`` are printed from them. Nothing else in the package reads ``os.environ``.
-
-The standard ``OTEL_*`` variables are parsed as the OpenTelemetry specification
-defines them, which differs from what the Python SDK does on its own in three
-places that matter here: ``OTEL_EXPORTER_OTLP_TIMEOUT`` is milliseconds (the SDK
-reads seconds), ``http/protobuf`` is the default OTLP protocol (the SDK picks
-gRPC), and ``OTEL_METRICS_EXPORTER`` is honoured without
-``opentelemetry-instrument``. Values are handed to the SDK explicitly so that its
-own environment parsing never decides anything.
-
-Invalid values raise :class:`ConfigError` (:mod:`.checks`), which names the variable, the value and
-what is accepted; credentials (URL ``user:password@``, every URL query value and the fragment, header
-values) never appear in an error or a repr.
+Every variable is a row of :data:`VARIABLES` (:mod:`.variables`); :meth:`TelemetryConfig.from_env`
+reads them into one frozen :class:`TelemetryConfig`, and the Configuration page and
+``openlora-otel env`` are printed from the same rows. ``OTEL_*`` values follow the specification
+where the Python SDK departs from it, and are handed to the SDK explicitly. Invalid values raise
+:class:`ConfigError` (:mod:`.checks`), never showing credentials. See docs/reference/setup.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,11 @@
 """Host and process metrics (CPU, memory, disk and network I/O), read with psutil, named by the semantic conventions.
 
-Each metric is an observable instrument of the kind and unit the OpenTelemetry
-semantic conventions give it (``opentelemetry.semconv._incubating.metrics``; the specs
-are in the catalogue, :data:`openlora_otel.names.host.HOST_METRICS`),
-with the conventions' attribute keys (``cpu.mode``, ``cpu.logical_number``,
-``system.memory.state``, ``disk.io.direction``, ``system.device``,
-``network.io.direction``, ``network.interface.name``); ``tests/hardware/test_host.py``
-compares every one with the semconv package. Why it is built this way:
-
-- **Not through opentelemetry-instrumentation-system-metrics.** Up to its
-  latest version (0.66b2) the package emits the old keys (``state``, ``type``,
-  ``direction``, ``device``, ``cpu`` numbered from 1), reports
-  ``system.memory.usage`` as a gauge with a ``state=available`` where the
-  conventions have an UpDownCounter and a metric of its own
-  (``system.memory.linux.available``), and none of that can be configured.
-  What was left of it here (a selection, a replaced CPU callback, a singleton
-  to hand back) was more code than the seven callbacks below, so it is no
-  longer a dependency; psutil still is.
-- **A bounded selection.** A node's full set is about thirty metrics, some per
-  logical CPU and per state. :data:`SYSTEM_SELECTION` and
-  :data:`PROCESS_SELECTION` keep what a training run needs, with the values of
-  each metric's breakdown; docs/reference/host-metrics.md counts the series.
-  ``OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS`` (the variable the package
-  read, kept so existing deployments keep their exclusions) is applied to this
-  selection with the package's rule: fnmatch globs over the metric names.
-- **One node, one set of system series.** Every rank of a node sees the same
-  CPUs, memory, disks and NICs: only the process with ``LOCAL_RANK`` 0 (or
-  without ``LOCAL_RANK``) reports ``system.*``, every process its own ``process.*``.
-- **Our provider.** The instruments go on the provider ``setup_telemetry()``
-  built, passed explicitly, under the scope :data:`SCOPE_NAME`: after a first
-  setup was shut down, an earlier provider stays the global one, and the global
-  one may be somebody else's.
-- **Stopping.** The SDK cannot take an observable instrument off a meter (the
-  instruments end with the provider's shutdown): :meth:`HostMetrics.stop` makes
-  every callback observe nothing from then on. No state outlives it, so the
-  next ``setup_telemetry()`` in the process starts its own set on its own provider.
-- **CPU utilization from one previous reading.** ``psutil.cpu_times_percent``
-  keeps its previous reading per calling thread in psutil 7; the pull endpoint
-  serves each scrape on a new thread, so each scrape would measure an empty
-  interval. :class:`CpuIdle` computes the shares from one previous
-  ``psutil.cpu_times(percpu=True)`` reading shared by every thread, the first
-  taken at start.
-- **Off the step path.** Every value is read by an observable callback, on the
-  thread that collects: the scrape thread of the pull endpoint or the export
-  thread of a push reader (``benchmarks/bench_host_metrics.py`` measures one
-  collection).
-- **Optional psutil.** psutil is imported by :func:`start_host_metrics` only (it
-  is not ours to defer entirely: the SDK's resource module imports it when
-  installed); when it is missing (an install with ``--no-deps``), host metrics
-  are skipped with one warning per process.
+A bounded selection (:data:`SYSTEM_SELECTION`, :data:`PROCESS_SELECTION`; specs in
+:data:`openlora_otel.names.host.HOST_METRICS`) of observable instruments on the provider
+``setup_telemetry()`` built, under :data:`SCOPE_NAME`: ``system.*`` from local rank 0 only,
+``process.*`` from every process, every value read on the collecting thread, never on the step path.
+Not through opentelemetry-instrumentation-system-metrics, whose keys are the old ones; psutil is
+imported by :func:`start_host_metrics` alone. See docs/reference/host-metrics.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """What the whole catalogue shares: :class:`MetricSpec`, the Prometheus series name of a metric on
 each path (:func:`prometheus_name`), and the attribute keys more than one domain uses.
 
-Names follow OpenTelemetry conventions: dot-separated, snake_case inside a
-segment, no unit in the name, UCUM units, never ``_total``. Where no semantic
-convention exists (model training has none) they live under ``openlora.*``.
-
-Units are chosen so that the Prometheus series name is the same on both paths:
-pulled from the Python exporter, or pushed over OTLP (through the Collector, or into
-Prometheus 3's OTLP receiver, which names alike). The one unit that differs between them is ``1`` on a gauge
-(the Collector appends ``_ratio``, Python does not), so dimensionless gauges
-here have an empty unit and counts use a ``{annotation}``, which both paths drop.
-:func:`prometheus_name` implements both translations so tests can check this.
+Names follow the OpenTelemetry conventions (``openlora.*`` where none exists), with units chosen
+so the Prometheus name is the same pulled or pushed over OTLP: dimensionless gauges have an empty
+unit (``1`` gets ``_ratio`` on the push path alone), counts a ``{annotation}``. See docs/concepts/names.md.
 """
 
 from __future__ import annotations

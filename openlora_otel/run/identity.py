@@ -1,36 +1,11 @@
 """The run's id, decided in one place (:func:`decide_run_id`), the same for every rank of a job.
 
-The run id ties the ranks of one job together in ``target_info`` and in OTLP
-resources, so it must be the same on every rank, yet no rank may wait for the
-others or talk to them during a step. Everything here runs once, in
-``setup_telemetry()``, and asks at most one key-value store for one key. The
-configuration then carries the decided id, next to the attempt it read
-(``OPENLORA_RUN_ATTEMPT`` or a launcher's restart count), and every part of the
-run reads both from it.
-
-Where the id comes from, first match wins: ``setup_telemetry(run_id=...)``;
-``OPENLORA_RUN_ID`` or a real ``TORCHELASTIC_RUN_ID``, which the configuration
-reads; with telemetry disabled (``OTEL_SDK_DISABLED``), a random id; else
-:func:`shared_run_id`:
-
-1. torchrun's own store. torchrun always hosts a TCP store for its workers at
-   ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), also with
-   the static rendezvous (``--master-addr``/``--master-port``, no ``--rdzv-id``)
-   where ``TORCHELASTIC_RUN_ID`` is the useless ``none``. Each rank offers a fresh
-   id with ``compare_set``; the first one written is what every rank gets back.
-   The store lives as long as the torchrun launch, so restarted workers keep it.
-   (The key is not scoped further: a store shared by several launches, such as
-   a long-lived external c10d endpoint without ``--rdzv-id``, shares the id too;
-   give such launches ``--rdzv-id`` or ``OPENLORA_RUN_ID``.)
-2. The default process group's store, when ``torch.distributed`` is already
-   initialized (plain ``torch.distributed`` without torchrun: ``mp.spawn``,
-   ``srun`` with ``env://``): the same ``compare_set``, no collective.
-3. Slurm's ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, for the tasks of one ``srun``
-   step of several tasks (``SLURM_STEP_NUM_TASKS`` or ``WORLD_SIZE`` > 1).
-4. A random id; with ``WORLD_SIZE`` > 1 a warning says how to share one.
-
-torch is imported only in case 1, where the process is a torchrun worker and
-imports it anyway, or used in case 2 when the program has already imported it.
+The id ties a job's ranks together in ``target_info`` and OTLP resources, yet no rank may wait
+for or talk to the others during a step: everything here runs once, in ``setup_telemetry()``,
+and asks a key-value store for one key (``compare_set``, bounded, no collective), nothing more.
+First match wins: ``run_id=``, ``OPENLORA_RUN_ID`` or a real ``TORCHELASTIC_RUN_ID``, a random id
+when telemetry is disabled, else :func:`shared_run_id` (torchrun's store, the default process
+group's store, Slurm's job and step, a random id). See docs/how-to/many-nodes.md.
 """
 
 from __future__ import annotations

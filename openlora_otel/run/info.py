@@ -1,18 +1,9 @@
 """The run's name and hyperparameters, as one info-style series.
 
-The Resource is fixed when the MeterProvider is built, but a Trainer's learning
-rate or a LoRA rank is known only when training starts. So the name and the
-hyperparameters travel in one gauge, ``openlora.run.info`` (value 1), whose
-attributes are the name and one ``openlora.hparam.<key>`` per hyperparameter.
-It is a single series per process, like ``target_info``: dashboards and rules
-join it on ``(job, instance)`` to label curves and alerts, and no other series
-carries any of it. When the information changes, the next collection reports
-the new attribute set only; the old one goes stale.
-
-Everything is bounded, so a config object with hundreds of fields cannot turn
-the series into a payload: at most :data:`MAX_HYPERPARAMETERS` keys, keys of at
-most :data:`MAX_KEY_LENGTH` characters out of ``[a-z0-9_]``, values written as
-text of at most :data:`MAX_VALUE_LENGTH` characters.
+The Resource is fixed when the MeterProvider is built, before a Trainer knows its learning rate,
+so they travel in one gauge per process, ``openlora.run.info`` (value 1), joined on
+``(job, instance)`` like ``target_info``. Bounded: at most :data:`MAX_HYPERPARAMETERS` keys of
+:data:`MAX_KEY_LENGTH` characters, values of :data:`MAX_VALUE_LENGTH`. See docs/concepts/run-identity.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """How a run ended, as one info-style series: ``openlora.run.outcome``.
 
-The series is there from the start with ``openlora.run.outcome="running"``; when
-``Telemetry.shutdown()`` begins, the outcome is decided once and the final
-collection (the final scrape, the final push) carries it instead:
-
-- ``terminated``: a signal ended the run (SIGTERM through the SIGTERM guard or an
-  application handler that chained to it; SIGINT as ``KeyboardInterrupt``);
-  ``openlora.run.signal`` names it.
-- ``stopped_by_guard``: the divergence guard's trip was still latched.
-- ``failed``: an exception ended the run (seen by ``Telemetry.__exit__``, by the
-  shutdown at interpreter exit after an uncaught exception, by a ``shutdown()``
-  called inside an ``except`` block, or by the Lightning callback);
-  ``error.type`` is its type, never its message.
-- ``finished``: none of these.
-
-``vanished`` is never reported (a SIGKILLed process reports nothing): the rules
-derive it from a ``running`` series that is gone. Nothing here is on the step
-path: the state is read once per collection and written at most a few times a run.
+``running`` from the start; when ``Telemetry.shutdown()`` begins the outcome is decided once
+(``terminated``, ``stopped_by_guard``, ``failed``, else ``finished``) and the final collection
+carries it. ``vanished`` is never reported: the rules derive it from a ``running`` series that
+is gone. Read once per collection, never on the step path. See docs/concepts/lifecycle.md.
 """
 
 from __future__ import annotations

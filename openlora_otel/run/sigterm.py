@@ -1,32 +1,11 @@
 """SIGTERM: the final export before the process ends.
 
-Kubernetes, Slurm and torchrun stop jobs with SIGTERM, and Python's default
-SIGTERM ends the process at once without running ``atexit``: everything recorded
-since the last export would be lost. When the application has not installed a
-SIGTERM handler of its own, :class:`SigtermGuard` installs one that runs
-``Telemetry.shutdown()`` (bounded) and then ends the process with status 143,
-the status a shell reports for a SIGTERM death.
-
-Design points, each for a failure seen in real jobs:
-
-- The final export runs on its own thread, never inside the interrupted main
-  thread: the main thread may be interrupted while it holds a lock the
-  collection needs (a logging handler's, an SDK instrument's, ours), and waiting
-  there would deadlock until the bound runs out.
-- A Python signal handler only runs when the main thread next executes Python
-  code; a rank stuck in a collective or a long C call would ignore SIGTERM until
-  the launcher's SIGKILL. So the guard also takes the C-level wakeup file
-  descriptor (``signal.set_wakeup_fd``) when nobody else holds it (asyncio does,
-  when it handles signals): a watcher thread hears the signal at once and, when
-  the main thread stays on one instruction for ``STUCK_AFTER_S``, acts for it. A
-  main thread that runs Python is left to run the handler itself, so an
-  application handler swapped in and out around a step keeps the signals it got.
-- An application handler, installed before ``setup_telemetry()`` or after it,
-  is left alone and keeps working: the guard installs nothing in the first case
-  and stands aside in the second (the shutdown at interpreter exit then delivers
-  the final values, as long as the handler ends the process with ``sys.exit``).
-- A forked child (a DataLoader worker) goes back to the default SIGTERM and
-  drops the inherited wakeup socket, so stopping a worker never stops its parent.
+Python's default SIGTERM, which Kubernetes, Slurm and torchrun send, ends the process without
+``atexit``, losing everything since the last export. :class:`SigtermGuard`, when the application
+has no handler of its own, runs the bounded ``Telemetry.shutdown()`` on a thread of its own and
+exits with status 143; it hears the signal through the wakeup fd even while the main thread is
+stuck in C code, stands aside for an application's handler and is dropped in forked children.
+See docs/concepts/lifecycle.md.
 """
 
 from __future__ import annotations
