@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import itertools
+import json
 import logging
 import random
 import re
