@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
-from openlora_otel.exporters.history import encode_line  # noqa: E402
+from openlora_otel.exporters.history_writer import encode_line  # noqa: E402
 
 
 def _config(history_dir: str | None, interval_ms: float = 86_400_000.0) -> TelemetryConfig:

@@ -124,7 +124,7 @@ class Telemetry:
         """The run's history file (``OPENLORA_HISTORY_DIR``), or None when none is written."""
         if not (self._config.history_dir and self._owns_provider and self._resource is not None):
             return None
-        from openlora_otel.exporters.history import history_path
+        from openlora_otel.exporters.history_writer import history_path
 
         return str(history_path(self._config.history_dir, self._resource))
 

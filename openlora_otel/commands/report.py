@@ -243,7 +243,7 @@ def _runs(args: argparse.Namespace, skipped: dict[str, int], serving: list[Any])
     runs: list[Run] = []
     found: list[Run] = []
     if args.paths:
-        from openlora_otel.report.history import read_runs
+        from openlora_otel.report.history_source import read_runs
 
         found = read_runs(args.paths, skipped=skipped)
     if args.adapter:

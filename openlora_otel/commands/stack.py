@@ -13,7 +13,7 @@ from typing import Any, TextIO
 from openlora_otel.commands._args import add_runbook_base_argument, command_parser, usage_error
 from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.config.checks import check_url
-from openlora_otel.discovery import scrape_address
+from openlora_otel.exporters.discovery import scrape_address
 from openlora_otel.redaction import redact_url
 from openlora_otel.stack.servers import (
     ALERTMANAGER_BINARIES,

@@ -7,7 +7,7 @@ import sys
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
 from openlora_otel.config import TelemetryConfig
-from openlora_otel.exporters.guard import GuardedExporter
+from openlora_otel.exporters.outage import GuardedExporter
 
 __all__ = ["build_console_reader"]
 

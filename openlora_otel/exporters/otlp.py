@@ -28,7 +28,7 @@ from opentelemetry.sdk.metrics.export import (
 
 from openlora_otel._deps import require
 from openlora_otel.config import OTLPConfig, TelemetryConfig
-from openlora_otel.exporters.guard import GuardedExporter
+from openlora_otel.exporters.outage import GuardedExporter
 
 __all__ = ["build_otlp_exporter", "build_otlp_reader", "temporality_for"]
 

@@ -37,7 +37,7 @@ from openlora_otel.config import (
 from openlora_otel.names import LOCAL_RANK_ATTRIBUTE
 
 if TYPE_CHECKING:
-    from openlora_otel.discovery import FileSdRegistration
+    from openlora_otel.exporters.discovery import FileSdRegistration
 
 __all__ = ["CONNECTION_TIMEOUT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
 
@@ -312,7 +312,7 @@ class PrometheusEndpoint:
         Raises :class:`ConfigError` (``OPENLORA_PROMETHEUS_FILE_SD_DIR``) when the
         directory cannot be created or written.
         """
-        from openlora_otel.discovery import FileSdRegistration
+        from openlora_otel.exporters.discovery import FileSdRegistration
 
         self._registration = FileSdRegistration.register(directory, self.host, self.port)
 

@@ -69,7 +69,7 @@ def build_readers(config: TelemetryConfig, resource: Resource) -> Readers:
     exporters = config.enabled_exporters
     history = None
     if config.history_dir:
-        from openlora_otel.exporters.history import build_history_exporter
+        from openlora_otel.exporters.history_writer import build_history_exporter
 
         # Checked before a port is bound or a thread started (ConfigError / MissingDependencyError).
         history = build_history_exporter(config, resource)
@@ -92,7 +92,7 @@ def build_readers(config: TelemetryConfig, resource: Resource) -> Readers:
                 build: Callable[[TelemetryConfig], MetricReader] = getattr(importlib.import_module(module), builder)
                 built.readers.append(build(config))
         if history is not None:
-            from openlora_otel.exporters.history import history_reader
+            from openlora_otel.exporters.history_writer import history_reader
 
             built.readers.insert(0, history_reader(history, config))
     except BaseException:

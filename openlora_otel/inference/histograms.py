@@ -1,6 +1,6 @@
 """The histograms of :class:`~openlora_otel.inference.metrics.InferenceMetrics` and the windows that feed them.
 
-A request's end adds its values to its series' window (bucket counts, :class:`~openlora_otel.windows.BucketCounts`);
+A request's end adds its values to its series' window (bucket counts, :class:`~openlora_otel.window_histograms.BucketCounts`);
 once per collection every window goes to the SDK whole (:func:`inference_views` lets it take one), or value by
 value on a meter without those views. Kept apart from the request and adapter accounting of
 :mod:`openlora_otel.inference.metrics`, which calls it under its own lock.
@@ -27,7 +27,7 @@ from openlora_otel.names import (
     TPOT_BUCKETS,
     TTFT_BUCKETS,
 )
-from openlora_otel.windows import BucketCounts, replay, window_merging_works, window_view
+from openlora_otel.window_histograms import BucketCounts, replay, window_merging_works, window_view
 
 __all__ = ["PROVIDER", "RequestHistograms", "SeriesKey", "inference_views"]
 

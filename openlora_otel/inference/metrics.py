@@ -2,7 +2,7 @@
 
 One :class:`InferenceMetrics` per process (``telemetry.inference``): a server wraps each request in
 ``inference.request(...)`` and each adapter load in ``inference.loading_adapter(...)``. A request's
-end costs one lock and a bisect (the SDK takes a window per collection, :mod:`openlora_otel.windows`),
+end costs one lock and a bisect (the SDK takes a window per collection, :mod:`openlora_otel.window_histograms`),
 and the attributes are bounded per process (adapter names, model names, ``error.type`` values).
 See docs/how-to/serving.md.
 """

@@ -38,7 +38,7 @@ from openlora_otel.training.window import (
     observed,
     span_snapshot,
 )
-from openlora_otel.windows import replay, window_merging_works, window_view
+from openlora_otel.window_histograms import replay, window_merging_works, window_view
 
 __all__ = ["Collection", "step_duration_view"]
 

@@ -21,7 +21,7 @@ from opentelemetry.metrics import Observation
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.guard import LossWindow
 from openlora_otel.training.readback import Folded
-from openlora_otel.windows import BucketCounts
+from openlora_otel.window_histograms import BucketCounts
 
 __all__ = ["collecting_for"]
 

@@ -313,7 +313,7 @@ def test_exception_text_from_the_sdk_is_scrubbed_too(
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    from openlora_otel.exporters.guard import GuardedExporter
+    from openlora_otel.exporters.outage import GuardedExporter
 
     caplog.set_level(logging.DEBUG)
     bad_value = f"Bearer {TOKEN}\r\nX-Evil: 1"
@@ -341,7 +341,7 @@ def test_sdk_records_outside_an_export_are_scrubbed_while_the_guard_is_installed
     those records pass, with the exporter's secrets redacted, traceback included."""
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-    from openlora_otel.exporters.guard import GuardedExporter
+    from openlora_otel.exporters.outage import GuardedExporter
 
     caplog.set_level(logging.DEBUG)
     otlp = OTLPConfig(

@@ -470,7 +470,7 @@ def test_checkpoint_options_that_make_no_sense_are_usage_errors(args, message, t
 def test_the_demo_resumed_from_its_checkpoint_reports_the_lost_steps(tmp_path) -> None:
     """Two attempts of one run, as a user would: stopped after step 8 with a checkpoint at step 5,
     then --resume. The second attempt keeps the run id, counts attempt 2 and 3 steps lost."""
-    from openlora_otel.history import read_history
+    from openlora_otel.report.history_reader import read_history
 
     directory = tmp_path / "ckpt"
     common = ["--steps", "12", "--batch-size", "2", "--eval-every", "4", "--checkpoint-dir", str(directory)]

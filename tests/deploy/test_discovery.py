@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from openlora_otel import discovery, setup_telemetry
+from openlora_otel import setup_telemetry
 from openlora_otel.config import ConfigError, TelemetryConfig
-from openlora_otel.discovery import FileSdRegistration, _host_label, scrape_address
+from openlora_otel.exporters import discovery
+from openlora_otel.exporters.discovery import FileSdRegistration, _host_label, scrape_address
 from tests.support.processes import child_env, free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
 

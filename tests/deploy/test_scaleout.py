@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openlora_otel.discovery import _host_label
+from openlora_otel.exporters.discovery import _host_label
 from tests.support.dashboards import (
     CLUSTER_DASHBOARD,
     TRAINING_DASHBOARD,

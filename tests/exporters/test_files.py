@@ -12,8 +12,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from openlora_otel.files import NotARegularFile, open_regular_file, read_regular_file
-from openlora_otel.history import read_history
-from openlora_otel.report.history import read_runs
+from openlora_otel.report.history_reader import read_history
+from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.model import ReportError
 from openlora_otel.training.goodput import ProgressFile
 from tests.support.fuzz import fuzz

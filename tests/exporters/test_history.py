@@ -36,8 +36,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from openlora_otel import ConfigError, setup_telemetry
 from openlora_otel._deps import MissingDependencyError
 from openlora_otel.config import MIN_HISTORY_MAX_BYTES
-from openlora_otel.exporters.history import HistoryExporter, encode_line, history_path
-from openlora_otel.history import read_history
+from openlora_otel.exporters.history_writer import HistoryExporter, encode_line, history_path
+from openlora_otel.report.history_reader import read_history
 from tests.support.history_files import A_DAY_MS, history_config
 from tests.support.otlp_receiver import HangingEndpoint
 from tests.support.processes import child_env

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.resources import Resource
 
 from openlora_otel.config import run_id_problem
-from openlora_otel.exporters.history import history_path
+from openlora_otel.exporters.history_writer import history_path
 from tests.support.fuzz import fuzz
 
 DIRECTORY = Path("/history")

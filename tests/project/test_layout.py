@@ -23,6 +23,10 @@ MOVED = {
     "openlora_otel.demo.layout": "openlora_otel.model.layout",
     "openlora_otel.demo.corpus": "openlora_otel.model.corpus",
     "openlora_otel.integrations._common": "openlora_otel.integrations.common",
+    # Names that say their side and their job (issue 30).
+    "openlora_otel.report.history": "openlora_otel.report.history_source",
+    "openlora_otel.exporters.history": "openlora_otel.exporters.history_writer",
+    "openlora_otel.exporters.guard": "openlora_otel.exporters.outage",
 }
 
 
@@ -38,6 +42,9 @@ ROOT_MOVED = {
     "outcome": "openlora_otel.run.outcome",
     "sigterm": "openlora_otel.run.sigterm",
     "distributed": "openlora_otel.run.identity",
+    "history": "openlora_otel.report.history_reader",
+    "windows": "openlora_otel.window_histograms",
+    "discovery": "openlora_otel.exporters.discovery",
 }
 
 PACKAGE = Path(__file__).resolve().parents[2] / "openlora_otel"

@@ -28,9 +28,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.commands import report as report_command
 from openlora_otel.hardware import nvml
-from openlora_otel.history import WARNED_LINES, read_history
 from openlora_otel.report.drawing import prepare
-from openlora_otel.report.history import read_runs
+from openlora_otel.report.history_reader import WARNED_LINES, read_history
+from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.model import QUANTITIES, Row, Run, curves, legend_labels
 from openlora_otel.report.png import png_figure
 from openlora_otel.report.prometheus import PrometheusSource, read_prometheus

@@ -11,10 +11,10 @@ import pytest
 
 from openlora_otel import setup_telemetry
 from openlora_otel.commands import report as report_command
-from openlora_otel.history import read_history
 from openlora_otel.names import TRAINING_PHASES
 from openlora_otel.report.goodput import TimeSample, time_breakdown
-from openlora_otel.report.history import read_runs
+from openlora_otel.report.history_reader import read_history
+from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.summary import TIME_HEADING, time_lines
 from tests.support.clock import FakeClock
 from tests.support.history_files import history_config

@@ -15,7 +15,7 @@ import pytest
 
 from openlora_otel import setup_telemetry
 from openlora_otel.commands import report as report_command
-from openlora_otel.report.history import read_runs
+from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.model import Row, Run, curves, divergence, smooth, step_times
 from tests.support.chromium import chromium, headless, page_requests
 from tests.support.history_files import history_config

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from openlora_otel import setup_telemetry
 from openlora_otel.commands import report as report_command
-from openlora_otel.history import read_history
-from openlora_otel.report.history import read_runs
+from openlora_otel.report.history_reader import read_history
+from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.model import ReportError, shown
 from tests.support.fuzz import fuzz
 from tests.support.history_files import history_config

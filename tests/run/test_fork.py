@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 
 from openlora_otel import TelemetryConfig, setup_telemetry
-from openlora_otel.exporters.guard import GuardedExporter
+from openlora_otel.exporters.outage import GuardedExporter
 from tests.support.exporters import PidFileExporter, exporter_pids
 from tests.support.processes import wait_for_child
 

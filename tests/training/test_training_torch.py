@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # noqa: E402
 
 from openlora_otel import TelemetryConfig, setup_telemetry  # noqa: E402
-from openlora_otel.exporters.guard import GuardedExporter  # noqa: E402
+from openlora_otel.exporters.outage import GuardedExporter  # noqa: E402
 from tests.support.exporters import PidFileExporter, exporter_pids  # noqa: E402
 from tests.support.host_reads import NoHostRead  # noqa: E402
 from tests.support.readings import value  # noqa: E402

@@ -1,6 +1,6 @@
 """Read runs from history files: ``OPENLORA_HISTORY_DIR``'s OTLP JSON Lines.
 
-Lines are read by :func:`openlora_otel.history.read_history` and grouped here by the Resource's
+Lines are read by :func:`openlora_otel.report.history_reader.read_history` and grouped here by the Resource's
 ``openlora.run.id`` (a line whose ``openlora.rank`` is not a rank is skipped and counted). A run's
 curves and outcome come from its lowest rank; where the time went is summed over every process of
 the run, each rank and attempt (:func:`~openlora_otel.report.goodput.time_breakdown`).
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openlora_otel import history
 from openlora_otel.files import NotARegularFile
 from openlora_otel.names import (
     ATTR_EVAL_METRIC,
@@ -31,6 +30,7 @@ from openlora_otel.names import (
     RUN_NAME_ATTRIBUTE,
     TRAINING_PHASES,
 )
+from openlora_otel.report import history_reader as history
 from openlora_otel.report.goodput import STEPS_LOST_METRIC, TIME_METRIC, TimeSample, time_breakdown
 from openlora_otel.report.model import EVAL_PREFIX, QUANTITIES, SHOWN_METRIC, ReportError, Row, Run, shown
 from openlora_otel.run.info import hyperparameters_from
@@ -83,7 +83,7 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
 
     ``skipped``, when given, gets the number of bad lines of each file that had
     some (by the file's path): lines that are not OTLP/JSON metrics or hold values
-    that cannot be used (see :mod:`openlora_otel.history`), each named in a warning.
+    that cannot be used (see :mod:`openlora_otel.report.history_reader`), each named in a warning.
     """
     processes: dict[tuple[str, int | None], _Process] = {}
     for path in history_files(paths):

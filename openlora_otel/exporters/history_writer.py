@@ -4,7 +4,7 @@ With ``OPENLORA_HISTORY_DIR`` set, a reader of its own (whatever else is exporte
 interval, encoding on its own thread) appends one OTLP/JSON ``ExportMetricsServiceRequest`` per
 collection, cumulative, so each line stands alone. Lines are whole, the file is bounded by
 ``OPENLORA_HISTORY_MAX_BYTES`` (thinned, never cut off), and failures are logged once by
-:class:`~openlora_otel.exporters.guard.GuardedExporter`. See docs/how-to/run-history.md.
+:class:`~openlora_otel.exporters.outage.GuardedExporter`. See docs/how-to/run-history.md.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from opentelemetry.sdk.resources import Resource
 
 from openlora_otel._deps import require
 from openlora_otel.config import DIRECTORY_ACCEPTED, ConfigError, TelemetryConfig
-from openlora_otel.exporters.guard import GuardedExporter
 from openlora_otel.exporters.otlp import temporality_for
+from openlora_otel.exporters.outage import GuardedExporter
 from openlora_otel.names import RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
 
 __all__ = ["HistoryExporter", "build_history_exporter", "encode_line", "history_path", "history_reader"]
