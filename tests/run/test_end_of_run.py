@@ -19,9 +19,9 @@ import pytest
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from tests.support.otlp_receiver import HangingEndpoint, HttpReceiver
-from tests.support.processes import child_env, free_port
+from tests.support.processes import free_port
 from tests.support.prometheus_server import Prometheus, prometheus_binary
-from tests.support.sigterm import RECORD_5000, run_child
+from tests.support.sigterm import CHAINED_HANDLER, RECORD_5000, WAIT_FOR_STOP, otlp_child_env, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -292,14 +292,7 @@ def test_a_failing_shutdown_still_releases_port_and_threads(monkeypatch: pytest.
 
 # -- 2. SIGTERM -------------------------------------------------------------------------
 def _otlp_env(receiver: HttpReceiver, **extra: str) -> dict[str, str]:
-    return child_env(
-        OTEL_METRICS_EXPORTER="otlp",
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint,
-        OTEL_METRIC_EXPORT_INTERVAL="60000",
-        OTEL_SERVICE_NAME="sigterm-test",
-        PYTHONPATH=str(ROOT),
-        **extra,
-    )
+    return otlp_child_env(receiver.http_endpoint, OTEL_SERVICE_NAME="sigterm-test", **extra)
 
 
 def _steps_received(receiver: HttpReceiver) -> float:
@@ -464,24 +457,21 @@ def test_shutdown_waits_for_a_shutdown_in_progress_on_another_thread() -> None:
 @pytest.mark.process
 def test_an_application_handler_that_calls_ours_keeps_control_of_the_exit() -> None:
     # Lightning's signal connector installs its handler after ours and calls the previous one.
-    body = """
-telemetry = setup_telemetry()
-previous = signal.getsignal(signal.SIGTERM)
-stop = []
-def on_term(signum, frame):
-    stop.append(signum)
-    previous(signum, frame)
-signal.signal(signal.SIGTERM, on_term)
+    body = (
+        "telemetry = setup_telemetry()\n"
+        + CHAINED_HANDLER
+        + """
 for _ in range(5000):
     telemetry.training.record_step(loss=1.0, tokens=7)
 print("READY", flush=True)
-deadline = time.monotonic() + 30
-while not stop and time.monotonic() < deadline:
-    time.sleep(0.01)
+"""
+        + WAIT_FOR_STOP
+        + """
 time.sleep(3)  # the application's own graceful stop: a checkpoint, say
 print("CHECKPOINT WRITTEN", flush=True)
 sys.exit(0)
 """
+    )
     receiver = HttpReceiver()
     try:
         result, _ = run_child(body, _otlp_env(receiver))

@@ -18,9 +18,8 @@ from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.run.outcome import error_type
 from openlora_otel.training.guard import DivergenceGuard
 from tests.support.otlp_receiver import HttpReceiver
-from tests.support.processes import child_env
 from tests.support.readings import points
-from tests.support.sigterm import RECORD_5000, run_child
+from tests.support.sigterm import CHAINED_HANDLER, RECORD_5000, WAIT_FOR_STOP, otlp_child_env, run_child
 
 OUTCOME = "openlora.run.outcome"
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,15 +174,7 @@ def test_the_pull_endpoint_serves_the_outcome_with_the_run_id() -> None:
 
 # -- whole processes: an uncaught exception, SIGTERM, SIGINT --------------------------------------
 def _otlp_env(receiver: HttpReceiver, **extra: str) -> dict[str, str]:
-    return child_env(
-        OTEL_METRICS_EXPORTER="otlp",
-        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.http_endpoint,
-        OTEL_METRIC_EXPORT_INTERVAL="60000",
-        OPENLORA_QUIET="true",
-        OPENLORA_RUN_ID="child-run",
-        PYTHONPATH=str(ROOT),
-        **extra,
-    )
+    return otlp_child_env(receiver.http_endpoint, OPENLORA_QUIET="true", OPENLORA_RUN_ID="child-run", **extra)
 
 
 def _final_outcome(receiver: HttpReceiver) -> dict:
@@ -242,20 +233,7 @@ def test_sigterm_is_terminated_with_the_signal_name() -> None:
 @pytest.mark.process
 def test_a_chained_sigterm_that_the_application_ends_with_sys_exit_is_terminated() -> None:
     # Lightning's signal connector: its handler calls ours, then the application stops its own way.
-    body = """
-telemetry = setup_telemetry()
-previous = signal.getsignal(signal.SIGTERM)
-stop = []
-def on_term(signum, frame):
-    stop.append(signum)
-    previous(signum, frame)
-signal.signal(signal.SIGTERM, on_term)
-print("READY", flush=True)
-deadline = time.monotonic() + 30
-while not stop and time.monotonic() < deadline:
-    time.sleep(0.01)
-sys.exit(0)
-"""
+    body = "telemetry = setup_telemetry()\n" + CHAINED_HANDLER + 'print("READY", flush=True)\n' + WAIT_FOR_STOP + "sys.exit(0)\n"
     receiver = HttpReceiver()
     try:
         result, _ = run_child(body, _otlp_env(receiver))

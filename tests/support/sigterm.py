@@ -67,3 +67,35 @@ print("READY", flush=True)
 time.sleep(60)
 print("NOT KILLED", flush=True)
 """
+
+
+# An application's SIGTERM handler installed after ours that calls ours (Lightning's signal connector
+# does), then a bounded wait in the main thread until it ran: the script goes on with the application's
+# own stop. Scripts take it after ``telemetry = setup_telemetry()``.
+CHAINED_HANDLER = """
+previous = signal.getsignal(signal.SIGTERM)
+stop = []
+def on_term(signum, frame):
+    stop.append(signum)
+    previous(signum, frame)
+signal.signal(signal.SIGTERM, on_term)
+"""
+WAIT_FOR_STOP = """
+deadline = time.monotonic() + 30
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.01)
+"""
+
+
+def otlp_child_env(endpoint: str, **extra: str) -> dict[str, str]:
+    """A child's environment that pushes OTLP to ``endpoint`` (a test's receiver) at a 60 s interval, so
+    that what arrives is the final export; ``extra`` on top."""
+    from tests.support.processes import child_env
+
+    return child_env(
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_METRIC_EXPORT_INTERVAL="60000",
+        PYTHONPATH=str(ROOT),
+        **extra,
+    )
