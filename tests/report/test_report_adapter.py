@@ -273,7 +273,7 @@ def test_report_on_a_served_demo_adapter(tmp_path: Path) -> None:
                 status, _, body = serve.complete({"model": "a1", "prompt": "the quick brown fox", "max_tokens": 8})
                 assert status == 200, body
             assert prometheus.wait_for(f"{count} >= {sent}", timeout=30), serve.log()[-2000:]
-            time.sleep(2.5)
+            assert prometheus.wait_for_scrapes(2), prometheus.query("up")
 
         out = tmp_path / "out"
         out.mkdir()

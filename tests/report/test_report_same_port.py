@@ -37,7 +37,8 @@ def test_two_runs_one_after_the_other_on_the_same_port_are_read_apart(tmp_path: 
                 demo.stdout.close()
                 demo.stderr.close()
             ended[name] = time.time()
-        time.sleep(1)
+        # A scrape after run b exited: whatever either run served is in Prometheus.
+        assert prometheus.wait_for(f'up{{instance="127.0.0.1:{port}"}} == 0', timeout=30), prometheus.query("up")
         only_a = read_prometheus(prometheus.url, ["a"])
         assert [r.name for r in only_a] == ["a"], "--run a names one run, called a"
         run_a, run_b = read_prometheus(prometheus.url, ["a", "b"])

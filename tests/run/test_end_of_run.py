@@ -404,11 +404,14 @@ def test_sigterm_to_a_forked_worker_ends_only_the_worker() -> None:
     body = """
 telemetry = setup_telemetry()
 telemetry.training.record_step(loss=1.0)
+ready, started = os.pipe()
 child = os.fork()
 if child == 0:
-    time.sleep(30)
+    os.write(started, b"1")  # running, its at-fork hooks done
+    time.sleep(30)  # a worker that runs until signalled
     os._exit(0)
-time.sleep(0.2)
+os.close(started)
+assert os.read(ready, 1) == b"1"  # the worker runs before it is sent SIGTERM (EOF if it died)
 os.kill(child, signal.SIGTERM)
 _, status = os.waitpid(child, 0)
 print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
@@ -550,7 +553,7 @@ worker.join()
 files = [open({str(tmp_path)!r} + f"/file{{i}}", "wb") for i in range(4)]
 for _ in range(3):
     os.kill(os.getpid(), signal.SIGUSR1)
-    time.sleep(0.05)
+    time.sleep(0.05)  # one delivery each: a signal sent while the same one is pending is lost
 for handle in files:
     handle.write(b"CKPT")
     handle.close()

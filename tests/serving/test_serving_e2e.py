@@ -240,7 +240,8 @@ def scraped(saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             )  # fmt: skip
             assert burst["overall"]["by_error"].get("overloaded", 0) > 0, burst["overall"]
             assert prometheus.wait_for(f"{count} >= {REQUESTS + BURST}", timeout=30), prometheus.query(count)
-            time.sleep(2.5)  # two more scrapes: a rate over a series the burst created has two samples
+            # Two more scrapes: a rate over a series the burst created has two samples.
+            assert prometheus.wait_for_scrapes(2), prometheus.query("up")
             yield Scraped(serve, prometheus, results, burst, mix_scraped_at, time.time())
         finally:
             prometheus.stop()

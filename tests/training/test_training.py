@@ -693,7 +693,7 @@ def test_real_clocks_give_the_time_of_the_step(setup) -> None:
     before = time.time()
     training.record_step(loss=1.0)
     after = time.time()
-    time.sleep(0.05)
+    time.sleep(0.05)  # the collection well after the step: stamping its own time would fail the bound
     stamped = value(reader.get_metrics_data(), LAST_STEP)
     # perf_counter() and time() advance together within microseconds over this span.
     assert before - 0.005 <= stamped <= after + 0.005
