@@ -117,7 +117,8 @@ def _quoted(text: str) -> str:
 
 
 def prometheus_config(plan: StackPlan) -> str:
-    """The native Prometheus config: the pull job, the rules, the local Alertmanager."""
+    """The native Prometheus config: the pull job, the rules, the local Alertmanager, and both servers
+    scraping themselves."""
     if plan.file_sd_dir:
         glob = str(Path(plan.file_sd_dir).resolve() / "*.json")
         discovery = (
@@ -151,7 +152,15 @@ def prometheus_config(plan: StackPlan) -> str:
         "\n"
         "scrape_configs:\n"
         "  # The job name the rules read for the pull path.\n"
-        "  - job_name: openlora\n" + discovery
+        "  - job_name: openlora\n" + discovery + "\n"
+        "  # Prometheus and Alertmanager themselves: the openlora-prometheus and openlora-alertmanager\n"
+        "  # groups of the rules watch rule evaluation, notifications, the TSDB and config reloads.\n"
+        "  - job_name: prometheus\n"
+        "    static_configs:\n"
+        f"      - targets: [{_quoted(f'{LOOPBACK}:{plan.prometheus_port}')}]\n"
+        "  - job_name: alertmanager\n"
+        "    static_configs:\n"
+        f"      - targets: [{_quoted(f'{LOOPBACK}:{plan.alertmanager_port}')}]\n"
     )
 
 

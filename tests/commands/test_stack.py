@@ -98,8 +98,11 @@ def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:
     assert code == 0, err
     directory = tmp_path / "stack"
     config = yaml.safe_load((directory / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
+    job, itself, alertmanager = config["scrape_configs"]
     assert job["job_name"] == "openlora"  # the job the pull-path rules read
+    # Both servers scraped, for the openlora-prometheus and openlora-alertmanager groups.
+    assert itself == {"job_name": "prometheus", "static_configs": [{"targets": ["127.0.0.1:9090"]}]}
+    assert alertmanager == {"job_name": "alertmanager", "static_configs": [{"targets": ["127.0.0.1:9093"]}]}
     assert job["static_configs"] == [{"targets": [f"localhost:{p}" for p in range(9500, 9504)]}]
     assert config["rule_files"] == ["rules/openlora.yml"]
     assert (directory / "rules" / "openlora.yml").read_text() == RULES.read_text()
@@ -160,8 +163,8 @@ def test_file_sd_directory_replaces_the_port_list(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("OPENLORA_PROMETHEUS_FILE_SD_DIR", str(targets))
     code, out, err = run_stack("--dir", str(tmp_path / "stack"))
     assert code == 0, err
-    (job,) = yaml.safe_load((tmp_path / "stack" / "prometheus.yml").read_text())["scrape_configs"]
-    assert "static_configs" not in job
+    job, *_ = yaml.safe_load((tmp_path / "stack" / "prometheus.yml").read_text())["scrape_configs"]
+    assert job["job_name"] == "openlora" and "static_configs" not in job
     assert job["file_sd_configs"] == [{"files": [str(targets.resolve() / "*.json")]}]
     assert f"the ranks registered in {targets}" in out
 
@@ -175,7 +178,7 @@ def test_port_and_host_follow_the_training_processes_settings(
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "0.0.0.0")
     code, _, err = run_stack("--dir", str(tmp_path), "--ranks", "2")
     assert code == 0, err
-    (job,) = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]
+    job, *_ = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]
     host = socket.gethostname()
     assert job["static_configs"] == [{"targets": [f"{host}:9700", f"{host}:9701"]}]
 
