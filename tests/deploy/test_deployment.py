@@ -270,11 +270,21 @@ def test_every_target_is_reachable_from_the_host_network_and_nothing_listens_bey
         for address, host_port in _published(service).values()
         if address in LOOPBACK
     }
+    # Prometheus and Alertmanager, on the host's network, scrape themselves where they listen.
+    listening_on_loopback = {
+        int(argument.rsplit(":", 1)[1])
+        for service in services.values()
+        if service.get("network_mode") == "host"
+        for argument in service.get("command", [])
+        if argument.startswith("--web.listen-address=") and argument.split("=", 1)[1].rsplit(":", 1)[0] in LOOPBACK
+    }
     for job, targets in scrape_targets().items():
         for target in targets:
             host, port = target.rsplit(":", 1)
             assert _addresses(host, int(port)) <= LOOPBACK, f"{job}: {target} is not on the host's loopback"
-            if job != "openlora":  # the training process on the host; every other target is a container
+            if job in ("prometheus", "alertmanager"):  # the stack watching itself
+                assert int(port) in listening_on_loopback, f"{job}: nothing on the host's network listens on {port}"
+            elif job != "openlora":  # the training process on the host; every other target is a container
                 assert int(port) in published_on_loopback, f"{job}: nothing publishes {port} on loopback"
 
     # Services on the host's network get no port mapping: each is told to listen on loopback.
