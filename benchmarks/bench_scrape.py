@@ -157,9 +157,11 @@ def compare(host: bool, rounds: int, scrapes: int, openmetrics: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--scrapes", type=int, default=200)
-    parser.add_argument("--host", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of scrapes per server, alternating (default 5)")
+    parser.add_argument("--scrapes", type=int, default=200, help="scrapes per round (default 200)")
+    parser.add_argument(
+        "--host", choices=("both", "on", "off"), default="both", help="host metrics on, off, or both cases (default both)"
+    )
     parser.add_argument("--openmetrics", action="store_true", help="scrape with Prometheus's OpenMetrics Accept header")
     parser.add_argument("--json", action="store_true", help="also print each case as a JSON line")
     parser.add_argument("--serve", choices=("ours", "reference"), help=argparse.SUPPRESS)
