@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import child_env
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 CHILD_PRELUDE = """
@@ -90,8 +92,6 @@ while not stop and time.monotonic() < deadline:
 def otlp_child_env(endpoint: str, **extra: str) -> dict[str, str]:
     """A child's environment that pushes OTLP to ``endpoint`` (a test's receiver) at a 60 s interval, so
     that what arrives is the final export; ``extra`` on top."""
-    from tests.support.processes import child_env
-
     return child_env(
         OTEL_METRICS_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
