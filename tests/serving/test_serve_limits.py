@@ -426,11 +426,13 @@ def test_past_the_open_files_limit_a_failed_accept_is_one_warning_per_interval_w
             # Until the second interval's warning (bounded): a loaded machine may turn the loop slowly.
             wait_until(lambda: len(warnings()) >= 2, 15, "two warnings", interval=0.05)
             elapsed = time.monotonic() - started
+            # What was logged while serving: at shutdown asyncio's pending accept retries fire on the
+            # closed listener and log on their own, which is not what this test is about.
+            records = warnings()
     finally:
         server.server.should_exit = True
         thread.join(10)
         listener.close()
-    records = warnings()
     # One warning per interval at most, whatever the thousands of failed accepts in between.
     assert 2 <= len(records) <= elapsed / 1.0 + 2, (len(records), elapsed, [r.getMessage()[:200] for r in records[:3]])
     gaps = [later.created - earlier.created for earlier, later in itertools.pairwise(records)]
