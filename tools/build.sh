@@ -7,9 +7,12 @@
 #   alertmanager     build/bin/alertmanager, amtool   Alertmanager v0.35.0
 #   victoriametrics  build/bin/victoria-metrics, vmalert   VictoriaMetrics v1.151.0 (single node) and its
 #                                                 rule evaluator
+#   thanos           build/bin/thanos             Thanos v0.40.1 (sidecar, store, query, receive, rule,
+#                                                 compact, tools: one binary)
+#   cortex           build/bin/cortex             Cortex v1.21.1 (single binary, -target=all)
 #
-# Usage: tools/build.sh [--regenerate] [collector|prometheus|alertmanager|victoriametrics ...]
-#   With no name, all four. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
+# Usage: tools/build.sh [--regenerate] [collector|prometheus|alertmanager|victoriametrics|thanos|cortex ...]
+#   With no name, all six. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
 #   collector/otelcol-openlora/); --regenerate first reruns the Collector Builder (ocb v0.165.0) on
 #   collector/otelcol-openlora/manifest.yaml, after a change of components or release.
 #   OPENLORA_BIN_DIR: where the binaries go (default build/bin). Go's module and build caches
@@ -31,12 +34,12 @@ targets=()
 for arg in "$@"; do
     case $arg in
         --regenerate) regenerate=1 ;;
-        collector | prometheus | alertmanager | victoriametrics) targets+=("$arg") ;;
-        -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, prometheus, alertmanager, victoriametrics)" >&2; exit 2 ;;
+        collector | prometheus | alertmanager | victoriametrics | thanos | cortex) targets+=("$arg") ;;
+        -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, prometheus, alertmanager, victoriametrics, thanos, cortex)" >&2; exit 2 ;;
     esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(collector prometheus alertmanager victoriametrics)
+[ ${#targets[@]} -gt 0 ] || targets=(collector prometheus alertmanager victoriametrics thanos cortex)
 
 # The version of module $2 in the go.mod of directory $1, and the directory Go unpacked it into.
 module_version() { (cd "$1" && go list -m -f '{{.Version}}' "$2"); }
@@ -113,6 +116,39 @@ build_victoriametrics() {
         (cd "$dir" && go build -ldflags "-s -w -X $module/lib/buildinfo.Version=$app-$version" \
             -o "$out/$app" "$module/app/$app")
     done
+}
+
+# Build command $3 of module $2, pinned in tools/$1/go.mod, inside a copy of the module's download (its
+# own go.mod and go.sum pin every dependency): its go.mod has replace directives, which hold only in the
+# main module, so neither `go install module@version` nor a requiring module builds it as released.
+# The copy is build/src/<name>-<version>; $4 the ldflags.
+build_in_module_copy() {
+    local dir=$root/tools/$1 module=$2 command=$3 flags=$4
+    local version
+    version=$(module_version "$dir" "$module")
+    local src=$root/build/src/$1-$version
+    if [ ! -f "$src/.openlora-copy" ]; then
+        rm -rf "$src"
+        mkdir -p "$(dirname "$src")"
+        cp -R "$(module_dir "$dir" "$module")" "$src"
+        chmod -R u+w "$src"
+        touch "$src/.openlora-copy"
+    fi
+    (cd "$src" && go build -ldflags "$flags" -o "$out/$(basename "$command")" "./$command")
+}
+
+build_thanos() {
+    local module=github.com/thanos-io/thanos version
+    version=$(module_version "$root/tools/thanos" "$module")
+    build_in_module_copy thanos "$module" cmd/thanos "$(common_version_flags "${version#v}" "$module@$version")"
+}
+
+build_cortex() {
+    # Cortex sets github.com/prometheus/common/version from variables of its main package.
+    local module=github.com/cortexproject/cortex version
+    version=$(module_version "$root/tools/cortex" "$module")
+    build_in_module_copy cortex "$module" cmd/cortex \
+        "-s -w -X main.Version=${version#v} -X main.Revision=$module@$version -X main.Branch=module"
 }
 
 for target in "${targets[@]}"; do
