@@ -121,9 +121,9 @@ build_victoriametrics() {
 # Build command $3 of module $2, pinned in tools/$1/go.mod, inside a copy of the module's download (its
 # own go.mod and go.sum pin every dependency): its go.mod has replace directives, which hold only in the
 # main module, so neither `go install module@version` nor a requiring module builds it as released.
-# The copy is build/src/<name>-<version>; $4 the ldflags.
+# The copy is build/src/<name>-<version>; $4 the ldflags, $5 the build tags its release uses.
 build_in_module_copy() {
-    local dir=$root/tools/$1 module=$2 command=$3 flags=$4
+    local dir=$root/tools/$1 module=$2 command=$3 flags=$4 tags=$5
     local version
     version=$(module_version "$dir" "$module")
     local src=$root/build/src/$1-$version
@@ -134,13 +134,17 @@ build_in_module_copy() {
         chmod -R u+w "$src"
         touch "$src/.openlora-copy"
     fi
-    (cd "$src" && go build -ldflags "$flags" -o "$out/$(basename "$command")" "./$command")
+    (cd "$src" && go build -tags "$tags" -ldflags "$flags" -o "$out/$(basename "$command")" "./$command")
 }
 
+# Thanos and Cortex releases are built with the tags netgo and slicelabels (their .promu.yml and Makefile):
+# without slicelabels, Prometheus' labels package is its string form, which Thanos Query's endpoint code
+# does not expect (it panics reading a ruler's label sets).
 build_thanos() {
     local module=github.com/thanos-io/thanos version
     version=$(module_version "$root/tools/thanos" "$module")
-    build_in_module_copy thanos "$module" cmd/thanos "$(common_version_flags "${version#v}" "$module@$version")"
+    build_in_module_copy thanos "$module" cmd/thanos "$(common_version_flags "${version#v}" "$module@$version")" \
+        "netgo,slicelabels"
 }
 
 build_cortex() {
@@ -148,7 +152,7 @@ build_cortex() {
     local module=github.com/cortexproject/cortex version
     version=$(module_version "$root/tools/cortex" "$module")
     build_in_module_copy cortex "$module" cmd/cortex \
-        "-s -w -X main.Version=${version#v} -X main.Revision=$module@$version -X main.Branch=module"
+        "-s -w -X main.Version=${version#v} -X main.Revision=$module@$version -X main.Branch=module" "netgo,slicelabels"
 }
 
 for target in "${targets[@]}"; do

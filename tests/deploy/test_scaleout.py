@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import re
-import shlex
 import shutil
 import subprocess
 import time
@@ -41,6 +40,7 @@ from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess as Server
 from tests.support.ranks import FAST_S, SLOW_S, Ranks, write_rules
 from tests.support.real_parts import debian, missing
+from tests.support.shipped import rewrite_args, shipped_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -56,28 +56,6 @@ def binary(name: str, package: str) -> str:
 
 
 # -- the shipped files, rewritten for loopback and temp dirs ------------------------------------
-
-
-def shipped_args(path: Path) -> list[str]:
-    """The ARGS="..." command line of a shipped /etc/default file."""
-    match = re.search(r'^ARGS="(.*)"$', path.read_text(), re.M)
-    assert match, f"{path} has no ARGS line"
-    return shlex.split(match.group(1))
-
-
-def rewrite_args(args: list[str], values: dict[str, str]) -> list[str]:
-    """Replace the values of the flags named as spelled (``--config.file``, ``-storageDataPath``);
-    each must be in the shipped line, so a renamed flag fails here, not silently."""
-    out, seen = [], set()
-    for arg in args:
-        flag = arg.partition("=")[0]
-        if flag in values:
-            out.append(f"{flag}={values[flag]}")
-            seen.add(flag)
-        else:
-            out.append(arg)
-    assert seen == set(values), f"flags not in the shipped line: {set(values) - seen}"
-    return out
 
 
 def loopback(url: str, port: int) -> str:

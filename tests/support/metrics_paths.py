@@ -10,7 +10,12 @@
 - ``gateway``: the processes push OTLP to a Collector running deploy/collector/agent.yaml, which
   forwards it over OTLP gRPC to one running deploy/collector/gateway.yaml, which remote-writes to
   Prometheus (its remote-write receiver on, evaluating the rules) or, ``major`` 0, to
-  VictoriaMetrics 1.151 with vmalert evaluating them.
+  VictoriaMetrics 1.151 with vmalert evaluating them; ``"thanos"``: to Thanos Receive (two receivers,
+  replication 2), Thanos Ruler evaluating the rules, queried through Thanos Query; ``"cortex"``: to
+  Cortex, its ruler evaluating them.
+- ``pull`` with ``"thanos"``: the sidecar shape, a Prometheus 3 scraping the processes and evaluating
+  the rules, queried through Thanos Query over its sidecar and a store gateway
+  (tests/support/long_term_stores.py).
 
 On the push paths ``instance`` is the process's ``service.instance.id``: :meth:`MetricsPath.push_env`
 sets one a test can name.
@@ -25,6 +30,7 @@ import yaml
 
 from tests.support.built import built
 from tests.support.collector_server import Collector
+from tests.support.long_term_stores import Cortex, ThanosReceive, ThanosSidecar
 from tests.support.prometheus_server import Prometheus, VictoriaMetrics, prometheus_binary
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -39,6 +45,9 @@ METRIC_PATHS = pytest.mark.parametrize(
         ("gateway", 2),
         ("gateway", 3),
         ("gateway", 0),
+        ("pull", "thanos"),
+        ("gateway", "thanos"),
+        ("gateway", "cortex"),
     ],
     ids=[
         "pull-prometheus2",
@@ -49,6 +58,9 @@ METRIC_PATHS = pytest.mark.parametrize(
         "gateway-prometheus2",
         "gateway-prometheus3",
         "gateway-victoriametrics",
+        "sidecar-thanos",
+        "receive-thanos",
+        "gateway-cortex",
     ],
 )
 PUSH_INTERVAL_MS = "1000"  # the processes' OTLP export interval (the default is 60 s)
@@ -61,7 +73,7 @@ class MetricsPath:
     def __init__(
         self,
         path: str,
-        major: int,
+        major: int | str,
         workdir: Path,
         rule_files: list[str] | None = None,
         collector_overrides: dict | None = None,
@@ -69,8 +81,13 @@ class MetricsPath:
         """``collector_overrides``: a config fragment merged over the Collector's shipped one (the
         ``collector`` path), such as a shorter ``metric_expiration``."""
         assert path in ("pull", "collector", "otlp", "gateway"), path
+        assert major in (2, 3, 0) or (path, major) in (("pull", "thanos"), ("gateway", "thanos"), ("gateway", "cortex"))
         # Skip (or fail under CI) before anything starts.
-        if major:
+        if major in ("thanos", "cortex"):
+            built(major)
+            if path == "pull":
+                prometheus_binary(3)
+        elif major:
             prometheus_binary(major)
         else:
             built("victoria-metrics")
@@ -81,7 +98,7 @@ class MetricsPath:
         self.collector_overrides = collector_overrides
         self.collector: Collector | None = None  # where the processes push (the agent on the gateway path)
         self.gateway: Collector | None = None
-        self.prometheus: Prometheus | VictoriaMetrics | None = None
+        self.prometheus: Prometheus | VictoriaMetrics | ThanosSidecar | ThanosReceive | Cortex | None = None
 
     def __enter__(self) -> MetricsPath:
         try:
@@ -112,7 +129,11 @@ class MetricsPath:
                     blocks={"otlp": shipped["otlp"], "storage": shipped["storage"]},
                 )
             elif self.path == "gateway":
-                if self.major:
+                if self.major == "thanos":
+                    self.prometheus = ThanosReceive(self.workdir, self.rule_files)
+                elif self.major == "cortex":
+                    self.prometheus = Cortex(self.workdir, self.rule_files)
+                elif self.major:
                     self.prometheus = Prometheus(
                         self.workdir,
                         [],
@@ -127,7 +148,9 @@ class MetricsPath:
                     ROOT / "deploy" / "collector" / "gateway.yaml",
                     name="gateway",
                     env={
-                        "OPENLORA_REMOTE_WRITE_URL": f"{self.prometheus.url}/api/v1/write",
+                        "OPENLORA_REMOTE_WRITE_URL": getattr(
+                            self.prometheus, "write_url", f"{self.prometheus.url}/api/v1/write"
+                        ),
                         "OPENLORA_REMOTE_WRITE_AUTHORIZATION": "",
                     },
                 )
@@ -165,9 +188,11 @@ class MetricsPath:
         """The environment that sends a process's metrics this way (push paths): :func:`push_env`."""
         return push_env(self.otlp_endpoint, instance)
 
-    def scrape(self, targets: list[str]) -> Prometheus | VictoriaMetrics:
-        """The Prometheus holding the metrics: on the pull path started now, scraping ``targets``."""
-        if self.prometheus is None:
+    def scrape(self, targets: list[str]) -> Prometheus | VictoriaMetrics | ThanosSidecar | ThanosReceive | Cortex:
+        """The store holding the metrics: on the pull path started now, scraping ``targets``."""
+        if self.prometheus is None and self.major == "thanos":
+            self.prometheus = ThanosSidecar(self.workdir, targets, self.rule_files)
+        elif self.prometheus is None:
             self.prometheus = Prometheus(self.workdir, targets, rule_files=self.rule_files, major=self.major)
         return self.prometheus
 

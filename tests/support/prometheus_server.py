@@ -51,7 +51,34 @@ def promtool(*args: str, major: int = 2, cwd: Path | None = None) -> subprocess.
     return subprocess.run([binary, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
-class ServerProcess:
+class PrometheusApi:
+    """Prometheus' HTTP API at ``url`` (the path before ``/api/v1``): Prometheus itself, VictoriaMetrics,
+    Thanos Query, Cortex (``/prometheus``)."""
+
+    url: str
+
+    def get(self, path: str, **params: str | list[str]) -> dict:
+        url = f"{self.url}{path}?" + urllib.parse.urlencode(params, doseq=True)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+
+    def query(self, expr: str) -> list[dict]:
+        """Instant query; the ``result`` list of the HTTP API."""
+        body = self.get("/api/v1/query", query=expr)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 20.0) -> list[dict]:
+        """Poll (bounded) until ``expr`` returns at least one series."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.25)
+
+
+class ServerProcess(PrometheusApi):
     """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
 
     def __init__(
@@ -97,26 +124,6 @@ class ServerProcess:
         self._log_handle = self.log.open("ab")
         self._start()
 
-    def get(self, path: str, **params: str | list[str]) -> dict:
-        url = f"{self.url}{path}?" + urllib.parse.urlencode(params, doseq=True)
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.load(response)
-
-    def query(self, expr: str) -> list[dict]:
-        """Instant query; the ``result`` list of the HTTP API."""
-        body = self.get("/api/v1/query", query=expr)
-        assert body["status"] == "success", body
-        return body["data"]["result"]
-
-    def wait_for(self, expr: str, timeout: float = 20.0) -> list[dict]:
-        """Poll (bounded) until ``expr`` returns at least one series."""
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(expr)
-            if result or time.monotonic() > deadline:
-                return result
-            time.sleep(0.25)
-
     def stop(self) -> None:
         if self._process.poll() is None:
             self._process.terminate()
@@ -141,10 +148,12 @@ class Prometheus(ServerProcess):
         extra_args: tuple[str, ...] = (),
         honor_labels: bool = False,
         blocks: dict | None = None,
+        external_labels: dict[str, str] | None = None,
     ) -> None:
         """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs;
         ``honor_labels`` as the scrape job of a Collector's exporter has it. ``blocks``: more top-level
-        sections of the config (``otlp``, ``storage``), as YAML would give them."""
+        sections of the config (``otlp``, ``storage``), as YAML would give them; ``external_labels``
+        those of the ``global`` section (a Thanos sidecar needs some)."""
         port = free_port()
         config = workdir / "prometheus.yml"
         target_list = ", ".join(f'"{t}"' for t in targets)
@@ -153,6 +162,11 @@ class Prometheus(ServerProcess):
             f"  scrape_interval: {scrape_interval}\n"
             f"  scrape_timeout: {scrape_interval}\n"
             f"  evaluation_interval: {scrape_interval}\n"
+            + (
+                "  external_labels:\n" + "".join(f'    {k}: "{v}"\n' for k, v in external_labels.items())
+                if external_labels
+                else ""
+            )
             + ("rule_files:\n" + "".join(f"  - {path}\n" for path in rule_files) if rule_files else "")
             + "scrape_configs:\n"
             f"  - job_name: {job}\n"
