@@ -134,11 +134,12 @@ def test_every_alert_is_routed_by_its_severity_and_grouped_by_run() -> None:
 
 def test_every_per_run_alert_carries_the_run_labels_the_config_groups_and_inhibits_by() -> None:
     # An alert that names no run could neither be grouped per run nor inhibited by its run's
-    # critical alert; the collector's own alerts, and those of the monitoring itself (Prometheus and
-    # Alertmanager: the openlora-prometheus and openlora-alertmanager groups), are the only ones without a run.
+    # critical alert; the collector's own alerts, and those of the monitoring itself (Prometheus,
+    # Alertmanager and Thanos: the openlora-prometheus, openlora-alertmanager and openlora-thanos
+    # groups), are the only ones without a run.
     for rule in alert_rules():
         expr = rule["expr"]
-        if rule["alert"].startswith(("OpenloraCollector", "OpenloraPrometheus", "OpenloraAlertmanager")):
+        if rule["alert"].startswith(("OpenloraCollector", "OpenloraPrometheus", "OpenloraAlertmanager", "OpenloraThanos")):
             assert "openlora_run" not in expr
         elif "group_left (openlora_run_id, openlora_run_name) instance:openlora_run:current" in expr:
             assert expr.rstrip().endswith("instance:openlora_run:current"), rule["alert"]

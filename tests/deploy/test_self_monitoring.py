@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.alerts import firing, shortened_rules
 from tests.support.built import built
 from tests.support.polling import wait_until
 from tests.support.processes import free_port
@@ -24,7 +25,6 @@ from tests.support.prometheus_server import PROMETHEUS_MAJORS, ServerProcess, pr
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
 SELF_GROUPS = ("openlora-prometheus", "openlora-alertmanager")
 SHORT_FOR = "2s"
 
@@ -45,22 +45,8 @@ groups:
 """
 
 
-def shortened_rules() -> dict:
-    """The shipped self-monitoring groups with every ``for`` at SHORT_FOR, and nothing else changed."""
-    shipped = [g for g in yaml.safe_load(RULES.read_text())["groups"] if g["name"] in SELF_GROUPS]
-    copy = yaml.safe_load(yaml.safe_dump(shipped))
-    for group in copy:
-        for rule in group["rules"]:
-            if "for" in rule:
-                rule["for"] = SHORT_FOR
-    for original, short in zip(shipped, copy, strict=True):
-        for a, b in zip(original["rules"], short["rules"], strict=True):
-            assert {k: v for k, v in a.items() if k != "for"} == {k: v for k, v in b.items() if k != "for"}
-    return {"groups": copy}
-
-
 def test_the_test_copy_differs_from_the_shipped_rules_only_in_for() -> None:
-    copy = shortened_rules()["groups"]
+    copy = shortened_rules(SELF_GROUPS, SHORT_FOR)["groups"]
     assert [g["name"] for g in copy] == list(SELF_GROUPS)
     assert all(rule.get("for", SHORT_FOR) == SHORT_FOR for g in copy for rule in g["rules"])
 
@@ -94,22 +80,11 @@ def _alertmanager() -> str:
     return shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or built("alertmanager")
 
 
-def firing(prometheus: ServerProcess) -> dict[str, list[dict]]:
-    """The firing alerts of /api/v1/alerts, by name."""
-    body = prometheus.get("/api/v1/alerts")
-    assert body["status"] == "success", body
-    alerts: dict[str, list[dict]] = {}
-    for alert in body["data"]["alerts"]:
-        if alert["state"] == "firing":
-            alerts.setdefault(alert["labels"]["alertname"], []).append(alert)
-    return alerts
-
-
 @PROMETHEUS_MAJORS
 def test_rule_remote_write_and_notification_faults_fire_and_notifications_resolve(
     tmp_path: Path, major: int
 ) -> None:
-    (tmp_path / "self.yml").write_text(yaml.safe_dump(shortened_rules(), sort_keys=False))
+    (tmp_path / "self.yml").write_text(yaml.safe_dump(shortened_rules(SELF_GROUPS, SHORT_FOR), sort_keys=False))
     (tmp_path / "faults.yml").write_text(FAILING_RULES)
     am_port, port, dead_port = free_port(), free_port(), free_port()
     alertmanager = start_alertmanager(tmp_path, am_port)

@@ -29,7 +29,7 @@ CORTEX = ROOT / "deploy" / "cortex" / "cortex.yaml"
 EVALUATION = "1s"  # the tests' evaluation and scrape interval; the shipped 15 s would only slow them
 
 
-def _bucket(workdir: Path) -> Path:
+def bucket_config(workdir: Path) -> Path:
     """deploy/thanos/bucket.yml with its directory in ``workdir``."""
     config = yaml.safe_load((THANOS / "bucket.yml").read_text())
     config["config"]["directory"] = str(workdir / "bucket")
@@ -38,15 +38,17 @@ def _bucket(workdir: Path) -> Path:
     return path
 
 
-def _thanos(name: str, component: str, workdir: Path, values: dict, ready: str = "/-/ready") -> ServerProcess:
+def thanos_component(
+    name: str, component: str, workdir: Path, values: dict, extra: tuple[str, ...] = ()
+) -> ServerProcess:
     """``thanos <component>`` with the shipped ARGS of deploy/thanos/<component>.default, ``values``
-    replacing the flags named; its HTTP port is that of ``--http-address``."""
+    replacing the flags named and ``extra`` added; its HTTP port is that of ``--http-address``."""
     port = int(str(values["--http-address"]).rsplit(":", 1)[1])
     argv = [built("thanos"), component, *rewrite_args(shipped_args(THANOS / f"{component}.default"), values)]
-    return ServerProcess(name, [*argv, "--log.level=warn"], port, workdir, ready)
+    return ServerProcess(name, [*argv, *extra, "--log.level=warn"], port, workdir, "/-/ready")
 
 
-def _wait_for_stores(query: ServerProcess, count: int, timeout: float = 30.0) -> None:
+def wait_for_stores(query: ServerProcess, count: int, timeout: float = 30.0) -> None:
     """Until Thanos Query has ``count`` healthy stores (it finds its endpoints some seconds after it
     is ready)."""
 
@@ -68,7 +70,7 @@ class ThanosReceive(PrometheusApi):
         self.receivers: list[ServerProcess] = []
         self.ruler: ServerProcess | None = None
         try:
-            bucket = _bucket(workdir)
+            bucket = bucket_config(workdir)
             grpc = [free_port() for _ in range(2)]
             hashring = workdir / "hashring.json"
             hashring.write_text(f'[{{"endpoints": ["127.0.0.1:{grpc[0]}", "127.0.0.1:{grpc[1]}"]}}]')
@@ -77,7 +79,7 @@ class ThanosReceive(PrometheusApi):
                 write = free_port()
                 self.write_ports.append(write)
                 self.receivers.append(
-                    _thanos(
+                    thanos_component(
                         f"thanos-receive-{replica}",
                         "receive",
                         workdir,
@@ -99,7 +101,7 @@ class ThanosReceive(PrometheusApi):
             if rule_files:
                 ruler_grpc = free_port()
                 endpoints.append(f"127.0.0.1:{ruler_grpc}")
-                self.ruler = _thanos(
+                self.ruler = thanos_component(
                     "thanos-rule",
                     "rule",
                     workdir,
@@ -117,7 +119,7 @@ class ThanosReceive(PrometheusApi):
                     },
                 )
                 self.servers.append(self.ruler)
-            self.querier = _thanos(
+            self.querier = thanos_component(
                 "thanos-query",
                 "query",
                 workdir,
@@ -129,7 +131,7 @@ class ThanosReceive(PrometheusApi):
             )
             self.servers.append(self.querier)
             self.url = self.querier.url
-            _wait_for_stores(self.querier, len(endpoints))
+            wait_for_stores(self.querier, len(endpoints))
         except BaseException:
             self.stop()
             raise
@@ -158,7 +160,7 @@ class ThanosSidecar(PrometheusApi):
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
         try:
-            bucket = _bucket(workdir)
+            bucket = bucket_config(workdir)
             self.prometheus = Prometheus(
                 workdir,
                 targets,
@@ -169,7 +171,7 @@ class ThanosSidecar(PrometheusApi):
             )
             self.servers.append(self.prometheus)
             sidecar_grpc, store_grpc = free_port(), free_port()
-            self.sidecar = _thanos(
+            self.sidecar = thanos_component(
                 "thanos-sidecar",
                 "sidecar",
                 workdir,
@@ -182,7 +184,7 @@ class ThanosSidecar(PrometheusApi):
                 },
             )
             self.servers.append(self.sidecar)
-            self.store = _thanos(
+            self.store = thanos_component(
                 "thanos-store",
                 "store",
                 workdir,
@@ -194,7 +196,7 @@ class ThanosSidecar(PrometheusApi):
                 },
             )
             self.servers.append(self.store)
-            self.querier = _thanos(
+            self.querier = thanos_component(
                 "thanos-query",
                 "query",
                 workdir,
@@ -206,7 +208,7 @@ class ThanosSidecar(PrometheusApi):
             )
             self.servers.append(self.querier)
             self.url = self.querier.url
-            _wait_for_stores(self.querier, 2)
+            wait_for_stores(self.querier, 2)
         except BaseException:
             self.stop()
             raise
