@@ -5,7 +5,7 @@
 #                       chromium and fonts-liberation; installed with apt-get when one is missing
 #                       (through sudo when not run as root)
 #   build/bin           tools/build.sh: our Collector, Prometheus 3, Alertmanager 0.35, VictoriaMetrics
-#                       1.151 and vmalert, from the Go module proxy (needs Go)
+#                       1.151 and vmalert, Thanos 0.40.1, Cortex 1.21.1, from the Go module proxy (needs Go)
 #   .venv-aiperf        AIPerf, pinned, from PyPI, in a virtual environment of its own
 #
 # Usage: tools/setup-real-parts.sh   (from anywhere; no arguments). .ci/run runs it first. Each part is
@@ -40,7 +40,7 @@ dpkg-query -W victoria-metrics 2>/dev/null || true
 dpkg-query -W chromium 2>/dev/null || true
 
 # From the Go module proxy, pinned (tools/build.sh): our Collector distribution, Prometheus 3 and its
-# promtool, Alertmanager 0.35 and amtool, VictoriaMetrics 1.151, into build/bin. Go's module and build
+# promtool, Alertmanager 0.35 and amtool, VictoriaMetrics 1.151, Thanos and Cortex, into build/bin. Go's module and build
 # caches are reused when the machine has them (a rebuild then takes seconds per binary).
 go version
 started=$SECONDS
