@@ -117,6 +117,10 @@ class ServerProcess(PrometheusApi):
                 raise RuntimeError(f"{self.name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
             time.sleep(0.2)
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
     def kill(self) -> None:
         """SIGKILL, as a crash or the OOM killer would: nothing is flushed. :meth:`restart` starts it again."""
         if self._process.poll() is None:
@@ -156,11 +160,13 @@ class Prometheus(ServerProcess):
         honor_labels: bool = False,
         blocks: dict | None = None,
         external_labels: dict[str, str] | None = None,
+        evaluation_interval: str | None = None,
     ) -> None:
         """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs;
         ``honor_labels`` as the scrape job of a Collector's exporter has it. ``blocks``: more top-level
         sections of the config (``otlp``, ``storage``), as YAML would give them; ``external_labels``
-        those of the ``global`` section (a Thanos sidecar needs some)."""
+        those of the ``global`` section (a Thanos sidecar needs some); ``evaluation_interval`` that of the
+        rules (the scrape interval unless given)."""
         port = free_port()
         config = workdir / "prometheus.yml"
         target_list = ", ".join(f'"{t}"' for t in targets)
@@ -168,7 +174,7 @@ class Prometheus(ServerProcess):
             "global:\n"
             f"  scrape_interval: {scrape_interval}\n"
             f"  scrape_timeout: {scrape_interval}\n"
-            f"  evaluation_interval: {scrape_interval}\n"
+            f"  evaluation_interval: {evaluation_interval or scrape_interval}\n"
             + (
                 "  external_labels:\n" + "".join(f'    {k}: "{v}"\n' for k, v in external_labels.items())
                 if external_labels

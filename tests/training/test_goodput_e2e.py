@@ -102,3 +102,59 @@ def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_pa
     assert report.returncode == 0, report.stderr
     assert "Where the time went (2 attempts" in report.stdout, report.stdout
     assert f"attempt 2: {STOP_AT - CHECKPOINT_EVERY} steps lost" in report.stdout, report.stdout
+
+
+# A process the goodput copies must not miss: it answers two scrapes (1 s apart) between two
+# evaluations (30 s apart) and is gone. Its seconds and lost steps were booked by then.
+SHORT_ATTEMPT = b"""\
+# TYPE target_info gauge
+target_info{openlora_run_id="short-attempt",openlora_run_attempt="2"} 1
+# TYPE openlora_training_time_seconds_total counter
+openlora_training_time_seconds_total{openlora_training_phase="lost_progress"} 40
+openlora_training_time_seconds_total{openlora_training_phase="productive"} 3
+# TYPE openlora_training_steps_lost_total counter
+openlora_training_steps_lost_total 4
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("major", [2, 3], ids=["prometheus2", "prometheus3"])
+def test_an_attempt_that_lived_between_two_evaluations_still_counts(tmp_path: Path, major: int) -> None:
+    """A resumed attempt that redid its lost steps and ended within a few seconds, its last scrape gone
+    stale before the next evaluation: the copies read the last minute at 1 s steps, so its seconds and
+    lost steps count (a loaded CI machine once lost them in the test above)."""
+    import http.server
+    import threading
+
+    from tests.support.polling import wait_until
+    from tests.support.prometheus_server import Prometheus
+
+    class Target(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(SHORT_ATTEMPT)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Target)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prometheus = Prometheus(
+        tmp_path, [f"127.0.0.1:{server.server_address[1]}"], rule_files=[str(RULES)], major=major,
+        evaluation_interval="30s",
+    )  # fmt: skip
+    try:
+        # Up for two scrapes, then gone: its series go stale a second later.
+        assert wait_until(lambda: prometheus.query("count_over_time(up[1m]) >= 2"), 30), prometheus.query("up")
+        server.shutdown()
+        server.server_close()
+        run = 'openlora_run_id="short-attempt"'
+        lost = prometheus.wait_for(f'run:openlora_training_time_seconds:increase1h{{{run}, openlora_training_phase="lost_progress"}}', 70)
+        assert [float(s["value"][1]) for s in lost] == [40.0], lost
+        steps = prometheus.wait_for(f"run:openlora_training_steps_lost:increase1h{{{run}}}", 20)
+        assert [float(s["value"][1]) for s in steps] == [4.0], steps
+    finally:
+        prometheus.stop()
+        server.server_close()
