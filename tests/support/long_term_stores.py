@@ -64,7 +64,9 @@ class ThanosReceive(PrometheusApi):
     """The Receive shape of docs/how-to/beyond-one-prometheus.md. Remote write goes to
     :attr:`write_url` (receiver 0, which forwards to receiver 1); queries to Thanos Query."""
 
-    def __init__(self, workdir: Path, rule_files: list[str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, rule_files: list[str] | None = None, evaluation_interval: str = EVALUATION
+    ) -> None:
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
         self.receivers: list[ServerProcess] = []
@@ -108,7 +110,7 @@ class ThanosReceive(PrometheusApi):
                     {
                         "--data-dir": str(workdir / "rule"),
                         "--rule-file": rule_files,
-                        "--eval-interval": EVALUATION,
+                        "--eval-interval": evaluation_interval,
                         "--query": f"http://127.0.0.1:{query_http}",
                         # Alerts are not under test here (tests/deploy/test_long_term_stores.py sends them).
                         "--alertmanagers.url": f"http://127.0.0.1:{free_port()}",
@@ -225,9 +227,11 @@ class ThanosSidecar(PrometheusApi):
 class Cortex(PrometheusApi):
     """deploy/cortex/cortex.yaml on loopback with its directories in ``workdir``: remote write at
     :attr:`write_url`, PromQL at ``/prometheus``; ``rule_files`` go to its local rule store for
-    tenant ``fake`` and are evaluated every second."""
+    tenant ``fake`` and are evaluated every ``evaluation_interval``."""
 
-    def __init__(self, workdir: Path, rule_files: list[str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, rule_files: list[str] | None = None, evaluation_interval: str = EVALUATION
+    ) -> None:
         config = yaml.safe_load(CORTEX.read_text())
         data = workdir / "cortex"
         http, grpc = free_port(), free_port()
@@ -239,7 +243,7 @@ class Cortex(PrometheusApi):
         config["blocks_storage"]["bucket_store"]["sync_dir"] = str(data / "tsdb-sync")
         config["compactor"]["data_dir"] = str(data / "compactor")
         config["ruler"].update(
-            evaluation_interval=EVALUATION,
+            evaluation_interval=evaluation_interval,
             alertmanager_url=f"{local}/alertmanager",
             rule_path=str(data / "ruler"),
         )

@@ -77,9 +77,11 @@ class MetricsPath:
         workdir: Path,
         rule_files: list[str] | None = None,
         collector_overrides: dict | None = None,
+        evaluation_interval: str = "1s",
     ) -> None:
         """``collector_overrides``: a config fragment merged over the Collector's shipped one (the
-        ``collector`` path), such as a shorter ``metric_expiration``."""
+        ``collector`` path), such as a shorter ``metric_expiration``; ``evaluation_interval``: the
+        rules' on Thanos Ruler and Cortex's ruler (benchmarks/bench_scale_out.py sets the shipped 15 s)."""
         assert path in ("pull", "collector", "otlp", "gateway"), path
         assert major in (2, 3, 0) or (path, major) in (("pull", "thanos"), ("gateway", "thanos"), ("gateway", "cortex"))
         # Skip (or fail under CI) before anything starts.
@@ -96,6 +98,7 @@ class MetricsPath:
             built("otelcol-openlora")
         self.path, self.major, self.workdir, self.rule_files = path, major, workdir, rule_files
         self.collector_overrides = collector_overrides
+        self.evaluation_interval = evaluation_interval
         self.collector: Collector | None = None  # where the processes push (the agent on the gateway path)
         self.gateway: Collector | None = None
         self.prometheus: Prometheus | VictoriaMetrics | ThanosSidecar | ThanosReceive | Cortex | None = None
@@ -130,9 +133,9 @@ class MetricsPath:
                 )
             elif self.path == "gateway":
                 if self.major == "thanos":
-                    self.prometheus = ThanosReceive(self.workdir, self.rule_files)
+                    self.prometheus = ThanosReceive(self.workdir, self.rule_files, self.evaluation_interval)
                 elif self.major == "cortex":
-                    self.prometheus = Cortex(self.workdir, self.rule_files)
+                    self.prometheus = Cortex(self.workdir, self.rule_files, self.evaluation_interval)
                 elif self.major:
                     self.prometheus = Prometheus(
                         self.workdir,

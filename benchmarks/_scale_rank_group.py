@@ -1,0 +1,117 @@
+"""Many simulated training ranks in one process, for bench_scale_out.py: each a whole Telemetry of its own.
+
+Run by the benchmark, never by hand. A real rank is one process with one ``setup_telemetry()``; a
+thousand processes do not fit a small machine, so this process builds, for each of its ranks, what
+``setup_telemetry()`` builds (the configuration from that rank's environment as torchrun would set
+it, ``build_provider``: its Resource with run and rank identity, the views, the real OTLP exporter
+pushing every ``OTEL_METRIC_EXPORT_INTERVAL``) and a ``Telemetry`` on it with a fake NVML of the
+node's 8 GPUs (tests/support/fake_nvml.py). Only the global provider and the SIGTERM handler are left
+out (one per process). Host metrics are off: they would be this process's, not a rank's.
+
+Every ``--step-s`` each rank records what a LoRA fine-tune records (bench_cluster_sizing's
+_sizing_rank.py does the same for one rank): a step with loss, grad norm, learning rate, tokens and
+samples, the epoch, an evaluation every 40 steps; its GPUs' readings move. It stops after
+``--max-s`` or when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from openlora_otel.config import TelemetryConfig  # noqa: E402
+from openlora_otel.provider import build_provider  # noqa: E402
+from openlora_otel.telemetry import Telemetry  # noqa: E402
+from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
+
+GPUS_PER_NODE = 8
+EVAL_EVERY = 40
+
+
+def start_rank(rank: int, world_size: int, base_env: dict[str, str]) -> tuple[Telemetry, list]:
+    env = {
+        **base_env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % GPUS_PER_NODE),
+        "GROUP_RANK": str(rank // GPUS_PER_NODE),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(GPUS_PER_NODE),
+        "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id=rank-{rank},host.name=node-{rank // GPUS_PER_NODE}",
+        "OPENLORA_HOST_METRICS": "false",
+        "OPENLORA_GPU_METRICS": "on",
+        "OPENLORA_QUIET": "true",
+    }
+    config = TelemetryConfig.from_env(env)
+    gpus = h100s(GPUS_PER_NODE)
+    gpus[rank % GPUS_PER_NODE].processes[os.getpid()] = 20 * 2**30
+    fake = FakeNvml(gpus)
+    fake.init()
+    provider, prometheus, readers = build_provider(config, None, [])
+    telemetry = Telemetry(
+        config=config,
+        meter_provider=provider,
+        resource=provider._sdk_config.resource,
+        owns_provider=True,
+        prometheus=prometheus,
+        readers=readers,
+        nvml=fake,
+    )
+    telemetry.set_run_info(hyperparameters={"learning_rate": 2e-4, "lora_r": 16})
+    telemetry.training.set_adapter(r=16, alpha=32, dropout=0.05, target_modules=["q_proj", "v_proj"],
+                                   trainable_params=4_194_304, total_params=7_000_000_000)  # fmt: skip
+    return telemetry, gpus
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--first-rank", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument("--max-s", type=float, default=900.0)
+    args = parser.parse_args()
+    parent = os.getppid()
+    base_env = {k: v for k, v in os.environ.items() if k.startswith(("OTEL_", "OPENLORA_"))}
+    ranks = [
+        start_rank(rank, args.world_size, base_env) for rank in range(args.first_rank, args.first_rank + args.count)
+    ]
+    print(f"ready {args.count}", flush=True)
+    started = time.monotonic()
+    step = 0
+    try:
+        while time.monotonic() - started < args.max_s and os.getppid() == parent:
+            time.sleep(args.step_s)
+            step += 1
+            for offset, (telemetry, gpus) in enumerate(ranks):
+                phase = step / 10.0 + args.first_rank + offset
+                for gpu in gpus:
+                    gpu.utilization = 0.8 + 0.15 * math.sin(phase + gpu.index)
+                    gpu.power_w = 550.0 + 100.0 * math.sin(phase + 1.0)
+                    gpu.energy_j += gpu.power_w * args.step_s
+                    gpu.temperature_c = 65.0 + 5.0 * math.sin(phase / 3.0)
+                training = telemetry.training
+                training.record_step(
+                    loss=2.0 / math.sqrt(step) + 0.01 * math.sin(phase),
+                    grad_norm=1.0 + 0.2 * math.sin(phase * 1.7),
+                    learning_rate=2e-4 * min(1.0, step / 100.0),
+                    tokens=8 * 2048,
+                    samples=8,
+                    step_time_s=args.step_s,
+                )
+                training.record_epoch(step / 1000.0)
+                if step == 1 or step % EVAL_EVERY == 0:
+                    training.record_eval(loss=2.1 / math.sqrt(step), accuracy=0.5 + step / 10_000.0)
+    finally:
+        for telemetry, _ in ranks:
+            telemetry.shutdown()
+
+
+if __name__ == "__main__":
+    main()
