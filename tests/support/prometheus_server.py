@@ -106,6 +106,7 @@ class ServerProcess(PrometheusApi):
         deadline = time.monotonic() + 30
         while True:
             if self._process.poll() is not None:
+                self._log_handle.close()
                 raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + self._ready_path, timeout=1) as response:
@@ -114,6 +115,10 @@ class ServerProcess(PrometheusApi):
             except OSError:
                 pass
             if time.monotonic() > deadline:
+                # Not left running: the caller never gets a handle to stop it.
+                self._process.kill()
+                reap(self._process, 15)
+                self._log_handle.close()
                 raise RuntimeError(f"{self.name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
             time.sleep(0.2)
 

@@ -104,8 +104,8 @@ def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_pa
     assert f"attempt 2: {STOP_AT - CHECKPOINT_EVERY} steps lost" in report.stdout, report.stdout
 
 
-# A process the goodput copies must not miss: it answers two scrapes (1 s apart) between two
-# evaluations (30 s apart) and is gone. Its seconds and lost steps were booked by then.
+# A process the goodput copies must not miss: it answers two scrapes (1 s apart) right after an
+# evaluation (they are 30 s apart) and is gone. Its seconds and lost steps were booked by then.
 SHORT_ATTEMPT = b"""\
 # TYPE target_info gauge
 target_info{openlora_run_id="short-attempt",openlora_run_attempt="2"} 1
@@ -139,15 +139,23 @@ def test_an_attempt_that_lived_between_two_evaluations_still_counts(tmp_path: Pa
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Target)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = free_port()
     prometheus = Prometheus(
-        tmp_path, [f"127.0.0.1:{server.server_address[1]}"], rule_files=[str(RULES)], major=major,
-        evaluation_interval="30s",
-    )  # fmt: skip
+        tmp_path, [f"127.0.0.1:{port}"], rule_files=[str(RULES)], major=major, evaluation_interval="30s"
+    )
+    server = None
     try:
-        # Up for two scrapes, then gone: its series go stale a second later.
-        assert wait_until(lambda: prometheus.query("count_over_time(up[1m]) >= 2"), 30), prometheus.query("up")
+        # Right after an evaluation of the goodput group the target comes up, answers two scrapes
+        # (1 s apart) and is gone, its series stale, some 25 s before the next evaluation.
+        def last_goodput_evaluation() -> str:
+            groups = prometheus.get("/api/v1/rules")["data"]["groups"]
+            return next(g.get("lastEvaluation", "") for g in groups if g["name"] == "openlora-goodput")
+
+        first = last_goodput_evaluation()
+        assert wait_until(lambda: last_goodput_evaluation() != first, 40), "no evaluation of the goodput group"
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Target)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        assert wait_until(lambda: prometheus.query("sum_over_time(up[1m]) >= 2"), 20), prometheus.query("up")
         server.shutdown()
         server.server_close()
         run = 'openlora_run_id="short-attempt"'
@@ -157,4 +165,5 @@ def test_an_attempt_that_lived_between_two_evaluations_still_counts(tmp_path: Pa
         assert [float(s["value"][1]) for s in steps] == [4.0], steps
     finally:
         prometheus.stop()
-        server.server_close()
+        if server is not None:
+            server.server_close()
