@@ -39,8 +39,10 @@ def test_the_hashring_names_the_receivers_query_reads_with_replication_two() -> 
     assert receive["--receive.replication-factor"] == ["2"] and len(ring["endpoints"]) >= 2
     assert receive["--receive.local-endpoint"][0] in ring["endpoints"]
     assert set(ring["endpoints"]) <= set(flags("query")["--endpoint"])
-    # The Cap'n Proto replication port is set: its default is the same on every receiver of a host.
+    # The Cap'n Proto port is in the shipped line, and its comment says to give each receiver of a host
+    # its own (Thanos always listens on it; tests/support/long_term_stores.py gives each its own).
     assert "--receive.capnproto-address" in receive
+    assert "receivers that share a host need one each" in (THANOS / "receive.default").read_text()
 
 
 def test_every_component_shares_one_bucket_and_no_file_holds_a_credential() -> None:

@@ -64,8 +64,8 @@ def test_a_receiver_killed_and_restarted_loses_no_sample(tmp_path: Path) -> None
             assert receive.wait_for(f"{STEPS} > 0", timeout=60), "nothing reached Thanos Receive"
             start = time.time()
             time.sleep(5)
-            # Receiver 1 is killed (SIGKILL: no flush) while the ranks train; writes to the hashring
-            # need both receivers, so receiver 0 refuses them and Prometheus retries.
+            # Receiver 1 is killed (SIGKILL: no flush) while the ranks train. The write quorum of
+            # replication 2 is 1: receiver 0 takes every write alone, and Prometheus retries nothing.
             receive.receivers[1].kill()
             killed_at = time.time()
             down = wait_until(lambda: "OpenloraThanosComponentDown" in firing(prometheus), 60)

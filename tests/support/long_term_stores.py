@@ -112,7 +112,7 @@ class ThanosReceive(PrometheusApi):
                         "--rule-file": rule_files,
                         "--eval-interval": evaluation_interval,
                         "--query": f"http://127.0.0.1:{query_http}",
-                        # Alerts are not under test here (tests/deploy/test_long_term_stores.py sends them).
+                        # Nothing listens there: alert delivery from the ruler is not under test.
                         "--alertmanagers.url": f"http://127.0.0.1:{free_port()}",
                         "--label": 'rule_replica="0"',
                         "--grpc-address": f"127.0.0.1:{ruler_grpc}",
