@@ -25,6 +25,7 @@ from tests.support import (
 )
 from tests.support.clock import FakeClock
 from tests.support.gpu import CLOCKED, SteppedTime
+from tests.support.order import slow_first_rank
 from tests.support.processes import LAUNCHER_VARIABLES, OWN_PREFIXES
 
 # One OpenMP thread for torch here and in every child: on a loaded 2-core machine two spinning
@@ -248,3 +249,10 @@ def collect(stepped_time: SteppedTime):
         return reader.get_metrics_data()
 
     return run
+
+
+
+# -- order -------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first (tests/support/order.py), the order kept within a file and among the rest."""
+    items.sort(key=lambda item: slow_first_rank(item.nodeid))  # stable

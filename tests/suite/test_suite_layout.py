@@ -73,3 +73,12 @@ def test_the_tests_mirror_the_package_a_folder_per_domain() -> None:
     for folder in set(folders):
         assert folder.parent == TESTS, folder
         assert (folder / "__init__.py").is_file(), folder
+
+
+def test_the_files_run_first_exist() -> None:
+    """tests/support/order.py's SLOW_FILES_FIRST names files that are there (a moved file would
+    silently drop back to the end of the run)."""
+    from tests.support.order import SLOW_FILES_FIRST
+
+    tests = Path(__file__).resolve().parent.parent
+    assert [name for name in SLOW_FILES_FIRST if not (tests / name).is_file()] == []
