@@ -22,7 +22,14 @@ import pytest
 import yaml
 
 from tests.support.alerts import firing, shortened_rules
-from tests.support.long_term_stores import ThanosReceive, bucket_config, thanos_component, wait_for_stores
+from tests.support.long_term_stores import (
+    ThanosReceive,
+    bucket_config,
+    thanos_component,
+    thanos_query,
+    thanos_store,
+    wait_for_stores,
+)
 from tests.support.polling import wait_until
 from tests.support.processes import free_port
 from tests.support.prometheus_server import Prometheus, PrometheusApi, promtool
@@ -221,28 +228,9 @@ def test_an_unwritable_bucket_is_retried_and_a_wiped_tsdb_is_answered_from_the_s
         started.append(prometheus)
         sidecar_values["--prometheus.url"] = prometheus.url
         started.append(thanos_component("thanos-sidecar", "sidecar", tmp_path, sidecar_values))
-        store = thanos_component(
-            "thanos-store",
-            "store",
-            tmp_path,
-            {
-                "--data-dir": str(tmp_path / "store"),
-                "--objstore.config-file": str(bucket),
-                "--grpc-address": f"127.0.0.1:{store_grpc}",
-                "--http-address": f"127.0.0.1:{free_port()}",
-            },
-        )
+        store = thanos_store(tmp_path, bucket, store_grpc)
         started.append(store)
-        query = thanos_component(
-            "thanos-query",
-            "query",
-            tmp_path,
-            {
-                "--http-address": f"127.0.0.1:{free_port()}",
-                "--grpc-address": f"127.0.0.1:{free_port()}",
-                "--endpoint": [f"127.0.0.1:{sidecar_grpc}", f"127.0.0.1:{store_grpc}"],
-            },
-        )
+        query = thanos_query(tmp_path, [f"127.0.0.1:{sidecar_grpc}", f"127.0.0.1:{store_grpc}"])
         started.append(query)
         wait_for_stores(query, 2)
         assert counts(prometheus, f"count_over_time({STEPS}[{window}])", at) == {}

@@ -48,6 +48,35 @@ def thanos_component(
     return ServerProcess(name, [*argv, *extra, "--log.level=warn"], port, workdir, "/-/ready")
 
 
+def thanos_query(workdir: Path, endpoints: list[str], http_port: int | None = None) -> ServerProcess:
+    """Thanos Query (deploy/thanos/query.default) over the StoreAPI ``endpoints``, on ``http_port``."""
+    return thanos_component(
+        "thanos-query",
+        "query",
+        workdir,
+        {
+            "--http-address": f"127.0.0.1:{http_port or free_port()}",
+            "--grpc-address": f"127.0.0.1:{free_port()}",
+            "--endpoint": endpoints,
+        },
+    )
+
+
+def thanos_store(workdir: Path, bucket: Path, grpc_port: int) -> ServerProcess:
+    """A store gateway (deploy/thanos/store.default) over ``bucket``, its StoreAPI on ``grpc_port``."""
+    return thanos_component(
+        "thanos-store",
+        "store",
+        workdir,
+        {
+            "--data-dir": str(workdir / "store"),
+            "--objstore.config-file": str(bucket),
+            "--grpc-address": f"127.0.0.1:{grpc_port}",
+            "--http-address": f"127.0.0.1:{free_port()}",
+        },
+    )
+
+
 def wait_for_stores(query: ServerProcess, count: int, timeout: float = 30.0) -> None:
     """Until Thanos Query has ``count`` healthy stores (it finds its endpoints some seconds after it
     is ready)."""
@@ -121,16 +150,7 @@ class ThanosReceive(PrometheusApi):
                     },
                 )
                 self.servers.append(self.ruler)
-            self.querier = thanos_component(
-                "thanos-query",
-                "query",
-                workdir,
-                {
-                    "--http-address": f"127.0.0.1:{query_http}",
-                    "--grpc-address": f"127.0.0.1:{free_port()}",
-                    "--endpoint": endpoints,
-                },
-            )
+            self.querier = thanos_query(workdir, endpoints, query_http)
             self.servers.append(self.querier)
             self.url = self.querier.url
             wait_for_stores(self.querier, len(endpoints))
@@ -186,28 +206,9 @@ class ThanosSidecar(PrometheusApi):
                 },
             )
             self.servers.append(self.sidecar)
-            self.store = thanos_component(
-                "thanos-store",
-                "store",
-                workdir,
-                {
-                    "--data-dir": str(workdir / "store"),
-                    "--objstore.config-file": str(bucket),
-                    "--grpc-address": f"127.0.0.1:{store_grpc}",
-                    "--http-address": f"127.0.0.1:{free_port()}",
-                },
-            )
+            self.store = thanos_store(workdir, bucket, store_grpc)
             self.servers.append(self.store)
-            self.querier = thanos_component(
-                "thanos-query",
-                "query",
-                workdir,
-                {
-                    "--http-address": f"127.0.0.1:{free_port()}",
-                    "--grpc-address": f"127.0.0.1:{free_port()}",
-                    "--endpoint": [f"127.0.0.1:{sidecar_grpc}", f"127.0.0.1:{store_grpc}"],
-                },
-            )
+            self.querier = thanos_query(workdir, [f"127.0.0.1:{sidecar_grpc}", f"127.0.0.1:{store_grpc}"])
             self.servers.append(self.querier)
             self.url = self.querier.url
             wait_for_stores(self.querier, 2)
