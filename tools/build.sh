@@ -3,6 +3,9 @@
 #
 #   collector        build/bin/otelcol-openlora   our OpenTelemetry Collector distribution
 #                                                 (collector/otelcol-openlora: core v0.165.0, contrib v0.165.1)
+#   collector-lb     build/bin/otelcol-openlora-lb   the agent tier that load-balances over gateways
+#                                                 (collector/otelcol-openlora-lb: core and contrib v0.161.0,
+#                                                 the newest release whose loadbalancing exporter is served)
 #   prometheus       build/bin/prometheus, promtool   Prometheus 3 (module v0.316.0 = Prometheus 3.16.0)
 #   alertmanager     build/bin/alertmanager, amtool   Alertmanager v0.35.0
 #   victoriametrics  build/bin/victoria-metrics, vmalert   VictoriaMetrics v1.151.0 (single node) and its
@@ -11,10 +14,10 @@
 #                                                 compact, tools: one binary)
 #   cortex           build/bin/cortex             Cortex v1.21.1 (single binary, -target=all)
 #
-# Usage: tools/build.sh [--regenerate] [collector|prometheus|alertmanager|victoriametrics|thanos|cortex ...]
-#   With no name, all six. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
-#   collector/otelcol-openlora/); --regenerate first reruns the Collector Builder (ocb v0.165.0) on
-#   collector/otelcol-openlora/manifest.yaml, after a change of components or release.
+# Usage: tools/build.sh [--regenerate] [collector|collector-lb|prometheus|alertmanager|victoriametrics|thanos|cortex ...]
+#   With no name, all seven. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
+#   collector/otelcol-openlora*/); --regenerate first reruns the Collector Builder (ocb of the
+#   distribution's release) on its manifest.yaml, after a change of components or release.
 #   OPENLORA_BIN_DIR: where the binaries go (default build/bin). Go's module and build caches
 #   ($GOMODCACHE, $GOCACHE) are reused between runs: a second build takes seconds per binary.
 #
@@ -27,19 +30,18 @@ out=${OPENLORA_BIN_DIR:-build/bin}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false" GOTOOLCHAIN=local
-OCB_VERSION=v0.165.0
 
 regenerate=0
 targets=()
 for arg in "$@"; do
     case $arg in
         --regenerate) regenerate=1 ;;
-        collector | prometheus | alertmanager | victoriametrics | thanos | cortex) targets+=("$arg") ;;
-        -h | --help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, prometheus, alertmanager, victoriametrics, thanos, cortex)" >&2; exit 2 ;;
+        collector | collector-lb | prometheus | alertmanager | victoriametrics | thanos | cortex) targets+=("$arg") ;;
+        -h | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, collector-lb, prometheus, alertmanager, victoriametrics, thanos, cortex)" >&2; exit 2 ;;
     esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(collector prometheus alertmanager victoriametrics thanos cortex)
+[ ${#targets[@]} -gt 0 ] || targets=(collector collector-lb prometheus alertmanager victoriametrics thanos cortex)
 
 # The version of module $2 in the go.mod of directory $1, and the directory Go unpacked it into.
 module_version() { (cd "$1" && go list -m -f '{{.Version}}' "$2"); }
@@ -59,12 +61,34 @@ timed() {
     echo "built $name in $((SECONDS - started)) s"
 }
 
-build_collector() {
-    local dir=$root/collector/otelcol-openlora
+# A Collector distribution of collector/$1 (the sources ocb generated from its manifest.yaml, with ocb $2),
+# built with plain go build; $3, $4: a module@version to require above what ocb chose, and why.
+build_distribution() {
+    local name=$1 ocb=$2 bump=${3:-}
+    local dir=$root/collector/$name
     if [ "$regenerate" = 1 ]; then
-        (cd "$dir" && go run "go.opentelemetry.io/collector/cmd/builder@$OCB_VERSION" --config manifest.yaml --skip-compilation)
+        if [ -z "$bump" ]; then
+            (cd "$dir" && go run "go.opentelemetry.io/collector/cmd/builder@$ocb" --config manifest.yaml --skip-compilation)
+        else
+            # ocb writes the sources and go.mod, then its `go mod tidy` fails on the refused version; the
+            # bump and a second tidy finish the job (and fail if anything else is missing).
+            rm -f "$dir/go.mod"
+            (cd "$dir" && go run "go.opentelemetry.io/collector/cmd/builder@$ocb" --config manifest.yaml --skip-compilation) \
+                || echo "(ocb's go mod tidy failed as expected without $bump)"
+            [ -f "$dir/go.mod" ] || { echo "tools/build.sh: ocb wrote no $dir/go.mod" >&2; exit 1; }
+            (cd "$dir" && go mod edit -require="$bump" && go mod tidy)
+        fi
     fi
-    (cd "$dir" && go build -ldflags "-s -w" -o "$out/otelcol-openlora" .)
+    (cd "$dir" && go build -ldflags "-s -w" -o "$out/$name" .)
+}
+
+build_collector() { build_distribution otelcol-openlora v0.165.0; }
+
+# The loadbalancing exporter v0.161.0 asks for github.com/aws/aws-sdk-go-v2/service/servicediscovery
+# v1.48.0 (its AWS Cloud Map resolver), which the module proxy refuses; v1.49.0, which it serves, is
+# required instead (same major version, a compatible API: the build checks it).
+build_collector-lb() {
+    build_distribution otelcol-openlora-lb v0.161.0 github.com/aws/aws-sdk-go-v2/service/servicediscovery@v1.49.0
 }
 
 build_prometheus() {

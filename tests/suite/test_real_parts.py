@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import real_parts
+from tests.support.built import TARGETS
 from tests.support.processes import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,3 +157,10 @@ def test_every_part_is_one_the_set_up_command_sets_up() -> None:
         ".venv-aiperf",
     }
     assert os.access(ROOT / real_parts.SETUP, os.X_OK)
+
+
+def test_every_binary_tools_build_makes_names_its_target() -> None:
+    """A missing binary's skip names the tools/build.sh target that builds it: each target is there."""
+    script = (ROOT / "tools" / "build.sh").read_text()
+    (default,) = re.findall(r"\|\| targets=\(([^)]*)\)", script)
+    assert set(TARGETS.values()) == set(default.split())

@@ -16,12 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 # binary -> the tools/build.sh target that builds it
 TARGETS = {
     "otelcol-openlora": "collector",
+    "otelcol-openlora-lb": "collector-lb",
     "prometheus": "prometheus",
     "promtool": "prometheus",
     "alertmanager": "alertmanager",
     "amtool": "alertmanager",
     "victoria-metrics": "victoriametrics",
     "vmalert": "victoriametrics",
+    "thanos": "thanos",
+    "cortex": "cortex",
 }
 
 
