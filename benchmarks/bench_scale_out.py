@@ -9,7 +9,7 @@ What runs (all on 127.0.0.1, in a temporary directory removed at the end), once 
   ``thanos``: two Thanos receivers in a hashring (replication 2), Thanos Query over them and the
   ruler, Thanos Ruler evaluating openlora_otel/rules/openlora.yml (deploy/thanos/);
   ``cortex``: Cortex as one process, its ruler evaluating the same rules (deploy/cortex/cortex.yaml);
-- ``--processes`` generator processes (benchmarks/_scale_rank_group.py) holding ``--ranks`` ranks
+- ``--processes`` generator processes (tests/support/rank_group.py) holding ``--ranks`` ranks
   between them, each rank a whole ``Telemetry`` with its own Resource (run id, rank, local rank,
   world size, node), the real OTLP exporter every ``--interval-s``, a fake NVML of its node's 8 GPUs
   (each rank exports its own, as ``OPENLORA_GPU_DEVICES=process`` does), a step every ``--step-s``
@@ -56,7 +56,7 @@ from tests.support.polling import wait_until  # noqa: E402
 
 RUN_ID = "scale-out"
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
-GENERATOR = ROOT / "benchmarks" / "_scale_rank_group.py"
+GENERATOR = ROOT / "tests" / "support" / "rank_group.py"
 TICK = os.sysconf("SC_CLK_TCK")
 
 

@@ -1,7 +1,8 @@
-"""Many simulated training ranks in one process, for bench_scale_out.py: each a whole Telemetry of its own.
+"""Many simulated training ranks in one process: each a whole Telemetry of its own.
 
-Run by the benchmark, never by hand. A real rank is one process with one ``setup_telemetry()``; a
-thousand processes do not fit a small machine, so this process builds, for each of its ranks, what
+Run as a script by benchmarks/bench_scale_out.py (1,000 ranks) and by the scale-out tests, never by
+hand. A real rank is one process with one ``setup_telemetry()``; a thousand processes do not fit a
+small machine, so this process builds, for each of its ranks, what
 ``setup_telemetry()`` builds (the configuration from that rank's environment as torchrun would set
 it, ``build_provider``: its Resource with run and rank identity, the views, the real OTLP exporter
 pushing every ``OTEL_METRIC_EXPORT_INTERVAL``) and a ``Telemetry`` on it with a fake NVML of the
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from openlora_otel.config import TelemetryConfig  # noqa: E402
