@@ -1,5 +1,7 @@
 """Every shipped Collector config, run by a real Collector: our distribution, built from the Go module
-proxy by tools/build.sh (collector/otelcol-openlora: core v0.165.0, contrib v0.165.1).
+proxy by tools/build.sh (collector/otelcol-openlora: core v0.165.0, contrib v0.165.1), and the
+load-balancing agent's (collector/otelcol-openlora-lb, release 0.161.0) for agent.yaml with the overlay
+agent-loadbalancing.yaml.
 
 - the binary has exactly the components of its manifest, and they are the ones the configs use (and
   the debug exporter);
@@ -26,9 +28,11 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTION = ROOT / "collector" / "otelcol-openlora"
+LB_DISTRIBUTION = ROOT / "collector" / "otelcol-openlora-lb"
 SINGLE = ROOT / "collector" / "otelcol.yaml"
 AGENT = ROOT / "deploy" / "collector" / "agent.yaml"
 GATEWAY = ROOT / "deploy" / "collector" / "gateway.yaml"
+LOAD_BALANCING = ROOT / "deploy" / "collector" / "agent-loadbalancing.yaml"
 CONFIGMAPS = ROOT / "deploy" / "kubernetes" / "10-collector-config.yaml"
 # What the gateway reads from its container's environment (the Deployment sets them).
 GATEWAY_ENV = {
@@ -38,22 +42,24 @@ GATEWAY_ENV = {
 }
 
 
-def configmap_configs(tmp_path: Path) -> list[Path]:
-    """The collector configs the ConfigMaps carry, each written to a file."""
-    paths = []
+def configmap_configs(tmp_path: Path) -> dict[str, Path]:
+    """The collector configs the ConfigMaps carry, each written to a file, by ConfigMap and key."""
+    paths = {}
     for document in yaml.safe_load_all(CONFIGMAPS.read_text()):
         for key, text in document["data"].items():
             path = tmp_path / f"{document['metadata']['name']}-{key}"
             path.write_text(text)
-            paths.append(path)
+            paths[f"{document['metadata']['name']}/{key}"] = path
     return paths
 
 
-def otelcol(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def otelcol(
+    *args: str, env: dict[str, str] | None = None, binary: str = "otelcol-openlora"
+) -> subprocess.CompletedProcess[str]:
     import os
 
     return subprocess.run(
-        [built("otelcol-openlora"), *args],
+        [built(binary), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -92,11 +98,16 @@ def test_the_binary_has_the_manifests_components_which_are_the_configs() -> None
 
 
 def test_every_shipped_config_validates(tmp_path: Path) -> None:
-    configs = [SINGLE, AGENT, GATEWAY, *configmap_configs(tmp_path)]
+    copies = configmap_configs(tmp_path)
+    overlay = copies.pop("openlora-collector-agent/agent-loadbalancing.yaml")  # validated with the lb agent
+    configs = [SINGLE, AGENT, GATEWAY, *copies.values()]
     assert len(configs) == 5
     for path in configs:
         result = otelcol("validate", "--config", str(path), env=GATEWAY_ENV)
         assert result.returncode == 0, (path.name, result.stdout, result.stderr)
+    agent = copies["openlora-collector-agent/agent.yaml"]
+    result = otelcol("validate", "--config", str(agent), "--config", str(overlay), binary="otelcol-openlora-lb")
+    assert result.returncode == 0, (result.stdout, result.stderr)
 
 
 def test_validate_refuses_a_key_the_component_does_not_have(tmp_path: Path) -> None:
@@ -136,3 +147,44 @@ def test_the_agent_starts_healthy_without_a_warning_beside_its_gateway(tmp_path:
         assert gateway.log_lines("warn") == [] and gateway.log_lines("error") == []
     finally:
         gateway.stop()
+
+
+def test_the_load_balancing_distribution_has_its_manifests_components_and_the_agents() -> None:
+    result = otelcol("components", binary="otelcol-openlora-lb")
+    assert result.returncode == 0, result.stderr
+    listed = yaml.safe_load(result.stdout)
+    manifest = yaml.safe_load((LB_DISTRIBUTION / "manifest.yaml").read_text())
+    releases = set()
+    for kind in ("receivers", "processors", "exporters", "extensions"):
+        modules = {entry["module"] for entry in listed[kind]}
+        assert modules == {entry["gomod"] for entry in manifest[kind]}, kind
+        releases |= {module.rsplit(" ", 1)[1] for module in modules}
+    assert releases == {"v0.161.0"}  # one release for every module
+    has = {kind: {entry["name"] for entry in listed[kind]} for kind in ("receivers", "processors", "exporters", "extensions")}
+    overlay = yaml.safe_load(LOAD_BALANCING.read_text())
+    for kind, types in component_types(yaml.safe_load(AGENT.read_text())).items():
+        assert types | component_types(overlay)[kind] <= has[kind], kind
+    version = otelcol("--version", binary="otelcol-openlora-lb")
+    assert version.stdout.strip() == f"otelcol-openlora-lb version {manifest['dist']['version']}"
+
+
+@pytest.mark.parametrize(
+    "resolver",
+    [None, {"k8s": {"service": "openlora-collector-gateway-headless.openlora", "ports": [4317]}},
+     {"static": {"hostnames": ["gateway-0:4317", "gateway-1:4317"]}}],
+    ids=["dns", "k8s", "static"],
+)  # fmt: skip
+def test_the_load_balancing_agent_validates_with_each_resolver(resolver: dict | None, tmp_path: Path) -> None:
+    """As shipped (dns), and with the k8s and static resolvers its comments offer instead."""
+    configs = ["--config", str(AGENT), "--config", str(LOAD_BALANCING)]
+    if resolver is not None:
+        swapped = tmp_path / "resolver.yaml"
+        swapped.write_text(yaml.safe_dump({"exporters": {"load_balancing": {"resolver": {"dns": None, **resolver}}}}))
+        configs += ["--config", str(swapped)]
+    result = otelcol("validate", *configs, binary="otelcol-openlora-lb")
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    # And refuses a key the exporter does not have.
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"exporters": {"load_balancing": {"routing_attribute": ["x"]}}}))
+    refused = otelcol("validate", *configs, "--config", str(typo), binary="otelcol-openlora-lb")
+    assert refused.returncode != 0 and "routing_attribute" in refused.stderr

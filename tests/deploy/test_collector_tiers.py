@@ -16,10 +16,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from openlora_otel.config import TelemetryConfig
+from openlora_otel.run.resource import build_resource
 from tests.support import collector_checks as checks
 
 DEPLOY = checks.ROOT / "deploy" / "collector"
 AGENT = DEPLOY / "agent.yaml"
+LOAD_BALANCING = DEPLOY / "agent-loadbalancing.yaml"
 GATEWAY = DEPLOY / "gateway.yaml"
 SINGLE = checks.ROOT / "collector" / "otelcol.yaml"
 COMPOSE = checks.ROOT / "collector" / "docker-compose.yml"
@@ -31,6 +33,11 @@ def agent() -> dict:
 
 def gateway() -> dict:
     return checks.load(GATEWAY)
+
+
+def load_balancing_agent() -> dict:
+    """agent.yaml with the overlay agent-loadbalancing.yaml, as the Collector merges them."""
+    return checks.merged(agent(), checks.load(LOAD_BALANCING))
 
 
 @pytest.mark.parametrize("path", [AGENT, GATEWAY, SINGLE], ids=lambda p: p.name)
@@ -153,3 +160,49 @@ def test_env_references_are_named_and_the_required_ones_listed() -> None:
         "OPENLORA_REMOTE_WRITE_URL": False,
         "OPENLORA_REMOTE_WRITE_AUTHORIZATION": False,
     }
+
+
+def test_merged_is_the_collectors_merge() -> None:
+    """Maps key by key, lists replaced: what the Collector does with several --config files."""
+    assert checks.merged({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2]}, "e": 2}) == {
+        "a": {"b": 1, "c": [2]},
+        "d": 1,
+        "e": 2,
+    }
+
+
+def test_the_load_balancing_overlay_changes_only_where_the_agent_sends() -> None:
+    config, plain = load_balancing_agent(), agent()
+    # Everything of agent.yaml but the pipeline's exporter: receivers, processors, extensions, telemetry.
+    for key in ("receivers", "processors", "extensions"):
+        assert config[key] == plain[key], key
+    assert config["service"]["telemetry"] == plain["service"]["telemetry"]
+    pipeline = config["service"]["pipelines"]["metrics"]
+    assert pipeline["exporters"] == ["load_balancing"]
+    assert pipeline["processors"] == plain["service"]["pipelines"]["metrics"]["processors"]
+    checks.check_memory_limiter_first(config)
+    # agent.yaml's otlp_grpc stays defined, unused (the Collector builds only what a pipeline uses).
+    unused = {**config, "exporters": {"load_balancing": config["exporters"]["load_balancing"]}}
+    checks.check_components_used(unused)
+
+
+def test_each_rank_goes_to_one_gateway_in_order_and_waits_out_an_outage() -> None:
+    exporter = load_balancing_agent()["exporters"]["load_balancing"]
+    # Keyed by the rank process's own identity: a resource attribute (no split per point), one that
+    # setup_telemetry() always sets, different in every process.
+    assert exporter["routing_key"] == "attributes"
+    assert exporter["routing_attributes"] == ["service.instance.id"]
+    config = TelemetryConfig.from_env({"OPENLORA_RUN_ID": "r"})
+    first, second = (build_resource(config).attributes["service.instance.id"] for _ in range(2))
+    assert first != second
+    otlp = exporter["protocol"]["otlp"]
+    assert "endpoint" not in otlp  # the exporter fills in each gateway's
+    target = gateway()
+    receiver_tls = "tls" in target["receivers"]["otlp"]["protocols"]["grpc"]
+    assert otlp["tls"].get("insecure", False) is (not receiver_tls)
+    # A queue per gateway with one consumer: queued batches leave in order after an outage.
+    assert otlp["sending_queue"]["enabled"] and otlp["sending_queue"]["num_consumers"] == 1
+    assert otlp["retry_on_failure"]["enabled"]
+    (resolver,) = exporter["resolver"].items()
+    assert resolver[0] == "dns"
+    assert int(resolver[1]["port"]) == checks.receiver_ports(target)["grpc"]

@@ -482,7 +482,8 @@ def test_configmaps_hold_exactly_the_collector_configs() -> None:
         (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
         (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
         config_map = one("ConfigMap", volume["configMap"]["name"])
-        assert config_map["data"] == {file_name: (COLLECTOR_CONFIGS / file_name).read_text()}
+        extra = ["agent-loadbalancing.yaml"] if kind == "DaemonSet" else []  # the overlay, used when named
+        assert config_map["data"] == {name: (COLLECTOR_CONFIGS / name).read_text() for name in [file_name, *extra]}
 
 
 def test_the_generator_refuses_text_yaml_would_change() -> None:
@@ -558,3 +559,21 @@ def test_images_are_pinned_and_the_collector_is_the_composes() -> None:
             assert image and tag and tag != "latest", container["image"]
     assert collector_container("DaemonSet")["image"] == collector_image
     assert collector_container("Deployment")["image"] == collector_image
+
+
+def test_load_balancing_agents_resolve_the_gateways_headless_service() -> None:
+    """deploy/collector/agent-loadbalancing.yaml's DNS name is a headless Service of the gateway pods."""
+    overlay = checks.load(COLLECTOR_CONFIGS / "agent-loadbalancing.yaml")
+    dns = overlay["exporters"]["load_balancing"]["resolver"]["dns"]
+    name, namespace, *suffix = dns["hostname"].split(".")
+    assert suffix == ["svc", "cluster", "local"]
+    service = one("Service", name)
+    assert service["metadata"]["namespace"] == namespace
+    # Headless: DNS gives each ready pod's IP (a ClusterIP Service would give one virtual IP: one backend).
+    assert service["spec"]["clusterIP"] == "None"
+    (gateway,) = selected_workloads(service["spec"]["selector"])
+    assert gateway["kind"] == "Deployment" and gateway["spec"]["replicas"] >= 2
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == int(dns["port"])]
+    (target,) = [p for p in container_ports(gateway) if port["targetPort"] in (p["name"], p["containerPort"])]
+    gateway_config = checks.load(COLLECTOR_CONFIGS / "gateway.yaml")
+    assert target["containerPort"] == checks.receiver_ports(gateway_config)["grpc"]

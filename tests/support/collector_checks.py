@@ -25,6 +25,19 @@ def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def merged(*configs: dict) -> dict:
+    """``configs`` merged as the Collector merges its ``--config`` files, in order: maps key by key,
+    anything else (lists included) replaced by the later value."""
+    result: dict = {}
+    for config in configs:
+        for key, value in config.items():
+            if isinstance(value, dict) and isinstance(result.get(key), dict):
+                result[key] = merged(result[key], value)
+            else:
+                result[key] = value
+    return result
+
+
 def component_type(name: str) -> str:
     """``otlp/gateway`` -> ``otlp``: the collector's ``type[/name]`` component ids."""
     return name.split("/", 1)[0]

@@ -1,4 +1,4 @@
-"""Our Collector distribution (build/bin/otelcol-openlora) running a shipped config on loopback.
+"""Our Collector distributions (build/bin/otelcol-openlora and -lb) running a shipped config on loopback.
 
 The shipped configs listen on fixed ports of every interface (4317, 4318, 8888, 8889, 13133), as a
 container needs; here a second config file, merged over the shipped one by the collector itself,
@@ -26,9 +26,12 @@ class Collector(ServerProcess):
         env: dict[str, str] | None = None,
         name: str = "otelcol",
         overrides: dict | None = None,
+        overlays: tuple[Path, ...] = (),
+        binary: str = "otelcol-openlora",
     ) -> None:
-        """Run ``config`` as shipped, its ports moved to loopback; ``overrides`` (a config fragment, merged
-        last: maps key by key, lists replaced) changes what else a test needs, an exporter's endpoint say."""
+        """Run ``config`` as shipped (with the shipped ``overlays`` merged over it), its ports moved to
+        loopback; ``overrides`` (a config fragment, merged last: maps key by key, lists replaced) changes what
+        else a test needs, an exporter's endpoint say. ``binary``: the distribution (tools/build.sh)."""
         shipped = yaml.safe_load(config.read_text())
         self.ports = {
             "grpc": free_port(),
@@ -74,7 +77,8 @@ class Collector(ServerProcess):
         self.overrides = workdir / f"{name}-overrides.yaml"
         self.overrides.write_text(yaml.safe_dump(overrides or {}))
         extra = ["--config", str(self.overrides)]
-        argv = [built("otelcol-openlora"), "--config", str(config), "--config", str(self.overlay), *extra]
+        shipped_files = [arg for path in (config, *overlays) for arg in ("--config", str(path))]
+        argv = [built(binary), *shipped_files, "--config", str(self.overlay), *extra]
         super().__init__(name, argv, self.ports["health"], workdir, "/", env=env)
 
     @property
