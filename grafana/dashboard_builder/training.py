@@ -169,7 +169,7 @@ def energy(grid: Grid) -> list[dict[str, Any]]:
             "of the tokens trained on that GPU; 1 for a GPU the rank has to itself), summed. NVML counts the "
             "whole GPU, idle power included; the Energy section of the docs' GPU metrics page has the method and its limits.",
             "kwatth",
-            [target(kwh, ENERGY_RUN_LEGEND)],
+            [target(kwh, ENERGY_RUN_LEGEND, instant=True)],
             at=grid.cell(6, 6),
             defaults={"decimals": 3},
         ),
@@ -441,7 +441,7 @@ def where_the_time_went(grid: Grid) -> list[dict[str, Any]]:
             '"productive"} / the rise of all its phases, each attempt\'s from its first to its last sample in the '
             "range (attempt:openlora_training_time_seconds_total:by_run).",
             "percentunit",
-            [target(f"({productive} / ({everything} > 0)){RUN_NAME}", ENERGY_RUN_LEGEND)],
+            [target(f"({productive} / ({everything} > 0)){RUN_NAME}", ENERGY_RUN_LEGEND, instant=True)],
             at=grid.cell(4, 8),
             defaults={
                 "min": 0,
@@ -479,10 +479,12 @@ def where_the_time_went(grid: Grid) -> list[dict[str, Any]]:
                     "max by (openlora_run_id, openlora_run_attempt) (max_over_time("
                     f"attempt:openlora_training_steps_lost_total:by_run{{{ENERGY_SEL}}}[$__range])){RUN_NAME}",
                     "{{openlora_run_name}} attempt {{openlora_run_attempt}}",
+                    instant=True,
                 ),
                 target(
                     f"run:openlora_training_steps_lost:increase1h{{{RUN_ENERGY_SEL}}}{RUN_NAME}",
                     "{{openlora_run_name}} last hour",
+                    instant=True,
                 ),
             ],
             at=grid.cell(6, 8),

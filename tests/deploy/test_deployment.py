@@ -504,6 +504,18 @@ def test_dashboard_structure() -> None:
     assert provisioning["datasources"][0]["uid"] == variables["datasource"]["current"]["value"]
 
 
+@pytest.mark.parametrize("name", ["training", "cluster", "inference"])
+def test_a_query_over_the_whole_range_is_asked_once(name: str) -> None:
+    """A target reading [$__range] is instant: as a range query every point of the panel would read the
+    whole range again (over 30 days at a 30-minute step, 1,440 times: Thanos Query timed out on one,
+    benchmarks/bench_long_term.py)."""
+    board = json.loads((ROOT / "grafana" / "dashboards" / f"openlora-{name}.json").read_text())
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            if re.search(r"\[\$__range\]", target["expr"]):
+                assert target.get("instant") is True, f"{panel['title']}: {target['expr'][:80]}"
+
+
 KNOWN = {
     spec.prometheus
     for spec in (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
