@@ -36,7 +36,11 @@ GPUS_PER_NODE = 8
 EVAL_EVERY = 40
 
 
-def start_rank(rank: int, world_size: int, base_env: dict[str, str]) -> tuple[Telemetry, list]:
+def start_rank(
+    rank: int, world_size: int, base_env: dict[str, str], *, host_metrics: bool = False
+) -> tuple[Telemetry, FakeNvml]:
+    """One rank's Telemetry and its fake NVML; ``host_metrics``: this process's and host's too (a
+    stand-in for a rank's, where one rank is all a process holds)."""
     env = {
         **base_env,
         "RANK": str(rank),
@@ -45,7 +49,7 @@ def start_rank(rank: int, world_size: int, base_env: dict[str, str]) -> tuple[Te
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(GPUS_PER_NODE),
         "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id=rank-{rank},host.name=node-{rank // GPUS_PER_NODE}",
-        "OPENLORA_HOST_METRICS": "false",
+        "OPENLORA_HOST_METRICS": "true" if host_metrics else "false",
         "OPENLORA_GPU_METRICS": "on",
         "OPENLORA_QUIET": "true",
     }
@@ -67,7 +71,7 @@ def start_rank(rank: int, world_size: int, base_env: dict[str, str]) -> tuple[Te
     telemetry.set_run_info(hyperparameters={"learning_rate": 2e-4, "lora_r": 16})
     telemetry.training.set_adapter(r=16, alpha=32, dropout=0.05, target_modules=["q_proj", "v_proj"],
                                    trainable_params=4_194_304, total_params=7_000_000_000)  # fmt: skip
-    return telemetry, gpus
+    return telemetry, fake
 
 
 def main() -> None:
@@ -90,9 +94,9 @@ def main() -> None:
         while time.monotonic() - started < args.max_s and os.getppid() == parent:
             time.sleep(args.step_s)
             step += 1
-            for offset, (telemetry, gpus) in enumerate(ranks):
+            for offset, (telemetry, fake) in enumerate(ranks):
                 phase = step / 10.0 + args.first_rank + offset
-                for gpu in gpus:
+                for gpu in fake.gpus:
                     gpu.utilization = 0.8 + 0.15 * math.sin(phase + gpu.index)
                     gpu.power_w = 550.0 + 100.0 * math.sin(phase + 1.0)
                     gpu.energy_j += gpu.power_w * args.step_s
