@@ -86,6 +86,11 @@ func readSpec(path string) ([]series, error) {
 	return all, scanner.Err()
 }
 
+func fail(err error) {
+	fmt.Fprintln(os.Stderr, "blockgen:", err)
+	os.Exit(1)
+}
+
 func main() {
 	spec := flag.String("spec", "", "the series, one JSON object a line")
 	out := flag.String("out", "", "the directory the blocks go into")
@@ -100,8 +105,7 @@ func main() {
 	}
 	all, err := readSpec(*spec)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "blockgen:", err)
-		os.Exit(1)
+		fail(err)
 	}
 	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx := context.Background()
@@ -111,8 +115,7 @@ func main() {
 	for blockStart := *start - *start%*block; blockStart < *end; blockStart += *block {
 		writer, err := tsdb.NewBlockWriter(logger, *out, *block*1000)
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "blockgen:", err)
-			os.Exit(1)
+			fail(err)
 		}
 		first := max(blockStart, *start)
 		first += (*interval - (first-*start)%*interval) % *interval // on the grid from -start
@@ -126,23 +129,19 @@ func main() {
 				s := &all[i]
 				refs[i], err = app.Append(refs[i], s.labels, t*1000, s.value(float64(t), t0))
 				if err != nil {
-					fmt.Fprintln(os.Stderr, "blockgen:", err)
-					os.Exit(1)
+					fail(err)
 				}
 			}
 			samples += len(all)
 			if err := app.Commit(); err != nil {
-				fmt.Fprintln(os.Stderr, "blockgen:", err)
-				os.Exit(1)
+				fail(err)
 			}
 		}
 		if _, err := writer.Flush(ctx); err != nil {
-			fmt.Fprintln(os.Stderr, "blockgen:", err)
-			os.Exit(1)
+			fail(err)
 		}
 		if err := writer.Close(); err != nil {
-			fmt.Fprintln(os.Stderr, "blockgen:", err)
-			os.Exit(1)
+			fail(err)
 		}
 	}
 	fmt.Printf("%d series, %d samples in %.1f s\n", len(all), samples, time.Since(began).Seconds())

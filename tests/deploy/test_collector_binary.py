@@ -33,6 +33,7 @@ SINGLE = ROOT / "collector" / "otelcol.yaml"
 AGENT = ROOT / "deploy" / "collector" / "agent.yaml"
 GATEWAY = ROOT / "deploy" / "collector" / "gateway.yaml"
 LOAD_BALANCING = ROOT / "deploy" / "collector" / "agent-loadbalancing.yaml"
+KINDS = ("receivers", "processors", "exporters", "extensions")
 CONFIGMAPS = ROOT / "deploy" / "kubernetes" / "10-collector-config.yaml"
 # What the gateway reads from its container's environment (the Deployment sets them).
 GATEWAY_ENV = {
@@ -68,24 +69,26 @@ def otelcol(
 
 
 def component_types(config: dict) -> dict[str, set[str]]:
-    return {
-        kind: {name.split("/", 1)[0] for name in config.get(kind) or {}}
-        for kind in ("receivers", "processors", "exporters", "extensions")
-    }
+    return {kind: {name.split("/", 1)[0] for name in config.get(kind) or {}} for kind in KINDS}
+
+
+def distribution_components(binary: str, distribution: Path) -> tuple[dict[str, set[str]], dict]:
+    """The component types ``binary`` lists, by kind, and its manifest; asserting that its modules are
+    exactly the manifest's and its version the manifest's."""
+    result = otelcol("components", binary=binary)
+    assert result.returncode == 0, result.stderr
+    listed = yaml.safe_load(result.stdout)
+    manifest = yaml.safe_load((distribution / "manifest.yaml").read_text())
+    for kind in KINDS:
+        modules = {entry["module"] for entry in listed[kind]}
+        assert modules == {entry["gomod"] for entry in manifest[kind]}, kind
+    version = otelcol("--version", binary=binary)
+    assert version.stdout.strip() == f"{binary} version {manifest['dist']['version']}"
+    return {kind: {entry["name"] for entry in listed[kind]} for kind in KINDS}, manifest
 
 
 def test_the_binary_has_the_manifests_components_which_are_the_configs() -> None:
-    result = otelcol("components")
-    assert result.returncode == 0, result.stderr
-    listed = yaml.safe_load(result.stdout)
-    manifest = yaml.safe_load((DISTRIBUTION / "manifest.yaml").read_text())
-    for kind in ("receivers", "processors", "exporters", "extensions"):
-        modules = {entry["module"] for entry in listed[kind]}
-        assert modules == {entry["gomod"] for entry in manifest[kind]}, kind
-    has = {
-        kind: {entry["name"] for entry in listed[kind]}
-        for kind in ("receivers", "processors", "exporters", "extensions")
-    }
+    has, _ = distribution_components("otelcol-openlora", DISTRIBUTION)
     used: dict[str, set[str]] = {kind: set() for kind in has}
     for path in (SINGLE, AGENT, GATEWAY):
         for kind, types in component_types(yaml.safe_load(path.read_text())).items():
@@ -93,8 +96,6 @@ def test_the_binary_has_the_manifests_components_which_are_the_configs() -> None
     assert used["exporters"] | {"debug"} == has["exporters"]
     for kind in ("receivers", "processors", "extensions"):
         assert used[kind] == has[kind], kind
-    version = otelcol("--version")
-    assert version.stdout.strip() == f"otelcol-openlora version {manifest['dist']['version']}"
 
 
 def test_every_shipped_config_validates(tmp_path: Path) -> None:
@@ -150,22 +151,12 @@ def test_the_agent_starts_healthy_without_a_warning_beside_its_gateway(tmp_path:
 
 
 def test_the_load_balancing_distribution_has_its_manifests_components_and_the_agents() -> None:
-    result = otelcol("components", binary="otelcol-openlora-lb")
-    assert result.returncode == 0, result.stderr
-    listed = yaml.safe_load(result.stdout)
-    manifest = yaml.safe_load((LB_DISTRIBUTION / "manifest.yaml").read_text())
-    releases = set()
-    for kind in ("receivers", "processors", "exporters", "extensions"):
-        modules = {entry["module"] for entry in listed[kind]}
-        assert modules == {entry["gomod"] for entry in manifest[kind]}, kind
-        releases |= {module.rsplit(" ", 1)[1] for module in modules}
+    has, manifest = distribution_components("otelcol-openlora-lb", LB_DISTRIBUTION)
+    releases = {entry["gomod"].rsplit(" ", 1)[1] for kind in KINDS for entry in manifest[kind]}
     assert releases == {"v0.161.0"}  # one release for every module
-    has = {kind: {entry["name"] for entry in listed[kind]} for kind in ("receivers", "processors", "exporters", "extensions")}
     overlay = yaml.safe_load(LOAD_BALANCING.read_text())
     for kind, types in component_types(yaml.safe_load(AGENT.read_text())).items():
         assert types | component_types(overlay)[kind] <= has[kind], kind
-    version = otelcol("--version", binary="otelcol-openlora-lb")
-    assert version.stdout.strip() == f"otelcol-openlora-lb version {manifest['dist']['version']}"
 
 
 @pytest.mark.parametrize(
