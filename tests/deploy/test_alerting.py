@@ -11,17 +11,16 @@ import re
 import shutil
 import signal
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.support.alertmanager import Alertmanager, Webhook
 from tests.support.built import built
 from tests.support.processes import free_port, free_port_range
 from tests.support.real_parts import debian, missing
@@ -213,48 +212,6 @@ def test_every_prometheus_config_that_loads_the_rules_sends_their_alerts() -> No
 # -- a real Alertmanager ------------------------------------------------------------------------------
 
 
-class Webhook:
-    """A webhook receiver on loopback that keeps every notification Alertmanager POSTs."""
-
-    def __init__(self) -> None:
-        self.notifications: list[dict] = []
-        self._lock = threading.Lock()
-        received = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with received._lock:
-                    received.notifications.append(json.loads(body))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hook"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def alerts(self) -> list[dict]:
-        with self._lock:
-            return [dict(alert, receiver=n["receiver"]) for n in self.notifications for alert in n["alerts"]]
-
-    def wait_for(self, predicate, timeout: float) -> list[dict]:
-        """Alerts received so far that match ``predicate``, polling (bounded) until there is one."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = [a for a in self.alerts() if predicate(a)]
-            if found or time.monotonic() > deadline:
-                return found
-            time.sleep(0.25)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 @pytest.fixture
 def webhook() -> Iterator[Webhook]:
     receiver = Webhook()
@@ -267,26 +224,10 @@ def webhook() -> Iterator[Webhook]:
 def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_warnings(
     tmp_path: Path, webhook: Webhook, release: str
 ) -> None:
-    from tests.support.prometheus_server import ServerProcess
-
     binary = alertmanager_tool("alertmanager", release)
     config = tmp_path / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG.read_text().replace("http://127.0.0.1:9095/alerts", webhook.url))
-    port = free_port()
-    server = ServerProcess(
-        "alertmanager",
-        [
-            binary,
-            f"--config.file={config}",
-            f"--storage.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-            "--log.level=warn",
-        ],
-        port,
-        tmp_path,
-        "/-/ready",
-    )
+    server = Alertmanager(tmp_path, binary, config)
     try:
 
         def alert(name: str, severity: str, run: str) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.alertmanager import Alertmanager
 from tests.support.alerts import firing, shortened_rules
 from tests.support.built import built
 from tests.support.polling import wait_until
@@ -58,20 +59,7 @@ def start_alertmanager(workdir: Path, port: int) -> ServerProcess:
         config.write_text(
             'route: {receiver: nowhere}\nreceivers: [{name: nowhere, webhook_configs: [{url: "http://127.0.0.1:9/"}]}]\n'
         )
-    return ServerProcess(
-        "alertmanager",
-        [
-            _alertmanager(),
-            f"--config.file={config}",
-            f"--storage.path={workdir / 'am-data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-            "--log.level=warn",
-        ],
-        port,
-        workdir,
-        "/-/ready",
-    )
+    return Alertmanager(workdir, _alertmanager(), config, port)
 
 
 def _alertmanager() -> str:

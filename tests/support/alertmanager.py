@@ -1,0 +1,72 @@
+"""A real Alertmanager on loopback, and a webhook receiver for the notifications it sends: for the tests
+that follow an alert from the rules to a person."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from tests.support.processes import free_port
+from tests.support.prometheus_server import ServerProcess
+
+
+class Webhook:
+    """A webhook receiver on loopback that keeps every notification Alertmanager POSTs."""
+
+    def __init__(self) -> None:
+        self.notifications: list[dict] = []
+        self._lock = threading.Lock()
+        received = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with received._lock:
+                    received.notifications.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def alerts(self) -> list[dict]:
+        with self._lock:
+            return [dict(alert, receiver=n["receiver"]) for n in self.notifications for alert in n["alerts"]]
+
+    def wait_for(self, predicate, timeout: float) -> list[dict]:
+        """Alerts received so far that match ``predicate``, polling (bounded) until there is one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [a for a in self.alerts() if predicate(a)]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.25)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Alertmanager(ServerProcess):
+    """``binary`` (Debian's 0.25 or build/bin's 0.35) on ``config``, on 127.0.0.1 (``port``, or a free
+    one), its data in ``workdir``, no cluster gossip port. Ready when ``/-/ready`` answers."""
+
+    def __init__(self, workdir: Path, binary: str, config: Path, port: int | None = None) -> None:
+        port = port or free_port()
+        argv = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.path={workdir / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ]
+        super().__init__("alertmanager", argv, port, workdir, "/-/ready")
