@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from tests.support.alerts import firing, shortened_rules
-from tests.support.collector_server import Collector
+from tests.support.collector_server import Collector, load_balancing_agent
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, reap
 from tests.support.prometheus_server import Prometheus
@@ -98,16 +98,7 @@ def test_each_rank_keeps_to_one_gateway_and_a_killed_gateway_costs_only_what_it_
                 )
             )
             started.append(gateways[-1])
-        hostnames = [f"127.0.0.1:{g.ports['grpc']}" for g in gateways]
-        agent = Collector(
-            tmp_path,
-            DEPLOY / "agent.yaml",
-            overlays=(DEPLOY / "agent-loadbalancing.yaml",),
-            binary="otelcol-openlora-lb",
-            name="agent",
-            # The shipped DNS resolver replaced by the gateways' addresses (no DNS server runs here).
-            overrides={"exporters": {"load_balancing": {"resolver": {"dns": None, "static": {"hostnames": hostnames}}}}},
-        )
+        agent = load_balancing_agent(tmp_path, gateways)
         started.append(agent)
         assert agent.log_lines("warn") == [] and agent.log_lines("error") == []
         components = [f"127.0.0.1:{c.ports['self_metrics']}" for c in (agent, *gateways)]

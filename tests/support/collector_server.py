@@ -16,6 +16,8 @@ from tests.support.built import built
 from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess
 
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "collector"
+
 
 class Collector(ServerProcess):
     def __init__(
@@ -94,3 +96,18 @@ class Collector(ServerProcess):
         if overrides is not None:
             self.overrides.write_text(yaml.safe_dump(overrides))
         super().restart()
+
+
+def load_balancing_agent(workdir: Path, gateways: list[Collector], *, name: str = "agent") -> Collector:
+    """An agent on deploy/collector/agent.yaml with the overlay agent-loadbalancing.yaml, on
+    collector/otelcol-openlora-lb, load-balancing over ``gateways``: the shipped DNS resolver replaced
+    by a static list of their addresses (no DNS server runs here)."""
+    hostnames = [f"127.0.0.1:{gateway.ports['grpc']}" for gateway in gateways]
+    return Collector(
+        workdir,
+        DEPLOY / "agent.yaml",
+        overlays=(DEPLOY / "agent-loadbalancing.yaml",),
+        binary="otelcol-openlora-lb",
+        name=name,
+        overrides={"exporters": {"load_balancing": {"resolver": {"dns": None, "static": {"hostnames": hostnames}}}}},
+    )

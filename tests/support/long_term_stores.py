@@ -91,10 +91,16 @@ def wait_for_stores(query: ServerProcess, count: int, timeout: float = 30.0) -> 
 
 class ThanosReceive(PrometheusApi):
     """The Receive shape of docs/how-to/beyond-one-prometheus.md. Remote write goes to
-    :attr:`write_url` (receiver 0, which forwards to receiver 1); queries to Thanos Query."""
+    :attr:`write_url` (receiver 0, which forwards to receiver 1); queries to Thanos Query. With
+    ``rule_files``, Thanos Ruler evaluates them and sends its alerts to ``alertmanager_url`` (unless
+    given, a port nothing listens on)."""
 
     def __init__(
-        self, workdir: Path, rule_files: list[str] | None = None, evaluation_interval: str = EVALUATION
+        self,
+        workdir: Path,
+        rule_files: list[str] | None = None,
+        evaluation_interval: str = EVALUATION,
+        alertmanager_url: str | None = None,
     ) -> None:
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
@@ -141,8 +147,7 @@ class ThanosReceive(PrometheusApi):
                         "--rule-file": rule_files,
                         "--eval-interval": evaluation_interval,
                         "--query": f"http://127.0.0.1:{query_http}",
-                        # Nothing listens there: alert delivery from the ruler is not under test.
-                        "--alertmanagers.url": f"http://127.0.0.1:{free_port()}",
+                        "--alertmanagers.url": alertmanager_url or f"http://127.0.0.1:{free_port()}",
                         "--label": 'rule_replica="0"',
                         "--grpc-address": f"127.0.0.1:{ruler_grpc}",
                         "--http-address": f"127.0.0.1:{free_port()}",
@@ -176,9 +181,19 @@ class ThanosReceive(PrometheusApi):
 class ThanosSidecar(PrometheusApi):
     """The sidecar shape: a Prometheus 3 (``external_labels`` cluster and replica, local compaction
     off) scraping ``targets`` and evaluating ``rule_files``, its Thanos sidecar uploading to a
-    directory bucket, a store gateway over that bucket, and Thanos Query over sidecar and store."""
+    directory bucket, a store gateway over that bucket, and Thanos Query over sidecar and store.
+    ``scrape_interval`` (and the rules' ``evaluation_interval``, the scrape interval unless given):
+    1 s for the tests; benchmarks/bench_scale_out.py sets the shipped 15 s."""
 
-    def __init__(self, workdir: Path, targets: list[str], rule_files: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        rule_files: list[str] | None = None,
+        *,
+        scrape_interval: str = "1s",
+        evaluation_interval: str | None = None,
+    ) -> None:
         self.workdir = workdir
         self.servers: list[ServerProcess] = []
         try:
@@ -188,6 +203,8 @@ class ThanosSidecar(PrometheusApi):
                 targets,
                 rule_files=rule_files,
                 major=3,
+                scrape_interval=scrape_interval,
+                evaluation_interval=evaluation_interval,
                 external_labels={"cluster": "openlora-test", "replica": "0"},
                 extra_args=("--storage.tsdb.min-block-duration=2h", "--storage.tsdb.max-block-duration=2h"),
             )
@@ -228,10 +245,16 @@ class ThanosSidecar(PrometheusApi):
 class Cortex(PrometheusApi):
     """deploy/cortex/cortex.yaml on loopback with its directories in ``workdir``: remote write at
     :attr:`write_url`, PromQL at ``/prometheus``; ``rule_files`` go to its local rule store for
-    tenant ``fake`` and are evaluated every ``evaluation_interval``."""
+    tenant ``fake`` and are evaluated every ``evaluation_interval``; its ruler sends the alerts to its
+    own Alertmanager, on ``alertmanager_config`` for that tenant (unless given, one receiver that
+    sends nowhere)."""
 
     def __init__(
-        self, workdir: Path, rule_files: list[str] | None = None, evaluation_interval: str = EVALUATION
+        self,
+        workdir: Path,
+        rule_files: list[str] | None = None,
+        evaluation_interval: str = EVALUATION,
+        alertmanager_config: str | None = None,
     ) -> None:
         config = yaml.safe_load(CORTEX.read_text())
         data = workdir / "cortex"
@@ -256,8 +279,9 @@ class Cortex(PrometheusApi):
         for path in rule_files or []:
             shutil.copy(path, tenant_rules / Path(path).name)
         (data / "alertmanager").mkdir()
-        # Alerts are not under test here: one receiver that sends nowhere.
-        (data / "alertmanager" / "fake.yaml").write_text("route:\n  receiver: none\nreceivers:\n  - name: none\n")
+        (data / "alertmanager" / "fake.yaml").write_text(
+            alertmanager_config or "route:\n  receiver: none\nreceivers:\n  - name: none\n"
+        )
         config_path = workdir / "cortex.yaml"
         config_path.write_text(yaml.safe_dump(config))
         self.rule_files = rule_files

@@ -12,7 +12,9 @@
   Prometheus (its remote-write receiver on, evaluating the rules) or, ``major`` 0, to
   VictoriaMetrics 1.151 with vmalert evaluating them; ``"thanos"``: to Thanos Receive (two receivers,
   replication 2), Thanos Ruler evaluating the rules, queried through Thanos Query; ``"cortex"``: to
-  Cortex, its ruler evaluating them.
+  Cortex, its ruler evaluating them. With ``gateways`` 2 or more, that many gateways, and the agent
+  load-balances over them (:func:`~tests.support.collector_server.load_balancing_agent`); each
+  stamps its own ``deployment.environment.name``, ``gateway-<index>``.
 - ``pull`` with ``"thanos"``: the sidecar shape, a Prometheus 3 scraping the processes and evaluating
   the rules, queried through Thanos Query over its sidecar and a store gateway
   (tests/support/long_term_stores.py).
@@ -29,7 +31,7 @@ import pytest
 import yaml
 
 from tests.support.built import built
-from tests.support.collector_server import Collector
+from tests.support.collector_server import Collector, load_balancing_agent
 from tests.support.long_term_stores import Cortex, ThanosReceive, ThanosSidecar
 from tests.support.prometheus_server import Prometheus, VictoriaMetrics, prometheus_binary
 
@@ -78,11 +80,17 @@ class MetricsPath:
         rule_files: list[str] | None = None,
         collector_overrides: dict | None = None,
         evaluation_interval: str = "1s",
+        gateways: int = 1,
+        store_options: dict | None = None,
     ) -> None:
         """``collector_overrides``: a config fragment merged over the Collector's shipped one (the
         ``collector`` path), such as a shorter ``metric_expiration``; ``evaluation_interval``: the
-        rules' on Thanos Ruler and Cortex's ruler (benchmarks/bench_scale_out.py sets the shipped 15 s)."""
+        rules' on Thanos Ruler and Cortex's ruler (benchmarks/bench_scale_out.py sets the shipped 15 s);
+        ``gateways``: how many on the gateway path (2 or more: load-balanced by the agent);
+        ``store_options``: more keyword arguments for :class:`ThanosReceive` or :class:`Cortex` (where
+        their alerts go)."""
         assert path in ("pull", "collector", "otlp", "gateway"), path
+        assert gateways >= 1 and (gateways == 1 or path == "gateway"), (path, gateways)
         assert major in (2, 3, 0) or (path, major) in (("pull", "thanos"), ("gateway", "thanos"), ("gateway", "cortex"))
         # Skip (or fail under CI) before anything starts.
         if major in ("thanos", "cortex"):
@@ -96,11 +104,15 @@ class MetricsPath:
             built("vmalert")
         if path in ("collector", "gateway"):
             built("otelcol-openlora")
+        if gateways > 1:
+            built("otelcol-openlora-lb")
+        self.gateway_count = gateways
+        self.store_options = store_options or {}
         self.path, self.major, self.workdir, self.rule_files = path, major, workdir, rule_files
         self.collector_overrides = collector_overrides
         self.evaluation_interval = evaluation_interval
         self.collector: Collector | None = None  # where the processes push (the agent on the gateway path)
-        self.gateway: Collector | None = None
+        self.gateways: list[Collector] = []
         self.prometheus: Prometheus | VictoriaMetrics | ThanosSidecar | ThanosReceive | Cortex | None = None
 
     def __enter__(self) -> MetricsPath:
@@ -133,9 +145,13 @@ class MetricsPath:
                 )
             elif self.path == "gateway":
                 if self.major == "thanos":
-                    self.prometheus = ThanosReceive(self.workdir, self.rule_files, self.evaluation_interval)
+                    self.prometheus = ThanosReceive(
+                        self.workdir, self.rule_files, self.evaluation_interval, **self.store_options
+                    )
                 elif self.major == "cortex":
-                    self.prometheus = Cortex(self.workdir, self.rule_files, self.evaluation_interval)
+                    self.prometheus = Cortex(
+                        self.workdir, self.rule_files, self.evaluation_interval, **self.store_options
+                    )
                 elif self.major:
                     self.prometheus = Prometheus(
                         self.workdir,
@@ -146,25 +162,32 @@ class MetricsPath:
                     )
                 else:
                     self.prometheus = VictoriaMetrics(self.workdir, self.rule_files)
-                self.gateway = Collector(
-                    self.workdir,
-                    ROOT / "deploy" / "collector" / "gateway.yaml",
-                    name="gateway",
-                    env={
-                        "OPENLORA_REMOTE_WRITE_URL": getattr(
-                            self.prometheus, "write_url", f"{self.prometheus.url}/api/v1/write"
-                        ),
-                        "OPENLORA_REMOTE_WRITE_AUTHORIZATION": "",
-                    },
-                )
-                self.collector = Collector(
-                    self.workdir,
-                    ROOT / "deploy" / "collector" / "agent.yaml",
-                    name="agent",
-                    overrides={
-                        "exporters": {"otlp_grpc": {"endpoint": f"127.0.0.1:{self.gateway.ports['grpc']}"}}
-                    },
-                )
+                write_url = getattr(self.prometheus, "write_url", f"{self.prometheus.url}/api/v1/write")
+                several = self.gateway_count > 1
+                for index in range(self.gateway_count):
+                    self.gateways.append(
+                        Collector(
+                            self.workdir,
+                            ROOT / "deploy" / "collector" / "gateway.yaml",
+                            name=f"gateway-{index}" if several else "gateway",
+                            env={
+                                "OPENLORA_REMOTE_WRITE_URL": write_url,
+                                "OPENLORA_REMOTE_WRITE_AUTHORIZATION": "",
+                                # Each of several stamps its own (the shipped resource processor), so a
+                                # rank's target_info says which gateway it came through.
+                                **({"OPENLORA_ENVIRONMENT": f"gateway-{index}"} if several else {}),
+                            },
+                        )
+                    )
+                if several:
+                    self.collector = load_balancing_agent(self.workdir, self.gateways)
+                else:
+                    self.collector = Collector(
+                        self.workdir,
+                        ROOT / "deploy" / "collector" / "agent.yaml",
+                        name="agent",
+                        overrides={"exporters": {"otlp_grpc": {"endpoint": f"127.0.0.1:{self.gateways[0].ports['grpc']}"}}},
+                    )
         except BaseException:
             self.stop()
             raise
@@ -172,6 +195,11 @@ class MetricsPath:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def gateway(self) -> Collector | None:
+        """The (first) gateway on the gateway path."""
+        return self.gateways[0] if self.gateways else None
 
     @property
     def push(self) -> bool:
@@ -200,7 +228,7 @@ class MetricsPath:
         return self.prometheus
 
     def stop(self) -> None:
-        for server in (self.collector, self.gateway, self.prometheus):
+        for server in (self.collector, *self.gateways, self.prometheus):
             if server is not None:
                 server.stop()
 
