@@ -11,8 +11,9 @@ out (one per process). Host metrics are off: they would be this process's, not a
 
 Every ``--step-s`` each rank records what a LoRA fine-tune records (bench_cluster_sizing's
 _sizing_rank.py does the same for one rank): a step with loss, grad norm, learning rate, tokens and
-samples, the epoch, an evaluation every 40 steps; its GPUs' readings move. It stops after
-``--max-s`` or when its parent is gone.
+samples, the epoch, an evaluation every 40 steps; its GPUs' readings move. With
+``--nonfinite-loss-from N``, the group's first rank's loss is NaN from its N-th step on (a run gone
+bad, for the alerting tests). It stops after ``--max-s`` or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--max-s", type=float, default=900.0)
+    parser.add_argument("--nonfinite-loss-from", type=int, default=0, help="step of the first NaN loss (0: none)")
     args = parser.parse_args()
     parent = os.getppid()
     base_env = {k: v for k, v in os.environ.items() if k.startswith(("OTEL_", "OPENLORA_"))}
@@ -102,8 +104,11 @@ def main() -> None:
                     gpu.energy_j += gpu.power_w * args.step_s
                     gpu.temperature_c = 65.0 + 5.0 * math.sin(phase / 3.0)
                 training = telemetry.training
+                loss = 2.0 / math.sqrt(step) + 0.01 * math.sin(phase)
+                if offset == 0 and 0 < args.nonfinite_loss_from <= step:
+                    loss = math.nan
                 training.record_step(
-                    loss=2.0 / math.sqrt(step) + 0.01 * math.sin(phase),
+                    loss=loss,
                     grad_norm=1.0 + 0.2 * math.sin(phase * 1.7),
                     learning_rate=2e-4 * min(1.0, step / 100.0),
                     tokens=8 * 2048,
