@@ -37,6 +37,8 @@ def test_the_scale_out_benchmark_runs_at_a_small_scale(tmp_path: Path) -> None:
     assert sorted(figures) == ["cortex", "thanos", "thanos-sidecar"]
     for store, r in figures.items():
         # Every rank's series, and the rules' evaluations, with none missed.
+        assert r["all_ranks_in_s"] is not None and r["ranks_reporting"] == RANKS, (store, r)
+        assert r["collection_timeouts"] == 0, (store, r["collection_timeouts"])
         assert r["active_series"] >= 150 * RANKS, (store, r["active_series"])
         assert r["samples_per_s"] > 0 and r["missed_iterations"] == 0, (store, r)
         assert {g["group"] for g in r["rules"]} >= {"openlora-training", "openlora-gpu", "openlora-goodput"}, r["rules"]
