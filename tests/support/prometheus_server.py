@@ -103,10 +103,21 @@ class ServerProcess(PrometheusApi):
         self._process = subprocess.Popen(
             self._argv, stdout=self._log_handle, stderr=subprocess.STDOUT, cwd=self._workdir, env=self._env
         )
+        try:
+            self._wait_ready()
+        except BaseException:
+            # Not left running (not ready in time, or the caller interrupted: SIGTERM, Ctrl-C): the
+            # caller never gets a handle to stop it.
+            if self._process.poll() is None:
+                self._process.kill()
+                reap(self._process, 15)
+            self._log_handle.close()
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 30
         while True:
             if self._process.poll() is not None:
-                self._log_handle.close()
                 raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + self._ready_path, timeout=1) as response:
@@ -115,10 +126,6 @@ class ServerProcess(PrometheusApi):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                # Not left running: the caller never gets a handle to stop it.
-                self._process.kill()
-                reap(self._process, 15)
-                self._log_handle.close()
                 raise RuntimeError(f"{self.name} was not ready in 30 s: {self.log.read_text()[-3000:]}")
             time.sleep(0.2)
 
