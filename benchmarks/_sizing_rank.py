@@ -12,7 +12,8 @@ as torchrun and the user would set them. The process
   a step with loss, grad norm, learning rate, tokens and samples, the epoch,
   and an evaluation (loss and accuracy) at the first step and every 40 after;
 - moves the fake GPUs' readings between steps, so Prometheus stores changing
-  values (constant ones would compress better than real ones do).
+  values (constant ones would compress better than real ones do); both as the
+  many ranks of tests/support/rank_group.py do (tests/support/lora_steps.py).
 
 It stops after ``--max-s`` seconds or as soon as its parent is gone, whichever
 comes first: a benchmark that dies never leaves ranks behind.
@@ -21,7 +22,6 @@ comes first: a benchmark that dies never leaves ranks behind.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 from openlora_otel import setup_telemetry  # noqa: E402
 from openlora_otel.hardware import nvml  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
+from tests.support.lora_steps import move_gpus, record_lora_step  # noqa: E402
 
 GPUS_PER_NODE = 8
-EVAL_EVERY = 40
 
 
 def main() -> None:
@@ -66,23 +66,8 @@ def main() -> None:
             time.sleep(args.step_s)
             step += 1
             phase = step / 10.0 + rank
-            for gpu in gpus:
-                gpu.utilization = 0.8 + 0.15 * math.sin(phase + gpu.index)
-                gpu.memory_used = int((40 + 5 * math.sin(phase)) * 2**30)
-                gpu.power_w = 550.0 + 100.0 * math.sin(phase + 1.0)
-                gpu.energy_j += gpu.power_w * args.step_s
-                gpu.temperature_c = 65.0 + 5.0 * math.sin(phase / 3.0)
-                gpu.sm_clock_hz = 1.98e9 - 1e8 * (step % 3)
-            training.record_step(
-                loss=2.0 / math.sqrt(step) + 0.01 * math.sin(phase),
-                grad_norm=1.0 + 0.2 * math.sin(phase * 1.7),
-                learning_rate=2e-4 * min(1.0, step / 100.0),
-                tokens=8 * 2048,
-                samples=8,
-            )
-            training.record_epoch(step / 1000.0)
-            if step == 1 or step % EVAL_EVERY == 0:
-                training.record_eval(loss=2.1 / math.sqrt(step), accuracy=0.5 + step / 10_000.0)
+            move_gpus(gpus, phase, step, args.step_s)
+            record_lora_step(training, step, phase)
     finally:
         telemetry.shutdown()
 

@@ -9,8 +9,8 @@ pushing every ``OTEL_METRIC_EXPORT_INTERVAL``) and a ``Telemetry`` on it with a 
 node's 8 GPUs (tests/support/fake_nvml.py). Only the global provider and the SIGTERM handler are left
 out (one per process). Host metrics are off: they would be this process's, not a rank's.
 
-Every ``--step-s`` each rank records what a LoRA fine-tune records (bench_cluster_sizing's
-_sizing_rank.py does the same for one rank): a step with loss, grad norm, learning rate, tokens and
+Every ``--step-s`` each rank records what a LoRA fine-tune records (tests/support/lora_steps.py, as
+bench_cluster_sizing's _sizing_rank.py does for one rank): a step with loss, grad norm, learning rate, tokens and
 samples, the epoch, an evaluation every 40 steps; its GPUs' readings move. With
 ``--nonfinite-loss-from N``, the group's first rank's loss is NaN from its N-th step on (a run gone
 bad, for the alerting tests). It stops after ``--max-s`` or when its parent is gone.
@@ -19,7 +19,6 @@ bad, for the alerting tests). It stops after ``--max-s`` or when its parent is g
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -32,9 +31,9 @@ from openlora_otel.config import TelemetryConfig  # noqa: E402
 from openlora_otel.provider import build_provider  # noqa: E402
 from openlora_otel.telemetry import Telemetry  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
+from tests.support.lora_steps import move_gpus, record_lora_step  # noqa: E402
 
 GPUS_PER_NODE = 8
-EVAL_EVERY = 40
 
 
 def start_rank(
@@ -98,26 +97,9 @@ def main() -> None:
             step += 1
             for offset, (telemetry, fake) in enumerate(ranks):
                 phase = step / 10.0 + args.first_rank + offset
-                for gpu in fake.gpus:
-                    gpu.utilization = 0.8 + 0.15 * math.sin(phase + gpu.index)
-                    gpu.power_w = 550.0 + 100.0 * math.sin(phase + 1.0)
-                    gpu.energy_j += gpu.power_w * args.step_s
-                    gpu.temperature_c = 65.0 + 5.0 * math.sin(phase / 3.0)
-                training = telemetry.training
-                loss = 2.0 / math.sqrt(step) + 0.01 * math.sin(phase)
-                if offset == 0 and 0 < args.nonfinite_loss_from <= step:
-                    loss = math.nan
-                training.record_step(
-                    loss=loss,
-                    grad_norm=1.0 + 0.2 * math.sin(phase * 1.7),
-                    learning_rate=2e-4 * min(1.0, step / 100.0),
-                    tokens=8 * 2048,
-                    samples=8,
-                    step_time_s=args.step_s,
-                )
-                training.record_epoch(step / 1000.0)
-                if step == 1 or step % EVAL_EVERY == 0:
-                    training.record_eval(loss=2.1 / math.sqrt(step), accuracy=0.5 + step / 10_000.0)
+                move_gpus(fake.gpus, phase, step, args.step_s)
+                nonfinite = offset == 0 and 0 < args.nonfinite_loss_from <= step
+                record_lora_step(telemetry.training, step, phase, step_time_s=args.step_s, nonfinite_loss=nonfinite)
     finally:
         for telemetry, _ in ranks:
             telemetry.shutdown()
