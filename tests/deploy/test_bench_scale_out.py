@@ -14,25 +14,35 @@ from pathlib import Path
 import pytest
 
 from tests.support.built import built
+from tests.support.dashboards import CLUSTER_DASHBOARD, TRAINING_DASHBOARD, panels
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_scale_out.py"
 RANKS = 16
+# Every query of the two dashboards the benchmark asks.
+QUERIES = sum(len(panel.get("targets", [])) for path in (CLUSTER_DASHBOARD, TRAINING_DASHBOARD) for panel in panels(path))
 
 
 def test_the_scale_out_benchmark_runs_at_a_small_scale(tmp_path: Path) -> None:
     # Skips (fails under CI) when they are not built.
     for target in ("thanos", "cortex", "prometheus", "otelcol-openlora", "otelcol-openlora-lb"):
         built(target)
-    result = subprocess.run(
+    bench = subprocess.Popen(
         [sys.executable, str(BENCH), "--ranks", str(RANKS), "--processes", "2", "--interval-s", "2",
-         "--window-s", "8", "--repeats", "2", "--max-s", "400", "--json", str(tmp_path / "figures.json"),
-         "--markdown", str(tmp_path / "queries.md")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+         "--evaluation-interval", "2s", "--window-s", "8", "--repeats", "2", "--arrival-s", "90",
+         "--max-s", "400", "--json", str(tmp_path / "figures.json"), "--markdown", str(tmp_path / "queries.md")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    try:
+        output, _ = bench.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: the benchmark then stops the servers and ranks it started.
+        bench.terminate()
+        output, _ = bench.communicate(timeout=90)
+        pytest.fail(f"the benchmark took over 9 minutes: {output[-3000:]}")
+    assert bench.returncode == 0, output[-6000:]
     figures = {r["store"]: r for r in json.loads((tmp_path / "figures.json").read_text())}
     assert sorted(figures) == ["cortex", "thanos", "thanos-sidecar"]
     for store, r in figures.items():
@@ -42,9 +52,12 @@ def test_the_scale_out_benchmark_runs_at_a_small_scale(tmp_path: Path) -> None:
         assert r["active_series"] >= 150 * RANKS, (store, r["active_series"])
         assert r["samples_per_s"] > 0 and r["missed_iterations"] == 0, (store, r)
         assert {g["group"] for g in r["rules"]} >= {"openlora-training", "openlora-gpu", "openlora-goodput"}, r["rules"]
-        assert all(t["cpu_per_s"] >= 0 and t["rss_bytes"] > 0 for t in r["tiers"].values()), r["tiers"]
-        assert len(r["queries"]) == 108 and not any(q["failed"] for q in r["queries"]), store
-        assert all(q["p50_s"] <= q["p99_s"] <= q["max_s"] for q in r["queries"]), store
+        assert all(t["rss_bytes"] > 0 for t in r["tiers"].values()), r["tiers"]
+        assert len(r["queries"]) == QUERIES and not any(q["failed"] for q in r["queries"]), store
+        # Most panels have data (about a fifth read series these ranks do not make: host and process
+        # metrics, MFU, the torch allocator, data wait, XID and non-finite counts).
+        answered = sum(q["series"] > 0 for q in r["queries"])
+        assert answered >= QUERIES * 0.75, (store, [q["panel"] for q in r["queries"] if not q["series"]])
         assert all(v > 0 for v in r["bytes_per_rank_interval"].values()), (store, r["bytes_per_rank_interval"])
     for store in ("thanos", "cortex"):
         r = figures[store]
@@ -59,7 +72,7 @@ def test_the_scale_out_benchmark_runs_at_a_small_scale(tmp_path: Path) -> None:
     assert scrapes["targets_up"] == RANKS and scrapes["samples_per_scrape"] > 100, scrapes
     table = (tmp_path / "queries.md").read_text().splitlines()
     assert table[0] == "| query | thanos p50 / p99 (ms) | cortex p50 / p99 (ms) | thanos-sidecar p50 / p99 (ms) |"
-    assert len(table) == 2 + 108
+    assert len(table) == 2 + QUERIES
 
 
 def test_an_unknown_store_is_refused_naming_the_accepted_ones() -> None:
