@@ -100,17 +100,25 @@ def io_bytes(pid: int) -> tuple[int, int]:
     return int(values["rchar"]), int(values["wchar"])
 
 
-def metric_sum(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` (with ``labels``) in the text exposition at ``url``."""
+def exposition(url: str) -> str:
+    """The text exposition at ``url`` (a /metrics page)."""
     with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def metric_total(text: str, *names: str) -> float:
+    """The sum of the samples of every one of ``names`` in the exposition ``text``."""
     total = 0.0
     for line in text.splitlines():
-        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def metric_sum(url: str, *names: str) -> float:
+    """The sum of the samples of ``names`` in the exposition at ``url``, read once."""
+    return metric_total(exposition(url), *names)
 
 
 def dashboard_queries(interval_s: float) -> list[tuple[str, str]]:
@@ -178,8 +186,10 @@ def rule_evaluations(rules_url: str) -> dict[str, tuple[str, float]]:
 def missed_iterations(metrics_url: str) -> float:
     """Rule group evaluations skipped because the one before had not finished (Thanos Ruler's and
     Cortex's names)."""
-    return metric_sum(metrics_url, "prometheus_rule_group_iterations_missed_total") + metric_sum(
-        metrics_url, "cortex_prometheus_rule_group_iterations_missed_total"
+    return metric_sum(
+        metrics_url,
+        "prometheus_rule_group_iterations_missed_total",
+        "cortex_prometheus_rule_group_iterations_missed_total",
     )
 
 
@@ -235,17 +245,14 @@ def collector_points(path: MetricsPath) -> dict[str, float]:
     """Points the agent and the gateways (summed) accepted, refused, and failed to send so far."""
     out: dict[str, float] = {}
     for tier, collectors in (("agent", [path.collector]), ("gateways", path.gateways)):
+        pages = [exposition(f"http://127.0.0.1:{c.ports['self_metrics']}/metrics") for c in collectors]
         for key, name in (
             ("accepted", "otelcol_receiver_accepted_metric_points"),
             ("refused", "otelcol_receiver_refused_metric_points"),
             ("send_failed", "otelcol_exporter_send_failed_metric_points"),
         ):
-            total = 0.0
-            for collector in collectors:
-                url = f"http://127.0.0.1:{collector.ports['self_metrics']}/metrics"
-                # With or without the _total suffix, as the Collector's release names them.
-                total += metric_sum(url, name) + metric_sum(url, f"{name}_total")
-            out[f"{tier}_{key}_points"] = total
+            # With or without the _total suffix, as the Collector's release names them.
+            out[f"{tier}_{key}_points"] = sum(metric_total(page, name, f"{name}_total") for page in pages)
     return out
 
 

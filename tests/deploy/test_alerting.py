@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.alertmanager import Alertmanager, Webhook
+from tests.support.alertmanager import Alertmanager, Webhook, shipped_config
 from tests.support.built import built
 from tests.support.processes import free_port, free_port_range
 from tests.support.real_parts import debian, missing
@@ -226,7 +226,7 @@ def test_a_critical_alert_of_a_run_reaches_the_webhook_and_silences_that_runs_wa
 ) -> None:
     binary = alertmanager_tool("alertmanager", release)
     config = tmp_path / "alertmanager.yml"
-    config.write_text(ALERTMANAGER_CONFIG.read_text().replace("http://127.0.0.1:9095/alerts", webhook.url))
+    config.write_text(shipped_config(webhook.url))
     server = Alertmanager(tmp_path, binary, config)
     try:
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.alertmanager import Alertmanager, Webhook
+from tests.support.alertmanager import Alertmanager, Webhook, shipped_config
 from tests.support.built import built
 from tests.support.metrics_paths import MetricsPath
 from tests.support.processes import child_env, reap
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "openlora_otel" / "rules" / "openlora.yml"
-ALERTMANAGER_CONFIG = ROOT / "collector" / "alertmanager.yml"
 RANK_GROUP = ROOT / "tests" / "support" / "rank_group.py"
 RUN_ID, RUN_NAME = "gone-nan", "lora-gone-nan"
 
@@ -31,7 +30,7 @@ RUN_ID, RUN_NAME = "gone-nan", "lora-gone-nan"
 @pytest.mark.parametrize("store", ["thanos", "cortex"])
 def test_a_run_gone_nan_reaches_a_webhook_from_the_stores_ruler(tmp_path: Path, store: str) -> None:
     webhook = Webhook()
-    config_text = ALERTMANAGER_CONFIG.read_text().replace("http://127.0.0.1:9095/alerts", webhook.url)
+    config_text = shipped_config(webhook.url)
     rules = tmp_path / "openlora.yml"
     rules.write_text(RULES.read_text())
     alertmanager = group = None

@@ -12,6 +12,10 @@ from pathlib import Path
 from tests.support.processes import free_port
 from tests.support.prometheus_server import ServerProcess
 
+# The shipped Alertmanager configuration; its receivers post to this webhook URL.
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "collector" / "alertmanager.yml"
+SHIPPED_WEBHOOK = "http://127.0.0.1:9095/alerts"
+
 
 class Webhook:
     """A webhook receiver on loopback that keeps every notification Alertmanager POSTs."""
@@ -70,3 +74,10 @@ class Alertmanager(ServerProcess):
             "--log.level=warn",
         ]
         super().__init__("alertmanager", argv, port, workdir, "/-/ready")
+
+
+def shipped_config(webhook_url: str) -> str:
+    """collector/alertmanager.yml with its receivers posting to ``webhook_url`` instead, nothing else changed."""
+    text = SHIPPED_CONFIG.read_text()
+    assert SHIPPED_WEBHOOK in text, f"{SHIPPED_CONFIG} no longer posts to {SHIPPED_WEBHOOK}"
+    return text.replace(SHIPPED_WEBHOOK, webhook_url)
