@@ -25,6 +25,7 @@ import yaml
 
 from openlora_otel.config import TelemetryConfig
 from tests.support import collector_checks as checks
+from tests.support.downward_api import container_env, expand
 
 K8S = checks.ROOT / "deploy" / "kubernetes"
 COLLECTOR_CONFIGS = checks.ROOT / "deploy" / "collector"
@@ -167,28 +168,6 @@ def fake_pod(job: dict, *, index: int = 0, node: str = "gpu-node-7", job_uid: st
         "metadata.labels['batch.kubernetes.io/controller-uid']": job_uid,
         "metadata.labels['batch.kubernetes.io/job-completion-index']": str(index),
     }
-
-
-def expand(text: str, defined: Mapping[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion: defined names are replaced, $$ escapes, the rest stays literal."""
-
-    def replace(match: re.Match) -> str:
-        if match.group(0).startswith("$$"):
-            return match.group(0)[1:]
-        return defined.get(match.group(1), match.group(0))
-
-    return re.sub(r"\$?\$\((\w+)\)", replace, text)
-
-
-def container_env(container: dict, pod: Mapping[str, str]) -> dict[str, str]:
-    """The environment the container starts with: values in list order, each expanded over the earlier ones."""
-    env: dict[str, str] = {}
-    for entry in container.get("env", []):
-        if "value" in entry:
-            env[entry["name"]] = expand(str(entry["value"]), env)
-        elif "fieldRef" in entry.get("valueFrom", {}):
-            env[entry["name"]] = pod[entry["valueFrom"]["fieldRef"]["fieldPath"]]
-    return env
 
 
 def rank_env(container: dict, pod: Mapping[str, str], local_rank: int, node_rank: int = 0) -> dict[str, str]:
