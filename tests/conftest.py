@@ -36,7 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # -- tiers -------------------------------------------------------------------------------------
 # `e2e`: the test starts a real server binary (Prometheus, Alertmanager, VictoriaMetrics, our
-# Collector, Chromium).
+# Collectors, Thanos, Cortex, Chromium, the Kubernetes control plane and what runs against it).
 # `process`: it starts any other child process (the demo, serve, torchrun, a fresh interpreter,
 # promtool, amtool, a forked child, DataLoader workers). What is left is the fast tier, in-process
 # only: pytest -m "not e2e and not process".
@@ -52,7 +52,17 @@ _SERVERS = frozenset(
         "victoria-metrics",
         "vmalert",
         "otelcol-openlora",
+        "otelcol-openlora-lb",
+        "thanos",
+        "cortex",
         "chromium",
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kwok",
+        "prometheus-operator",
+        "kube-state-metrics",
     }
 )
 _OURS = tuple(
@@ -256,3 +266,4 @@ def collect(stepped_time: SteppedTime):
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slowest files first (tests/support/order.py), the order kept within a file and among the rest."""
     items.sort(key=lambda item: slow_first_rank(item.nodeid))  # stable
+

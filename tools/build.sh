@@ -13,9 +13,16 @@
 #   thanos           build/bin/thanos             Thanos v0.40.1 (sidecar, store, query, receive, rule,
 #                                                 compact, tools: one binary)
 #   cortex           build/bin/cortex             Cortex v1.21.1 (single binary, -target=all)
+#   etcd             build/bin/etcd               etcd v3.6.16 (the API server's store)
+#   kubernetes       build/bin/kube-apiserver, kube-controller-manager, kube-scheduler   Kubernetes v1.36.3
+#   kwok             build/bin/kwok, kwok-stages.yaml   kwok v0.8.0 (fake nodes: pods Running without a kubelet)
+#   prometheus-operator  build/bin/prometheus-operator, prometheus-operator-crds.yaml   Prometheus Operator v0.85.0
+#   kube-state-metrics   build/bin/kube-state-metrics    kube-state-metrics v2.15.0
+#   (the last five: the control plane of tests/deploy/test_kubernetes_cluster.py)
 #
-# Usage: tools/build.sh [--regenerate] [collector|collector-lb|prometheus|alertmanager|victoriametrics|thanos|cortex ...]
-#   With no name, all seven. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
+# Usage: tools/build.sh [--regenerate] [collector|collector-lb|prometheus|alertmanager|victoriametrics|thanos|cortex
+#                        |etcd|kubernetes|kwok|prometheus-operator|kube-state-metrics ...]
+#   With no name, all twelve. The versions are pinned in each module's go.mod and go.sum (tools/*/ and
 #   collector/otelcol-openlora*/); --regenerate first reruns the Collector Builder (ocb of the
 #   distribution's release) on its manifest.yaml, after a change of components or release.
 #   OPENLORA_BIN_DIR: where the binaries go (default build/bin). Go's module and build caches
@@ -31,17 +38,19 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 export CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false" GOTOOLCHAIN=local
 
+names="collector collector-lb prometheus alertmanager victoriametrics thanos cortex etcd kubernetes kwok prometheus-operator kube-state-metrics"
 regenerate=0
 targets=()
 for arg in "$@"; do
     case $arg in
         --regenerate) regenerate=1 ;;
-        collector | collector-lb | prometheus | alertmanager | victoriametrics | thanos | cortex) targets+=("$arg") ;;
-        -h | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, collector, collector-lb, prometheus, alertmanager, victoriametrics, thanos, cortex)" >&2; exit 2 ;;
+        collector | collector-lb | prometheus | alertmanager | victoriametrics | thanos | cortex | etcd | kubernetes | kwok \
+            | prometheus-operator | kube-state-metrics) targets+=("$arg") ;;
+        -h | --help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "tools/build.sh: unknown argument '$arg' (accepted: --regenerate, ${names// /, })" >&2; exit 2 ;;
     esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(collector collector-lb prometheus alertmanager victoriametrics thanos cortex)
+[ ${#targets[@]} -gt 0 ] || targets=($names)
 
 # The version of module $2 in the go.mod of directory $1, and the directory Go unpacked it into.
 module_version() { (cd "$1" && go list -m -f '{{.Version}}' "$2"); }
@@ -177,6 +186,73 @@ build_cortex() {
     version=$(module_version "$root/tools/cortex" "$module")
     build_in_module_copy cortex "$module" cmd/cortex \
         "-s -w -X main.Version=${version#v} -X main.Revision=$module@$version -X main.Branch=module" "netgo,slicelabels"
+}
+
+# Command $2 (a package path) of the module pinned in tools/$1/go.mod (a wrapper that requires it: its own
+# go.mod has no replace directive that matters, or tools/$1/go.mod restates what they did), into
+# build/bin/$3 with ldflags $4.
+build_from_wrapper() {
+    (cd "$root/tools/$1" && go build -ldflags "$4" -o "$out/$3" "$2")
+}
+
+build_etcd() {
+    local module=go.etcd.io/etcd/server/v3 version
+    version=$(module_version "$root/tools/etcd" "$module")
+    (cd "$root/tools/etcd" && go build -ldflags "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=module-$version" \
+        -o "$out/etcd" .)
+}
+
+# The version variables Kubernetes' own build sets (hack/lib/version.sh): the API server reports them,
+# and clients (kwok, the operator) read them.
+build_kubernetes() {
+    local version flags="-s -w" p
+    version=$(module_version "$root/tools/kubernetes" k8s.io/kubernetes)
+    local minor=${version#v1.}
+    minor=${minor%%.*}
+    for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        flags+=" -X $p.gitVersion=$version -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitCommit=module"
+        flags+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+    done
+    build_from_wrapper kubernetes k8s.io/kubernetes/cmd/kube-apiserver kube-apiserver "$flags"
+    build_from_wrapper kubernetes k8s.io/kubernetes/cmd/kube-controller-manager kube-controller-manager "$flags"
+    build_from_wrapper kubernetes k8s.io/kubernetes/cmd/kube-scheduler kube-scheduler "$flags"
+}
+
+# kwok plays no stage of its own without a configuration: build/bin/kwok-stages.yaml holds those of its
+# release (kustomize/stage) it plays in the tests: a node initialised and kept Ready (node/fast,
+# node/heartbeat), a pod made Running with an IP from its node's podCIDR and deleted when asked
+# (pod/fast pod-ready and pod-delete). Not pod-complete: it ends a Job's pods a moment after they run,
+# where a training pod runs until the test ends it.
+build_kwok() {
+    local module=sigs.k8s.io/kwok version dir stage
+    version=$(module_version "$root/tools/kwok" "$module")
+    build_from_wrapper kwok "$module/cmd/kwok" kwok "-s -w -X $module/pkg/consts.Version=$version"
+    dir=$(module_dir "$root/tools/kwok" "$module")/kustomize/stage
+    for stage in node/fast/node-initialize node/heartbeat/node-heartbeat pod/fast/pod-ready pod/fast/pod-delete; do
+        echo "# kwok $version kustomize/stage/$stage.yaml"
+        cat "$dir/$stage.yaml"
+        echo "---"
+    done >"$out/kwok-stages.yaml"
+}
+
+# With its CRDs of the same release (example/prometheus-operator-crd), in build/bin/prometheus-operator-crds.yaml.
+build_prometheus-operator() {
+    local module=github.com/prometheus-operator/prometheus-operator version crd
+    version=$(module_version "$root/tools/prometheus-operator" "$module")
+    build_from_wrapper prometheus-operator "$module/cmd/operator" prometheus-operator \
+        "$(common_version_flags "${version#v}" "$module@$version")"
+    for crd in "$(module_dir "$root/tools/prometheus-operator" "$module")"/example/prometheus-operator-crd/*.yaml; do
+        echo "# prometheus-operator $version example/prometheus-operator-crd/$(basename "$crd")"
+        cat "$crd"
+        echo "---"
+    done >"$out/prometheus-operator-crds.yaml"
+}
+
+build_kube-state-metrics() {
+    local module=k8s.io/kube-state-metrics/v2 version
+    version=$(module_version "$root/tools/kube-state-metrics" "$module")
+    build_from_wrapper kube-state-metrics "$module" kube-state-metrics \
+        "$(common_version_flags "$version" "$module@$version")"
 }
 
 for target in "${targets[@]}"; do

@@ -5,7 +5,9 @@
 #                       chromium and fonts-liberation; installed with apt-get when one is missing
 #                       (through sudo when not run as root)
 #   build/bin           tools/build.sh: our Collector, Prometheus 3, Alertmanager 0.35, VictoriaMetrics
-#                       1.151 and vmalert, Thanos 0.40.1, Cortex 1.21.1, from the Go module proxy (needs Go)
+#                       1.151 and vmalert, Thanos 0.40.1, Cortex 1.21.1, and a Kubernetes control plane
+#                       (etcd 3.6, Kubernetes 1.36, kwok, the Prometheus Operator, kube-state-metrics),
+#                       from the Go module proxy (needs Go)
 #   .venv-aiperf        AIPerf, pinned, from PyPI, in a virtual environment of its own
 #
 # Usage: tools/setup-real-parts.sh   (from anywhere; no arguments). .ci/run runs it first. Each part is
@@ -14,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case ${1:-} in
     "") ;;
-    -h | --help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tools/setup-real-parts.sh: no arguments accepted (got '$1')" >&2; exit 2 ;;
 esac
 
@@ -40,7 +42,8 @@ dpkg-query -W victoria-metrics 2>/dev/null || true
 dpkg-query -W chromium 2>/dev/null || true
 
 # From the Go module proxy, pinned (tools/build.sh): our Collector distribution, Prometheus 3 and its
-# promtool, Alertmanager 0.35 and amtool, VictoriaMetrics 1.151, Thanos and Cortex, into build/bin. Go's module and build
+# promtool, Alertmanager 0.35 and amtool, VictoriaMetrics 1.151, Thanos and Cortex, the control plane of
+# tests/deploy/test_kubernetes_cluster.py, into build/bin. Go's module and build
 # caches are reused when the machine has them (a rebuild then takes seconds per binary).
 go version
 started=$SECONDS

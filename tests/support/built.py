@@ -25,6 +25,15 @@ TARGETS = {
     "vmalert": "victoriametrics",
     "thanos": "thanos",
     "cortex": "cortex",
+    "etcd": "etcd",
+    "kube-apiserver": "kubernetes",
+    "kube-controller-manager": "kubernetes",
+    "kube-scheduler": "kubernetes",
+    "kwok": "kwok",
+    "kwok-stages.yaml": "kwok",
+    "prometheus-operator": "prometheus-operator",
+    "prometheus-operator-crds.yaml": "prometheus-operator",
+    "kube-state-metrics": "kube-state-metrics",
 }
 
 
@@ -38,8 +47,9 @@ def bin_dir() -> Path:
 
 
 def built(name: str) -> str:
-    """The path of built binary ``name``; skips (fails under CI) when it is not there."""
+    """The path of built binary ``name`` (or of a file a build puts beside them, ``*.yaml``); skips
+    (fails under CI) when it is not there."""
     path = bin_dir() / name
-    if path.is_file() and os.access(path, os.X_OK):
+    if path.is_file() and (name.endswith(".yaml") or os.access(path, os.X_OK)):
         return str(path)
     missing("build/bin", f"{path} is not built: run tools/build.sh {TARGETS[name]}")

@@ -1,0 +1,9 @@
+//go:build tools
+
+// The commands tools/build.sh builds from this module: importing them keeps `go mod tidy` from
+// dropping what they need.
+package tools
+
+import (
+	_ "sigs.k8s.io/kwok/cmd/kwok"
+)
