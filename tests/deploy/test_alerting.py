@@ -140,6 +140,11 @@ def test_every_per_run_alert_carries_the_run_labels_the_config_groups_and_inhibi
         expr = rule["expr"]
         if rule["alert"].startswith(("OpenloraCollector", "OpenloraPrometheus", "OpenloraAlertmanager", "OpenloraThanos")):
             assert "openlora_run" not in expr
+        elif rule["alert"] == "OpenloraKubernetesJobFailed":
+            # A run that never reported: its id is the Job's uid from its pods' labels, its name the
+            # Job's (kube-state-metrics' series; the how-to's allowlist).
+            assert "group_left (openlora_run_id) namespace_job_name:openlora_kubernetes_job_run_id:topk" in expr
+            assert expr.rstrip().endswith('"openlora_run_name", "$1", "job_name", "(.+)"\n)'), expr
         elif "group_left (openlora_run_id, openlora_run_name) instance:openlora_run:current" in expr:
             assert expr.rstrip().endswith("instance:openlora_run:current"), rule["alert"]
         elif "instance:openlora_run:current" in expr:

@@ -16,6 +16,8 @@ SLOW_FILES_FIRST = (
     "hardware/test_gpu_check.py",
     "report/test_report_adapter.py",
     "deploy/test_scaleout.py",
+    "deploy/test_bench_scale_out.py",
+    "deploy/test_kubernetes_cluster.py",
 )
 
 

@@ -140,6 +140,23 @@ def key_pair(common_name: str = "localhost") -> KeyPair:
     return KeyPair(pem("PRIVATE KEY", key), pem("CERTIFICATE", certificate))
 
 
+# NIST P-256's group order and the OID of the curve (1.2.840.10045.3.1.7, SEC 2).
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+_P256 = _der(0x06, bytes.fromhex("2a8648ce3d030107"))
+
+
+def ec_private_key() -> str:
+    """A fresh P-256 private key, SEC 1 PEM ("EC PRIVATE KEY"), without its optional public key: Go's
+    x509.ParseECPrivateKey (which the Kubernetes API server reads its service-account key with, private
+    or public) derives the public key from the scalar, so no curve arithmetic is needed here."""
+    while True:
+        scalar = int.from_bytes(os.urandom(32), "big")
+        if 0 < scalar < _P256_ORDER:
+            break
+    der = _sequence(_der(0x02, b"\x01"), _der(0x04, scalar.to_bytes(32, "big")), _der(0xA0, _P256))
+    return pem("EC PRIVATE KEY", der)
+
+
 @dataclass(frozen=True)
 class TlsFiles:
     """Files for the OTLP TLS variables: a key and its certificate (also usable as a CA file), and a

@@ -77,6 +77,19 @@ class PrometheusApi:
                 return result
             time.sleep(0.25)
 
+    def wait_for_scrapes(self, count: int, timeout: float = 20.0) -> bool:
+        """Poll (bounded) until every target was scraped ``count`` more times from now (its ``up``
+        samples since the call, up or down); whether it was. Instead of sleeping some scrape intervals:
+        a rate over a series that just appeared has its samples then, however loaded the machine."""
+        since = time.time()
+
+        def scraped() -> bool:
+            window = f"{max(1, int((time.time() - since) * 1000))}ms"
+            result = self.query(f"min(count_over_time(up[{window}]))")
+            return bool(result) and float(result[0]["value"][1]) >= count
+
+        return bool(wait_until(scraped, timeout, interval=0.25))
+
 
 class ServerProcess(PrometheusApi):
     """A server process on loopback, its log in ``workdir``, ready when ``ready_path`` answers 200."""
@@ -225,19 +238,6 @@ class Prometheus(ServerProcess):
         body = self.get("/api/v1/targets", state="active")
         assert body["status"] == "success", body
         return body["data"]["activeTargets"]
-
-    def wait_for_scrapes(self, count: int, timeout: float = 20.0) -> bool:
-        """Poll (bounded) until every target was scraped ``count`` more times from now (its ``up``
-        samples since the call, up or down); whether it was. Instead of sleeping some scrape intervals:
-        a rate over a series that just appeared has its samples then, however loaded the machine."""
-        since = time.time()
-
-        def scraped() -> bool:
-            window = f"{max(1, int((time.time() - since) * 1000))}ms"
-            result = self.query(f"min(count_over_time(up[{window}]))")
-            return bool(result) and float(result[0]["value"][1]) >= count
-
-        return bool(wait_until(scraped, timeout, interval=0.25))
 
 
 class VictoriaMetrics(ServerProcess):

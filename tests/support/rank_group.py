@@ -7,7 +7,11 @@ small machine, so this process builds, for each of its ranks, what
 it, ``build_provider``: its Resource with run and rank identity, the views, the real OTLP exporter
 pushing every ``OTEL_METRIC_EXPORT_INTERVAL``) and a ``Telemetry`` on it with a fake NVML of the
 node's 8 GPUs (tests/support/fake_nvml.py). Only the global provider and the SIGTERM handler are left
-out (one per process). Host metrics are off: they would be this process's, not a rank's.
+out (one per process). Host metrics are off: they would be this process's, not a rank's. Each rank's
+Resource gets ``service.instance.id=rank-<RANK>`` and ``host.name=node-<GROUP_RANK>``; with
+``--pod-resource`` (the ranks of one Kubernetes pod, tests/deploy/test_kubernetes_cluster.py) the
+group's own ``OTEL_RESOURCE_ATTRIBUTES`` (the pod's k8s.* attributes) are kept and only the instance id
+is added.
 
 Every ``--step-s`` each rank records what a LoRA fine-tune records (tests/support/lora_steps.py, as
 bench_cluster_sizing's _sizing_rank.py does for one rank): a step with loss, grad norm, learning rate, tokens and
@@ -37,10 +41,14 @@ GPUS_PER_NODE = 8
 
 
 def start_rank(
-    rank: int, world_size: int, base_env: dict[str, str], *, host_metrics: bool = False
+    rank: int, world_size: int, base_env: dict[str, str], *, host_metrics: bool = False, pod_resource: bool = False
 ) -> tuple[Telemetry, FakeNvml]:
     """One rank's Telemetry and its fake NVML; ``host_metrics``: this process's and host's too (a
-    stand-in for a rank's, where one rank is all a process holds)."""
+    stand-in for a rank's, where one rank is all a process holds); ``pod_resource``: keep
+    ``base_env``'s resource attributes, adding only the rank's instance id."""
+    resource = f"service.instance.id=rank-{rank},host.name=node-{rank // GPUS_PER_NODE}"
+    if pod_resource:
+        resource = f"{base_env['OTEL_RESOURCE_ATTRIBUTES']},service.instance.id=rank-{rank}"
     env = {
         **base_env,
         "RANK": str(rank),
@@ -48,7 +56,7 @@ def start_rank(
         "GROUP_RANK": str(rank // GPUS_PER_NODE),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(GPUS_PER_NODE),
-        "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id=rank-{rank},host.name=node-{rank // GPUS_PER_NODE}",
+        "OTEL_RESOURCE_ATTRIBUTES": resource,
         "OPENLORA_HOST_METRICS": "true" if host_metrics else "false",
         "OPENLORA_GPU_METRICS": "on",
         "OPENLORA_QUIET": "true",
@@ -82,11 +90,13 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--max-s", type=float, default=900.0)
     parser.add_argument("--nonfinite-loss-from", type=int, default=0, help="step of the first NaN loss (0: none)")
+    parser.add_argument("--pod-resource", action="store_true", help="keep OTEL_RESOURCE_ATTRIBUTES (a pod's)")
     args = parser.parse_args()
     parent = os.getppid()
     base_env = {k: v for k, v in os.environ.items() if k.startswith(("OTEL_", "OPENLORA_"))}
     ranks = [
-        start_rank(rank, args.world_size, base_env) for rank in range(args.first_rank, args.first_rank + args.count)
+        start_rank(rank, args.world_size, base_env, pod_resource=args.pod_resource)
+        for rank in range(args.first_rank, args.first_rank + args.count)
     ]
     print(f"ready {args.count}", flush=True)
     started = time.monotonic()
