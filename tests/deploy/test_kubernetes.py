@@ -1,4 +1,5 @@
-"""deploy/kubernetes/: schema validation and consistency of the manifests (no cluster runs here).
+"""deploy/kubernetes/: schema validation and consistency of the manifests, offline (a real control plane
+applies and runs them in tests/deploy/test_kubernetes_cluster.py).
 
 The core kinds are validated against the Kubernetes JSON schemas that the PyPI package
 kubernetes-validate ships (offline, strict: unknown fields fail). The PodMonitor is a custom
