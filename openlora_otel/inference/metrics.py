@@ -138,10 +138,12 @@ class InferenceRequest:
             self._started = True
             self._metrics._move_to_running(self._key)
 
-    def first_token(self) -> None:
-        """The first output token is ready (the first call counts). Implies :meth:`start`."""
+    def first_token(self, at: float | None = None) -> None:
+        """The first output token is ready (the first call counts). Implies :meth:`start`. ``at``: when it
+        was, a ``time.perf_counter()`` value, if not now (a middleware that reads the answer after
+        sending it)."""
         if self._first is None and not self.ended:
-            self._first = time.perf_counter()
+            self._first = time.perf_counter() if at is None else at
             self.start()
 
     def tokens(self, input: int | None = None, output: int | None = None) -> None:
@@ -150,6 +152,16 @@ class InferenceRequest:
             self._input = self._metrics._count(input, "input")
         if output is not None:
             self._output = self._metrics._count(output, "output")
+
+    @property
+    def input_tokens(self) -> int | None:
+        """The prompt's tokens as last given to :meth:`tokens` (``None``: not given)."""
+        return self._input
+
+    @property
+    def output_tokens(self) -> int | None:
+        """The generated tokens as last given to :meth:`tokens` (``None``: not given)."""
+        return self._output
 
     def fail(self, error_type: str | None) -> None:
         """Mark the request failed with ``error_type`` (``None`` clears it: the request succeeded after all)."""
@@ -171,7 +183,7 @@ class InferenceRequest:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if kind is not None and self._error is None:
-            self.fail(_exception_type(kind))
+            self.fail(exception_error_type(kind))
         self.end()
 
 
@@ -261,7 +273,7 @@ class InferenceMetrics:
         try:
             yield
         except BaseException as exc:
-            self._record_load(value, time.perf_counter() - started, _exception_type(type(exc)))
+            self._record_load(value, time.perf_counter() - started, exception_error_type(type(exc)))
             raise
         self._record_load(value, time.perf_counter() - started, None)
         self._mark_loaded(name, value, True, info)
@@ -522,7 +534,7 @@ class InferenceMetrics:
         _logger.warning("inference metrics: %s", message, exc_info=exc_info)
 
 
-def _exception_type(kind: type[BaseException]) -> str:
+def exception_error_type(kind: type[BaseException]) -> str:
     """``error.type`` for an exception: its class name; a cancelled request or closed stream is ``cancelled``."""
     if kind is GeneratorExit or kind.__name__ == "CancelledError":
         return "cancelled"

@@ -2,8 +2,12 @@
 
 FastAPI on uvicorn, on loopback by default, speaking OpenAI's protocol (:mod:`.protocol`). At most
 ``max_concurrency`` requests generate at once, each on a worker thread (never on the event loop), up
-to ``max_queue`` more wait, and beyond that a request gets 503 at once. Every request goes through
-``telemetry.inference``, every adapter load through ``inference.loading_adapter``.
+to ``max_queue`` more wait, and beyond that a request gets 503 at once. Every request is measured
+in ``telemetry.inference`` by the ASGI middleware any server can use
+(:class:`~openlora_otel.inference.asgi.OpenAIMetricsMiddleware`), from the traffic itself; the routes
+add what only they know (when a request leaves the queue, when its first token is generated, its
+exact tokens) to the request the middleware made. Every adapter load goes through
+``inference.loading_adapter``.
 See docs/how-to/serving.md.
 """
 
@@ -30,7 +34,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openlora_otel.inference.metrics import InferenceRequest
+from openlora_otel.inference.asgi import STATE_KEY, OpenAIMetricsMiddleware
+from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceRequest
 from openlora_otel.model.layout import SavedAdapter, SavedBase
 from openlora_otel.serving import protocol
 from openlora_otel.serving.limits import (
@@ -87,6 +92,10 @@ class ServeOptions:
     shutdown_timeout_s: float = 10.0
     # Body size, JSON depth, body and header read times, open connections (serving/limits.py).
     limits: Limits = DEFAULT_LIMITS
+    # The routes tell the middleware's request what only they know (queue, first token, tokens); off:
+    # the middleware measures from the traffic alone, as around an app that says nothing (a test and
+    # the benchmark compare the two).
+    route_hints: bool = True
 
 
 class Overloaded(Exception):
@@ -159,6 +168,21 @@ class Ticket:
         # else: the job's done-callback releases it (see CompletionService._submit)
 
 
+class _Unmeasured:
+    """Takes the routes' hints and keeps none (``route_hints`` off, or no middleware in front)."""
+
+    def start(self) -> None: ...
+
+    def first_token(self, at: float | None = None) -> None: ...
+
+    def tokens(self, input: int | None = None, output: int | None = None) -> None: ...
+
+    def fail(self, error_type: str | None) -> None: ...
+
+
+_UNMEASURED = _Unmeasured()
+
+
 class CompletionService:
     """The generation endpoints' work: validation, admission, generation on worker threads, records."""
 
@@ -191,7 +215,7 @@ class CompletionService:
     def _submit(
         self,
         ticket: Ticket,
-        record: InferenceRequest,
+        record: InferenceRequest | _Unmeasured,
         parsed: Parsed,
         on_piece: Callable[[tuple[int, str] | None], object] | None,
     ) -> tuple[concurrent.futures.Future[list[Completion]], threading.Event]:
@@ -248,19 +272,26 @@ class CompletionService:
         ticket.job.add_done_callback(done)
         return ticket.job, cancel
 
+    def _record(self, request: Request) -> InferenceRequest | _Unmeasured:
+        """The request the middleware measures (the routes' hints go to it), or a stand-in that takes
+        none (``route_hints`` off)."""
+        if not self.options.route_hints:
+            return _UNMEASURED
+        return request.scope.get("state", {}).get(STATE_KEY) or _UNMEASURED
+
     async def complete(self, request: Request, operation: str = COMPLETION) -> Response:
-        """POST /v1/completions (``operation`` COMPLETION) or /v1/chat/completions (CHAT)."""
+        """POST /v1/completions (``operation`` COMPLETION) or /v1/chat/completions (CHAT). Every answer,
+        refusals too, is measured by the middleware from what it says (an error's ``code`` is its
+        ``error.type``)."""
+        record = self._record(request)
         body = await request.body()
         try:
             parsed = self.parse(body, operation)
         except ProtocolError as bad:
-            self.inference.request(adapter=bad.adapter, operation=operation).end(error=bad.code)
             return _error(bad.status, bad.code, bad.message, bad.param)
-        record = self.inference.request(adapter=parsed.adapter, operation=operation, queued=True)
         try:
             ticket = self.admission.enter()
         except Overloaded:
-            record.end(error="overloaded")
             return _error(
                 503,
                 "overloaded",
@@ -282,8 +313,6 @@ class CompletionService:
             # close() cancels the generations); a client that disconnects is not noticed before the end.
             if cancel is not None:
                 cancel.set()
-            cancelled = isinstance(exc, (asyncio.CancelledError, Cancelled))
-            record.end(error="cancelled" if cancelled else type(exc).__name__)
             ticket.release_when_done()
             if isinstance(exc, Cancelled):
                 return _error(503, "cancelled", "the server is stopping")
@@ -293,12 +322,11 @@ class CompletionService:
             return _error(500, type(exc).__name__, f"generation failed: {exc}")
         used = _usage(parsed, completions)
         record.tokens(input=used["prompt_tokens"], output=used["completion_tokens"])
-        record.end()
         choices = [(c.text, c.finish_reason) for c in completions]
         return JSONResponse(protocol.response(parsed, request_id, created, choices, used))
 
     async def _stream(
-        self, parsed: Parsed, record: InferenceRequest, ticket: Ticket, request_id: str, created: int
+        self, parsed: Parsed, record: InferenceRequest | _Unmeasured, ticket: Ticket, request_id: str, created: int
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
@@ -352,7 +380,6 @@ class CompletionService:
                 if cancel is not None:
                     cancel.set()
                 record.fail("cancelled")
-            record.end()
             ticket.release_when_done()
 
     def cancel_all(self) -> None:
@@ -403,6 +430,18 @@ class _EventStream(StreamingResponse):
                 await aclose()
 
 
+def _adapter_of(models: ServedModels) -> Callable[[str], str | None]:
+    """The middleware's adapter hook: the base model's name is the base, a served adapter's is itself,
+    any other name ``other`` (a made-up name never takes one of the capped adapter slots)."""
+
+    def adapter(model: str) -> str | None:
+        if model == models.base_model:
+            return None
+        return model if models.has_adapter(model) else ADAPTER_OTHER
+
+    return adapter
+
+
 def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
     """The FastAPI application, with the ASGI HTTP metrics on ``telemetry``'s meter provider."""
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
@@ -446,6 +485,15 @@ def build_app(service: CompletionService, telemetry: Telemetry) -> FastAPI:
         # traceback after this response is sent.
         return _error(500, "internal_error", "the server failed on this request; its log says why")
 
+    # The serving metrics, from the traffic (and the routes' hints), inside the limits below: a body is
+    # read under their size and time limits, and what they refuse is recorded by on_refusal.
+    app.add_middleware(
+        OpenAIMetricsMiddleware,
+        inference=telemetry.inference,
+        adapter=_adapter_of(models),
+        routes={"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT},
+        queued=service.options.route_hints,
+    )
     # Inside the HTTP instrumentation's middleware: refusals made before the route runs are measured.
     app.add_middleware(
         RequestLimits,

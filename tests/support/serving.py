@@ -215,7 +215,10 @@ class InProcessServe:
     process, the real protocol, service, limits and generation. Each ``post`` is one ASGI call;
     ``close()`` stops the worker threads and the telemetry."""
 
-    def __init__(self, directory: Path, *, max_new_tokens_limit: int = 4) -> None:
+    def __init__(
+        self, directory: Path, *, max_new_tokens_limit: int = 4, route_hints: bool = True, reader: Any = None
+    ) -> None:
+        """``route_hints``: as ServeOptions'; ``reader``: a metric reader for the telemetry (in-memory)."""
         import torch
         import transformers
 
@@ -244,9 +247,14 @@ class InProcessServe:
             context_length=16,
         )
         self.models = ServedModels(base, device="cpu")
-        self.telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), handle_sigterm=False))
+        self.telemetry = setup_telemetry(
+            config=TelemetryConfig(exporters=("none",), handle_sigterm=False),
+            metric_readers=[reader] if reader is not None else (),
+        )
         self.service = CompletionService(
-            self.models, self.telemetry, ServeOptions(max_new_tokens_limit=max_new_tokens_limit)
+            self.models,
+            self.telemetry,
+            ServeOptions(max_new_tokens_limit=max_new_tokens_limit, route_hints=route_hints),
         )
         self.app = build_app(self.service, self.telemetry)
 
@@ -259,20 +267,26 @@ class InProcessServe:
         self.telemetry.shutdown()
 
 
-def asgi_post(app: Any, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of one ``POST path`` with a JSON ``body``, sent to the ASGI ``app`` in process
-    (within ``timeout`` seconds). An exception the app raises (Starlette re-raises a 500's) is raised here."""
+def asgi_call(
+    app: Any, path: str, body: bytes, *, method: str = "POST", pieces: int = 1, timeout: float = 60.0
+) -> list[dict[str, Any]]:
+    """The messages the ASGI ``app`` sends for one request (``body`` in ``pieces`` messages), called in
+    process within ``timeout`` seconds. The client stays until the whole answer is sent (a stream ends
+    early when it disconnects); an exception the app raises (Starlette re-raises a 500's) is raised here."""
     import asyncio
 
     sent: list[dict[str, Any]] = []
-    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+    size = max(1, -(-len(body) // pieces))
+    incoming = [
+        {"type": "http.request", "body": body[i : i + size], "more_body": i + size < len(body)}
+        for i in range(0, max(len(body), 1), size)
+    ]
     answered: asyncio.Event | None = None
 
     async def receive() -> dict[str, Any]:
         nonlocal answered
         if incoming:
             return incoming.pop(0)
-        # The client stays until the whole answer is sent (a stream ends early when it disconnects).
         answered = answered or asyncio.Event()
         await answered.wait()
         return {"type": "http.disconnect"}
@@ -288,7 +302,7 @@ def asgi_post(app: Any, path: str, body: bytes, timeout: float = 60.0) -> tuple[
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "POST",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
@@ -299,6 +313,13 @@ def asgi_post(app: Any, path: str, body: bytes, timeout: float = 60.0) -> tuple[
         "server": ("127.0.0.1", 8000),
     }
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout))
+    return sent
+
+
+def asgi_post(app: Any, path: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one ``POST path`` with a JSON ``body``, sent to the ASGI ``app`` in process
+    (:func:`asgi_call`)."""
+    sent = asgi_call(app, path, body, timeout=timeout)
     start = next(m for m in sent if m["type"] == "http.response.start")
     headers = {name.decode().lower(): value.decode() for name, value in start.get("headers", [])}
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

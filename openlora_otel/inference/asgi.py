@@ -1,0 +1,173 @@
+"""ASGI middleware: the serving metrics of an OpenAI-compatible app, read from its own traffic.
+
+One line around any ASGI app (FastAPI, Starlette, an OpenAI-compatible server written in Python)::
+
+    telemetry = setup_telemetry("my-server")
+    app = OpenAIMetricsMiddleware(app, telemetry.inference)
+
+Each ``POST`` to one of OpenAI's routes (:data:`~openlora_otel.inference.openai_traffic.OPENAI_ROUTES`)
+is one request in ``telemetry.inference``: the body is read first (up to 1 MiB, then handed to the
+app unchanged) for its ``model``, which the ``adapter`` hook maps to the adapter recorded (default:
+the name itself; ``None`` for the base model; past the cap of adapter names, ``other``); then the
+answer is read as it is sent, after each piece has gone to the client (never delaying one): time to
+first token, tokens, ``error.type`` (:mod:`openlora_otel.inference.openai_traffic`). A request the
+client abandons mid-answer is ``cancelled``; one the app raises on has the exception's type. Every
+other request passes through untouched.
+
+The app may refine what the traffic cannot show: the request's
+:class:`~openlora_otel.inference.metrics.InferenceRequest` is ``scope["state"]["openlora_inference"]``
+(``request.state.openlora_inference`` in Starlette and FastAPI). With ``queued=True`` a request counts
+as waiting until the app calls its ``start()`` (or its first token comes), for an app with a queue of
+its own that may answer a stream's headers before a request leaves it. See docs/how-to/serving.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+
+from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, exception_error_type
+from openlora_otel.inference.openai_traffic import (
+    MAX_REQUEST_BYTES,
+    OPENAI_ROUTES,
+    RequestFacts,
+    ResponseReader,
+    read_request,
+)
+
+__all__ = ["STATE_KEY", "OpenAIMetricsMiddleware"]
+
+_logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+STATE_KEY = "openlora_inference"  # scope["state"][STATE_KEY]: the request's InferenceRequest
+
+
+def _same(model: str) -> str | None:
+    return model
+
+
+class OpenAIMetricsMiddleware:
+    """Wrap ``app`` (ASGI 3); record each OpenAI request in ``inference``. ``adapter``: the adapter of a
+    request's ``model``, ``None`` for the base model (a request that names no model is ``other``); ``routes``: path -> ``gen_ai.operation.name`` of the routes to measure; ``queued``: the app
+    queues requests and calls ``start()`` on the request in its scope when one leaves the queue."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        inference: InferenceMetrics,
+        *,
+        adapter: Callable[[str], str | None] = _same,
+        routes: Mapping[str, str] = OPENAI_ROUTES,
+        queued: bool = False,
+    ) -> None:
+        if not isinstance(inference, InferenceMetrics):
+            raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
+        self.app = app
+        self.inference = inference
+        self._adapter = adapter
+        self._routes = dict(routes)
+        self._queued = queued
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _logger.warning(message, exc_info=True)
+
+    def _adapter_of(self, facts: RequestFacts) -> str | None:
+        if facts.model is None:
+            return ADAPTER_OTHER  # no model said (or a body too long or not JSON): never the base's
+        try:
+            return self._adapter(facts.model)
+        except Exception:
+            self._warn_once("adapter", "openlora-otel: the adapter hook raised; such requests are recorded as 'other'")
+            return ADAPTER_OTHER
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        operation = self._routes.get(scope.get("path", "")) if scope.get("type") == "http" else None
+        if operation is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        # The body first (bounded), to be handed to the app as it came.
+        read: deque[Message] = deque()
+        body = bytearray()
+        while True:
+            message = await receive()
+            read.append(message)
+            if message.get("type") != "http.request":
+                break  # the client left before sending it all: not a request
+            body += message.get("body", b"")
+            if not message.get("more_body", False) or len(body) > MAX_REQUEST_BYTES:
+                break
+        complete = read[-1].get("type") == "http.request" and not read[-1].get("more_body", False)
+        if read[-1].get("type") != "http.request":
+            await self.app(scope, _replay(read, receive), send)
+            return
+        facts = read_request(bytes(body)) if complete else RequestFacts()
+        record = self.inference.request(self._adapter_of(facts), operation=operation, queued=self._queued)
+        scope.setdefault("state", {})[STATE_KEY] = record
+        reader = ResponseReader(record)
+        ended = [False]  # the last piece of the answer went out
+
+        async def send_measured(message: Message) -> None:
+            kind = message.get("type")
+            if kind == "http.response.body":
+                at = time.perf_counter()
+                await send(message)
+                try:
+                    reader.body(message.get("body", b""), at)
+                except Exception:
+                    self._warn_once("body", "openlora-otel: reading an answer failed; its metrics may be incomplete")
+                if not message.get("more_body", False):
+                    ended[0] = True
+                return
+            if kind == "http.response.start":
+                try:
+                    reader.start(int(message.get("status", 200)), _content_type(message.get("headers", ())))
+                except Exception:
+                    self._warn_once("start", "openlora-otel: reading an answer's headers failed")
+            await send(message)
+
+        try:
+            await self.app(scope, _replay(read, receive), send_measured)
+        except BaseException as exc:
+            _finish(reader)
+            record.end(error=exception_error_type(type(exc)))
+            raise
+        _finish(reader)
+        record.end(error=None if ended[0] else "cancelled")
+
+
+def _finish(reader: ResponseReader) -> None:
+    try:
+        reader.finish()
+    except Exception:
+        _logger.warning("openlora-otel: reading an answer's end failed", exc_info=True)
+
+
+def _replay(read: deque[Message], receive: Receive) -> Receive:
+    """``receive`` for the app: the messages already read, then the server's own."""
+
+    async def replayed() -> Message:
+        if read:
+            return read.popleft()
+        return await receive()
+
+    return replayed
+
+
+def _content_type(headers: Any) -> str:
+    for name, value in headers:
+        if bytes(name).lower() == b"content-type":
+            return bytes(value).decode("latin-1")
+    return ""
+
