@@ -33,7 +33,10 @@ API = (
         "Training",
         ("openlora_otel.training.metrics.TrainingMetrics", "openlora_otel.training.guard.DivergenceGuard"),
     ),
-    ("Serving", ("openlora_otel.inference.metrics.InferenceMetrics",)),
+    (
+        "Serving",
+        ("openlora_otel.inference.metrics.InferenceMetrics", "openlora_otel.inference.asgi.OpenAIMetricsMiddleware"),
+    ),
     (
         "Framework callbacks",
         ("openlora_otel.integrations.hf.TelemetryCallback", "openlora_otel.integrations.lightning.TelemetryCallback"),
