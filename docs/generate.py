@@ -35,7 +35,11 @@ API = (
     ),
     (
         "Serving",
-        ("openlora_otel.inference.metrics.InferenceMetrics", "openlora_otel.inference.asgi.OpenAIMetricsMiddleware"),
+        (
+            "openlora_otel.inference.metrics.InferenceMetrics",
+            "openlora_otel.inference.asgi.OpenAIMetricsMiddleware",
+            "openlora_otel.inference.wsgi.OpenAIMetricsWSGIMiddleware",
+        ),
     ),
     (
         "Framework callbacks",
