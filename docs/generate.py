@@ -39,6 +39,7 @@ API = (
             "openlora_otel.inference.metrics.InferenceMetrics",
             "openlora_otel.inference.asgi.OpenAIMetricsMiddleware",
             "openlora_otel.inference.wsgi.OpenAIMetricsWSGIMiddleware",
+            "openlora_otel.inference.grpc_interceptor.OpenAIMetricsServerInterceptor",
         ),
     ),
     (

@@ -17,6 +17,8 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, str]] = {
     "opentelemetry.exporter.otlp.proto.grpc": ("opentelemetry-exporter-otlp-proto-grpc", "otlp"),
     # The OTLP encoder behind OPENLORA_HISTORY_DIR (both OTLP exporters depend on it).
     "opentelemetry.exporter.otlp.proto.common": ("opentelemetry-exporter-otlp-proto-common", "otlp"),
+    # The gRPC server interceptor (openlora_otel/inference/grpc_interceptor.py); the OTLP gRPC exporter brings it.
+    "grpc": ("grpcio", "otlp"),
     "pynvml": ("nvidia-ml-py", "gpu"),
     "torch": ("torch", "torch"),
     "transformers": ("transformers", "hf"),

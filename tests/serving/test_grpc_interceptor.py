@@ -1,0 +1,155 @@
+"""OpenAIMetricsServerInterceptor on a real grpcio server and client on loopback (in process, threads):
+unary and server-streaming inference calls, adapters from metadata or the request, status codes,
+a client that cancels mid-stream; other methods untouched."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+
+from openlora_otel.inference import InferenceMetrics  # noqa: E402
+from openlora_otel.inference.grpc_interceptor import OpenAIMetricsServerInterceptor  # noqa: E402
+from tests.support.polling import wait_until  # noqa: E402
+from tests.support.readings import points  # noqa: E402
+
+DURATION = "gen_ai.server.request.duration"
+TTFT = "gen_ai.server.time_to_first_token"
+TOKENS = "openlora.inference.token.usage"
+RUNNING = "openlora.inference.requests.running"
+SERVICE = "llm.Generator"
+
+
+def encode(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def decode(data: bytes) -> Any:
+    return json.loads(data)
+
+
+class Rig:
+    """A grpc server with the interceptor (``Generate``: unary, ``Stream``: server-streaming, ``Health``:
+    not measured) and a channel to it."""
+
+    def __init__(self) -> None:
+        self.reader = InMemoryMetricReader()
+        self.inference = InferenceMetrics(MeterProvider(metric_readers=[self.reader]).get_meter("test"), model="base")
+        self.release = threading.Event()
+        interceptor = OpenAIMetricsServerInterceptor(
+            self.inference,
+            methods={f"/{SERVICE}/Generate": "text_completion", f"/{SERVICE}/Stream": "chat"},
+            adapter_metadata_key="x-adapter",
+            adapter_from_request=lambda request: request.get("model"),
+            adapter=lambda name: None if name == "base" else name,
+            input_tokens=lambda request: len(request.get("prompt", "").split()),
+            output_tokens=lambda message: len(message.get("text", "").split()),
+        )
+        handlers = {
+            "Generate": grpc.unary_unary_rpc_method_handler(self.generate, request_deserializer=decode, response_serializer=encode),
+            "Stream": grpc.unary_stream_rpc_method_handler(self.stream, request_deserializer=decode, response_serializer=encode),
+            "Health": grpc.unary_unary_rpc_method_handler(lambda r, c: {"ok": True}, request_deserializer=decode, response_serializer=encode),
+        }  # fmt: skip
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[interceptor])
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def generate(self, request: dict, context: Any) -> dict:
+        if request.get("prompt") == "":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        if request.get("model") == "busy":
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            return {}
+        if request.get("model") == "bug":
+            raise KeyError("bug")
+        return {"text": " ".join(request["prompt"].split()[:3])}
+
+    def stream(self, request: dict, context: Any) -> Iterator[dict]:
+        for word in request["prompt"].split():
+            if request.get("model") == "slow":
+                self.release.wait(10)
+            yield {"text": word}
+
+    def call(self, method: str, request: dict, metadata: tuple = ()) -> Any:
+        if method == "Stream":
+            return list(self.channel.unary_stream(f"/{SERVICE}/{method}", request_serializer=encode,
+                                                  response_deserializer=decode)(request, metadata=metadata))  # fmt: skip
+        return self.channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=encode, response_deserializer=decode)(
+            request, metadata=metadata
+        )
+
+    def by(self, name: str, key: str) -> dict:
+        counts: dict = {}
+        for point in points(self.reader.get_metrics_data(), name):
+            label = (point.attributes.get("openlora.adapter.name"), point.attributes.get(key))
+            counts[label] = counts.get(label, 0) + (point.count if hasattr(point, "count") else point.value)
+        return counts
+
+    def close(self) -> None:
+        self.release.set()
+        self.channel.close()
+        self.server.stop(None)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    rig = Rig()
+    yield rig
+    rig.close()
+
+
+def test_unary_and_streamed_calls_record_adapter_first_message_and_tokens(rig: Rig) -> None:
+    assert rig.call("Generate", {"model": "a1", "prompt": "one two three four"}) == {"text": "one two three"}
+    assert rig.call("Stream", {"model": "base", "prompt": "x y z"}, metadata=(("x-adapter", "a2"),)) == [
+        {"text": "x"}, {"text": "y"}, {"text": "z"}
+    ]  # fmt: skip
+    assert rig.call("Stream", {"model": "base", "prompt": "p q"}) == [{"text": "p"}, {"text": "q"}]
+    assert rig.call("Health", {}) == {"ok": True}  # not measured
+    assert rig.by(DURATION, "gen_ai.operation.name") == {("a1", "text_completion"): 1, ("a2", "chat"): 1, ("base", "chat"): 1}
+    assert rig.by(TTFT, "gen_ai.operation.name") == rig.by(DURATION, "gen_ai.operation.name")
+    tokens = {(p.attributes["openlora.adapter.name"], p.attributes["gen_ai.token.type"]): p.sum
+              for p in points(rig.reader.get_metrics_data(), TOKENS)}  # fmt: skip
+    assert tokens == {("a1", "input"): 4, ("a1", "output"): 3, ("a2", "input"): 3, ("a2", "output"): 3,
+                      ("base", "input"): 2, ("base", "output"): 2}  # fmt: skip
+
+
+def test_status_codes_and_exceptions_are_the_error_type(rig: Rig) -> None:
+    for request in ({"model": "a1", "prompt": ""}, {"model": "busy", "prompt": "x"}, {"model": "bug", "prompt": "x"}):
+        with pytest.raises(grpc.RpcError):
+            rig.call("Generate", request)
+    assert rig.by(DURATION, "error.type") == {
+        ("a1", "INVALID_ARGUMENT"): 1, ("busy", "RESOURCE_EXHAUSTED"): 1, ("bug", "KeyError"): 1
+    }  # fmt: skip
+    assert not points(rig.reader.get_metrics_data(), TTFT)
+
+
+def test_a_client_that_cancels_mid_stream_makes_it_cancelled(rig: Rig) -> None:
+    call = rig.channel.unary_stream(f"/{SERVICE}/Stream", request_serializer=encode, response_deserializer=decode)(
+        {"model": "slow", "prompt": "a b c"}
+    )
+    wait_until(lambda: sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING)) == 1, 10, "the call running")
+    call.cancel()
+    rig.release.set()
+    wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the cancelled call recorded")
+    assert rig.by(DURATION, "error.type") == {("slow", "CANCELLED"): 1}
+    assert sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING)) == 0
+
+
+def test_the_interceptor_refuses_what_cannot_work() -> None:
+    with pytest.raises(TypeError, match="InferenceMetrics"):
+        OpenAIMetricsServerInterceptor(object(), methods={"/a.B/C": "chat"})  # type: ignore[arg-type]
+    reader = InMemoryMetricReader()
+    inference = InferenceMetrics(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    with pytest.raises(ValueError, match="methods"):
+        OpenAIMetricsServerInterceptor(inference, methods={})
