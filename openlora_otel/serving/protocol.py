@@ -35,7 +35,7 @@ COMPLETION = "text_completion"  # gen_ai.operation.name of POST /v1/completions
 CHAT = "chat"  # gen_ai.operation.name of POST /v1/chat/completions
 MAX_PROMPT_CHARS = 4000  # the prompt, or the rendered chat prompt
 MAX_TOKENS_LIMIT = 512  # the protocol's ceiling for max_tokens; --max-new-tokens-limit may lower it
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # a completion's, without max_tokens (a chat's is the server's limit)
 # OpenAI's limits for "stop"; ours are characters (one token each).
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 32
@@ -44,20 +44,26 @@ MAX_STOP_CHARS = 32
 MAX_N = 4
 MAX_MESSAGES = 256
 MAX_TEMPERATURE = 2.0
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+# The developer role is what newer clients send in place of system (OpenAI's reasoning models read it
+# so): the model sees it as a system message.
+ROLE_AS = {"developer": "system"}
 
 _COMMON = frozenset(
     {"model", "stream", "stream_options", "max_tokens", "stop", "n", "temperature", "top_p", "seed"}
 )
 COMPLETION_PARAMS = _COMMON | {"prompt"}
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens"}
-# Accepted with no effect: an end-user id for abuse monitoring, which this server does not do.
-IGNORED_PARAMS = frozenset({"user"})
-# Parameters this server does not implement, accepted only with the value that turns them off.
+# Accepted with no effect, when of the type OpenAI's spec gives: an end-user id for abuse monitoring
+# (`user`, a string), and what only OpenAI's platform keeps (`metadata`: string keys and values).
+IGNORED_PARAMS = frozenset({"user", "metadata"})
+# Parameters this server does not implement, accepted only with a value that turns them off or has no
+# effect here (null always): `store` (nothing is stored), `service_tier` (one tier),
+# `parallel_tool_calls` (no tools, so either value changes nothing).
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False,),
+    "logprobs": (False,),  # chat's is a boolean; a completion's an integer 0-5 (see COMPLETION_OFF_VALUES)
     "top_logprobs": (0,),
     "suffix": ("",),
     "presence_penalty": (0, 0.0),
@@ -65,12 +71,16 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
-    "functions": ([],),
     "function_call": ("none",),
-    "parallel_tool_calls": (False,),
+    "functions": (),  # at least one function when given (the spec's minItems): only null is off
+    "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"},),
     "modalities": (["text"],),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
 }
+# Where a completion's differ: its logprobs is an integer (0 still asks for the chosen token's).
+COMPLETION_OFF_VALUES = {**OFF_VALUES, "logprobs": ()}
 
 
 class ProtocolError(Exception):
@@ -125,6 +135,26 @@ class Parsed:
 def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
     # Types compared too: 0 == False in Python, and "logprobs": 0 still asks for log-probabilities.
     return value is None or any(type(value) is type(off) and value == off for off in offs)
+
+
+def _check_ignored(name: str, value: Any, adapter: str | None) -> None:
+    """An ignored parameter must still be of the type the spec gives it (or null)."""
+    if value is None:
+        return
+    if name == "user" and not isinstance(value, str):
+        raise ProtocolError(400, "invalid_request", "'user' must be a string", name, adapter)
+    if name == "metadata" and not (
+        isinstance(value, dict)
+        and len(value) <= 16
+        and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items())
+    ):
+        raise ProtocolError(
+            400,
+            "invalid_request",
+            "'metadata' must be an object of at most 16 string keys (64 characters) and string values (512)",
+            name,
+            adapter,
+        )
 
 
 def _number(
@@ -195,6 +225,14 @@ def render_chat(messages: Any, adapter: str | None) -> str:
                 adapter,
             )
         content = message.get("content")
+        if isinstance(content, list) and not content:
+            raise ProtocolError(
+                400,
+                "invalid_request",
+                f"'{where}.content' must hold at least one text part",
+                f"{where}.content",
+                adapter,
+            )
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -222,7 +260,7 @@ def render_chat(messages: Any, adapter: str | None) -> str:
                 f"{where}.content",
                 adapter,
             )
-        parts.append(f"{role}\n{content}\n")
+        parts.append(f"{ROLE_AS.get(role, role)}\n{content}\n")
     parts.append("assistant\n")
     return "".join(parts)
 
@@ -259,17 +297,22 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
             _OTHER,
         )
     accepted = COMPLETION_PARAMS if operation == COMPLETION else CHAT_PARAMS
+    off_values = COMPLETION_OFF_VALUES if operation == COMPLETION else OFF_VALUES
     for name, value in payload.items():
-        if name in accepted or name in IGNORED_PARAMS:
+        if name in accepted:
             continue
-        offs = OFF_VALUES.get(name)
+        if name in IGNORED_PARAMS:
+            _check_ignored(name, value, adapter)
+            continue
+        offs = off_values.get(name)
         if offs is None:
             raise ProtocolError(400, "invalid_request", f"unknown parameter '{name}'", name, adapter)
         if not _is_off(value, offs):
+            allowed = " or ".join([*(json.dumps(off) for off in offs), "null"])
             raise ProtocolError(
                 400,
                 "invalid_request",
-                f"'{name}' is not supported by this server (only {json.dumps(offs[0])} or null)",
+                f"'{name}' is not supported by this server (only {allowed})",
                 name,
                 adapter,
             )
@@ -308,8 +351,10 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
                 adapter,
             )
         token_param = "max_completion_tokens"
-    # The default, 16, is lowered to a --max-new-tokens-limit under it: the limit holds for every request.
-    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    # Without one: a completion's 16 tokens (OpenAI's default for it), lowered to a --max-new-tokens-limit
+    # under it; a chat's as many as the server gives (OpenAI's: the model's limit), the
+    # --max-new-tokens-limit (512 by default). The limit holds for every request.
+    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit) if operation == COMPLETION else max_tokens_limit
     max_tokens = _integer(payload, token_param, default, 1, max_tokens_limit, adapter)
 
     stop = payload.get("stop")
@@ -317,6 +362,8 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
+    elif isinstance(stop, list) and not stop:
+        stop = None  # the spec wants at least one string in a list
     if (
         not isinstance(stop, list)
         or len(stop) > MAX_STOP_STRINGS
@@ -325,7 +372,7 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
         raise ProtocolError(
             400,
             "invalid_request",
-            f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
+            f"'stop' must be a string or a list of 1 to {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters",
             "stop",
             adapter,
         )
@@ -434,7 +481,7 @@ def response(
         items = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text, "refusal": None},
                 "finish_reason": finish,
                 "logprobs": None,
             }
@@ -487,9 +534,10 @@ def chunk(
             delta["content"] = text
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         kind = "chat.completion.chunk"
-    return event(
-        {"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [choice]}
-    )
+    body = {"id": request_id, "object": kind, "created": created, "model": parsed.model, "choices": [choice]}
+    if parsed.include_usage:
+        body["usage"] = None  # the spec: null on every chunk but the last, which carries it
+    return event(body)
 
 
 def usage_chunk(parsed: Parsed, request_id: str, created: int, used: dict[str, int]) -> bytes:

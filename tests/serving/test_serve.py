@@ -314,10 +314,11 @@ def test_streaming_sends_one_event_per_token_then_usage_then_done(server: ServeP
     chunks = events[:-1]
     assert len(chunks) == 11  # nine tokens, the finish reason, then the usage in a chunk of its own
     assert all(c["id"] == chunks[0]["id"] and c["model"] == "a2" for c in chunks)
-    assert all(c["choices"][0]["finish_reason"] is None and "usage" not in c for c in chunks[:-2])
+    # Every chunk before the last says "usage": null (OpenAI's spec, with include_usage).
+    assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in chunks[:-2])
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == whole["choices"][0]["text"]
     assert chunks[-2]["choices"][0] == {"index": 0, "text": "", "finish_reason": "length", "logprobs": None}
-    assert "usage" not in chunks[-2]
+    assert chunks[-2]["usage"] is None
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
 
 

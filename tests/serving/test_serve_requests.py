@@ -157,7 +157,7 @@ _fields = {
     "stream": _mostly(st.booleans()),
     "stream_options": _mostly(st.fixed_dictionaries({}, optional={"include_usage": _mostly(st.booleans())})),
     "user": _json,
-    **{name: _mostly(st.sampled_from(offs)) for name, offs in OFF_VALUES.items()},
+    **{name: _mostly(st.sampled_from([*offs, None])) for name, offs in OFF_VALUES.items()},
 }
 _prompt_fields = {
     COMPLETIONS: st.fixed_dictionaries({"prompt": _mostly(_prompt)}),

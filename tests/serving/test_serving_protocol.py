@@ -53,22 +53,54 @@ def test_the_chat_template_is_role_and_content_per_line_then_the_assistant_cue()
     assert parsed.prompt_ids == CharTokenizer().encode(render_chat(messages, None))
 
 
-def test_defaults_are_greedy_one_choice_sixteen_tokens() -> None:
+def test_defaults_are_greedy_one_choice_and_as_many_tokens_as_openai_gives() -> None:
     parsed = chat()
     assert (parsed.operation, parsed.model, parsed.adapter) == (CHAT, "a1", "a1")
-    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (
-        1,
-        0.0,
-        1.0,
-        None,
-        16,
-    )
+    # A chat's default is the model's limit in OpenAI's API: here the server's --max-new-tokens-limit.
+    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 512)
     assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
     # null is every parameter's default
     assert (
         chat(n=None, temperature=None, top_p=None, seed=None, max_tokens=None, stop=None, stream=None)
         == parsed
     )
+    # A completion's is 16 (OpenAI's), lowered to a limit under it.
+    body = json.dumps({"model": "a1", "prompt": "hi"}).encode()
+    assert parse(body, COMPLETION, Served(), 512).max_tokens == 16
+    assert parse(body, COMPLETION, Served(), 4).max_tokens == 4
+
+
+def test_what_openais_spec_lets_a_client_send_at_its_default_is_accepted() -> None:
+    """Parameters clients and frameworks send at their defaults, with no effect here (issue 33, part 4)."""
+    plain = chat()
+    for fields in ({"store": False}, {"store": None}, {"metadata": {"team": "search"}}, {"metadata": None},
+                   {"service_tier": "auto"}, {"service_tier": "default"}, {"parallel_tool_calls": True},
+                   {"parallel_tool_calls": False}, {"user": "user-1234"}, {"logprobs": False}, {"functions": None}):  # fmt: skip
+        assert chat(**fields) == plain, fields
+    # The developer role is the system role (newer SDKs send it in its place).
+    as_developer = chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    as_system = chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert as_developer == as_system
+
+
+@pytest.mark.parametrize(
+    ("operation", "fields", "param"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "user": 7}, "user"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": 1}}, "metadata"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "metadata": "tag"}, "metadata"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "stop": []}, "stop"),
+        (CHAT, {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+        (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "flex"}, "service_tier"),
+        (COMPLETION, {"prompt": "x", "logprobs": False}, "logprobs"),
+        (COMPLETION, {"prompt": "x", "logprobs": 0}, "logprobs"),
+    ],
+)
+def test_what_openais_spec_forbids_or_what_would_change_the_answer_is_refused(operation: str, fields: dict, param: str) -> None:
+    error = refused(operation, **fields)
+    assert (error.status, error.code, error.param) == (400, "invalid_request", param), error.message
 
 
 def test_sampling_parameters_and_max_completion_tokens() -> None:
@@ -177,13 +209,13 @@ def test_chat_answers_and_chunks_have_openais_shapes() -> None:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "ab"},
+                "message": {"role": "assistant", "content": "ab", "refusal": None},
                 "finish_reason": "length",
                 "logprobs": None,
             },
             {
                 "index": 1,
-                "message": {"role": "assistant", "content": "c"},
+                "message": {"role": "assistant", "content": "c", "refusal": None},
                 "finish_reason": "stop",
                 "logprobs": None,
             },
