@@ -366,8 +366,9 @@ def test_data_wait_is_the_time_the_steps_waited_for_their_batches(
     [duration] = points(data, "openlora.training.step.duration")
     assert duration.count == steps
     step_mean = duration.sum / duration.count
-    # At least the sleeps; at most a little more (the fetch's own work), never an evaluation (2 x 0.5 s).
-    assert accumulation * sleep <= wait < accumulation * sleep + 0.05
+    # At least the sleeps; at most a little more (the fetch's own work: 0.1 s more seen on a 2-core
+    # machine loaded past its cores), never an evaluation (its collator sleeps 0.5 s a batch).
+    assert accumulation * sleep <= wait < accumulation * sleep + 0.4
     # Step time holds the wait and the compute, not the evaluations.
     assert wait < step_mean < wait + 1.0
     assert step_mean - wait > 0.005
