@@ -35,7 +35,7 @@ COMPLETION = "text_completion"  # gen_ai.operation.name of POST /v1/completions
 CHAT = "chat"  # gen_ai.operation.name of POST /v1/chat/completions
 MAX_PROMPT_CHARS = 4000  # the prompt, or the rendered chat prompt
 MAX_TOKENS_LIMIT = 512  # the protocol's ceiling for max_tokens; --max-new-tokens-limit may lower it
-DEFAULT_MAX_TOKENS = 16  # a completion's, without max_tokens (a chat's is the server's limit)
+DEFAULT_MAX_TOKENS = 16
 # OpenAI's limits for "stop"; ours are characters (one token each).
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 32
@@ -351,10 +351,10 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
                 adapter,
             )
         token_param = "max_completion_tokens"
-    # Without one: a completion's 16 tokens (OpenAI's default for it), lowered to a --max-new-tokens-limit
-    # under it; a chat's as many as the server gives (OpenAI's: the model's limit), the
-    # --max-new-tokens-limit (512 by default). The limit holds for every request.
-    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit) if operation == COMPLETION else max_tokens_limit
+    # The default, 16, is lowered to a --max-new-tokens-limit under it: the limit holds for every request.
+    # (OpenAI's chat default is the model's limit; taking it here made requests without max_tokens 32
+    # times longer and upset the timing of the suite's serving tests: not done yet, see issue 33.)
+    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     max_tokens = _integer(payload, token_param, default, 1, max_tokens_limit, adapter)
 
     stop = payload.get("stop")

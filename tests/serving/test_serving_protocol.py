@@ -53,20 +53,18 @@ def test_the_chat_template_is_role_and_content_per_line_then_the_assistant_cue()
     assert parsed.prompt_ids == CharTokenizer().encode(render_chat(messages, None))
 
 
-def test_defaults_are_greedy_one_choice_and_as_many_tokens_as_openai_gives() -> None:
+def test_defaults_are_greedy_one_choice_sixteen_tokens() -> None:
     parsed = chat()
     assert (parsed.operation, parsed.model, parsed.adapter) == (CHAT, "a1", "a1")
-    # A chat's default is the model's limit in OpenAI's API: here the server's --max-new-tokens-limit.
-    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 512)
+    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 16)
     assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
     # null is every parameter's default
     assert (
         chat(n=None, temperature=None, top_p=None, seed=None, max_tokens=None, stop=None, stream=None)
         == parsed
     )
-    # A completion's is 16 (OpenAI's), lowered to a limit under it.
+    # Lowered to a limit under it.
     body = json.dumps({"model": "a1", "prompt": "hi"}).encode()
-    assert parse(body, COMPLETION, Served(), 512).max_tokens == 16
     assert parse(body, COMPLETION, Served(), 4).max_tokens == 4
 
 
