@@ -23,24 +23,24 @@ its own that may answer a stream's headers before a request leaves it. See docs/
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, exception_error_type
+from openlora_otel.inference.metrics import InferenceMetrics, exception_error_type
 from openlora_otel.inference.openai_traffic import (
     MAX_REQUEST_BYTES,
     OPENAI_ROUTES,
+    AdapterLookup,
     RequestFacts,
     ResponseReader,
+    finish_quietly,
     read_request,
+    same_name,
 )
 
 __all__ = ["STATE_KEY", "OpenAIMetricsMiddleware"]
-
-_logger = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,9 +50,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 STATE_KEY = "openlora_inference"  # scope["state"][STATE_KEY]: the request's InferenceRequest
 
-
-def _same(model: str) -> str | None:
-    return model
 
 
 class OpenAIMetricsMiddleware:
@@ -65,7 +62,7 @@ class OpenAIMetricsMiddleware:
         app: ASGIApp,
         inference: InferenceMetrics,
         *,
-        adapter: Callable[[str], str | None] = _same,
+        adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,
         queued: bool = False,
     ) -> None:
@@ -73,24 +70,9 @@ class OpenAIMetricsMiddleware:
             raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
         self.app = app
         self.inference = inference
-        self._adapter = adapter
+        self._adapter = AdapterLookup(adapter)
         self._routes = dict(routes)
         self._queued = queued
-        self._warned: set[str] = set()
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            _logger.warning(message, exc_info=True)
-
-    def _adapter_of(self, facts: RequestFacts) -> str | None:
-        if facts.model is None:
-            return ADAPTER_OTHER  # no model said (or a body too long or not JSON): never the base's
-        try:
-            return self._adapter(facts.model)
-        except Exception:
-            self._warn_once("adapter", "openlora-otel: the adapter hook raised; such requests are recorded as 'other'")
-            return ADAPTER_OTHER
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         operation = self._routes.get(scope.get("path", "")) if scope.get("type") == "http" else None
@@ -113,7 +95,7 @@ class OpenAIMetricsMiddleware:
             await self.app(scope, _replay(read, receive), send)
             return
         facts = read_request(bytes(body)) if complete else RequestFacts()
-        record = self.inference.request(self._adapter_of(facts), operation=operation, queued=self._queued)
+        record = self.inference.request(self._adapter(facts.model), operation=operation, queued=self._queued)
         scope.setdefault("state", {})[STATE_KEY] = record
         reader = ResponseReader(record)
         ended = [False]  # the last piece of the answer went out
@@ -126,7 +108,7 @@ class OpenAIMetricsMiddleware:
                 try:
                     reader.body(message.get("body", b""), at)
                 except Exception:
-                    self._warn_once("body", "openlora-otel: reading an answer failed; its metrics may be incomplete")
+                    self._adapter.warn_once("body", "openlora-otel: reading an answer failed; its metrics may be incomplete")
                 if not message.get("more_body", False):
                     ended[0] = True
                 return
@@ -134,24 +116,18 @@ class OpenAIMetricsMiddleware:
                 try:
                     reader.start(int(message.get("status", 200)), _content_type(message.get("headers", ())))
                 except Exception:
-                    self._warn_once("start", "openlora-otel: reading an answer's headers failed")
+                    self._adapter.warn_once("start", "openlora-otel: reading an answer's headers failed")
             await send(message)
 
         try:
             await self.app(scope, _replay(read, receive), send_measured)
         except BaseException as exc:
-            _finish(reader)
+            finish_quietly(reader)
             record.end(error=exception_error_type(type(exc)))
             raise
-        _finish(reader)
+        finish_quietly(reader)
         record.end(error=None if ended[0] else "cancelled")
 
-
-def _finish(reader: ResponseReader) -> None:
-    try:
-        reader.finish()
-    except Exception:
-        _logger.warning("openlora-otel: reading an answer's end failed", exc_info=True)
 
 
 def _replay(read: deque[Message], receive: Receive) -> Receive:

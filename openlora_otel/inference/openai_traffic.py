@@ -17,22 +17,26 @@ event only up to :data:`MAX_EVENT_BYTES`. Nothing here raises for what an app or
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from openlora_otel.inference.metrics import InferenceRequest
+from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceRequest
 
 __all__ = [
     "MAX_EVENT_BYTES",
     "MAX_REQUEST_BYTES",
     "MAX_RESPONSE_BYTES",
     "OPENAI_ROUTES",
+    "AdapterLookup",
     "RequestFacts",
     "ResponseReader",
     "read_request",
 ]
+
+_logger = logging.getLogger(__name__)
 
 # POST path -> gen_ai.operation.name (the GenAI conventions' values).
 OPENAI_ROUTES = {
@@ -234,3 +238,41 @@ def _carries_output(choices: Any) -> bool:
         if isinstance(delta, dict) and any(delta.get(key) for key in _DELTA_OUTPUT):
             return True
     return False
+
+
+def same_name(model: str) -> str | None:
+    """The default adapter hook: a model name is the adapter's."""
+    return model
+
+
+class AdapterLookup:
+    """The adapter a request's model name is recorded under, through the user's ``hook`` (a name ->
+    the adapter, ``None`` for the base model), shared by the integrations: no name is ``other``, and
+    so is a name the hook raises on (it warns once)."""
+
+    def __init__(self, hook: Callable[[str], str | None]) -> None:
+        self._hook = hook
+        self._warned: set[str] = set()
+
+    def __call__(self, model: str | None) -> str | None:
+        if model is None:
+            return ADAPTER_OTHER  # no model said (or a body too long or not JSON): never the base's
+        try:
+            return self._hook(model)
+        except Exception:
+            self.warn_once("adapter", "openlora-otel: the adapter hook raised; such requests are recorded as 'other'")
+            return ADAPTER_OTHER
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log ``message`` (with the exception being handled) the first time ``key`` comes."""
+        if key not in self._warned:
+            self._warned.add(key)
+            _logger.warning(message, exc_info=True)
+
+
+def finish_quietly(reader: ResponseReader) -> None:
+    """``reader.finish()``, logging instead of raising: the app's answer is never broken by it."""
+    try:
+        reader.finish()
+    except Exception:
+        _logger.warning("openlora-otel: reading an answer's end failed", exc_info=True)

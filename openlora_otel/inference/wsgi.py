@@ -20,13 +20,11 @@ docs/how-to/serving.md for the pull endpoint per worker and the OTLP push.
 from __future__ import annotations
 
 import io
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from openlora_otel.inference.metrics import (
-    ADAPTER_OTHER,
     InferenceMetrics,
     InferenceRequest,
     exception_error_type,
@@ -34,20 +32,18 @@ from openlora_otel.inference.metrics import (
 from openlora_otel.inference.openai_traffic import (
     MAX_REQUEST_BYTES,
     OPENAI_ROUTES,
+    AdapterLookup,
     ResponseReader,
+    finish_quietly,
     read_request,
+    same_name,
 )
 
 __all__ = ["ENVIRON_KEY", "OpenAIMetricsWSGIMiddleware"]
 
-_logger = logging.getLogger(__name__)
-
 ENVIRON_KEY = "openlora.inference"  # environ[ENVIRON_KEY]: the request's InferenceRequest
 WSGIApp = Callable[[dict, Callable[..., Any]], Iterable[bytes]]
 
-
-def _same(model: str) -> str | None:
-    return model
 
 
 class _Prefixed(io.RawIOBase):
@@ -99,30 +95,15 @@ class OpenAIMetricsWSGIMiddleware:
         app: WSGIApp,
         inference: InferenceMetrics,
         *,
-        adapter: Callable[[str], str | None] = _same,
+        adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,
     ) -> None:
         if not isinstance(inference, InferenceMetrics):
             raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
         self.app = app
         self.inference = inference
-        self._adapter = adapter
+        self._adapter = AdapterLookup(adapter)
         self._routes = dict(routes)
-        self._warned: set[str] = set()
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            _logger.warning(message, exc_info=True)
-
-    def _adapter_of(self, model: str | None) -> str | None:
-        if model is None:
-            return ADAPTER_OTHER
-        try:
-            return self._adapter(model)
-        except Exception:
-            self._warn_once("adapter", "openlora-otel: the adapter hook raised; such requests are recorded as 'other'")
-            return ADAPTER_OTHER
 
     def __call__(self, environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
         operation = self._routes.get(environ.get("PATH_INFO", ""))
@@ -137,7 +118,7 @@ class OpenAIMetricsWSGIMiddleware:
         remaining = None if length is None else max(0, length - len(head))
         environ["wsgi.input"] = io.BufferedReader(_Prefixed(head, stream, remaining))
         facts = read_request(head) if len(head) <= MAX_REQUEST_BYTES else read_request(b"")
-        record = self.inference.request(self._adapter_of(facts.model), operation=operation)
+        record = self.inference.request(self._adapter(facts.model), operation=operation)
         environ[ENVIRON_KEY] = record
         reader = ResponseReader(record)
 
@@ -146,16 +127,16 @@ class OpenAIMetricsWSGIMiddleware:
                 content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
                 reader.start(int(status.split(" ", 1)[0]), content_type)
             except Exception:
-                self._warn_once("start", "openlora-otel: reading an answer's status failed")
+                self._adapter.warn_once("start", "openlora-otel: reading an answer's status failed")
             return start_response(status, headers, exc_info) if exc_info is not None else start_response(status, headers)
 
         try:
             result = self.app(environ, start_measured)
         except BaseException as exc:
-            _finish(reader)
+            finish_quietly(reader)
             record.end(error=exception_error_type(type(exc)))
             raise
-        return _Answer(result, reader, record, self._warn_once)
+        return _Answer(result, reader, record, self._adapter.warn_once)
 
 
 class _Answer:
@@ -190,7 +171,7 @@ class _Answer:
     def _end(self, error: str | None) -> None:
         if not self._ended:
             self._ended = True
-            _finish(self._reader)
+            finish_quietly(self._reader)
             self._record.end(error=error)
 
     def close(self) -> None:
@@ -203,9 +184,3 @@ class _Answer:
         finally:
             self._end("cancelled")
 
-
-def _finish(reader: ResponseReader) -> None:
-    try:
-        reader.finish()
-    except Exception:
-        _logger.warning("openlora-otel: reading an answer's end failed", exc_info=True)

@@ -16,9 +16,11 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from openlora_otel.inference.asgi import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "CONNECTIONS_CLOSED",
@@ -39,11 +41,6 @@ __all__ = [
 
 _logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # (scope, error code) for each refused request: how the caller records it.
 OnRefusal = Callable[[Scope, str], None]
 

@@ -188,7 +188,6 @@ class CompletionService:
 
     def __init__(self, models: ServedModels, telemetry: Telemetry, options: ServeOptions) -> None:
         self.models = models
-        self.inference = telemetry.inference
         self.options = options
         self.created = int(time.time())  # the models' "created": when this server loaded them
         self.admission = Admission(options.max_concurrency, options.max_queue)
