@@ -17,7 +17,10 @@ Every ``--step-s`` each rank records what a LoRA fine-tune records (tests/suppor
 bench_cluster_sizing's _sizing_rank.py does for one rank): a step with loss, grad norm, learning rate, tokens and
 samples, the epoch, an evaluation every 40 steps; its GPUs' readings move. With
 ``--nonfinite-loss-from N``, the group's first rank's loss is NaN from its N-th step on (a run gone
-bad, for the alerting tests). It stops after ``--max-s`` or when its parent is gone.
+bad, for the alerting tests). With ``--export-log PATH`` every push of every rank appends a line
+``<instance> <time of its steps counter's point, ms> ok|failed`` to PATH: what each rank really sent,
+so a test can tell a sample lost on the way from one never made (a push that came late). It stops
+after ``--max-s`` or when its parent is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,14 +42,73 @@ from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
 from tests.support.lora_steps import move_gpus, record_lora_step  # noqa: E402
 
 GPUS_PER_NODE = 8
+STEPS_INSTRUMENT = "openlora.training.steps"
+
+
+class ExportLog:
+    """One line per push of every rank: its instance, the time of its steps counter's point and
+    whether the exporter reported success (see the module's docstring)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    def watch(self, instance: str, readers: list) -> None:
+        for reader in readers:
+            exporter = getattr(reader, "_exporter", None)
+            if exporter is None:
+                continue
+            export = exporter.export
+
+            def logged(metrics_data, *args, _export=export, **kwargs):
+                result = _export(metrics_data, *args, **kwargs)
+                stamp = steps_time_ms(metrics_data)
+                if stamp is not None:
+                    outcome = "ok" if getattr(result, "name", "") == "SUCCESS" else "failed"
+                    with self._lock:
+                        self._file.write(f"{instance} {stamp} {outcome}\n")
+                return result
+
+            exporter.export = logged
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def steps_time_ms(metrics_data) -> int | None:
+    """The time, in whole ms as a remote write carries it, of the steps counter's point in one push."""
+    for resource_metrics in metrics_data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == STEPS_INSTRUMENT and metric.data.data_points:
+                    return metric.data.data_points[0].time_unix_nano // 1_000_000
+    return None
+
+
+def read_export_log(path: Path) -> dict[str, dict[int, str]]:
+    """``--export-log``'s file: for each instance, each push's time (ms) and outcome."""
+    pushes: dict[str, dict[int, str]] = {}
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:  # a line being written as the group stops is left out
+            pushes.setdefault(parts[0], {})[int(parts[1])] = parts[2]
+    return pushes
 
 
 def start_rank(
-    rank: int, world_size: int, base_env: dict[str, str], *, host_metrics: bool = False, pod_resource: bool = False
+    rank: int,
+    world_size: int,
+    base_env: dict[str, str],
+    *,
+    host_metrics: bool = False,
+    pod_resource: bool = False,
+    export_log: ExportLog | None = None,
 ) -> tuple[Telemetry, FakeNvml]:
     """One rank's Telemetry and its fake NVML; ``host_metrics``: this process's and host's too (a
     stand-in for a rank's, where one rank is all a process holds); ``pod_resource``: keep
-    ``base_env``'s resource attributes, adding only the rank's instance id."""
+    ``base_env``'s resource attributes, adding only the rank's instance id; ``export_log``: log each
+    of its pushes there."""
     resource = f"service.instance.id=rank-{rank},host.name=node-{rank // GPUS_PER_NODE}"
     if pod_resource:
         resource = f"{base_env['OTEL_RESOURCE_ATTRIBUTES']},service.instance.id=rank-{rank}"
@@ -67,6 +130,8 @@ def start_rank(
     fake = FakeNvml(gpus)
     fake.init()
     provider, prometheus, readers = build_provider(config, None, [])
+    if export_log is not None:
+        export_log.watch(f"rank-{rank}", readers)
     telemetry = Telemetry(
         config=config,
         meter_provider=provider,
@@ -91,11 +156,13 @@ def main() -> None:
     parser.add_argument("--max-s", type=float, default=900.0)
     parser.add_argument("--nonfinite-loss-from", type=int, default=0, help="step of the first NaN loss (0: none)")
     parser.add_argument("--pod-resource", action="store_true", help="keep OTEL_RESOURCE_ATTRIBUTES (a pod's)")
+    parser.add_argument("--export-log", help="append a line per push of every rank to this file")
     args = parser.parse_args()
     parent = os.getppid()
     base_env = {k: v for k, v in os.environ.items() if k.startswith(("OTEL_", "OPENLORA_"))}
+    export_log = ExportLog(args.export_log) if args.export_log else None
     ranks = [
-        start_rank(rank, args.world_size, base_env, pod_resource=args.pod_resource)
+        start_rank(rank, args.world_size, base_env, pod_resource=args.pod_resource, export_log=export_log)
         for rank in range(args.first_rank, args.first_rank + args.count)
     ]
     print(f"ready {args.count}", flush=True)
@@ -113,6 +180,8 @@ def main() -> None:
     finally:
         for telemetry, _ in ranks:
             telemetry.shutdown()
+        if export_log is not None:
+            export_log.close()
 
 
 if __name__ == "__main__":
