@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -221,6 +222,7 @@ class InferenceMetrics:
         self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
         self._info: dict[str, dict[str, str]] = {}  # loaded adapter value (not "other") -> its info attributes
         self._warned: set[str] = set()
+        self._pid = os.getpid()  # a forked child exports nothing (see request())
         self.set_model(model, operation=operation)
         # The histograms and each series' pending window (used under self._lock).
         self._histograms = RequestHistograms(meter, window_histogram=window_histogram, warn=self._warn_once)
@@ -355,6 +357,14 @@ class InferenceMetrics:
         A server should pass :data:`ADAPTER_OTHER` for a name it does not serve (a
         request it rejects), so made-up names never take one of the capped slots.
         """
+        if os.getpid() != self._pid:
+            self._warn_once(
+                "forked",
+                f"a request recorded in process {os.getpid()}, forked from process {self._pid} where the"
+                " telemetry was set up, is lost: a forked child exports nothing. Set up telemetry in each"
+                " worker (gunicorn: an app factory, `module:create_app()`, or a post_fork hook, not"
+                " --preload; uvicorn --workers: --factory); see docs/how-to/serving.md",
+            )
         if not adapter or adapter == ADAPTER_BASE:  # None or "": the base model
             value = ADAPTER_BASE
         elif adapter == ADAPTER_OTHER:

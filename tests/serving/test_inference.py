@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import urllib.request
 
 import pytest
@@ -556,3 +558,35 @@ def test_request_model_is_the_name_asked_for_bounded_as_adapters_and_response_mo
         ("other", "other", "tiny-llama", "text_completion"),
         ("base", "tiny-llama", "tiny-llama", "text_completion"),
     }
+
+
+@pytest.mark.process
+def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """gunicorn --preload sets up in the master and forks the workers, which export nothing: the
+    first request a worker records says so, once, naming what to do instead; the parent stays quiet."""
+    inference = InferenceMetrics(MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("test"))
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child, which reports through the pipe
+        status = 1
+        try:
+            messages: list[str] = []
+            handler = logging.Handler(logging.WARNING)
+            handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+            logging.getLogger(inference_module.__name__).addHandler(handler)
+            for _ in range(3):
+                inference.request("a1").end()
+            os.write(write, json.dumps(messages).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        messages = json.loads(pipe.read() or b"null")
+    assert os.waitpid(child, 0)[1] == 0
+    assert messages is not None and len(messages) == 1, messages
+    assert f"forked from process {os.getpid()}" in messages[0] and "is lost" in messages[0]
+    assert "app factory" in messages[0] and "--preload" in messages[0]
+    with caplog.at_level(logging.WARNING):
+        inference.request("a1").end()
+    assert not [r for r in caplog.records if "forked" in r.getMessage()]
