@@ -3,7 +3,12 @@
 One line around any ASGI app (FastAPI, Starlette, an OpenAI-compatible server written in Python)::
 
     telemetry = setup_telemetry("my-server")
-    app = OpenAIMetricsMiddleware(app, telemetry.inference)
+    app = OpenAIMetricsMiddleware(app, telemetry)
+
+Given the ``Telemetry`` (not only its ``inference``), the middleware also shuts it down when the
+server shuts the app down (the ASGI lifespan's shutdown, before it is reported complete): uvicorn,
+after a SIGTERM, ends the process by that signal once the app is shut down, so ``atexit`` never runs
+and, without this, what was recorded since the last export or scrape would be lost.
 
 Each ``POST`` to one of OpenAI's routes (:data:`~openlora_otel.inference.openai_traffic.OPENAI_ROUTES`)
 is one request in ``telemetry.inference``: the body is read first (up to 1 MiB, then handed to the
@@ -23,12 +28,13 @@ its own that may answer a stream's headers before a request leaves it. See docs/
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from openlora_otel.inference.metrics import InferenceMetrics, exception_error_type
+from openlora_otel.inference.metrics import exception_error_type
 from openlora_otel.inference.openai_traffic import (
     MAX_REQUEST_BYTES,
     OPENAI_ROUTES,
@@ -36,6 +42,7 @@ from openlora_otel.inference.openai_traffic import (
     RequestFacts,
     ResponseReader,
     finish_quietly,
+    inference_of,
     read_request,
     same_name,
 )
@@ -53,28 +60,30 @@ STATE_KEY = "openlora_inference"  # scope["state"][STATE_KEY]: the request's Inf
 
 
 class OpenAIMetricsMiddleware:
-    """Wrap ``app`` (ASGI 3); record each OpenAI request in ``inference``. ``adapter``: the adapter of a
+    """Wrap ``app`` (ASGI 3); record each OpenAI request in ``inference`` (a ``Telemetry``, which the
+    lifespan's shutdown then shuts down, or its ``telemetry.inference``). ``adapter``: the adapter of a
     request's ``model``, ``None`` for the base model (a request that names no model is ``other``); ``routes``: path -> ``gen_ai.operation.name`` of the routes to measure; ``queued``: the app
     queues requests and calls ``start()`` on the request in its scope when one leaves the queue."""
 
     def __init__(
         self,
         app: ASGIApp,
-        inference: InferenceMetrics,
+        inference: Any,
         *,
         adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,
         queued: bool = False,
     ) -> None:
-        if not isinstance(inference, InferenceMetrics):
-            raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
         self.app = app
-        self.inference = inference
+        self.inference, self._telemetry = inference_of(inference)
         self._adapter = AdapterLookup(adapter)
         self._routes = dict(routes)
         self._queued = queued
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "lifespan" and self._telemetry is not None:
+            await self.app(scope, receive, self._shutting_down_after(send))
+            return
         operation = self._routes.get(scope.get("path", "")) if scope.get("type") == "http" else None
         if operation is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
@@ -127,6 +136,24 @@ class OpenAIMetricsMiddleware:
             raise
         finish_quietly(reader)
         record.end(error=None if ended[0] else "cancelled")
+
+    def _shutting_down_after(self, send: Send) -> Send:
+        """``send`` for the lifespan: the app's shutdown done (or failed), the telemetry's final
+        export or scrape (bounded), off the event loop where there is an asyncio one; then the server
+        hears of it."""
+        telemetry = self._telemetry
+
+        async def sent(message: Message) -> None:
+            if telemetry is not None and message.get("type") in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # another event loop (trio): the bounded shutdown here
+                    telemetry.shutdown()
+                else:
+                    await loop.run_in_executor(None, telemetry.shutdown)
+            await send(message)
+
+        return sent
 
 
 

@@ -33,10 +33,10 @@ import grpc  # noqa: E402
 
 from openlora_otel.inference.metrics import (  # noqa: E402
     ADAPTER_OTHER,
-    InferenceMetrics,
     InferenceRequest,
     exception_error_type,
 )
+from openlora_otel.inference.openai_traffic import inference_of  # noqa: E402
 
 __all__ = ["OpenAIMetricsServerInterceptor"]
 
@@ -44,7 +44,7 @@ _logger = logging.getLogger(__name__)
 
 
 class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
-    """Record each call of ``methods`` in ``inference``.
+    """Record each call of ``methods`` in ``inference`` (the Telemetry, or its ``telemetry.inference``).
 
     ``adapter_metadata_key``: the invocation metadata key that names the adapter; ``adapter_from_request``:
     a function of the request message that does (either or both; the metadata wins when both give
@@ -55,7 +55,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
 
     def __init__(
         self,
-        inference: InferenceMetrics,
+        inference: Any,
         *,
         methods: Mapping[str, str],
         adapter_metadata_key: str | None = None,
@@ -64,11 +64,9 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
         input_tokens: Callable[[Any], int | None] | None = None,
         output_tokens: Callable[[Any], int | None] | None = None,
     ) -> None:
-        if not isinstance(inference, InferenceMetrics):
-            raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
         if not methods:
             raise ValueError("methods must name at least one full method name, e.g. {'/pkg.Service/Method': 'text_completion'}")
-        self.inference = inference
+        self.inference, _ = inference_of(inference)
         self._methods = dict(methods)
         self._key = adapter_metadata_key.lower() if adapter_metadata_key else None
         self._from_request = adapter_from_request

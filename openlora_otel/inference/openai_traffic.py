@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceRequest
+from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, InferenceRequest
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -238,6 +238,22 @@ def _carries_output(choices: Any) -> bool:
         if isinstance(delta, dict) and any(delta.get(key) for key in _DELTA_OUTPUT):
             return True
     return False
+
+
+def inference_of(given: Any) -> tuple[InferenceMetrics, Any]:
+    """A middleware's ``inference`` argument: ``setup_telemetry()``'s ``Telemetry`` (its ``inference``,
+    and the Telemetry itself, for a middleware that ends it with the server) or an
+    :class:`InferenceMetrics` (and None); anything else is a TypeError."""
+    from openlora_otel.telemetry import Telemetry  # here: the telemetry module imports this package
+
+    if isinstance(given, Telemetry):
+        return given.inference, given
+    if isinstance(given, InferenceMetrics):
+        return given, None
+    raise TypeError(
+        "inference must be the Telemetry setup_telemetry() returned or its telemetry.inference (an"
+        f" InferenceMetrics), got {type(given).__name__}"
+    )
 
 
 def same_name(model: str) -> str | None:

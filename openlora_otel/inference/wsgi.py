@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from openlora_otel.inference.metrics import (
-    InferenceMetrics,
     InferenceRequest,
     exception_error_type,
 )
@@ -35,6 +34,7 @@ from openlora_otel.inference.openai_traffic import (
     AdapterLookup,
     ResponseReader,
     finish_quietly,
+    inference_of,
     read_request,
     same_name,
 )
@@ -87,21 +87,21 @@ class _Prefixed(io.RawIOBase):
 
 
 class OpenAIMetricsWSGIMiddleware:
-    """Wrap the WSGI ``app``; record each OpenAI request in ``inference``. ``adapter``, ``routes``: as
+    """Wrap the WSGI ``app``; record each OpenAI request in ``inference`` (``setup_telemetry()``'s
+    Telemetry or its ``telemetry.inference``: WSGI has no lifespan, and a gunicorn worker ends
+    through ``atexit``, which shuts the telemetry down). ``adapter``, ``routes``: as
     :class:`~openlora_otel.inference.asgi.OpenAIMetricsMiddleware`'s."""
 
     def __init__(
         self,
         app: WSGIApp,
-        inference: InferenceMetrics,
+        inference: Any,
         *,
         adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,
     ) -> None:
-        if not isinstance(inference, InferenceMetrics):
-            raise TypeError(f"inference must be an InferenceMetrics (telemetry.inference), got {type(inference).__name__}")
         self.app = app
-        self.inference = inference
+        self.inference, _ = inference_of(inference)
         self._adapter = AdapterLookup(adapter)
         self._routes = dict(routes)
 

@@ -4,6 +4,7 @@ bytes (property-based)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 import openlora_otel.inference.asgi as asgi_module
 import openlora_otel.inference.metrics as metrics_module
 import openlora_otel.inference.openai_traffic as traffic_module
+from openlora_otel import setup_telemetry
 from openlora_otel.inference import InferenceMetrics
 from openlora_otel.inference.asgi import STATE_KEY, OpenAIMetricsMiddleware
 from openlora_otel.inference.openai_traffic import MAX_REQUEST_BYTES, ResponseReader, read_request
@@ -256,6 +258,54 @@ def test_queued_requests_wait_until_the_app_starts_them(clock, reader, inference
     with pytest.raises(TypeError, match="InferenceMetrics"):
         OpenAIMetricsMiddleware(app, object())  # type: ignore[arg-type]
 
+
+
+@pytest.mark.parametrize("given_telemetry", [True, False], ids=["telemetry", "inference"])
+def test_given_the_telemetry_it_shuts_it_down_when_the_server_shuts_the_app_down(
+    monkeypatch: pytest.MonkeyPatch, given_telemetry: bool
+) -> None:
+    """uvicorn ends a process it was asked to stop (SIGTERM) by that signal once the app is shut down,
+    so atexit never runs: the middleware given the Telemetry ends it in the lifespan's shutdown,
+    after the app's own and before the server hears it is complete; given only the inference, never."""
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    telemetry = setup_telemetry("lifespan", metric_readers=[InMemoryMetricReader()])
+    seen: list[str] = []
+
+    async def app(scope: dict, receive: Callable, send: Callable) -> None:
+        assert scope["type"] == "lifespan"
+        while True:
+            message = await receive()
+            kind = message["type"].removeprefix("lifespan.")
+            seen.append(f"app {kind}")
+            await send({"type": f"lifespan.{kind}.complete"})
+            if kind == "shutdown":
+                return
+
+    async def lifespan(middleware: Callable) -> None:
+        incoming = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+        async def receive() -> dict:
+            return next(incoming)
+
+        async def send(message: dict) -> None:
+            seen.append(f"server {message['type']} (telemetry {'shut' if telemetry.is_shutdown else 'open'})")
+
+        await middleware({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
+
+    try:
+        middleware = OpenAIMetricsMiddleware(app, telemetry if given_telemetry else telemetry.inference)
+        assert middleware.inference is telemetry.inference
+        asyncio.run(lifespan(middleware))
+        closed_by_middleware = telemetry.is_shutdown
+    finally:
+        telemetry.shutdown()
+    assert seen == [
+        "app startup",
+        "server lifespan.startup.complete (telemetry open)",
+        "app shutdown",
+        f"server lifespan.shutdown.complete (telemetry {'shut' if given_telemetry else 'open'})",
+    ]
+    assert closed_by_middleware is given_telemetry
 
 # -- the reader under arbitrary input --------------------------------------------------------------------
 

@@ -194,3 +194,17 @@ def test_other_routes_and_methods_pass_untouched(clock, reader, inference) -> No
     call(middleware, body(), method="GET")
     assert seen == [body(), body()]
     assert not points(reader.get_metrics_data(), DURATION)
+
+
+def test_it_takes_the_telemetry_or_its_inference_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    from openlora_otel import setup_telemetry
+
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    telemetry = setup_telemetry("wsgi", metric_readers=[InMemoryMetricReader()])
+    try:
+        for given in (telemetry, telemetry.inference):
+            assert OpenAIMetricsWSGIMiddleware(lambda environ, start: [], given).inference is telemetry.inference
+    finally:
+        telemetry.shutdown()
+    with pytest.raises(TypeError, match=r"Telemetry setup_telemetry\(\) returned or its telemetry\.inference"):
+        OpenAIMetricsWSGIMiddleware(lambda environ, start: [], object())
