@@ -74,6 +74,14 @@ def register(commands: Any) -> None:
         help="the largest max_tokens a request may ask for, at most 512 (default %(default)s)",
     )
     serve.add_argument(
+        "--chat-default-max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="max_tokens of a chat request that gives none (default: --max-new-tokens-limit, as OpenAI's"
+        " default is the model's limit; a completion's default is 16)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=positive_float,
         default=10.0,
@@ -161,6 +169,11 @@ def _serve_problem(args: argparse.Namespace) -> tuple[Any, list[Any]] | str:
         return unusable
     if args.max_new_tokens_limit > MAX_TOKENS_LIMIT:
         return f"--max-new-tokens-limit: at most {MAX_TOKENS_LIMIT}, got {args.max_new_tokens_limit}"
+    if args.chat_default_max_tokens is not None and args.chat_default_max_tokens > args.max_new_tokens_limit:
+        return (
+            f"--chat-default-max-tokens: at most --max-new-tokens-limit ({args.max_new_tokens_limit}),"
+            f" got {args.chat_default_max_tokens}"
+        )
     try:
         base, adapters = read_saved(args.directory)
     except LayoutError as exc:
@@ -214,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        chat_default_max_tokens=args.chat_default_max_tokens,
         shutdown_timeout_s=args.shutdown_timeout,
         limits=limits_from(args),
     )

@@ -265,8 +265,14 @@ def render_chat(messages: Any, adapter: str | None) -> str:
     return "".join(parts)
 
 
-def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Parsed:
-    """The request in ``body`` for ``operation`` (:data:`COMPLETION` or :data:`CHAT`); :class:`ProtocolError` if refused."""
+def parse(
+    body: bytes, operation: str, served: Any, max_tokens_limit: int, chat_default_max_tokens: int | None = None
+) -> Parsed:
+    """The request in ``body`` for ``operation`` (:data:`COMPLETION` or :data:`CHAT`); :class:`ProtocolError` if refused.
+
+    ``max_tokens_limit``: the most a request may ask for; ``chat_default_max_tokens``: a chat's
+    ``max_tokens`` when it gives none (None: ``max_tokens_limit``, as OpenAI's is the model's limit).
+    """
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -351,10 +357,14 @@ def parse(body: bytes, operation: str, served: Any, max_tokens_limit: int) -> Pa
                 adapter,
             )
         token_param = "max_completion_tokens"
-    # The default, 16, is lowered to a --max-new-tokens-limit under it: the limit holds for every request.
-    # (OpenAI's chat default is the model's limit; taking it here made requests without max_tokens 32
-    # times longer and upset the timing of the suite's serving tests: not done yet, see issue 33.)
-    default = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+    # OpenAI's defaults: a completion's is 16, a chat's the model's limit, which here is the server's
+    # limit on max_tokens (--max-new-tokens-limit) unless --chat-default-max-tokens says less. The
+    # limit holds for every request.
+    if operation == CHAT:
+        default = max_tokens_limit if chat_default_max_tokens is None else chat_default_max_tokens
+    else:
+        default = DEFAULT_MAX_TOKENS
+    default = min(default, max_tokens_limit)
     max_tokens = _integer(payload, token_param, default, 1, max_tokens_limit, adapter)
 
     stop = payload.get("stop")

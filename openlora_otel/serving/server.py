@@ -88,6 +88,8 @@ class ServeOptions:
     max_concurrency: int = 4
     max_queue: int = 64
     max_new_tokens_limit: int = MAX_TOKENS_LIMIT
+    # A chat's max_tokens when it gives none; None: max_new_tokens_limit (OpenAI's is the model's limit).
+    chat_default_max_tokens: int | None = None
     # After SIGTERM/SIGINT: how long in-flight requests may take to finish before they are cancelled.
     shutdown_timeout_s: float = 10.0
     # Body size, JSON depth, body and header read times, open connections (serving/limits.py).
@@ -199,7 +201,9 @@ class CompletionService:
         self._cancels_lock = threading.Lock()
 
     def parse(self, body: bytes, operation: str = COMPLETION) -> Parsed:
-        return protocol.parse(body, operation, self.models, self.options.max_new_tokens_limit)
+        return protocol.parse(
+            body, operation, self.models, self.options.max_new_tokens_limit, self.options.chat_default_max_tokens
+        )
 
     # -- generation -----------------------------------------------------------------
     def _sampling(self, parsed: Parsed) -> Sampling | None:

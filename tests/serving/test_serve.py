@@ -632,6 +632,8 @@ def _accepts(port: int) -> bool:
         (["{saved}", "--adapter", "x={missing}"], "is not a directory"),
         (["{saved}", "--adapter", "x={saved}/base"], "holds no adapter_config.json"),
         (["{saved}", "--max-new-tokens-limit", "513"], "at most 512"),
+        (["{saved}", "--chat-default-max-tokens", "600"], "--chat-default-max-tokens: at most --max-new-tokens-limit (512), got 600"),
+        (["{saved}", "--max-new-tokens-limit", "8", "--chat-default-max-tokens", "9"], "at most --max-new-tokens-limit (8)"),
         (["{saved}", "--port", "70000"], "is not a TCP port"),
     ],
 )

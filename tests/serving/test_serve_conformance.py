@@ -72,6 +72,15 @@ def test_a_plain_chat_answer(served: InProcessServe, n: int) -> None:
         assert choice["message"]["refusal"] is None
 
 
+def test_without_max_tokens_a_chat_runs_to_the_servers_limit(served: InProcessServe) -> None:
+    """OpenAI's chat default is the model's limit: here the server's limit on max_tokens (6 in this
+    module's server), not a completion's 16."""
+    status, raw = post(served, CHAT, {"model": "tiny-llama", "messages": MESSAGES})
+    assert status == 200
+    answer = json.loads(raw)
+    assert answer["usage"]["completion_tokens"] == 6 and answer["choices"][0]["finish_reason"] == "length", answer
+
+
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_every_chunk_of_a_streamed_chat(served: InProcessServe, include_usage: bool) -> None:
     body = {"model": "tiny-llama", "messages": MESSAGES, "stream": True, "n": 2}

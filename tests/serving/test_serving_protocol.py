@@ -53,10 +53,11 @@ def test_the_chat_template_is_role_and_content_per_line_then_the_assistant_cue()
     assert parsed.prompt_ids == CharTokenizer().encode(render_chat(messages, None))
 
 
-def test_defaults_are_greedy_one_choice_sixteen_tokens() -> None:
+def test_defaults_are_greedy_one_choice_up_to_the_limit() -> None:
     parsed = chat()
     assert (parsed.operation, parsed.model, parsed.adapter) == (CHAT, "a1", "a1")
-    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 16)
+    # A chat's max_tokens: the server's limit (chat() parses under 512), as OpenAI's is the model's.
+    assert (parsed.n, parsed.temperature, parsed.top_p, parsed.seed, parsed.max_tokens) == (1, 0.0, 1.0, None, 512)
     assert not parsed.stream and not parsed.include_usage and parsed.stop == ()
     # null is every parameter's default
     assert (
@@ -291,10 +292,17 @@ def test_a_failure_no_route_caught_answers_in_the_openai_shape_without_its_text(
     assert "secret" not in json.dumps(answer) and "prompt" not in answer["error"]["message"]
 
 
-def test_the_default_max_tokens_stays_within_a_lower_limit() -> None:
-    """--max-new-tokens-limit 8: a request without max_tokens gets 8 tokens, not the default 16."""
+def test_the_default_max_tokens_is_openais_within_the_limit() -> None:
+    """Without max_tokens: a completion gets 16 (OpenAI's default), a chat the server's limit (OpenAI's
+    is the model's) or --chat-default-max-tokens; a lower --max-new-tokens-limit holds for both."""
     body = json.dumps({"model": "a1", "prompt": "x"}).encode()
     assert parse(body, COMPLETION, Served(), 8).max_tokens == 8
-    assert parse(body, COMPLETION, Served(), 512).max_tokens == protocol.DEFAULT_MAX_TOKENS
+    assert parse(body, COMPLETION, Served(), 512).max_tokens == protocol.DEFAULT_MAX_TOKENS == 16
+    assert parse(body, COMPLETION, Served(), 512, 40).max_tokens == 16  # the chat default is a chat's only
     chat_body = json.dumps({"model": "a1", "messages": [{"role": "user", "content": "x"}]}).encode()
     assert parse(chat_body, CHAT, Served(), 3).max_tokens == 3
+    assert parse(chat_body, CHAT, Served(), 512).max_tokens == 512
+    assert parse(chat_body, CHAT, Served(), 512, 40).max_tokens == 40
+    assert parse(chat_body, CHAT, Served(), 30, 40).max_tokens == 30
+    asked = json.dumps({"model": "a1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 7}).encode()
+    assert parse(asked, CHAT, Served(), 512, 40).max_tokens == 7
