@@ -19,6 +19,7 @@ A worker's counters are its own series (its ``instance``: the port it was given,
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -145,9 +146,11 @@ def test_every_request_is_counted_once_across_workers_restarts_and_the_stop(
     port = free_port()
     process = None
     try:
+        # A session of its own: its workers go with it if the test has to kill it (uvicorn's spawned
+        # workers outlive a killed master).
         process = subprocess.Popen(
             SERVERS[server](port), cwd=ROOT, env=child_env(**env),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         assert wait_until(lambda: healthy(port) or process.poll() is not None, 60) and process.poll() is None, (
             process.communicate()[0] if process.poll() is not None else "not healthy in 60 s"
@@ -170,6 +173,7 @@ def test_every_request_is_counted_once_across_workers_restarts_and_the_stop(
         output, _ = process.communicate(timeout=90)
         assert process.returncode == 0, output
         assert "Traceback" not in output, output
+        assert wait_until(lambda: not group_alive(process.pid), 10), "a worker outlived its master"
         if path == "pull":
             assert list(sd.glob("*.json")) == []  # every worker removed its file after its final scrape
 
@@ -187,7 +191,17 @@ def test_every_request_is_counted_once_across_workers_restarts_and_the_stop(
         assert int(workers["value"][1]) > WORKERS, workers
         print(f"{server} {path}: {REQUESTS} requests over {workers['value'][1]} worker processes, all counted")
     finally:
-        if process is not None and process.poll() is None:
-            process.kill()
+        if process is not None:
+            if group_alive(process.pid):
+                os.killpg(process.pid, signal.SIGKILL)
             reap(process, 10)
         prometheus.stop()
+
+
+def group_alive(group: int) -> bool:
+    """Whether any process of process group ``group`` is still running."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
