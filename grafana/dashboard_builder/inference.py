@@ -33,9 +33,10 @@ from .layout import Grid
 ADAPTER_SEL = 'job=~"$job", instance=~"$instance", openlora_adapter_name=~"$adapter"'
 SERVING = " * on (job, instance) group_left (openlora_run_id) " + service_target_info('openlora_run_id=~"$run"')
 REQUESTS = "gen_ai_server_request_duration_seconds"
-# Errors the client caused; the rest (exceptions, overloaded) are the server's
+# Errors the client caused (openlora_otel.names.inference.CLIENT_ERROR_PATTERN, written out: the builder
+# imports nothing of the package); the rest (exceptions, overloaded, 429, 5xx) are the server's
 # (OpenloraInferenceErrorRatioHigh in openlora_otel/rules/openlora.yml leaves out the same).
-CLIENT_ERRORS = "unknown_adapter|invalid_request|cancelled"
+CLIENT_ERRORS = "unknown_adapter|invalid_request|cancelled|request_too_large|json_too_deep|request_timeout|invalid_request_error|authentication_error|permission_error|not_found_error|conflict_error|unprocessable_entity_error|CANCELLED|INVALID_ARGUMENT|NOT_FOUND|ALREADY_EXISTS|PERMISSION_DENIED|UNAUTHENTICATED|FAILED_PRECONDITION|OUT_OF_RANGE|4[01][0-9]|42[0-8]|4[3-9][0-9]"
 SERVER_ERRORS = f'error_type!="", error_type!~"{CLIENT_ERRORS}"'
 # OpenloraInferenceLatencyHigh: p95 of successful requests above this (openlora_otel/rules/openlora.yml);
 # the latency panels draw it. Change both together (a test compares them).
@@ -103,8 +104,9 @@ def serving_overview(grid: Grid) -> list[dict[str, Any]]:
         ),
         (
             "Server error ratio",
-            f"Share of requests that failed through the server's fault: an error_type other than the "
-            f"clients' {CLIENT_ERRORS.replace('|', ', ')} (rate of {REQUESTS}_count). 0 with no such error; "
+            "Share of requests that failed through the server's fault: an error_type other than a client's "
+            "(serve's refusals, an app's 4xx answer but 429, OpenAI's client error types, gRPC's client status "
+            f"codes; see the serving how-to) (rate of {REQUESTS}_count). 0 with no such error; "
             f"above {ERROR_RATIO_THRESHOLD:.0%} for 5 minutes OpenloraInferenceErrorRatioHigh fires.",
             "percentunit",
             f"({SERVER_ERROR_RATE} or vector(0)) / ({REQUEST_RATE} > 0)",

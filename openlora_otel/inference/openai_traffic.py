@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, InferenceRequest
+from openlora_otel.names.inference import CLIENT_ERROR_TYPES, is_client_error_status
+
+_CLIENT_ERRORS = frozenset(CLIENT_ERROR_TYPES)
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -86,15 +89,21 @@ def _count(value: Any) -> int | None:
 
 
 def _error_type(error: Any, status: int) -> str:
-    """``error.type`` of an OpenAI error object: its ``code``, else its ``type``, else the status."""
+    """``error.type`` of an OpenAI error object answered with ``status``: for a client's fault (4xx but
+    429), its ``code`` if that is one of :data:`~openlora_otel.names.inference.CLIENT_ERROR_TYPES`,
+    else its ``type`` if that is, else the status (so that the server-error ratio leaves it out,
+    whatever the app calls it); otherwise its ``code``, else its ``type``, else the status."""
+    names = []
     if isinstance(error, dict):
         for key in ("code", "type"):
             value = error.get(key)
             if isinstance(value, str) and value:
-                return value
-            if isinstance(value, int) and not isinstance(value, bool):
-                return str(value)
-    return str(status)
+                names.append(value)
+            elif isinstance(value, int) and not isinstance(value, bool):
+                names.append(str(value))
+    if is_client_error_status(status):
+        return next((name for name in names if name in _CLIENT_ERRORS), str(status))
+    return names[0] if names else str(status)
 
 
 class ResponseReader:

@@ -17,11 +17,14 @@ __all__ = [
     "ATTR_TRAINING_EVAL_LOSS",
     "ATTR_TRAINING_RUN_ID",
     "ATTR_TRAINING_RUN_NAME",
+    "CLIENT_ERROR_PATTERN",
+    "CLIENT_ERROR_TYPES",
     "INFERENCE_METRICS",
     "REQUEST_DURATION_BUCKETS",
     "TOKEN_BUCKETS",
     "TPOT_BUCKETS",
     "TTFT_BUCKETS",
+    "is_client_error_status",
 ]
 
 # Serving (openlora_otel.inference). The gen_ai.server.* names, units, attributes and bucket
@@ -44,6 +47,29 @@ ATTR_TRAINING_RUN_NAME = "openlora.training.run.name"
 ATTR_TRAINING_EVAL_LOSS = "openlora.training.final_eval_loss"
 ATTR_BASE_MODEL = "openlora.adapter.base_model"
 ATTR_BASE_FINGERPRINT = "openlora.adapter.base_fingerprint"
+
+# error.type values of failures a client causes, not the server: what the server-error ratio, its
+# alert (OpenloraInferenceErrorRatioHigh) and the inference dashboard leave out. `serve`'s own
+# refusals (an adapter it does not serve, a malformed request, a body too large, too deep or too
+# slow, a client that went away); OpenAI's client error types; gRPC's status codes a client causes.
+# An HTTP middleware records an answer with a client's status (4xx but 429) as one of these names
+# (its body's code, else its type) or as the status itself, which CLIENT_ERROR_PATTERN also leaves
+# out; a 429 (rate limited) and 5xx are the server's.
+CLIENT_ERROR_TYPES: tuple[str, ...] = (
+    "unknown_adapter", "invalid_request", "cancelled", "request_too_large", "json_too_deep", "request_timeout",
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "conflict_error",
+    "unprocessable_entity_error",
+    "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED",
+    "FAILED_PRECONDITION", "OUT_OF_RANGE",
+)  # fmt: skip
+# The regex (fully anchored, as PromQL's =~ and !~ are) of CLIENT_ERROR_TYPES and the client statuses.
+CLIENT_ERROR_PATTERN = "|".join((*CLIENT_ERROR_TYPES, "4[01][0-9]|42[0-8]|4[3-9][0-9]"))
+
+
+def is_client_error_status(status: int) -> bool:
+    """Whether an HTTP status is a client's fault: 400 to 499 but 429 (too many requests: the server's capacity)."""
+    return 400 <= status <= 499 and status != 429
+
 
 REQUEST_DURATION_BUCKETS: tuple[float, ...] = tuple(round(0.01 * 2**k, 2) for k in range(14))  # 0.01 .. 81.92
 TTFT_BUCKETS: tuple[float, ...] = (

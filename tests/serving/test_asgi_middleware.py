@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +19,11 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 import openlora_otel.inference.asgi as asgi_module
 import openlora_otel.inference.metrics as metrics_module
 import openlora_otel.inference.openai_traffic as traffic_module
-from openlora_otel import setup_telemetry
+from openlora_otel import names, setup_telemetry
 from openlora_otel.inference import InferenceMetrics
 from openlora_otel.inference.asgi import STATE_KEY, OpenAIMetricsMiddleware
 from openlora_otel.inference.openai_traffic import MAX_REQUEST_BYTES, ResponseReader, read_request
+from openlora_otel.names.inference import is_client_error_status
 from tests.support.clock import FakeClock
 from tests.support.readings import points
 from tests.support.serving import asgi_call
@@ -180,14 +182,17 @@ def test_events_split_anywhere_across_messages_read_the_same(clock, reader, infe
 
 
 def test_an_error_answer_records_its_code_as_error_type(clock, reader, inference) -> None:
+    error = {"error": {"message": "no such model", "type": "server_error", "param": "model", "code": "model_failed"}}
+    run(OpenAIMetricsMiddleware(json_app(error, clock, status=500), inference), request_body("nope"))
+    duration = one(reader, DURATION)
+    assert duration.attributes["error.type"] == "model_failed"
+    assert not points(reader.get_metrics_data(), TTFT)  # an error is no first token
+    # Without an error body: the status. A client's fault (404 here) as a name the alert knows: its type.
+    run(OpenAIMetricsMiddleware(json_app({}, clock, status=503), inference), request_body("nope"))
     error = {"error": {"message": "no such model", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
     run(OpenAIMetricsMiddleware(json_app(error, clock, status=404), inference), request_body("nope"))
-    duration = one(reader, DURATION)
-    assert duration.attributes["error.type"] == "model_not_found"
-    assert not points(reader.get_metrics_data(), TTFT)  # an error is no first token
-    # Without an error body: the status.
-    run(OpenAIMetricsMiddleware(json_app({}, clock, status=503), inference), request_body("nope"))
-    assert {p.attributes.get("error.type") for p in points(reader.get_metrics_data(), DURATION)} == {"model_not_found", "503"}
+    recorded = {p.attributes.get("error.type") for p in points(reader.get_metrics_data(), DURATION)}
+    assert recorded == {"model_failed", "503", "invalid_request_error"}
 
 
 def test_a_stream_that_ends_in_an_error_event_records_it(clock, reader, inference) -> None:
@@ -375,3 +380,56 @@ def test_a_request_body_says_model_stream_and_usage() -> None:
     assert (facts.model, facts.stream, facts.include_usage) == ("m", True, True)
     facts = read_request(b'{"model": 3, "stream": "yes", "stream_options": []}')
     assert (facts.model, facts.stream, facts.include_usage) == (None, False, False)
+
+
+def failed_as(status: int, error: object) -> str:
+    """The error.type the reader records for a JSON error answer ``{"error": error}`` with ``status``."""
+    calls = read([json.dumps({"error": error}).encode()], status, "application/json")
+    (fail,) = [call for call in calls if call[0] == "fail"]
+    return fail[1]
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "recorded"),
+    [
+        # serve's own refusals keep their names
+        (404, {"type": "not_found_error", "code": "unknown_adapter"}, "unknown_adapter"),
+        (400, {"type": "invalid_request_error", "code": "invalid_request"}, "invalid_request"),
+        (413, {"type": "invalid_request_error", "code": "request_too_large"}, "request_too_large"),
+        # an OpenAI-style app: its specific code is no name the alert knows, its type is
+        (400, {"type": "invalid_request_error", "code": "context_length_exceeded"}, "invalid_request_error"),
+        (401, {"type": "authentication_error", "code": "invalid_api_key"}, "authentication_error"),
+        # vLLM-style (an int code) or no name at all: the status
+        (400, {"type": "BadRequestError", "code": 400}, "400"),
+        (422, {"message": "bad"}, "422"),
+        (404, "not an object", "404"),
+        # the server's: as the app says
+        (429, {"type": "rate_limit_error", "code": "rate_limited"}, "rate_limited"),
+        (500, {"type": "server_error", "code": "invalid_request"}, "invalid_request"),
+        (503, {"type": "server_error", "code": "overloaded"}, "overloaded"),
+        (502, {}, "502"),
+    ],
+)
+def test_a_clients_error_is_recorded_as_a_name_the_alert_leaves_out(status: int, error: object, recorded: str) -> None:
+    assert failed_as(status, error) == recorded
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(400, 599),
+    st.dictionaries(
+        st.sampled_from(["code", "type", "message"]),
+        st.one_of(st.text(max_size=12), st.integers(-5, 999), st.sampled_from(names.CLIENT_ERROR_TYPES), st.none()),
+        max_size=3,
+    ),
+)
+def test_every_client_status_is_left_out_by_the_alert_and_every_server_status_is_counted(status: int, error: dict) -> None:
+    """Whatever an app puts in its error body: a 4xx answer but 429 is recorded as a name
+    CLIENT_ERROR_PATTERN matches (the rule's and the dashboard's), a 429 or 5xx as one it does not
+    (unless the app itself names a client's fault for a 5xx)."""
+    recorded = failed_as(status, error)
+    client = re.fullmatch(names.CLIENT_ERROR_PATTERN, recorded) is not None
+    if is_client_error_status(status):
+        assert client, (status, error, recorded)
+    elif recorded not in {str(value) for key, value in error.items() if key in ("code", "type")}:
+        assert not client, (status, error, recorded)

@@ -68,7 +68,7 @@ def test_the_middleware_counts_what_the_openai_client_saw(tmp_path: Path) -> Non
                 first_tokens += 1
             with pytest.raises(openai.BadRequestError):
                 client.chat.completions.create(model="refuse", messages=[{"role": "user", "content": PROMPT}])
-            seen[("refuse", "refused_model")] += 1
+            seen[("refuse", "invalid_request_error")] += 1  # a 400: its type, a name the alert leaves out
             with pytest.raises(openai.APIError):
                 for _ in client.chat.completions.create(
                     model="breaks", messages=[{"role": "user", "content": PROMPT}], stream=True

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
+from openlora_otel import names
 from openlora_otel.inference import AdapterOrigin
 from openlora_otel.names import INFERENCE_METRICS, REQUEST_DURATION_BUCKETS, TTFT_BUCKETS
 from tests.support.dashboards import (
@@ -213,7 +214,7 @@ def test_panels_use_the_alerts_thresholds_and_client_errors() -> None:
     client = re.search(
         r'error_type!~"([^"]+)"', rule("instance:openlora_inference_server_errors:rate5m")["expr"]
     ).group(1)
-    assert client == module.CLIENT_ERRORS
+    assert client == module.CLIENT_ERRORS == names.CLIENT_ERROR_PATTERN
     drawn = {
         panel["title"]: {s["value"] for s in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]} - {None}
         for panel in panels(INFERENCE_DASHBOARD)

@@ -91,7 +91,7 @@ def one_request(client: openai.OpenAI, index: int) -> tuple[tuple[str, str], int
     if kind == 3:
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="refuse", messages=messages)
-        return ("refuse", "refused_model"), 0, 0, False
+        return ("refuse", "invalid_request_error"), 0, 0, False
     with pytest.raises(openai.APIError):
         for _ in client.chat.completions.create(model="breaks", messages=messages, stream=True):
             pass
