@@ -427,6 +427,25 @@ def _run_id(env: Env) -> str | None:
     return run_id
 
 
+# OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION: the specification's two values, of which
+# only the first is what our histograms are (each has a view with explicit buckets, which wins over an
+# exporter's preferred aggregation: the exponential one would be ignored without a word).
+_HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram",)
+
+
+def _check_histogram_aggregation(env: Env) -> None:
+    name = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    raw = env.get(name)
+    if raw and raw.strip().lower() not in _HISTOGRAM_AGGREGATIONS:
+        detail = (
+            "exponential histograms are not supported yet: every histogram openlora-otel emits has explicit"
+            " buckets, which the dashboards and rules read; unset it"
+            if raw.strip().lower() == "base2_exponential_bucket_histogram"
+            else ""
+        )
+        raise ConfigError(name, raw, choices_accepted(_HISTOGRAM_AGGREGATIONS), detail)
+
+
 def _read_otlp(env: Env) -> OTLPConfig:
     def read_protocol(variable: str) -> str:
         raw = env.get(variable)
@@ -495,6 +514,7 @@ def _read_otlp(env: Env) -> OTLPConfig:
         env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITIES)
         or _default("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
     )
+    _check_histogram_aggregation(env)
 
     # Read and checked now, whatever the protocol and even when `otlp` is not selected: an unreadable
     # or non-PEM file would otherwise fail every export (or, for gRPC, setup with a bare OSError).

@@ -301,6 +301,12 @@ VARIABLES: tuple[Variable, ...] = (
         default="cumulative",
     ),
     Variable(
+        "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+        OTLP,
+        "`explicit_bucket_histogram` only: every histogram openlora-otel emits has explicit buckets (the dashboards and rules read `_bucket` series); `base2_exponential_bucket_histogram` is refused at setup rather than ignored.",
+        default="explicit_bucket_histogram",
+    ),
+    Variable(
         "OTEL_SERVICE_NAME",
         RUN,
         "`service.name` of the Resource; wins over `service.name` in `OTEL_RESOURCE_ATTRIBUTES`.",

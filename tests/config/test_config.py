@@ -214,6 +214,10 @@ INVALID = [
     ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "`cumulative`, `delta`, `lowmemory`"),
+    # Our histograms have explicit buckets, each by a view that wins over the exporter's preference:
+    # the exponential aggregation would be ignored without a word, so it is refused.
+    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "base2_exponential_bucket_histogram", "`explicit_bucket_histogram`"),
+    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "native", "`explicit_bucket_histogram`"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "-1000", "milliseconds from 100 to 86400000"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "0", "milliseconds from 100 to 86400000"),
     ("OTEL_METRIC_EXPORT_TIMEOUT", "soon", "milliseconds from 100 to 86400000"),
@@ -956,3 +960,13 @@ def test_text_that_is_not_utf8_is_refused_naming_its_variable(variable: str, val
 def test_text_that_is_not_utf8_is_refused_in_code_too(changes: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="not valid UTF-8"):
         TelemetryConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_the_explicit_histogram_aggregation_is_accepted_and_the_exponential_one_refused_saying_why() -> None:
+    name = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    for value in ("explicit_bucket_histogram", "Explicit_Bucket_Histogram", ""):
+        TelemetryConfig.from_env({name: value})
+    with pytest.raises(ConfigError) as caught:
+        TelemetryConfig.from_env({name: "base2_exponential_bucket_histogram", "OTEL_METRICS_EXPORTER": "prometheus"})
+    assert caught.value.variable == name
+    assert "exponential histograms are not supported yet" in str(caught.value)
