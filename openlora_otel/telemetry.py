@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import sys
 import threading
@@ -79,6 +80,7 @@ class Telemetry:
         self._meter = meter_provider.get_meter(METER_NAME, __version__)
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # the process whose readers export; a forked child's records are lost
         self._training: TrainingMetrics | None = None
         self._inference: Any = None
         self._hardware = Hardware()
@@ -220,6 +222,7 @@ class Telemetry:
                     self._meter,
                     max_adapters=self._config.inference_max_adapters,
                     window_histogram=self._owns_provider,
+                    exporting_pid=self._pid,
                 )
             return self._inference
 

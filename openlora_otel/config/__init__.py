@@ -435,15 +435,18 @@ _HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram",)
 
 def _check_histogram_aggregation(env: Env) -> None:
     name = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
-    raw = env.get(name)
-    if raw and raw.strip().lower() not in _HISTOGRAM_AGGREGATIONS:
-        detail = (
+    try:
+        env.choice(name, _HISTOGRAM_AGGREGATIONS)
+    except ConfigError as exc:
+        if env.get(name).lower() != "base2_exponential_bucket_histogram":
+            raise
+        raise ConfigError(
+            name,
+            exc.value,
+            exc.accepted,
             "exponential histograms are not supported yet: every histogram openlora-otel emits has explicit"
-            " buckets, which the dashboards and rules read; unset it"
-            if raw.strip().lower() == "base2_exponential_bucket_histogram"
-            else ""
-        )
-        raise ConfigError(name, raw, choices_accepted(_HISTOGRAM_AGGREGATIONS), detail)
+            " buckets, which the dashboards and rules read; unset it",
+        ) from None
 
 
 def _read_otlp(env: Env) -> OTLPConfig:

@@ -303,7 +303,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
         OTLP,
-        "`explicit_bucket_histogram` only: every histogram openlora-otel emits has explicit buckets (the dashboards and rules read `_bucket` series); `base2_exponential_bucket_histogram` is refused at setup rather than ignored.",
+        "`explicit_bucket_histogram` only: every histogram openlora-otel emits has explicit buckets (the dashboards and rules read `_bucket` series); `base2_exponential_bucket_histogram` is refused at setup rather than ignored, whichever exporter is selected (it would also apply to histograms of your own on the same provider).",
         default="explicit_bucket_histogram",
     ),
     Variable(

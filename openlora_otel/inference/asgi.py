@@ -9,6 +9,8 @@ Given the ``Telemetry`` (not only its ``inference``), the middleware also shuts 
 server shuts the app down (the ASGI lifespan's shutdown, before it is reported complete): uvicorn,
 after a SIGTERM, ends the process by that signal once the app is shut down, so ``atexit`` never runs
 and, without this, what was recorded since the last export or scrape would be lost.
+Each lifespan shutdown ends it: an app whose lifespan runs more than once in one process, or that
+runs without the lifespan protocol, is given ``telemetry.inference`` and shuts the telemetry down itself.
 
 Each ``POST`` to one of OpenAI's routes (:data:`~openlora_otel.inference.openai_traffic.OPENAI_ROUTES`)
 is one request in ``telemetry.inference``: the body is read first (up to 1 MiB, then handed to the
@@ -32,7 +34,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openlora_otel.inference.metrics import exception_error_type
 from openlora_otel.inference.openai_traffic import (
@@ -46,6 +48,10 @@ from openlora_otel.inference.openai_traffic import (
     read_request,
     same_name,
 )
+
+if TYPE_CHECKING:
+    from openlora_otel.inference.metrics import InferenceMetrics
+    from openlora_otel.telemetry import Telemetry
 
 __all__ = ["STATE_KEY", "OpenAIMetricsMiddleware"]
 
@@ -68,7 +74,7 @@ class OpenAIMetricsMiddleware:
     def __init__(
         self,
         app: ASGIApp,
-        inference: Any,
+        inference: Telemetry | InferenceMetrics,
         *,
         adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,

@@ -12,7 +12,8 @@ Each call of a method in ``methods`` (full method name -> ``gen_ai.operation.nam
 request: its duration from the call to the last message; the first response message as the first
 token (a unary call's one message, a stream's first); ``error.type`` the call's status code name
 (``RESOURCE_EXHAUSTED``, ``INVALID_ARGUMENT``: what ``context.abort()`` or ``context.set_code()``
-set), ``CANCELLED`` when the client went away mid-stream, else the exception's type; the adapter
+set), ``CANCELLED`` when the client went away mid-stream (``DEADLINE_EXCEEDED`` when its deadline
+passed first), else the exception's type; the adapter
 from a metadata key, or from the request by a function (a field of the request message), mapped as
 the HTTP middlewares map a model name (the default keeps it; none said is the base model). Token
 counts come from functions of the request and of each response message, when given. Other
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openlora_otel._deps import require
 
@@ -37,6 +38,10 @@ from openlora_otel.inference.metrics import (  # noqa: E402
     exception_error_type,
 )
 from openlora_otel.inference.openai_traffic import inference_of  # noqa: E402
+
+if TYPE_CHECKING:
+    from openlora_otel.inference.metrics import InferenceMetrics
+    from openlora_otel.telemetry import Telemetry
 
 __all__ = ["OpenAIMetricsServerInterceptor"]
 
@@ -55,7 +60,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
 
     def __init__(
         self,
-        inference: Any,
+        inference: Telemetry | InferenceMetrics,
         *,
         methods: Mapping[str, str],
         adapter_metadata_key: str | None = None,
@@ -158,6 +163,10 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
                     yield message
                 error = _status(context)
             except GeneratorExit:
+                # Closed before its end: the client cancelled, or its deadline passed (the server's
+                # fault, not the client's: a server too slow for its clients must reach the alert).
+                if _deadline_passed(context):
+                    error = "DEADLINE_EXCEEDED"
                 raise
             except BaseException as exc:
                 error = _status(context) or exception_error_type(type(exc))
@@ -168,6 +177,15 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
                 record.end(error=error)
 
         return measured
+
+
+def _deadline_passed(context: Any) -> bool:
+    """Whether the call's deadline has passed (a call without one never passes it)."""
+    try:
+        remaining = context.time_remaining()
+    except Exception:
+        return False
+    return remaining is not None and remaining <= 0
 
 
 def _status(context: Any) -> str | None:

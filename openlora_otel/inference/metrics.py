@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -55,7 +56,8 @@ ADAPTER_OTHER = "other"  # adapter names past the cap
 OTHER = "_OTHER"  # model names and error types past their caps (the conventions' fallback value)
 DEFAULT_MAX_ADAPTERS = 32
 MAX_MODELS = 8
-MAX_ERROR_TYPES = 16
+MAX_ERROR_TYPES = 16  # of the server's error types: a client's (CLIENT_ERROR_PATTERN) are not capped
+_CLIENT_ERROR = re.compile(names.CLIENT_ERROR_PATTERN)
 _MAX_LABEL_CHARS = 100
 DEFAULT_OPERATION = "text_completion"
 
@@ -195,7 +197,9 @@ class InferenceMetrics:
     :func:`inference_views` (``setup_telemetry`` does both); then a request's end
     costs a lock and a few bisects, and each series reaches the SDK once per
     collection. ``model`` is the served (base) model's name: ``gen_ai.response.model``, and
-    ``gen_ai.request.model`` of requests to the base; ``max_adapters`` caps distinct adapter names.
+    ``gen_ai.request.model`` of requests to the base; ``max_adapters`` caps distinct adapter names;
+    ``exporting_pid``: the process whose readers export (default this one), where recording from
+    any other (a forked child) warns once that it is lost.
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class InferenceMetrics:
         operation: str = DEFAULT_OPERATION,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         window_histogram: bool = False,
+        exporting_pid: int | None = None,
     ) -> None:
         if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
             raise ValueError(f"max_adapters must be an integer >= 1, got {max_adapters!r}")
@@ -222,7 +227,9 @@ class InferenceMetrics:
         self._loaded_past_cap: set[str] = set()  # loaded names recorded as "other": it reads 1 while any is
         self._info: dict[str, dict[str, str]] = {}  # loaded adapter value (not "other") -> its info attributes
         self._warned: set[str] = set()
-        self._pid = os.getpid()  # a forked child exports nothing (see request())
+        # The process whose readers export what this records (the Telemetry's, which may have built this
+        # later, in a forked child): a request recorded in another process is lost (see request()).
+        self._pid = os.getpid() if exporting_pid is None else exporting_pid
         self.set_model(model, operation=operation)
         # The histograms and each series' pending window (used under self._lock).
         self._histograms = RequestHistograms(meter, window_histogram=window_histogram, warn=self._warn_once)
@@ -508,6 +515,11 @@ class InferenceMetrics:
         value = self._errors.get(error_type)
         if value is not None:
             return value
+        if _CLIENT_ERROR.fullmatch(str(error_type)):
+            # A client's fault: a bounded set of its own (CLIENT_ERROR_PATTERN), never capped, so that a
+            # public endpoint's many kinds of bad requests cannot push a server error past the cap into
+            # _OTHER, nor a client error into _OTHER, which the server-error ratio counts.
+            return str(error_type)
         with self._lock:
             return self._capped(self._errors, str(error_type), MAX_ERROR_TYPES, "error.type")
 

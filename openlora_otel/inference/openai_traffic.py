@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, InferenceRequest
-from openlora_otel.names.inference import CLIENT_ERROR_TYPES, is_client_error_status
+from openlora_otel.names.inference import CLIENT_ERROR_PATTERN, CLIENT_ERROR_TYPES, is_client_error_status
 
 _CLIENT_ERRORS = frozenset(CLIENT_ERROR_TYPES)
+_CLIENT_ERROR = re.compile(CLIENT_ERROR_PATTERN)
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -88,11 +90,19 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _error_type(error: Any, status: int) -> str:
-    """``error.type`` of an OpenAI error object answered with ``status``: for a client's fault (4xx but
-    429), its ``code`` if that is one of :data:`~openlora_otel.names.inference.CLIENT_ERROR_TYPES`,
-    else its ``type`` if that is, else the status (so that the server-error ratio leaves it out,
-    whatever the app calls it); otherwise its ``code``, else its ``type``, else the status."""
+def _error_type(error: Any, status: int | None) -> str:
+    """``error.type`` of an OpenAI error object answered with ``status`` (None: a stream's error event,
+    after a 200), so that the server-error ratio counts exactly the server's faults, whatever the app
+    calls them:
+
+    - a client's status (4xx but 429): the body's ``code`` if it is one of
+      :data:`~openlora_otel.names.inference.CLIENT_ERROR_TYPES`, else its ``type`` if that is, else
+      the status;
+    - a server's status (5xx, 429): its ``code``, else its ``type``, unless that names a client's fault
+      (a 502 whose code is 404): then the status;
+    - a stream's error event: its ``code``, else its ``type``, as the app says (no status to go by),
+      else ``"500"``.
+    """
     names = []
     if isinstance(error, dict):
         for key in ("code", "type"):
@@ -101,9 +111,13 @@ def _error_type(error: Any, status: int) -> str:
                 names.append(value)
             elif isinstance(value, int) and not isinstance(value, bool):
                 names.append(str(value))
+    if status is None:
+        return names[0] if names else "500"
     if is_client_error_status(status):
         return next((name for name in names if name in _CLIENT_ERRORS), str(status))
-    return names[0] if names else str(status)
+    if names and not _CLIENT_ERROR.fullmatch(names[0]):
+        return names[0]
+    return str(status)
 
 
 class ResponseReader:
@@ -186,7 +200,7 @@ class ResponseReader:
             return
         self._events += 1
         if "error" in parsed:
-            self._error = _error_type(parsed["error"], 500 if self._status < 400 else self._status)
+            self._error = _error_type(parsed["error"], None if self._status < 400 else self._status)
             return
         usage = parsed.get("usage")
         if isinstance(usage, dict):

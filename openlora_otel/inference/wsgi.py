@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openlora_otel.inference.metrics import (
     InferenceRequest,
@@ -38,6 +38,10 @@ from openlora_otel.inference.openai_traffic import (
     read_request,
     same_name,
 )
+
+if TYPE_CHECKING:
+    from openlora_otel.inference.metrics import InferenceMetrics
+    from openlora_otel.telemetry import Telemetry
 
 __all__ = ["ENVIRON_KEY", "OpenAIMetricsWSGIMiddleware"]
 
@@ -95,7 +99,7 @@ class OpenAIMetricsWSGIMiddleware:
     def __init__(
         self,
         app: WSGIApp,
-        inference: Any,
+        inference: Telemetry | InferenceMetrics,
         *,
         adapter: Callable[[str], str | None] = same_name,
         routes: Mapping[str, str] = OPENAI_ROUTES,

@@ -5,6 +5,7 @@ a client that cancels mid-stream; other methods untouched."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -19,6 +20,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 from openlora_otel.inference import InferenceMetrics  # noqa: E402
 from openlora_otel.inference.grpc_interceptor import OpenAIMetricsServerInterceptor  # noqa: E402
+from openlora_otel.names import CLIENT_ERROR_PATTERN  # noqa: E402
 from tests.support.polling import wait_until  # noqa: E402
 from tests.support.readings import points  # noqa: E402
 
@@ -144,6 +146,21 @@ def test_a_client_that_cancels_mid_stream_makes_it_cancelled(rig: Rig) -> None:
     wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the cancelled call recorded")
     assert rig.by(DURATION, "error.type") == {("slow", "CANCELLED"): 1}
     assert sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING)) == 0
+
+
+def test_a_stream_past_its_deadline_is_the_servers_deadline_exceeded_not_a_cancel(rig: Rig) -> None:
+    """A server too slow for its clients' deadlines must reach the error-ratio alert: CANCELLED is
+    the client's (left out), DEADLINE_EXCEEDED the server's."""
+    call = rig.channel.unary_stream(f"/{SERVICE}/Stream", request_serializer=encode, response_deserializer=decode)(
+        {"model": "slow", "prompt": "a b c"}, timeout=0.5
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call)
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    rig.release.set()
+    wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the call recorded")
+    assert rig.by(DURATION, "error.type") == {("slow", "DEADLINE_EXCEEDED"): 1}
+    assert re.fullmatch(CLIENT_ERROR_PATTERN, "DEADLINE_EXCEEDED") is None
 
 
 def test_the_interceptor_refuses_what_cannot_work() -> None:

@@ -351,6 +351,24 @@ def test_error_types_and_models_are_capped(rig: Rig) -> None:
     assert len(models - {"_OTHER"}) == 7 and "_OTHER" in models
 
 
+def test_a_clients_error_types_are_not_capped_and_leave_the_cap_to_the_servers(rig: Rig) -> None:
+    """A public endpoint sees many kinds of bad requests: those (CLIENT_ERROR_PATTERN, a bounded set)
+    never take a slot of the cap, never become _OTHER (which the server-error ratio counts), and the
+    server's own error types keep all 16 slots."""
+    client = ["400", "401", "403", "404", "405", "408", "413", "415", "422", "499", "invalid_request_error",
+              "unknown_adapter", "INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED", "request_too_large", "PERMISSION_DENIED"]  # fmt: skip
+    for error in client:
+        rig.metrics.request("a1").end(error=error)
+    for i in range(17):
+        rig.metrics.request("a1").end(error=f"ServerError{i}")
+    for error in client:  # still themselves after the cap is full
+        rig.metrics.request("a1").end(error=error)
+    errors = {p.attributes["error.type"]: p.count for p in points(rig.collect(), DURATION) if "error.type" in p.attributes}
+    assert {e: errors[e] for e in client} == dict.fromkeys(client, 2)
+    assert {e for e in errors if e.startswith("ServerError")} == {f"ServerError{i}" for i in range(16)}
+    assert errors["_OTHER"] == 1  # the 17th of the server's
+
+
 def test_bad_token_counts_are_ignored_with_one_warning(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
@@ -590,3 +608,34 @@ def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.L
     with caplog.at_level(logging.WARNING):
         inference.request("a1").end()
     assert not [r for r in caplog.records if "forked" in r.getMessage()]
+
+
+@pytest.mark.process
+def test_telemetry_inference_first_used_in_a_forked_child_warns_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set up in the master, ``telemetry.inference`` first touched in a worker (a middleware built in a
+    post_fork hook on a telemetry made before the fork): the readers are the master's, so the worker's
+    requests are lost and it says so."""
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    telemetry = setup_telemetry(metric_readers=[InMemoryMetricReader()])
+    try:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the child, which reports through the pipe
+            status = 1
+            try:
+                messages: list[str] = []
+                handler = logging.Handler(logging.WARNING)
+                handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+                logging.getLogger(inference_module.__name__).addHandler(handler)
+                telemetry.inference.request("a1").end()
+                os.write(write, json.dumps(messages).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            messages = json.loads(pipe.read() or b"null")
+        assert os.waitpid(child, 0)[1] == 0
+    finally:
+        telemetry.shutdown()
+    assert messages is not None and len(messages) == 1 and f"forked from process {os.getpid()}" in messages[0], messages

@@ -89,9 +89,10 @@ def steps_time_ms(metrics_data) -> int | None:
 def read_export_log(path: Path) -> dict[str, dict[int, str]]:
     """``--export-log``'s file: for each instance, each push's time (ms) and outcome."""
     pushes: dict[str, dict[int, str]] = {}
-    for line in path.read_text().splitlines():
+    # Read while the ranks write: a last line without its newline is still being written, left out.
+    for line in path.read_text().splitlines(keepends=True):
         parts = line.split()
-        if len(parts) == 3:  # a line being written as the group stops is left out
+        if line.endswith("\n") and len(parts) == 3:
             pushes.setdefault(parts[0], {})[int(parts[1])] = parts[2]
     return pushes
 
