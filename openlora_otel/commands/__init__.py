@@ -5,8 +5,8 @@ Each module's ``register(commands)`` adds its parser to the subparsers of the co
 :mod:`openlora_otel.cli` only dispatches. The order here is the order ``--help`` lists them in.
 """
 
-from openlora_otel.commands import demo, doctor, env, load, metrics, report, rules, serve, stack
+from openlora_otel.commands import demo, diagnose, doctor, env, load, metrics, report, rules, serve, stack
 
-COMMANDS = (demo, serve, doctor, env, metrics, rules, stack, report, load)
+COMMANDS = (demo, serve, doctor, env, metrics, rules, stack, report, diagnose, load)
 
 __all__ = ["COMMANDS"]

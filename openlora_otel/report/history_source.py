@@ -32,7 +32,16 @@ from openlora_otel.names import (
 )
 from openlora_otel.report import history_reader as history
 from openlora_otel.report.goodput import STEPS_LOST_METRIC, TIME_METRIC, TimeSample, time_breakdown
-from openlora_otel.report.model import EVAL_PREFIX, QUANTITIES, SHOWN_METRIC, ReportError, Row, Run, shown
+from openlora_otel.report.model import (
+    EVAL_PREFIX,
+    QUANTITIES,
+    SHOWN_METRIC,
+    ProcessRows,
+    ReportError,
+    Row,
+    Run,
+    shown,
+)
 from openlora_otel.run.info import hyperparameters_from
 
 __all__ = ["history_files", "read_runs"]
@@ -128,6 +137,9 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                 ranks=len(group),
                 time=time_breakdown(sample for p in group for sample in p.time),
                 outcome=lowest.outcome[1] if lowest.outcome else None,
+                processes=[
+                    ProcessRows(p.rank, sorted(p.rows, key=lambda r: r.time_s), list(p.time)) for p in group
+                ],
             )
         )
     runs.sort(key=lambda run: run.rows[0].time_s)  # oldest first: the order they were run in

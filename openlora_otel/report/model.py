@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from openlora_otel.names import GPU_METRICS, GUARD_REASONS, TRAINING_METRICS, MetricSpec
-from openlora_otel.report.goodput import TimeBreakdown
+from openlora_otel.report.goodput import TimeBreakdown, TimeSample
 
 __all__ = [
     "EVAL_PREFIX",
@@ -25,6 +25,7 @@ __all__ = [
     "Divergence",
     "Line",
     "Panel",
+    "ProcessRows",
     "Quantity",
     "ReportError",
     "Row",
@@ -160,6 +161,15 @@ def shown(text: object, limit: int | None = None) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class ProcessRows:
+    """One rank's samples of a run (every attempt of it, in time order) and its goodput readings."""
+
+    rank: int | None
+    rows: list[Row]
+    time: list[TimeSample] = field(default_factory=list)
+
+
 @dataclass
 class Run:
     """One training run as read from a source: identity, hyperparameters and samples of its lowest rank.
@@ -177,6 +187,8 @@ class Run:
     time: TimeBreakdown | None = None
     # How it ended (openlora.run.outcome of its lowest rank's latest line); None: not recorded.
     outcome: str | None = None
+    # Every rank's samples, lowest rank first (``rows`` are the first's): what `diagnose` compares.
+    processes: list[ProcessRows] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.run_id = shown(self.run_id, SHOWN_ID)

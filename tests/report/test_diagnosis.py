@@ -1,0 +1,142 @@
+"""openlora_otel.report.diagnosis on runs built in memory: each detector finds what it is for (and the
+right step and rank), stays quiet on a healthy run, ranks its findings; the JSON form validates
+against its schema and the text form says everything the finding holds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+
+from openlora_otel.report.diagnosis import JSON_SCHEMA, diagnose, text_lines, to_json
+from openlora_otel.report.goodput import TimeSample
+from openlora_otel.report.model import ProcessRows, Row, Run
+
+T0 = 1_800_000_000.0
+
+
+def rows(steps: int, *, step_s: float = 0.1, every: int = 5, start: float = T0, **overrides) -> list[Row]:
+    """A healthy rank: a row every ``every`` steps, steps of ``step_s`` seconds; ``overrides``: functions
+    of the step that replace values (``loss=lambda s: ...``)."""
+    out = []
+    for step in range(every, steps + 1, every):
+        values = {
+            "steps": float(step),
+            "last_step_time": start + step * step_s,
+            "loss": 2.0 - step / 1000,
+            "loss_max": 2.1 - step / 1000,
+            "grad_norm": 1.0,
+            "grad_norm_max": 1.2,
+            "learning_rate": 2e-4,
+            "loss_nonfinite": 0.0,
+            "grad_norm_nonfinite": 0.0,
+            "step_time_sum": step * step_s,
+            "step_time_count": float(step),
+        }
+        for key, value in overrides.items():
+            values[key] = value(step)
+        out.append(Row(start + step * step_s, values))
+    return out
+
+
+def phases(productive: float, data_wait: float, rank: int | None = None) -> list[TimeSample]:
+    return [TimeSample(T0 + 60, {"productive": productive, "data_wait": data_wait, "startup": 1.0}, rank=rank)]
+
+
+def run(*processes: ProcessRows) -> Run:
+    return Run("r1", "a-run", {}, "files", rows=processes[0].rows, ranks=len(processes), processes=list(processes))
+
+
+def test_a_healthy_run_has_no_finding() -> None:
+    healthy = run(*(ProcessRows(rank, rows(200), phases(20.0, 0.5, rank)) for rank in range(4)))
+    assert diagnose(healthy) == []
+    assert text_lines(healthy, [])[1].strip().startswith("no findings")
+
+
+def test_a_learning_rate_too_high_the_gradient_norm_grew_before_the_loss_went_nan() -> None:
+    def norm(step: int) -> float:
+        return 1.0 if step < 60 else 1.0 * 3 ** ((step - 60) / 5)
+
+    def nonfinite(step: int) -> float:
+        return max(0.0, step - 89.0)  # NaN from step 90 on, every step
+
+    process = ProcessRows(0, rows(120, grad_norm=norm, grad_norm_max=lambda s: 1.5 * norm(s), loss_nonfinite=nonfinite,
+                                  learning_rate=lambda s: 5e-2))  # fmt: skip
+    (finding,) = diagnose(run(process, ProcessRows(1, rows(120), [])))
+    assert (finding.kind, finding.severity, finding.step, finding.rank) == ("divergence", "critical", 90.0, 0)
+    assert "learning rate too high" in finding.cause and "0.05" in finding.cause
+    assert finding.ruled_out and "bad batch" in finding.ruled_out[0]
+    series = {e.series for e in finding.evidence}
+    assert {"openlora.training.loss.nonfinite", "openlora.training.gradient_norm.max", "openlora.training.learning_rate"} <= series
+
+
+def test_a_loss_spike_before_the_nan_points_at_a_batch() -> None:
+    process = ProcessRows(
+        None,
+        rows(100, loss_max=lambda s: 40.0 if s == 50 else 2.1, loss_nonfinite=lambda s: 1.0 if s >= 55 else 0.0),
+    )
+    (finding,) = diagnose(run(process))
+    assert finding.kind == "divergence" and finding.step == 55.0 and finding.rank is None
+    assert "bad batch" in finding.cause and "step 50" in finding.cause
+
+
+def test_a_nan_without_warning_is_numerical() -> None:
+    (finding,) = diagnose(run(ProcessRows(0, rows(100, grad_norm_nonfinite=lambda s: 2.0 if s >= 40 else 0.0))))
+    assert finding.title.startswith("the gradient norm went non-finite at step 39")
+    assert "without warning" in finding.cause
+
+
+def test_a_straggler_is_named_with_its_rank_since_when_and_whether_its_data_wait_explains_it() -> None:
+    slow = rows(200, step_time_sum=lambda s: s * 0.1 + max(0, s - 100) * 0.15)  # from step 100: 2.5x
+    processes = [ProcessRows(rank, rows(200), phases(20.0, 0.2, rank)) for rank in range(3)]
+    (finding,) = diagnose(run(*processes, ProcessRows(3, slow, phases(20.0, 0.2, 3))))
+    assert (finding.kind, finding.rank, finding.step) == ("straggler", 3, 105.0)
+    assert finding.severity == "warning" and "no cause found" in finding.cause  # 1.75x over the run
+    assert "its data loader" in finding.ruled_out[0]
+    # Its data wait explains it when it waits far more than the others.
+    (finding,) = [f for f in diagnose(run(*processes, ProcessRows(3, slow, phases(10.0, 8.0, 3)))) if f.kind == "straggler"]
+    assert finding.cause.startswith("its data loader")
+
+
+def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
+    stuck = rows(200, last_step_time=lambda s: T0 + min(s, 100) * 0.1)  # no step after 100, rows go on
+    others = [ProcessRows(rank, rows(200, start=T0 + 100), []) for rank in (1, 2)]  # 100 s more of steps
+    (finding,) = diagnose(run(ProcessRows(0, stuck, []), *others))
+    assert (finding.kind, finding.severity, finding.rank, finding.step) == ("hang", "critical", 0, 100.0)
+    # Every rank stopped while the rows kept coming.
+    frozen = [ProcessRows(rank, rows(2000, last_step_time=lambda s: T0 + min(s, 500) * 0.1), []) for rank in (0, 1)]
+    (finding,) = diagnose(run(*frozen))
+    assert finding.kind == "hang" and finding.rank is None and "no rank stepped after step 500" in finding.title
+
+
+def test_an_input_bound_run_and_the_order_of_findings() -> None:
+    (finding,) = diagnose(run(ProcessRows(0, rows(100), phases(10.0, 4.0))))
+    assert (finding.kind, finding.severity) == ("input_bound", "warning")
+    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0), phases(10.0, 12.0))
+    found = diagnose(run(nan))
+    assert [f.kind for f in found] == ["divergence", "input_bound"]  # critical first
+    assert found[1].severity == "critical"  # 55% waiting
+
+
+def test_the_json_form_validates_and_holds_no_nan() -> None:
+    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0, loss=lambda s: math.nan if s >= 80 else 2.0))
+    slow = ProcessRows(1, rows(100, step_time_sum=lambda s: s * 0.3), phases(10.0, 1.0, 1))
+    the_run = run(nan, slow)
+    document = to_json([(the_run, diagnose(the_run)), (run(ProcessRows(0, rows(50))), [])])
+    text = json.dumps(document, allow_nan=False)
+    jsonschema.validate(json.loads(text), JSON_SCHEMA)
+    assert [f["kind"] for f in document["runs"][0]["findings"]] == ["divergence", "straggler"]
+    assert document["runs"][1]["findings"] == []
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**document, "runs": [{**document["runs"][0], "extra": 1}]}, JSON_SCHEMA)
+
+
+def test_the_text_form_says_what_the_finding_holds() -> None:
+    the_run = run(ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0)))
+    (finding,) = diagnose(the_run)
+    text = "\n".join(text_lines(the_run, [finding]))
+    for part in (finding.title, finding.cause, *finding.ruled_out, *finding.try_next, finding.runbook):
+        assert part in text
+    assert all(e.series in text for e in finding.evidence)
