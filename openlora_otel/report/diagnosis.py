@@ -42,6 +42,9 @@ KINDS = ("divergence", "hang", "straggler", "input_bound")
 # Thresholds, each a documented choice (docs/how-to/diagnose.md).
 GRADIENT_GROWTH = 10.0  # the gradient norm's recent max over its early median before a divergence
 LOSS_SPIKE = 5.0  # a window's largest loss over its mean before a divergence
+GRADIENT_NORM_EXTREME = 1e3  # a gradient norm that high, with nothing earlier to compare: exploded
+LEARNING_RATE_FAR_TOO_HIGH = 0.05  # a learning rate no fine-tune uses: it alone explains a divergence
+TYPICAL_LEARNING_RATES = "1e-5 to 3e-3"
 STRAGGLER_RATIO = 1.25  # a rank's mean step time over the other ranks' median: a straggler (warning)
 STRAGGLER_CRITICAL = 2.0  # ... and critical from this ratio
 STRAGGLER_MIN_EXTRA_S = 0.005  # below this many seconds more a step, noise on a tiny step
@@ -153,6 +156,11 @@ def _when(time_s: float | None) -> str:
     return datetime.fromtimestamp(time_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _times(ratio: float) -> str:
+    """A ratio as read: 14.3, 1,432, 1.4e+19."""
+    return f"{ratio:,.1f}" if ratio < 100 else (f"{ratio:,.0f}" if ratio < 1e6 else f"{ratio:.2g}")
+
+
 def _step(value: float | None) -> str:
     return "?" if value is None else f"{value:,.0f}"
 
@@ -192,18 +200,21 @@ def _divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
             process.rank,
         )
     ]
-    norms = [r.values["grad_norm"] for r in before if _finite(r.values.get("grad_norm"))]
-    peaks = [r.values.get("grad_norm_max", r.values.get("grad_norm")) for r in before[-3:]]
-    peaks = [p for p in peaks if _finite(p)]
-    growth = None
-    if len(norms) >= 4 and peaks:
-        baseline = statistics.median(norms[: max(2, len(norms) // 2)])
-        if baseline > 0:
-            growth = max(peaks) / baseline
-            evidence.append(
-                Evidence("openlora.training.gradient_norm.max", max(peaks),
-                         f"{growth:.1f}x the early median gradient norm ({baseline:.3g}) just before", step, process.rank)
-            )  # fmt: skip
+    # The gradient norm up to the divergence: the rows before it, and the window of the row that
+    # counted it (its means and maxima are of the finite values, the steps before the first NaN).
+    upto = [*before, row]
+    peaks = [v for r in upto[-3:] if _finite(v := r.values.get("grad_norm_max", r.values.get("grad_norm")))]
+    peak = max(peaks, default=None)
+    early = [r.values["grad_norm"] for r in before[: max(1, len(before) // 2)] if _finite(r.values.get("grad_norm"))]
+    baseline = statistics.median(early) if early else None
+    growth = peak / baseline if peak is not None and baseline else None
+    if peak is not None:
+        note = (
+            f"{_times(growth)}x the early gradient norm ({baseline:.3g}) just before"
+            if growth is not None
+            else "the largest gradient norm in the window that ended with it"
+        )
+        evidence.append(Evidence("openlora.training.gradient_norm.max", peak, note, row.values.get("steps"), process.rank))
     spikes = [
         (r.values["loss_max"] / r.values["loss"], r)
         for r in before
@@ -215,19 +226,35 @@ def _divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
             Evidence("openlora.training.loss.max", spike[1].values["loss_max"],
                      f"{spike[0]:.1f}x its window's mean loss", spike[1].values.get("steps"), process.rank)
         )  # fmt: skip
-    lr_row = next((r for r in reversed([*before, row]) if _finite(r.values.get("learning_rate"))), None)
+    lr_row = next((r for r in reversed(upto) if _finite(r.values.get("learning_rate"))), None)
     lr = lr_row.values["learning_rate"] if lr_row is not None else None
     if lr is not None:
         evidence.append(Evidence("openlora.training.learning_rate", lr, "the learning rate then", step, process.rank))
-    if growth is not None and growth >= GRADIENT_GROWTH:
-        cause = (
-            f"the gradient norm grew {growth:.0f}x before the {what} went non-finite: the optimisation became "
-            f"unstable, most often a learning rate too high for this model{f' ({lr:.3g})' if lr is not None else ''}"
+    exploded = (growth is not None and growth >= GRADIENT_GROWTH) or (
+        growth is None and peak is not None and peak >= GRADIENT_NORM_EXTREME
+    )
+    lr_far_too_high = lr is not None and lr >= LEARNING_RATE_FAR_TOO_HIGH
+    lr_text = (
+        f"; the learning rate, {lr:.3g}, is far above what fine-tunes use ({TYPICAL_LEARNING_RATES})"
+        if lr_far_too_high
+        else (f" (the learning rate was {lr:.3g})" if lr is not None else "")
+    )
+    if exploded or lr_far_too_high:
+        grew = (
+            f"the gradient norm grew {_times(growth)}x"
+            if growth is not None and growth >= GRADIENT_GROWTH
+            else (f"the gradient norm reached {peak:.3g}" if peak is not None and exploded else "")
         )
-        ruled_out = ("a single bad batch: the gradients grew over several steps, not in one",)
+        cause = (
+            (f"{grew} before the {what} went non-finite: the optimisation became unstable, most often a learning "
+             f"rate too high for this model{lr_text}") if grew
+            else f"a learning rate too high{lr_text}: the first steps at it blew the weights up"
+        )  # fmt: skip
+        ruled_out = ("a single bad batch: the gradients grew over several steps, not in one"
+                     if growth is not None else "a bad batch or a numerical problem: the learning rate alone explains it",)  # fmt: skip
         try_next = ("lower the learning rate (a third to a tenth), or warm it up over more steps",
-                    "clip the gradient norm (max_grad_norm 1.0)", "resume from the last checkpoint before the growth")
-        score = growth
+                    "clip the gradient norm (max_grad_norm 1.0)", "resume from the last checkpoint before the growth")  # fmt: skip
+        score = max(growth or 0.0, GRADIENT_GROWTH)
     elif spike is not None and spike[0] >= LOSS_SPIKE:
         cause = (
             f"one step's loss jumped to {spike[0]:.0f}x its window's mean (step {_step(spike[1].values.get('steps'))}) "
@@ -236,18 +263,18 @@ def _divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
         ruled_out = ("a learning rate too high: the gradient norm did not grow before it"
                      if growth is not None else "a learning rate too high: no gradient norm recorded to say",)  # fmt: skip
         try_next = ("find the batch of that step (its data order, seed) and check it for empty or extreme examples",
-                    "skip non-finite steps (the divergence guard) and resume from the last checkpoint")
+                    "skip non-finite steps (the divergence guard) and resume from the last checkpoint")  # fmt: skip
         score = spike[0]
     else:
+        signs = [f"the gradient norm{f' (at most {growth:.1f}x its early value)' if growth is not None else ''}",
+                 f"the loss{f' (at most {spike[0]:.1f}x its mean)' if spike is not None else ''}"]  # fmt: skip
         cause = (
-            f"the {what} went non-finite without warning: neither the gradient norm"
-            f"{f' (at most {growth:.1f}x)' if growth is not None else ''} nor the loss "
-            f"{f'(at most {spike[0]:.1f}x its mean)' if spike is not None else ''} grew first: a numerical problem "
-            "(an overflow in half precision, a division by zero in the loss) or a corrupted input"
+            f"the {what} went non-finite without warning: neither {signs[0]} nor {signs[1]} grew first: a "
+            "numerical problem (an overflow in half precision, a division by zero in the loss) or a corrupted input"
         )
         ruled_out = ("a learning rate too high, and a loss spike: neither preceded it",)
         try_next = ("run the step in float32 (or bf16 instead of fp16) to see whether precision is the cause",
-                    "check the batch of that step for empty sequences or all-padding labels")
+                    "check the batch of that step for empty sequences or all-padding labels")  # fmt: skip
         score = 1.0
     return [
         Finding(

@@ -1,9 +1,10 @@
 """``openlora-otel diagnose`` on real runs with faults injected the way the demo injects them, from
-their history files: a healthy run, a loss gone NaN at step 20, a slow data loader, and under
+their history files: a healthy run, a loss gone NaN at step 20, a learning rate far too high, a slow
+data loader, and under
 torchrun a rank slowed on purpose. For each faulty run the injected cause is the top finding, with
 its step or rank; the healthy run has none; the JSON form validates against its schema.
 
-Not yet in this corpus (issue 34): an lr far too high, a hung rank, the fake NVML's faults, memory
+Not yet in this corpus (issue 34): a hung rank, the fake NVML's faults, memory
 growth, a SIGKILL and a resume (their detectors do not exist yet, or are tested in memory:
 tests/report/test_diagnosis.py)."""
 
@@ -28,6 +29,7 @@ STEPS = "40"
 RUNS = {
     "healthy": [],
     "nan": ["--nan-at-step", "20"],
+    "lr-too-high": ["--lr", "10"],
     "slow-data": ["--data-delay-ms", "60"],
 }
 
@@ -82,6 +84,13 @@ def test_a_loss_gone_nan_is_the_top_finding_at_its_step(corpus: Path, capsys: py
     assert (top["kind"], top["severity"], top["step"]) == ("divergence", "critical", 20)
     # The demo makes the loss NaN outright: nothing grew before it.
     assert "without warning" in top["cause"]
+
+
+def test_a_learning_rate_far_too_high_is_named_as_the_cause(corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    top = diagnosis(corpus, "lr-too-high", capsys)["findings"][0]
+    assert (top["kind"], top["severity"]) == ("divergence", "critical")
+    assert "learning rate too high" in top["cause"] and "far above what fine-tunes use" in top["cause"], top["cause"]
+    assert "gradient_norm.max" in {e["series"].rsplit("training.", 1)[-1] for e in top["evidence"]}
 
 
 def test_a_slow_data_loader_is_the_top_finding(corpus: Path, capsys: pytest.CaptureFixture) -> None:

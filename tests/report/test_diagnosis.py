@@ -140,3 +140,18 @@ def test_the_text_form_says_what_the_finding_holds() -> None:
     for part in (finding.title, finding.cause, *finding.ruled_out, *finding.try_next, finding.runbook):
         assert part in text
     assert all(e.series in text for e in finding.evidence)
+
+
+def test_a_learning_rate_no_fine_tune_uses_explains_a_divergence_with_nothing_before_it() -> None:
+    """A learning rate of 10 blows up in the first steps: the first history line already counts the NaN,
+    so there is nothing earlier to compare the gradient norm with; its size and the rate say it."""
+    process = ProcessRows(None, rows(20, loss_nonfinite=lambda s: float(s - 2), grad_norm_max=lambda s: 5.8e6,
+                                     learning_rate=lambda s: 10.0))  # fmt: skip
+    (finding,) = diagnose(run(process))
+    assert finding.step == 3.0
+    assert "the gradient norm reached 5.8e+06" in finding.cause and "far above what fine-tunes use" in finding.cause
+    # A rate like that alone, the gradient norm unrecorded, still names it.
+    quiet = ProcessRows(None, [Row(r.time_s, {k: v for k, v in r.values.items() if not k.startswith("grad_norm")})
+                               for r in process.rows])  # fmt: skip
+    (finding,) = diagnose(run(quiet))
+    assert finding.cause.startswith("a learning rate too high; the learning rate, 10, is far above")
