@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from openlora_otel.commands._args import command_parser, fail
+from openlora_otel.commands._args import command_parser, fail, usage_error
 from openlora_otel.report.model import ReportError
 
 
@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "diagnose",
         help="find why a run went wrong from its own metrics: ranked findings with their evidence",
         description="Read runs from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files, every rank's) "
-        "and print, for each run (or the --run ones), what went wrong, most severe first: a loss or gradient norm "
+        "or from a Prometheus server (--prometheus URL --run ID_OR_NAME) and print, for each run (or the --run ones), what went wrong, most severe first: a loss or gradient norm "
         "gone non-finite (and whether the gradient norm grew or the loss spiked before it, with the learning rate "
         "then), a rank that stopped stepping while the others went on, a straggler rank (and whether its data wait "
         "explains it), a run waiting for its data. Each finding says when (step, wall time, rank), the values "
@@ -31,13 +31,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(docs/how-to/diagnose.md). Exit status: 0 diagnosed (whatever was found), 2 usage error, unknown run or "
         "unreadable input.",
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="history files (*.jsonl) or directories holding them")
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="history files (*.jsonl) or directories holding them")
+    parser.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="read the --run runs from this Prometheus server instead (every rank, while the run is there: a "
+        "running run too), in one range query per series for all its ranks",
+    )
     parser.add_argument(
         "--run",
         action="append",
         default=[],
         metavar="ID_OR_NAME",
-        help="a run id or run name to diagnose; repeat for several (default: every run in the files)",
+        help="a run id (openlora_run_id) or run name to diagnose; repeat for several (default: every run in the "
+        "files; with --prometheus: needed)",
     )
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON (the documented schema)")
     return parser
@@ -48,10 +55,21 @@ def run(args: argparse.Namespace) -> int:
     from openlora_otel.report.diagnosis import diagnose, text_lines, to_json
     from openlora_otel.report.history_source import read_runs
 
+    if args.prometheus and args.paths:
+        usage_error(args, "give history files or --prometheus URL, not both")
+    if not args.paths and not args.prometheus:
+        usage_error(args, "nothing to diagnose: give history files or directories, or --prometheus URL --run ID_OR_NAME")
+    if args.prometheus and not args.run:
+        usage_error(args, "--prometheus needs --run ID_OR_NAME (a run id or a run name; repeat it for several)")
     skipped: dict[str, int] = {}
     try:
-        runs = read_runs(args.paths, skipped=skipped)
-        if args.run:
+        if args.prometheus:
+            from openlora_otel.report.prometheus import read_prometheus
+
+            runs = read_prometheus(args.prometheus, args.run, every_rank=True)
+        else:
+            runs = read_runs(args.paths, skipped=skipped)
+        if args.run and not args.prometheus:
             missing = [w for w in args.run if not any(w in (r.run_id, r.name) for r in runs)]
             if missing:
                 known = ", ".join(f"{r.run_id} ({r.name})" for r in runs)

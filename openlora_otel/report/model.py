@@ -69,11 +69,12 @@ class Quantity:
     def spec(self) -> MetricSpec:
         return _SPECS[self.otel_name]
 
-    def promql(self, selector: str, run_id: str | None = None) -> str:
+    def promql(self, selector: str, run_id: str | None = None, by: Sequence[str] = ()) -> str:
         """The PromQL for this quantity of one process (``selector`` holds its job and instance).
 
         With ``run_id``, only while that process's ``target_info`` named that run: two runs
-        that used the same port one after the other stay apart.
+        that used the same port one after the other stay apart. ``by``: the labels kept apart
+        (``job``, ``instance``: every process of the run, ``selector`` empty).
         """
         spec = self.spec
         names = {spec.prometheus, spec.prometheus_collector}
@@ -88,7 +89,8 @@ class Quantity:
             inner = f'{{__name__=~"{pattern}", {", ".join(matchers)}}}'
         if run_id is not None:
             inner = f"{inner} * on (job, instance) group_left () {run_target(run_id, selector)}"
-        return f"{'avg' if self.combine == 'mean' else 'max'}({inner})"
+        grouping = f" by ({', '.join(by)}) " if by else ""
+        return f"{'avg' if self.combine == 'mean' else 'max'}{grouping}({inner})"
 
 
 def promql_string(value: str) -> str:

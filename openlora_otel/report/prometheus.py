@@ -21,12 +21,23 @@ from typing import Any
 
 from openlora_otel.config import ConfigError
 from openlora_otel.config.checks import check_url
-from openlora_otel.names import RUN_METRICS
+from openlora_otel.names import ATTR_TRAINING_PHASE, RUN_METRICS, TRAINING_PHASES
 from openlora_otel.redaction import redact, redact_url, url_secrets
-from openlora_otel.report.model import QUANTITIES, ReportError, Row, Run, promql_string, run_target
+from openlora_otel.report.goodput import TIME_METRIC, TimeSample
+from openlora_otel.report.model import (
+    QUANTITIES,
+    ProcessRows,
+    Quantity,
+    ReportError,
+    Row,
+    Run,
+    promql_string,
+    run_target,
+)
 from openlora_otel.run.info import HPARAM_PREFIX, hyperparameters_from
 
 __all__ = ["POINTS", "PrometheusSource", "read_prometheus"]
+_PHASE_LABEL = ATTR_TRAINING_PHASE.replace(".", "_")
 
 POINTS = 500
 # How far back to look for a run: longer than Prometheus's default retention (15 d).
@@ -138,8 +149,10 @@ class PrometheusSource:
             )
         return list(dict.fromkeys(ids))
 
-    def run(self, run_id: str) -> Run:
-        """Read run ``run_id``: its lowest rank's curves, its name and hyperparameters."""
+    def run(self, run_id: str, *, every_rank: bool = False) -> Run:
+        """Read run ``run_id``: its lowest rank's curves, its name and hyperparameters; with
+        ``every_rank``, every process's samples and goodput readings too (:attr:`Run.processes`, for
+        ``diagnose``), in one query per quantity for all of them."""
         targets = [t for t in self.series(run_target(run_id)) if "job" in t]
         if not targets:
             raise ReportError(f"no run {run_id!r} on Prometheus at {self.shown}")
@@ -152,12 +165,17 @@ class PrometheusSource:
         # Prometheus evaluates at start + k * step <= end: start on the grid that ends at `end`, so the
         # last evaluation is at `end` and sees the last scrape (the final evaluation of a run just ended).
         start = end - math.ceil((end - start) / step) * step
-        times: dict[float, dict[str, float]] = {}
-        for quantity in QUANTITIES:
-            for series in self.query_range(quantity.promql(selector, run_id), start, end, step):
-                for stamp, text in series["values"]:
-                    times.setdefault(float(stamp), {})[quantity.key] = float(text)
-        rows = [Row(stamp, values) for stamp, values in sorted(times.items())]
+        processes = self._processes(run_id, targets) if every_rank else []
+        lowest = next((p for p in processes if p.rank == _rank(target)), None)
+        if lowest is not None:  # every rank read at once: the lowest's rows among them
+            rows = lowest.rows
+        else:
+            times: dict[float, dict[str, float]] = {}
+            for quantity in QUANTITIES:
+                for series in self.query_range(quantity.promql(selector, run_id), start, end, step):
+                    for stamp, text in series["values"]:
+                        times.setdefault(float(stamp), {})[quantity.key] = float(text)
+            rows = [Row(stamp, values) for stamp, values in sorted(times.items())]
         if not any("steps" in row.values for row in rows):
             raise ReportError(
                 f"run {run_id!r} on Prometheus at {self.shown} has no optimizer steps "
@@ -172,7 +190,43 @@ class PrometheusSource:
             rows=rows,
             rank=_rank(target),
             ranks=ranks,
+            processes=processes,
         )
+
+    def _processes(self, run_id: str, targets: list[dict[str, str]]) -> list[ProcessRows]:
+        """Every process of the run: its samples (one range query per quantity, all processes in it,
+        over the run's whole span) and its last seconds per goodput phase, lowest rank first."""
+        start, end = self._span(run_id, "")
+        step = max((end - start) / POINTS, 0.001)
+        start = end - math.ceil((end - start) / step) * step
+        by = ("job", "instance")
+        samples: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
+        for quantity in QUANTITIES:
+            for series in self.query_range(quantity.promql("", run_id, by), start, end, step):
+                key = (series["metric"].get("job", ""), series["metric"].get("instance", ""))
+                for stamp, text in series["values"]:
+                    samples.setdefault(key, {}).setdefault(float(stamp), {})[quantity.key] = float(text)
+        phases: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
+        time_query = Quantity("time", TIME_METRIC).promql("", run_id, (*by, _PHASE_LABEL))
+        for series in self.query_range(time_query, start, end, step):
+            key = (series["metric"].get("job", ""), series["metric"].get("instance", ""))
+            phase = series["metric"].get(_PHASE_LABEL)
+            if phase in TRAINING_PHASES and series["values"]:
+                stamp, text = series["values"][-1]
+                last = phases.setdefault(key, (float(stamp), {}))
+                last[1][phase] = float(text)
+        ranks = {(t.get("job", ""), t.get("instance", "")): _rank(t) for t in targets}
+        processes = [
+            ProcessRows(
+                ranks.get(key),
+                [Row(stamp, values) for stamp, values in sorted(by_time.items())],
+                [TimeSample(phases[key][0], phases[key][1], rank=ranks.get(key), process="/".join(key))]
+                if key in phases
+                else [],
+            )
+            for key, by_time in samples.items()
+        ]
+        return sorted(processes, key=lambda p: (p.rank is None, p.rank or 0))
 
     def _span(self, run_id: str, selector: str) -> tuple[float, float]:
         """While the process was this run: its ``target_info`` samples, with a margin on both sides.
@@ -213,13 +267,14 @@ class PrometheusSource:
         return labels.get("openlora_run_name"), hyperparameters
 
 
-def read_prometheus(url: str, wanted: Sequence[str]) -> list[Run]:
-    """The runs ``wanted`` (ids or names) names, read from the Prometheus at ``url``, in that order."""
+def read_prometheus(url: str, wanted: Sequence[str], *, every_rank: bool = False) -> list[Run]:
+    """The runs ``wanted`` (ids or names) names, read from the Prometheus at ``url``, in that order;
+    ``every_rank``: with every process's samples (:meth:`PrometheusSource.run`)."""
     source = PrometheusSource(url)
     ids: list[str] = []
     for item in wanted:
         ids += [run_id for run_id in source.run_ids(item) if run_id not in ids]
-    return [source.run(run_id) for run_id in ids]
+    return [source.run(run_id, every_rank=every_rank) for run_id in ids]
 
 
 def _rank(labels: dict[str, str]) -> int | None:

@@ -8,6 +8,8 @@ SIGTERM stopping both ranks at the same step with each rank's final count scrape
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import re
 import shutil
@@ -237,5 +239,37 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
             time.sleep(0.5)
         assert final() == {"0": steps, "1": steps}, (final(), steps)
         assert all(not Path(f"/proc/{pid}").exists() for pid in launch.workers), "a worker outlived torchrun"
+
+        # `diagnose --prometheus` reads both ranks of the run back and names rank 1 first.
+        from openlora_otel.report import prometheus as prometheus_source
+        from openlora_otel.report.diagnosis import diagnose
+
+        asked: list[str] = []
+        get = prometheus_source.PrometheusSource.get
+
+        def counted(self, path, params):
+            asked.append(path)
+            return get(self, path, params)
+
+        prometheus_source.PrometheusSource.get = counted
+        try:
+            (run,) = prometheus_source.read_prometheus(prometheus.url, [run_id], every_rank=True)
+        finally:
+            prometheus_source.PrometheusSource.get = get
+        # A bounded number of queries, whatever the number of ranks: one range query per series for
+        # all of them, the run's span and identity (docs/how-to/diagnose.md states it).
+        assert len(asked) == len(prometheus_source.QUANTITIES) + 6, asked  # 23 today
+        assert sorted(p.rank for p in run.processes) == [0, 1], run.processes
+        findings = diagnose(run)
+        assert findings and (findings[0].kind, findings[0].rank) == ("straggler", 1), findings
+        assert [f.kind for f in findings] == ["straggler"], findings  # nothing else went wrong
+        # The command, in its JSON form.
+        from openlora_otel.cli import main
+
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["diagnose", "--prometheus", prometheus.url, "--run", run_id, "--json"]) == 0
+        (diagnosed,) = json.loads(printed.getvalue())["runs"]
+        assert diagnosed["ranks"] == 2 and diagnosed["findings"][0]["rank"] == 1, diagnosed
     finally:
         metrics.stop()
