@@ -334,6 +334,7 @@ def html_page(drawing: Drawing) -> str:
         f"<th>{e(LAST_LOSS)}</th><th>final eval loss</th><th>first to last step</th><th>source</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>\n"
         + "".join(diverged)
+        + _diagnosis_section(runs, colors)
         + _adapters_section(drawing)
         + _time_section(runs, colors)
         + controls
@@ -352,6 +353,39 @@ def html_page(drawing: Drawing) -> str:
         + "</script>\n<script>\n"
         + _inlined("assets", "page.js")
         + "</script>\n</body></html>\n"
+    )
+
+
+# -- what went wrong ------------------------------------------------------------------------
+def _diagnosis_section(runs: Sequence[Run], colors: Sequence[str]) -> str:
+    """``openlora-otel diagnose``'s findings for each run that has some (none: no section)."""
+    from openlora_otel.report.diagnosis import diagnose
+
+    e = html.escape
+    parts = []
+    for run, color in zip(runs, colors, strict=True):
+        findings = diagnose(run)
+        if not findings:
+            continue
+        items = "".join(
+            f'<li><strong class="{e(f.severity)}">[{e(f.severity)}]</strong> {e(f.title)}<br>'
+            f"<small>likely cause: {e(f.cause)}"
+            + "".join(f"<br>try: {e(t)}" for t in f.try_next)
+            + (f'<br><a href="{e(f.runbook)}">runbook</a>' if f.runbook else "")
+            + "</small></li>"
+            for f in findings
+        )
+        parts.append(
+            f'<p><span class="swatch" style="background:{color}"></span><strong>{e(run.name)}</strong></p>'
+            f"<ol>{items}</ol>"
+        )
+    if not parts:
+        return ""
+    return (
+        '<section id="diagnosis"><h2>Diagnosis</h2>\n<p class="meta">What <code>openlora-otel diagnose</code> '
+        "finds in each run's metrics, most severe first; the command prints the evidence of each.</p>\n"
+        + "".join(parts)
+        + "</section>\n"
     )
 
 

@@ -543,6 +543,11 @@ def test_a_diverged_run_is_marked_in_the_table_and_on_the_loss_panel() -> None:
     assert drawing.summaries[1].last_loss_text == "1.5"
     page = html_page(drawing)
     assert f"<th>{LAST_LOSS}</th>" in page and "2 (non-finite by step 30)" in page
+    # The diagnosis section: the diverged run's finding, nothing for the healthy one.
+    section = page[page.index('<section id="diagnosis">') : page.index("</section>", page.index('<section id="diagnosis">'))]
+    assert "lr-too-high" in section and "[critical]</strong> the loss went non-finite at step 27" in section
+    assert "lr-ok" not in section and "runbooks/#openloralossnonfinite" in section
+    assert '<section id="diagnosis">' not in html_page(prepare([healthy]))
     figure = png_figure(drawing)
     loss_axes = [ax for ax in figure.axes if ax.get_title(loc="left") == "Loss"]
     marks = [line for ax in loss_axes for line in ax.get_lines() if line.get_gid() == "nonfinite"]
