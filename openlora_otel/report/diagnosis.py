@@ -51,8 +51,11 @@ STRAGGLER_MIN_EXTRA_S = 0.005  # below this many seconds more a step, noise on a
 DATA_WAIT_EXPLAINS = 0.10  # a straggler's data-wait share above the other ranks' median by this: its data loader
 INPUT_BOUND_SHARE = 0.20  # of the run's time waiting for data: input-bound (warning)
 INPUT_BOUND_CRITICAL = 0.50
+RECOVERED_STEPS = 10  # steps after a divergence, most of them finite: the run recovered (a warning)
 HANG_MIN_S = 60.0  # no step for this long (and for HANG_STEPS step times) while others step: hung
 HANG_STEPS = 20.0
+# Goodput phases that are work without optimizer steps: time in them is not a hang.
+_NOT_STEPPING = ("evaluation", "checkpoint_save", "checkpoint_load", "idle")
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,8 @@ class Finding:
 def diagnose(run: Run) -> list[Finding]:
     """Every detector's findings for ``run``, most severe (then most telling) first."""
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
-    found: list[Finding] = []
-    for detector in (_divergence, _hang, _straggler, _input_bound):
-        found.extend(detector(processes))
+    found: list[Finding] = [*_divergence(processes), *_hang(processes, run.outcome), *_straggler(processes),
+                            *_input_bound(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)
 
 
@@ -104,6 +106,10 @@ def diagnose(run: Run) -> list[Finding]:
 
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if _finite(value) else None
 
 
 def _step_time_increments(rows: Sequence[Row]) -> list[tuple[Row, float, float]]:
@@ -139,9 +145,10 @@ def _phases(process: ProcessRows) -> dict[str, float]:
         last[(sample.attempt, sample.process)] = sample.phases
     total: dict[str, float] = {}
     for phases in last.values():
+        if not all(_finite(seconds) and seconds >= 0 for seconds in phases.values()):
+            return {}  # a reading that cannot be right: no shares from this rank at all
         for phase, seconds in phases.items():
-            if _finite(seconds):
-                total[phase] = total.get(phase, 0.0) + seconds
+            total[phase] = total.get(phase, 0.0) + seconds
     return total
 
 
@@ -151,7 +158,7 @@ def _data_wait_share(phases: dict[str, float]) -> float | None:
 
 
 def _when(time_s: float | None) -> str:
-    if time_s is None:
+    if not _finite(time_s):
         return ""
     return datetime.fromtimestamp(time_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -162,7 +169,7 @@ def _times(ratio: float) -> str:
 
 
 def _step(value: float | None) -> str:
-    return "?" if value is None else f"{value:,.0f}"
+    return f"{value:,.0f}" if _finite(value) else "?"
 
 
 def _rank(rank: int | None) -> str:
@@ -276,10 +283,21 @@ def _divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
         try_next = ("run the step in float32 (or bf16 instead of fp16) to see whether precision is the cause",
                     "check the batch of that step for empty sequences or all-padding labels")  # fmt: skip
         score = 1.0
+    # A run that went on stepping with finite values after it (the guard skipped the bad steps) recovered.
+    key = "loss_nonfinite" if what == "loss" else "grad_norm_nonfinite"
+    after = [r for r in process.rows if r.time_s > row.time_s and _finite(r.values.get("steps"))
+             and _finite(r.values.get(key)) and r.values["steps"] >= (row.values.get("steps") or 0)]  # fmt: skip
+    severity, title_end = "critical", ""
+    if after and _finite(row.values.get("steps")) and _finite(row.values.get(key)):
+        since = after[-1].values["steps"] - row.values["steps"]
+        more = after[-1].values[key] - row.values[key]
+        if since >= RECOVERED_STEPS and more < since / 2:
+            severity = "warning"
+            title_end = f"; then it recovered ({more:,.0f} more non-finite in the {since:,.0f} steps after)"
     return [
         Finding(
-            "critical", "divergence",
-            f"the {what} went non-finite at step {_step(step)} ({_rank(process.rank)}, {_when(row.time_s)})",
+            severity, "divergence",
+            f"the {what} went non-finite at step {_step(step)} ({_rank(process.rank)}, {_when(row.time_s)}){title_end}",
             cause, tuple(evidence), ruled_out, try_next, f"{RUNBOOKS}#openloralossnonfinite",
             step, row.time_s, process.rank, score,
         )
@@ -288,14 +306,18 @@ def _divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
 
 def _first_nonfinite_step(before: Sequence[Row], row: Row, key: str) -> float | None:
     """The step of the first non-finite value, as when it stayed non-finite (NaN does): ``count`` of
-    them by this row's step make it ``count - 1`` steps before; never at or before the step of the row
-    before, whose count was 0."""
+    them by this row's step make it ``count - 1`` steps before; after the step of the row before, of
+    the same attempt (whose count was 0; a resumed process counts its steps from 0 again); at least 1."""
     step, count = row.values.get("steps"), row.values.get(key, 0.0)
-    previous = next((r.values.get("steps") for r in reversed(before) if _finite(r.values.get("steps"))), None)
-    if not _finite(step):
+    if not (_finite(step) and _finite(count)):
         return None
-    latest = step - count + 1
-    return latest if previous is None else max(previous + 1, min(latest, step))
+    previous = next((r.values.get("steps") for r in reversed(before) if _finite(r.values.get("steps"))), None)
+    if previous is not None and previous > step:
+        previous = None  # an earlier attempt's
+    first = step - count + 1
+    if previous is not None:
+        first = max(previous + 1, first)
+    return min(max(first, 1.0), step)
 
 
 def _last_step(process: ProcessRows) -> tuple[float, float | None] | None:
@@ -308,7 +330,21 @@ def _last_step(process: ProcessRows) -> tuple[float, float | None] | None:
     return best
 
 
-def _hang(processes: Sequence[ProcessRows]) -> list[Finding]:
+def _busy_between(process: ProcessRows, start: float, end: float) -> float:
+    """Seconds the rank spent between ``start`` and ``end`` on what is not a step but is work: an
+    evaluation, a checkpoint, or idle time the run marked (its goodput readings)."""
+
+    def at(moment: float) -> float:
+        readings = [t for t in process.time if t.time_s <= moment]
+        if not readings:
+            return 0.0
+        phases = readings[-1].phases
+        return sum(v for k, v in phases.items() if k in _NOT_STEPPING and _finite(v))
+
+    return max(0.0, at(end) - at(start))
+
+
+def _hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[Finding]:
     lasts = {index: _last_step(p) for index, p in enumerate(processes)}
     lasts = {i: v for i, v in lasts.items() if v is not None}
     if not lasts:
@@ -321,7 +357,12 @@ def _hang(processes: Sequence[ProcessRows]) -> list[Finding]:
     for index, (stamp, step) in lasts.items():
         process = processes[index]
         gap = newest - stamp
-        if len(lasts) > 1 and gap >= limit:
+        # Hung: it kept reporting (its telemetry runs on threads of its own) without stepping while the
+        # others stepped; a rank whose rows end with its steps ended (an attempt with more ranks than the
+        # next), and one busy evaluating or checkpointing was not stuck.
+        reported = max((r.time_s for r in process.rows), default=stamp) - stamp
+        busy = _busy_between(process, stamp, stamp + reported)
+        if len(lasts) > 1 and gap >= limit and reported >= limit and reported - busy >= limit:
             findings.append(
                 Finding(
                     "critical", "hang",
@@ -329,18 +370,20 @@ def _hang(processes: Sequence[ProcessRows]) -> list[Finding]:
                     f"stepped for {gap:,.0f} s more",
                     "this rank is stuck (a collective waiting for a peer, a deadlock in its data loader, a hung GPU) "
                     "while the others went on: the rank that stopped first is where to look",
-                    (Evidence("openlora.training.last_step.timestamp", stamp, f"{gap:,.0f} s before the newest rank's",
-                              step, process.rank),),
+                    (Evidence("openlora.training.last_step.timestamp", stamp, f"{gap:,.0f} s before the newest rank's; "
+                              f"it went on reporting for {reported:,.0f} s", _finite_or_none(step), process.rank),),
                     ("a slow rank: it made no step at all in that time, "
                      f"{gap / step_time:,.0f} step times" if step_time else "a slow rank: it made no step at all",),
                     ("look at this rank's stack (py-spy dump --pid), its log and its GPU (XIDs, a GPU off the bus)",),
-                    f"{RUNBOOKS}#openlorarankhung", step, stamp, process.rank, gap,
+                    f"{RUNBOOKS}#openlorarankhung", _finite_or_none(step), stamp, process.rank, gap,
                 )
             )  # fmt: skip
-    # Every rank stopped while telemetry went on: the rows keep coming, the steps do not.
+    # Every rank stopped while telemetry went on: the rows keep coming, the steps do not. Not a run that
+    # ended (its outcome says so), nor one evaluating or saving a checkpoint in that time.
     newest_row = max((r.time_s for p in processes for r in p.rows), default=newest)
     silent = newest_row - newest
-    if not findings and silent >= limit:
+    busy = max((_busy_between(p, newest, newest_row) for p in processes), default=0.0)
+    if not findings and outcome in (None, "running") and silent >= limit and silent - busy >= limit:
         stamp, step = lasts[max(lasts, key=lambda i: lasts[i][0])]
         findings.append(
             Finding(
@@ -348,12 +391,20 @@ def _hang(processes: Sequence[ProcessRows]) -> list[Finding]:
                 f"no rank stepped after step {_step(step)} ({_when(stamp)}) while the telemetry went on for {silent:,.0f} s",
                 "the training loop stopped without ending the process: every rank stuck in the same collective or "
                 "waiting for input, or a loop that ended without shutting down",
-                (Evidence("openlora.training.last_step.timestamp", stamp, f"{silent:,.0f} s before the last sample", step),),
-                (), ("look at the ranks' stacks (py-spy dump --pid) and their logs",),
-                f"{RUNBOOKS}#openloratrainingstalled", step, stamp, None, silent,
+                (Evidence("openlora.training.last_step.timestamp", stamp, f"{silent:,.0f} s before the last sample",
+                          _finite_or_none(step)),),
+                (f"an evaluation or a checkpoint: {busy:,.0f} s of that time went to them" if process_phases(processes)
+                 else "an evaluation or a checkpoint: no goodput phases recorded to say",),
+                ("look at the ranks' stacks (py-spy dump --pid) and their logs",),
+                f"{RUNBOOKS}#openloratrainingstalled", _finite_or_none(step), stamp, None, silent,
             )
         )  # fmt: skip
     return findings
+
+
+def process_phases(processes: Sequence[ProcessRows]) -> bool:
+    """Whether any rank recorded its goodput phases."""
+    return any(p.time for p in processes)
 
 
 def _straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
@@ -367,7 +418,9 @@ def _straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
         median = statistics.median(t for i, t in times.items() if i != index)
         others_shares = [s for i, s in shares.items() if i != index and s is not None]
         median_share = statistics.median(others_shares) if others_shares else None
-        ratio = mean / median if median > 0 else math.inf
+        if median <= 0:
+            continue  # nothing to compare with
+        ratio = mean / median
         if ratio < STRAGGLER_RATIO or mean - median < STRAGGLER_MIN_EXTRA_S:
             continue
         process = processes[index]
@@ -442,17 +495,25 @@ def _input_bound(processes: Sequence[ProcessRows]) -> list[Finding]:
 # -- output --------------------------------------------------------------------------------
 
 
+def _json_value(value: float | str) -> float | str:
+    """A number as JSON can carry it: a non-finite one (a foreign writer's NaN) as its text."""
+    return value if isinstance(value, str) or _finite(value) else str(value)
+
+
 def _finding_json(finding: Finding) -> dict[str, Any]:
+    time_s = _finite_or_none(finding.time_s)
     return {
         "severity": finding.severity,
         "kind": finding.kind,
         "title": finding.title,
-        "step": finding.step,
-        "time": _when(finding.time_s) or None,
-        "time_unix_s": finding.time_s,
+        "step": _finite_or_none(finding.step),
+        "time": _when(time_s) or None,
+        "time_unix_s": time_s,
         "rank": finding.rank,
         "evidence": [
-            {"series": e.series, "value": e.value, "note": e.note, "step": e.step, "rank": e.rank} for e in finding.evidence
+            {"series": e.series, "value": _json_value(e.value), "note": e.note, "step": _finite_or_none(e.step),
+             "rank": e.rank}
+            for e in finding.evidence
         ],
         "cause": finding.cause,
         "ruled_out": list(finding.ruled_out),
@@ -471,7 +532,10 @@ def to_json(runs: Iterable[tuple[Run, list[Finding]]]) -> dict[str, Any]:
                 "name": run.name,
                 "source": run.source,
                 "ranks": run.ranks,
-                "steps": max((r.values.get("steps", 0.0) for r in run.rows if _finite(r.values.get("steps"))), default=0.0),
+                "steps": max(
+                    (r.values["steps"] for r in run.rows if _finite(r.values.get("steps")) and r.values["steps"] >= 0),
+                    default=0.0,
+                ),
                 "outcome": run.outcome,
                 "findings": [_finding_json(f) for f in findings],
             }

@@ -166,7 +166,7 @@ class PrometheusSource:
         # last evaluation is at `end` and sees the last scrape (the final evaluation of a run just ended).
         start = end - math.ceil((end - start) / step) * step
         processes = self._processes(run_id, targets) if every_rank else []
-        lowest = next((p for p in processes if p.rank == _rank(target)), None)
+        lowest = next((p for p in processes if p.rank is not None and p.rank == _rank(target)), None)
         if lowest is not None:  # every rank read at once: the lowest's rows among them
             rows = lowest.rows
         else:
@@ -194,9 +194,22 @@ class PrometheusSource:
         )
 
     def _processes(self, run_id: str, targets: list[dict[str, str]]) -> list[ProcessRows]:
-        """Every process of the run: its samples (one range query per quantity, all processes in it,
-        over the run's whole span) and its last seconds per goodput phase, lowest rank first."""
-        start, end = self._span(run_id, "")
+        """Every rank of the run: its samples (one range query per quantity, all processes in it, over
+        the run's whole span), each process's cut at its last ``target_info`` sample (a series pushed
+        over OTLP has no staleness marker: a range query repeats its last value for minutes after), and
+        its last seconds per goodput phase; the processes of one rank (its attempts, on other ports
+        or pods) as one, lowest rank first."""
+        seen = self._samples(run_target(run_id))
+        last_seen: dict[tuple[str, str], float] = {}
+        for series in seen:
+            key = (series["metric"].get("job", ""), series["metric"].get("instance", ""))
+            for stamp, _ in series["values"]:
+                last_seen[key] = max(last_seen.get(key, -math.inf), float(stamp))
+        if not last_seen:
+            raise ReportError(f"run {run_id!r} on Prometheus at {self.shown} has no samples in the last {LOOKBACK}")
+        begin, finish = min(float(s) for series in seen for s, _ in series["values"]), max(last_seen.values())
+        margin = max(5.0, (finish - begin) * 0.01)
+        start, end = begin - margin, min(finish + margin, time.time())
         step = max((end - start) / POINTS, 0.001)
         start = end - math.ceil((end - start) / step) * step
         by = ("job", "instance")
@@ -205,7 +218,8 @@ class PrometheusSource:
             for series in self.query_range(quantity.promql("", run_id, by), start, end, step):
                 key = (series["metric"].get("job", ""), series["metric"].get("instance", ""))
                 for stamp, text in series["values"]:
-                    samples.setdefault(key, {}).setdefault(float(stamp), {})[quantity.key] = float(text)
+                    if float(stamp) <= last_seen.get(key, math.inf):
+                        samples.setdefault(key, {}).setdefault(float(stamp), {})[quantity.key] = float(text)
         phases: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
         time_query = Quantity("time", TIME_METRIC).promql("", run_id, (*by, _PHASE_LABEL))
         for series in self.query_range(time_query, start, end, step):
@@ -216,15 +230,16 @@ class PrometheusSource:
                 last = phases.setdefault(key, (float(stamp), {}))
                 last[1][phase] = float(text)
         ranks = {(t.get("job", ""), t.get("instance", "")): _rank(t) for t in targets}
+        by_rank: dict[object, tuple[list[Row], list[TimeSample]]] = {}
+        for key, by_time in samples.items():
+            rank = ranks.get(key)
+            rows, readings = by_rank.setdefault(key if rank is None else rank, ([], []))
+            rows.extend(Row(stamp, values) for stamp, values in by_time.items())
+            if key in phases:
+                readings.append(TimeSample(phases[key][0], phases[key][1], rank=rank, process="/".join(key)))
         processes = [
-            ProcessRows(
-                ranks.get(key),
-                [Row(stamp, values) for stamp, values in sorted(by_time.items())],
-                [TimeSample(phases[key][0], phases[key][1], rank=ranks.get(key), process="/".join(key))]
-                if key in phases
-                else [],
-            )
-            for key, by_time in samples.items()
+            ProcessRows(who if isinstance(who, int) else None, sorted(rows, key=lambda r: r.time_s), readings)
+            for who, (rows, readings) in by_rank.items()
         ]
         return sorted(processes, key=lambda p: (p.rank is None, p.rank or 0))
 

@@ -101,27 +101,49 @@ def test_a_straggler_is_named_with_its_rank_since_when_and_whether_its_data_wait
 
 
 def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
-    stuck = rows(200, last_step_time=lambda s: T0 + min(s, 100) * 0.1)  # no step after 100, rows go on
-    others = [ProcessRows(rank, rows(200, start=T0 + 100), []) for rank in (1, 2)]  # 100 s more of steps
+    # Rank 0 steps to 100 (a step a second) and goes on reporting, without a step, to 200 s; the
+    # others step on to 300 s.
+    stuck = rows(200, step_s=1.0, last_step_time=lambda s: T0 + min(s, 100) * 1.0)
+    others = [ProcessRows(rank, rows(200, step_s=1.0, start=T0 + 100), []) for rank in (1, 2)]
     (finding,) = diagnose(run(ProcessRows(0, stuck, []), *others))
     assert (finding.kind, finding.severity, finding.rank, finding.step) == ("hang", "critical", 0, 100.0)
+    assert "went on reporting for 100 s" in finding.evidence[0].note
+    # A rank whose rows end with its steps ended (an attempt with more ranks than the next): not hung.
+    ended = rows(100, step_s=1.0)
+    assert diagnose(run(ProcessRows(0, ended, []), *others)) == []
     # Every rank stopped while the rows kept coming.
     frozen = [ProcessRows(rank, rows(2000, last_step_time=lambda s: T0 + min(s, 500) * 0.1), []) for rank in (0, 1)]
     (finding,) = diagnose(run(*frozen))
     assert finding.kind == "hang" and finding.rank is None and "no rank stepped after step 500" in finding.title
 
 
+def test_a_run_that_ended_or_evaluates_after_its_last_step_is_not_hung() -> None:
+    """The rows of a run go on after its last step when it evaluates, saves a checkpoint or lingers
+    once finished: none of that is a hang."""
+    after = [ProcessRows(rank, rows(2000, last_step_time=lambda s: T0 + min(s, 500) * 0.1), []) for rank in (0, 1)]
+    finished = run(*after)
+    finished.outcome = "finished"
+    assert diagnose(finished) == []
+    # Still running, but evaluating for the 150 s since its last step (its goodput readings say so).
+    evaluating = [
+        ProcessRows(p.rank, p.rows, [TimeSample(T0 + 50, {"productive": 45.0, "evaluation": 0.0}, rank=p.rank),
+                                     TimeSample(T0 + 200, {"productive": 50.0, "evaluation": 148.0}, rank=p.rank)])
+        for p in after
+    ]  # fmt: skip
+    assert diagnose(run(*evaluating)) == []
+
+
 def test_an_input_bound_run_and_the_order_of_findings() -> None:
     (finding,) = diagnose(run(ProcessRows(0, rows(100), phases(10.0, 4.0))))
     assert (finding.kind, finding.severity) == ("input_bound", "warning")
-    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0), phases(10.0, 12.0))
+    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: max(0.0, s - 79.0)), phases(10.0, 12.0))
     found = diagnose(run(nan))
     assert [f.kind for f in found] == ["divergence", "input_bound"]  # critical first
     assert found[1].severity == "critical"  # 55% waiting
 
 
 def test_the_json_form_validates_and_holds_no_nan() -> None:
-    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0, loss=lambda s: math.nan if s >= 80 else 2.0))
+    nan = ProcessRows(0, rows(100, loss_nonfinite=lambda s: max(0.0, s - 79.0), loss=lambda s: math.nan if s >= 80 else 2.0))
     slow = ProcessRows(1, rows(100, step_time_sum=lambda s: s * 0.3), phases(10.0, 1.0, 1))
     the_run = run(nan, slow)
     document = to_json([(the_run, diagnose(the_run)), (run(ProcessRows(0, rows(50))), [])])
@@ -134,7 +156,7 @@ def test_the_json_form_validates_and_holds_no_nan() -> None:
 
 
 def test_the_text_form_says_what_the_finding_holds() -> None:
-    the_run = run(ProcessRows(0, rows(100, loss_nonfinite=lambda s: 1.0 if s >= 80 else 0.0)))
+    the_run = run(ProcessRows(0, rows(100, loss_nonfinite=lambda s: max(0.0, s - 79.0))))
     (finding,) = diagnose(the_run)
     text = "\n".join(text_lines(the_run, [finding]))
     for part in (finding.title, finding.cause, *finding.ruled_out, *finding.try_next, finding.runbook):
@@ -155,3 +177,29 @@ def test_a_learning_rate_no_fine_tune_uses_explains_a_divergence_with_nothing_be
                                for r in process.rows])  # fmt: skip
     (finding,) = diagnose(run(quiet))
     assert finding.cause.startswith("a learning rate too high; the learning rate, 10, is far above")
+
+
+def test_odd_values_from_a_foreign_writer_never_reach_the_json_as_nan_and_a_resume_keeps_its_own_steps() -> None:
+    """A NaN step count, an infinite counter, a phase of inf seconds, negative steps: the JSON holds no
+    NaN and validates; a NaN counted in a resumed attempt (steps from 0 again) is at that attempt's step."""
+    nan_step = [Row(r.time_s, {**r.values, "steps": math.nan if r.values["steps"] == 50 else r.values["steps"]})
+                for r in rows(100, loss_nonfinite=lambda s: max(0.0, s - 49.0))]  # fmt: skip
+    odd = ProcessRows(0, nan_step, [TimeSample(T0 + 60, {"productive": math.inf, "data_wait": 5.0}, rank=0)])
+    negative = [Row(r.time_s, {**r.values, "steps": -r.values["steps"], "loss_nonfinite": math.inf}) for r in rows(100)]
+    the_run = run(odd, ProcessRows(1, negative, []))
+    document = to_json([(the_run, diagnose(the_run))])
+    jsonschema.validate(json.loads(json.dumps(document, allow_nan=False)), JSON_SCHEMA)
+    assert all(f["kind"] != "input_bound" for f in document["runs"][0]["findings"])  # the inf phase is no share
+    # A first attempt to step 1,000, then a resumed one counting from 0: its NaN at about step 5.
+    first = rows(1000, step_s=0.01)
+    resumed = rows(20, start=T0 + 100, loss_nonfinite=lambda s: max(0.0, s - 5.0))  # 5 by step 10, on since
+    (finding,) = diagnose(run(ProcessRows(0, first + resumed, [])))
+    assert finding.step == 6.0, finding.title
+
+
+def test_a_nan_the_run_recovered_from_is_a_warning() -> None:
+    """One bad step the divergence guard skipped, then a healthy run: worth knowing, not critical."""
+    process = ProcessRows(0, rows(200, loss_nonfinite=lambda s: 1.0 if s >= 50 else 0.0))
+    (finding,) = diagnose(run(process))
+    assert finding.severity == "warning" and "then it recovered (0 more non-finite in the 150 steps after)" in finding.title
+    assert finding.step == 50.0
