@@ -393,7 +393,7 @@ def _hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[
                 "waiting for input, or a loop that ended without shutting down",
                 (Evidence("openlora.training.last_step.timestamp", stamp, f"{silent:,.0f} s before the last sample",
                           _finite_or_none(step)),),
-                (f"an evaluation or a checkpoint: {busy:,.0f} s of that time went to them" if process_phases(processes)
+                (f"an evaluation or a checkpoint: {busy:,.0f} s of that time went to them" if _recorded_phases(processes)
                  else "an evaluation or a checkpoint: no goodput phases recorded to say",),
                 ("look at the ranks' stacks (py-spy dump --pid) and their logs",),
                 f"{RUNBOOKS}#openloratrainingstalled", _finite_or_none(step), stamp, None, silent,
@@ -402,7 +402,7 @@ def _hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[
     return findings
 
 
-def process_phases(processes: Sequence[ProcessRows]) -> bool:
+def _recorded_phases(processes: Sequence[ProcessRows]) -> bool:
     """Whether any rank recorded its goodput phases."""
     return any(p.time for p in processes)
 
