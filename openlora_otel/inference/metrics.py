@@ -14,7 +14,6 @@ import inspect
 import logging
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -57,7 +56,6 @@ OTHER = "_OTHER"  # model names and error types past their caps (the conventions
 DEFAULT_MAX_ADAPTERS = 32
 MAX_MODELS = 8
 MAX_ERROR_TYPES = 16  # of the server's error types: a client's (CLIENT_ERROR_PATTERN) are not capped
-_CLIENT_ERROR = re.compile(names.CLIENT_ERROR_PATTERN)
 _MAX_LABEL_CHARS = 100
 DEFAULT_OPERATION = "text_completion"
 
@@ -515,7 +513,7 @@ class InferenceMetrics:
         value = self._errors.get(error_type)
         if value is not None:
             return value
-        if _CLIENT_ERROR.fullmatch(str(error_type)):
+        if names.is_client_error(str(error_type)):
             # A client's fault: a bounded set of its own (CLIENT_ERROR_PATTERN), never capped, so that a
             # public endpoint's many kinds of bad requests cannot push a server error past the cap into
             # _OTHER, nor a client error into _OTHER, which the server-error ratio counts.

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from openlora_otel.inference.metrics import ADAPTER_OTHER, InferenceMetrics, InferenceRequest
-from openlora_otel.names.inference import CLIENT_ERROR_PATTERN, CLIENT_ERROR_TYPES, is_client_error_status
+from openlora_otel.names.inference import CLIENT_ERROR_TYPES, is_client_error, is_client_error_status
 
 _CLIENT_ERRORS = frozenset(CLIENT_ERROR_TYPES)
-_CLIENT_ERROR = re.compile(CLIENT_ERROR_PATTERN)
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -115,7 +113,7 @@ def _error_type(error: Any, status: int | None) -> str:
         return names[0] if names else "500"
     if is_client_error_status(status):
         return next((name for name in names if name in _CLIENT_ERRORS), str(status))
-    if names and not _CLIENT_ERROR.fullmatch(names[0]):
+    if names and not is_client_error(names[0]):
         return names[0]
     return str(status)
 

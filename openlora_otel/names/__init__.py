@@ -52,6 +52,7 @@ from openlora_otel.names.inference import (
     TOKEN_BUCKETS,
     TPOT_BUCKETS,
     TTFT_BUCKETS,
+    is_client_error,
     is_client_error_status,
 )
 from openlora_otel.names.resource import (
@@ -137,6 +138,7 @@ __all__ = [
     "XID_OTHER_KNOWN",
     "Kind",
     "MetricSpec",
+    "is_client_error",
     "is_client_error_status",
     "prometheus_name",
 ]

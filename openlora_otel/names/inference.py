@@ -3,6 +3,8 @@ adapters' series, their attribute keys and bucket boundaries."""
 
 from __future__ import annotations
 
+import re
+
 from openlora_otel.names.common import MetricSpec
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "TOKEN_BUCKETS",
     "TPOT_BUCKETS",
     "TTFT_BUCKETS",
+    "is_client_error",
     "is_client_error_status",
 ]
 
@@ -64,6 +67,15 @@ CLIENT_ERROR_TYPES: tuple[str, ...] = (
 )  # fmt: skip
 # The regex (fully anchored, as PromQL's =~ and !~ are) of CLIENT_ERROR_TYPES and the client statuses.
 CLIENT_ERROR_PATTERN = "|".join((*CLIENT_ERROR_TYPES, "4[01][0-9]|42[0-8]|4[3-9][0-9]"))
+
+
+_CLIENT_ERROR = re.compile(CLIENT_ERROR_PATTERN)
+
+
+def is_client_error(error_type: str) -> bool:
+    """Whether an ``error.type`` value is a client's fault: what CLIENT_ERROR_PATTERN matches, as PromQL
+    matches it (the whole value)."""
+    return _CLIENT_ERROR.fullmatch(error_type) is not None
 
 
 def is_client_error_status(status: int) -> bool:

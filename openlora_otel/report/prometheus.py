@@ -207,9 +207,7 @@ class PrometheusSource:
                 last_seen[key] = max(last_seen.get(key, -math.inf), float(stamp))
         if not last_seen:
             raise ReportError(f"run {run_id!r} on Prometheus at {self.shown} has no samples in the last {LOOKBACK}")
-        begin, finish = min(float(s) for series in seen for s, _ in series["values"]), max(last_seen.values())
-        margin = max(5.0, (finish - begin) * 0.01)
-        start, end = begin - margin, min(finish + margin, time.time())
+        start, end = _with_margin(min(float(s) for series in seen for s, _ in series["values"]), max(last_seen.values()))
         step = max((end - start) / POINTS, 0.001)
         start = end - math.ceil((end - start) / step) * step
         by = ("job", "instance")
@@ -259,9 +257,7 @@ class PrometheusSource:
                 f"run {run_id!r} on Prometheus at {self.shown} has no samples in the last {LOOKBACK} "
                 f"({run_target(run_id, selector)})"
             )
-        begin, finish = min(stamps), max(stamps)
-        margin = max(5.0, (finish - begin) * 0.01)
-        return begin - margin, min(finish + margin, time.time())
+        return _with_margin(min(stamps), max(stamps))
 
     def _info(
         self, run_id: str, selector: str, start: float, end: float, step: float
@@ -290,6 +286,13 @@ def read_prometheus(url: str, wanted: Sequence[str], *, every_rank: bool = False
     for item in wanted:
         ids += [run_id for run_id in source.run_ids(item) if run_id not in ids]
     return [source.run(run_id, every_rank=every_rank) for run_id in ids]
+
+
+def _with_margin(begin: float, finish: float) -> tuple[float, float]:
+    """The span from ``begin`` to ``finish`` with a margin on both sides for a range query's grid (never
+    past now)."""
+    margin = max(5.0, (finish - begin) * 0.01)
+    return begin - margin, min(finish + margin, time.time())
 
 
 def _rank(labels: dict[str, str]) -> int | None:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -578,11 +579,9 @@ def test_request_model_is_the_name_asked_for_bounded_as_adapters_and_response_mo
     }
 
 
-@pytest.mark.process
-def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.LogCaptureFixture) -> None:
-    """gunicorn --preload sets up in the master and forks the workers, which export nothing: the
-    first request a worker records says so, once, naming what to do instead; the parent stays quiet."""
-    inference = InferenceMetrics(MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("test"))
+def warnings_in_a_forked_child(action: Callable[[], object]) -> list[str] | None:
+    """The warnings the inference metrics log while ``action`` runs in a forked child (None: the child
+    reported nothing); the child's exit status checked."""
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the child, which reports through the pipe
@@ -592,8 +591,7 @@ def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.L
             handler = logging.Handler(logging.WARNING)
             handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
             logging.getLogger(inference_module.__name__).addHandler(handler)
-            for _ in range(3):
-                inference.request("a1").end()
+            action()
             os.write(write, json.dumps(messages).encode())
             status = 0
         finally:
@@ -602,6 +600,20 @@ def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.L
     with os.fdopen(read, "rb") as pipe:
         messages = json.loads(pipe.read() or b"null")
     assert os.waitpid(child, 0)[1] == 0
+    return messages
+
+
+@pytest.mark.process
+def test_a_request_in_a_forked_child_warns_once_that_it_is_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """gunicorn --preload sets up in the master and forks the workers, which export nothing: the
+    first request a worker records says so, once, naming what to do instead; the parent stays quiet."""
+    inference = InferenceMetrics(MeterProvider(metric_readers=[InMemoryMetricReader()]).get_meter("test"))
+
+    def record() -> None:
+        for _ in range(3):
+            inference.request("a1").end()
+
+    messages = warnings_in_a_forked_child(record)
     assert messages is not None and len(messages) == 1, messages
     assert f"forked from process {os.getpid()}" in messages[0] and "is lost" in messages[0]
     assert "app factory" in messages[0] and "--preload" in messages[0]
@@ -618,24 +630,7 @@ def test_telemetry_inference_first_used_in_a_forked_child_warns_too(monkeypatch:
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     telemetry = setup_telemetry(metric_readers=[InMemoryMetricReader()])
     try:
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - runs in the child, which reports through the pipe
-            status = 1
-            try:
-                messages: list[str] = []
-                handler = logging.Handler(logging.WARNING)
-                handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-                logging.getLogger(inference_module.__name__).addHandler(handler)
-                telemetry.inference.request("a1").end()
-                os.write(write, json.dumps(messages).encode())
-                status = 0
-            finally:
-                os._exit(status)
-        os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            messages = json.loads(pipe.read() or b"null")
-        assert os.waitpid(child, 0)[1] == 0
+        messages = warnings_in_a_forked_child(lambda: telemetry.inference.request("a1").end())
     finally:
         telemetry.shutdown()
     assert messages is not None and len(messages) == 1 and f"forked from process {os.getpid()}" in messages[0], messages
