@@ -79,9 +79,12 @@ def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_pa
         assert lost == STOP_AT - CHECKPOINT_EVERY
 
         def phase(name: str) -> float:
+            # Waited for above 0: the goodput group evaluates on its own schedule, from 1 s steps of the
+            # scrapes, and may still hold the second attempt's scrape from before its first step (its
+            # steps lost already counted, no step redone yet) when the outcome group has seen its end.
             return _one(
                 prometheus,
-                f'run:openlora_training_time_seconds:increase1h{{{run}, openlora_training_phase="{name}"}}',
+                f'run:openlora_training_time_seconds:increase1h{{{run}, openlora_training_phase="{name}"}} > 0',
             )
 
         assert phase("lost_progress") > 0
@@ -89,9 +92,17 @@ def test_an_interrupted_and_resumed_demo_shows_its_goodput_and_lost_steps(tmp_pa
         assert phase("productive") > 0 and phase("startup") > 0
         goodput = _one(prometheus, f"run:openlora_training_goodput:ratio1h{{{run}}}")
         assert 0 < goodput < 1
-        # The ratio is productive time over all of it, both attempts together.
-        every = prometheus.query(f"sum(run:openlora_training_time_seconds:increase1h{{{run}}})")
-        assert goodput == pytest.approx(phase("productive") / float(every[0]["value"][1]), rel=0.05)
+        # The ratio is productive time over all of it, both attempts together: one query, so that the
+        # three records come from one evaluation of their group.
+        seconds = "run:openlora_training_time_seconds:increase1h"
+        parts = prometheus.query(
+            f"label_replace(run:openlora_training_goodput:ratio1h{{{run}}}, 'part', 'ratio', '', '')"
+            f" or label_replace(sum by (openlora_run_id) ({seconds}{{{run}}}), 'part', 'every', '', '')"
+            f" or label_replace(sum by (openlora_run_id) ({seconds}{{{run}, openlora_training_phase='productive'}}),"
+            " 'part', 'productive', '', '')"
+        )
+        values = {s["metric"]["part"]: float(s["value"][1]) for s in parts}
+        assert values["ratio"] == pytest.approx(values["productive"] / values["every"], rel=1e-6), values
 
     # The report, from the two attempts' lines in the one history file of the run id.
     assert [p.name for p in history.iterdir()] == [f"{RUN}.jsonl"]
