@@ -12,12 +12,14 @@ Each call of a method in ``methods`` (full method name -> ``gen_ai.operation.nam
 request: its duration from the call to the last message; the first response message as the first
 token (a unary call's one message, a stream's first); ``error.type`` the call's status code name
 (``RESOURCE_EXHAUSTED``, ``INVALID_ARGUMENT``: what ``context.abort()`` or ``context.set_code()``
-set), ``CANCELLED`` when the client went away mid-stream (``DEADLINE_EXCEEDED`` when its deadline
-passed first), else the exception's type; the adapter
-from a metadata key, or from the request by a function (a field of the request message), mapped as
-the HTTP middlewares map a model name (the default keeps it; none said is the base model). Token
-counts come from functions of the request and of each response message, when given. Other
-methods pass through untouched. The asyncio server (``grpc.aio``) is not covered.
+set), ``CANCELLED`` when the client left before its answer was sent (mid-stream, or with the
+handler still at work), ``DEADLINE_EXCEEDED`` when that was its deadline (passed, or under a tenth
+of the call's time away: the client's cancel at its own deadline arrives before the server's copy
+passes), else the exception's type; the adapter from a metadata key, or from the request by a
+function (a field of the request message), mapped as the HTTP middlewares map a model name (the
+default keeps it; none said is the base model). Token counts come from functions of the request and
+of each response message, when given. Other methods pass through untouched. The asyncio server
+(``grpc.aio``) is not covered.
 """
 
 from __future__ import annotations
@@ -135,12 +137,13 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
     def _unary(self, behavior: Callable[[Any, Any], Any], operation: str, metadata: Any) -> Callable[[Any, Any], Any]:
         def measured(request: Any, context: grpc.ServicerContext) -> Any:
             record = self.inference.request(self._adapter_of(metadata, request), operation=operation)
+            budget = _time_remaining(context)
             try:
                 response = behavior(request, context)
             except BaseException as exc:
                 record.end(error=_status(context) or exception_error_type(type(exc)))
                 raise
-            error = _status(context)
+            error = _status(context) or _gone(context, budget)
             if error is None:
                 record.first_token()
                 self._tokens(record, request, self._count(response) if self._output is not None else None)
@@ -154,6 +157,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
     ) -> Callable[[Any, Any], Iterator[Any]]:
         def measured(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             record = self.inference.request(self._adapter_of(metadata, request), operation=operation)
+            budget = _time_remaining(context)  # the call's deadline as the server got it (None: none)
             error: str | None = "CANCELLED"  # unless the stream runs to its end
             produced = 0
             try:
@@ -161,11 +165,13 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
                     record.first_token()
                     produced += self._count(message)
                     yield message
-                error = _status(context)
+                # A handler that stopped when its client left (context.is_active()) is the client's
+                # cancel (or the deadline), not a whole answer.
+                error = _status(context) or _gone(context, budget)
             except GeneratorExit:
                 # Closed before its end: the client cancelled, or its deadline passed (the server's
                 # fault, not the client's: a server too slow for its clients must reach the alert).
-                if _deadline_passed(context):
+                if _deadline_passed(context, budget):
                     error = "DEADLINE_EXCEEDED"
                 raise
             except BaseException as exc:
@@ -179,13 +185,45 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
         return measured
 
 
-def _deadline_passed(context: Any) -> bool:
-    """Whether the call's deadline has passed (a call without one never passes it)."""
+# How near its deadline a closed call counts as past it (see _deadline_passed).
+_DEADLINE_SLACK_MIN_S = 0.02
+_DEADLINE_SLACK_MAX_S = 1.0
+
+
+def _time_remaining(context: Any) -> float | None:
+    """Seconds to the call's deadline (``None``: the call has none, or the context cannot say)."""
     try:
         remaining = context.time_remaining()
     except Exception:
+        return None
+    return None if remaining is None else float(remaining)
+
+
+def _deadline_passed(context: Any, budget: float | None) -> bool:
+    """Whether the call's deadline has passed, or was as good as passed, when it was closed.
+
+    The client's deadline passes first: the server's copy runs from the request's arrival (the
+    ``grpc-timeout`` header), so the client's cancel at its own deadline reaches the server a
+    request's transit before the server's timer. Within a tenth of the call's time (``budget``,
+    what remained when the handler started), between 20 ms and 1 s, of its deadline, a closed call
+    is counted as past it. A call without a deadline never passes it.
+    """
+    remaining = _time_remaining(context)
+    if remaining is None or budget is None:
         return False
-    return remaining is not None and remaining <= 0
+    return remaining <= min(_DEADLINE_SLACK_MAX_S, max(_DEADLINE_SLACK_MIN_S, 0.1 * budget))
+
+
+def _gone(context: Any, budget: float | None) -> str | None:
+    """``CANCELLED`` or ``DEADLINE_EXCEEDED`` when the call is over for its client (``None`` while it
+    is active, or when the context cannot say)."""
+    try:
+        active = context.is_active()
+    except Exception:
+        return None
+    if active:
+        return None
+    return "DEADLINE_EXCEEDED" if _deadline_passed(context, budget) else "CANCELLED"
 
 
 def _status(context: Any) -> str | None:

@@ -67,7 +67,15 @@ class Rig:
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
+    def held(self, context: Any) -> None:
+        """Until the test releases the call or the server knows its client left (10 s at most)."""
+        for _ in range(1000):
+            if self.release.wait(0.01) or not context.is_active():
+                return
+
     def generate(self, request: dict, context: Any) -> dict:
+        if request.get("model") == "slow":
+            self.held(context)
         if request.get("prompt") == "":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
         if request.get("model") == "busy":
@@ -79,8 +87,10 @@ class Rig:
 
     def stream(self, request: dict, context: Any) -> Iterator[dict]:
         for word in request["prompt"].split():
-            if request.get("model") == "slow":
-                self.release.wait(10)
+            if request.get("model") in ("slow", "stops"):
+                self.held(context)
+            if request.get("model") == "stops" and not context.is_active():
+                return  # a server that stops generating when its client leaves
             yield {"text": word}
 
     def call(self, method: str, request: dict, metadata: tuple = ()) -> Any:
@@ -136,31 +146,85 @@ def test_status_codes_and_exceptions_are_the_error_type(rig: Rig) -> None:
     assert not points(rig.reader.get_metrics_data(), TTFT)
 
 
-def test_a_client_that_cancels_mid_stream_makes_it_cancelled(rig: Rig) -> None:
-    call = rig.channel.unary_stream(f"/{SERVICE}/Stream", request_serializer=encode, response_deserializer=decode)(
-        {"model": "slow", "prompt": "a b c"}
+def stream_of(rig: Rig, model: str, timeout: float | None = None) -> Any:
+    return rig.channel.unary_stream(f"/{SERVICE}/Stream", request_serializer=encode, response_deserializer=decode)(
+        {"model": model, "prompt": "a b c"}, timeout=timeout
     )
-    wait_until(lambda: sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING)) == 1, 10, "the call running")
+
+
+def running(rig: Rig) -> int:
+    return sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING))
+
+
+@pytest.mark.parametrize("model", ["slow", "stops"], ids=["closed-mid-stream", "handler-returns"])
+def test_a_client_that_cancels_mid_stream_makes_it_cancelled(rig: Rig, model: str) -> None:
+    """The handler waits until the server knows the client left: then it yields on (the stream is
+    closed under it) or stops and returns (as a server that checks context.is_active())."""
+    call = stream_of(rig, model, timeout=60)
+    wait_until(lambda: running(rig) == 1, 10, "the call running")
     call.cancel()
-    rig.release.set()
     wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the cancelled call recorded")
-    assert rig.by(DURATION, "error.type") == {("slow", "CANCELLED"): 1}
-    assert sum(p.value for p in points(rig.reader.get_metrics_data(), RUNNING)) == 0
+    assert rig.by(DURATION, "error.type") == {(model, "CANCELLED"): 1}
+    assert running(rig) == 0
 
 
-def test_a_stream_past_its_deadline_is_the_servers_deadline_exceeded_not_a_cancel(rig: Rig) -> None:
+@pytest.mark.parametrize("model", ["slow", "stops"], ids=["closed-mid-stream", "handler-returns"])
+def test_a_stream_past_its_deadline_is_the_servers_deadline_exceeded_not_a_cancel(rig: Rig, model: str) -> None:
     """A server too slow for its clients' deadlines must reach the error-ratio alert: CANCELLED is
-    the client's (left out), DEADLINE_EXCEEDED the server's."""
-    call = rig.channel.unary_stream(f"/{SERVICE}/Stream", request_serializer=encode, response_deserializer=decode)(
-        {"model": "slow", "prompt": "a b c"}, timeout=0.5
-    )
+    the client's (left out), DEADLINE_EXCEEDED the server's. The handler goes on as soon as the server
+    knows the call is over: often by the client's cancel at its own deadline, which reaches the server
+    before the server's copy of the deadline passes (a CI run once counted it CANCELLED)."""
     with pytest.raises(grpc.RpcError) as caught:
-        list(call)
+        list(stream_of(rig, model, timeout=2.0))
     assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    rig.release.set()
     wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the call recorded")
-    assert rig.by(DURATION, "error.type") == {("slow", "DEADLINE_EXCEEDED"): 1}
+    assert rig.by(DURATION, "error.type") == {(model, "DEADLINE_EXCEEDED"): 1}
     assert re.fullmatch(CLIENT_ERROR_PATTERN, "DEADLINE_EXCEEDED") is None
+
+
+def test_a_unary_call_whose_client_left_is_not_an_answer(rig: Rig) -> None:
+    """A unary handler still at work when its client cancels (or its deadline passes) returns an answer
+    nobody gets: CANCELLED (DEADLINE_EXCEEDED), no first token, no tokens."""
+    generate = rig.channel.unary_unary(f"/{SERVICE}/Generate", request_serializer=encode, response_deserializer=decode)
+    future = generate.future({"model": "slow", "prompt": "a b c"}, timeout=60)
+    wait_until(lambda: running(rig) == 1, 10, "the call running")
+    future.cancel()
+    wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the cancelled call recorded")
+    with pytest.raises(grpc.RpcError) as caught:
+        generate({"model": "slow", "prompt": "a b c"}, timeout=2.0)
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: len(rig.by(DURATION, "error.type")) == 2, 10, "the call past its deadline recorded")
+    assert rig.by(DURATION, "error.type") == {("slow", "CANCELLED"): 1, ("slow", "DEADLINE_EXCEEDED"): 1}
+    assert not points(rig.reader.get_metrics_data(), TTFT)
+    assert not points(rig.reader.get_metrics_data(), TOKENS)
+
+
+class _Context:
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+@pytest.mark.parametrize(
+    ("budget", "remaining", "passed"),
+    [
+        (2.0, 0.0, True),
+        (2.0, 0.15, True),  # the client's cancel at its deadline, 150 ms ahead of the server's copy
+        (2.0, 0.3, False),
+        (0.1, 0.015, True),  # at least 20 ms
+        (0.1, 0.05, False),
+        (600.0, 0.9, True),  # at most 1 s
+        (600.0, 5.0, False),
+        (None, 0.0, False),  # no deadline known when the call started
+    ],
+)
+def test_a_call_closed_near_its_deadline_is_past_it(budget: float | None, remaining: float, passed: bool) -> None:
+    from openlora_otel.inference.grpc_interceptor import _deadline_passed
+
+    assert _deadline_passed(_Context(remaining), budget) is passed
+    assert _deadline_passed(_Context(None), budget) is False
 
 
 def test_the_interceptor_refuses_what_cannot_work() -> None:
