@@ -1,0 +1,42 @@
+"""Why a run went wrong, found from its own metrics: ranked findings with their evidence.
+
+:func:`diagnose` runs small detectors over a :class:`~openlora_otel.report.model.Run` read from
+history files (every rank's samples, :attr:`Run.processes`) and returns :class:`Finding` objects,
+most severe first. Each says what happened and when (step, wall time, rank), the values that show
+it and the series they came from, the likely cause with the alternatives it ruled out and why,
+what to try, and the runbook entry. A healthy run gets no finding.
+
+The detectors so far (issue 34 lists the rest):
+
+- ``divergence``: the first non-finite loss or gradient norm; whether the gradient norm grew before
+  it, a loss spike preceded it, and the learning rate then.
+- ``hang``: a rank that stopped stepping while the others went on, or a run whose telemetry kept
+  reporting after its steps stopped.
+- ``straggler``: a rank whose mean step time is well above the others', since when, and whether
+  its own data wait explains it.
+- ``input_bound``: the share of the run's time spent waiting for data.
+
+The detectors live in :mod:`.training` (divergence, hang, input-bound) and :mod:`.stragglers`, what
+they share in :mod:`.findings`, the JSON and text forms in :mod:`.output`.
+
+:func:`to_json` gives the documented JSON form (:data:`JSON_SCHEMA`); :func:`text_lines` the printed one.
+See docs/how-to/diagnose.md.
+"""
+
+from __future__ import annotations
+
+from openlora_otel.report.diagnosis.findings import KINDS, SCHEMA_ID, SEVERITIES, Evidence, Finding
+from openlora_otel.report.diagnosis.output import JSON_SCHEMA, text_lines, to_json
+from openlora_otel.report.diagnosis.stragglers import straggler
+from openlora_otel.report.diagnosis.training import divergence, hang, input_bound
+from openlora_otel.report.model import ProcessRows, Run
+
+__all__ = ["JSON_SCHEMA", "KINDS", "SCHEMA_ID", "SEVERITIES", "Evidence", "Finding", "diagnose", "text_lines", "to_json"]
+
+
+def diagnose(run: Run) -> list[Finding]:
+    """Every detector's findings for ``run``, most severe (then most telling) first."""
+    processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
+    found: list[Finding] = [*divergence(processes), *hang(processes, run.outcome), *straggler(processes),
+                            *input_bound(processes)]  # fmt: skip
+    return sorted(found, key=lambda f: f.order)
