@@ -22,10 +22,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "diagnose",
         help="find why a run went wrong from its own metrics: ranked findings with their evidence",
         description="Read runs from history files (OPENLORA_HISTORY_DIR: a directory or .jsonl files, every rank's) "
-        "or from a Prometheus server (--prometheus URL --run ID_OR_NAME) and print, for each run (or the --run ones), what went wrong, most severe first: a loss or gradient norm "
+        "or from a Prometheus server (--prometheus URL --run ID_OR_NAME) and print, for each run (or the --run ones), what went wrong, most severe first: a GPU that "
+        "failed (fell off the bus, uncorrected ECC errors, a failed or pending row remap, an XID of a bad GPU), a loss or gradient norm "
         "gone non-finite (and whether the gradient norm grew or the loss spiked before it, with the learning rate "
-        "then), a rank that stopped stepping while the others went on, a straggler rank (and whether its data wait "
-        "explains it), a run waiting for its data. Each finding says when (step, wall time, rank), the values "
+        "then), a rank that stopped stepping while the others went on, a straggler rank (and what explains it: its GPU's "
+        "clock held down by power or heat, its data wait, its PCIe link trained narrow), a run waiting for its data. Each finding says when (step, wall time, rank), the values "
         "that show it and their series, the likely cause and what it ruled out, what to try, and the runbook "
         "entry. A healthy run has no finding. --json prints the documented JSON form instead "
         "(docs/how-to/diagnose.md). Exit status: 0 diagnosed (whatever was found), 2 usage error, unknown run or "

@@ -184,7 +184,7 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
             if value is not None:
                 found.append(float(value))
         if found:
-            values[quantity.key] = sum(found) / len(found) if quantity.combine == "mean" else max(found)
+            values[quantity.key] = quantity.fold(found)
     if values and snapshot.time_s:
         process.rows.append(Row(snapshot.time_s, values))
     phases = {

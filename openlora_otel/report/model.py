@@ -14,13 +14,23 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from openlora_otel.names import GPU_METRICS, GUARD_REASONS, TRAINING_METRICS, MetricSpec
+from openlora_otel.names import (
+    ATTR_HW_STATE,
+    ATTR_THROTTLE_REASON,
+    ATTR_XID_CODE,
+    GPU_METRICS,
+    GUARD_REASONS,
+    TRAINING_METRICS,
+    MetricSpec,
+)
 from openlora_otel.report.goodput import TimeBreakdown, TimeSample
 
 __all__ = [
+    "COMBINE",
     "EVAL_PREFIX",
     "PANELS",
     "QUANTITIES",
+    "SLOWDOWN_REASONS",
     "Curve",
     "Divergence",
     "Line",
@@ -47,6 +57,9 @@ class ReportError(Exception):
     """Something the user can fix: a missing file, an unknown run, an unreachable server (exit status 2)."""
 
 
+# The throttle reasons that slow a GPU down against its own clocks (sync_boost only lines a GPU up
+# with the others of its group).
+SLOWDOWN_REASONS = ("sw_power_cap", "thermal", "hw_thermal_slowdown", "hw_power_brake_slowdown")
 _SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*TRAINING_METRICS, *GPU_METRICS)}
 
 
@@ -55,13 +68,14 @@ class Quantity:
     """One raw value a row can hold: where it comes from in a history file and in Prometheus.
 
     ``field`` is ``value`` (gauge or sum point), ``sum`` or ``count`` (histogram point).
-    ``combine`` folds several points of one collection (one per GPU) into one value.
+    ``combine`` folds several points of one collection (one per GPU, or per attribute value the
+    ``where`` leaves open) into one value: ``max``, ``mean``, ``min`` or ``sum``.
     """
 
     key: str
     otel_name: str
     field: str = "value"
-    combine: str = "max"  # "max" or "mean"
+    combine: str = "max"  # one of COMBINE
     # Points must carry these attributes (OTel keys) with these values.
     where: tuple[tuple[str, str], ...] = ()
 
@@ -90,7 +104,17 @@ class Quantity:
         if run_id is not None:
             inner = f"{inner} * on (job, instance) group_left () {run_target(run_id, selector)}"
         grouping = f" by ({', '.join(by)}) " if by else ""
-        return f"{'avg' if self.combine == 'mean' else 'max'}{grouping}({inner})"
+        return f"{_PROMQL_COMBINE[self.combine]}{grouping}({inner})"
+
+    def fold(self, values: Sequence[float]) -> float:
+        """The points of one collection as one value, as :meth:`promql` folds them."""
+        if self.combine == "mean":
+            return sum(values) / len(values)
+        return {"max": max, "min": min, "sum": sum}[self.combine](values)
+
+
+_PROMQL_COMBINE = {"max": "max", "mean": "avg", "min": "min", "sum": "sum"}
+COMBINE = tuple(_PROMQL_COMBINE)
 
 
 def promql_string(value: str) -> str:
@@ -130,6 +154,29 @@ QUANTITIES: tuple[Quantity, ...] = (
     # fraction, and the fullest GPU's memory (the one that runs out first).
     Quantity("gpu_utilization", "hw.gpu.utilization", combine="mean", where=(("hw.gpu.task", "general"),)),
     Quantity("gpu_memory", "hw.gpu.memory.usage"),
+    # GPU health and speed, for `diagnose` (report.diagnosis): the worst of the process's GPUs.
+    # hw.status is 1 for the state a GPU is in (failed: lost by NVML, XID 79, a failed row remap,
+    # a reboot asked for; degraded: an XID of a bad GPU, a remap pending, a reset asked for).
+    Quantity("gpu_failed", "hw.status", where=(("hw.type", "gpu"), (ATTR_HW_STATE, "failed"))),
+    Quantity("gpu_degraded", "hw.status", where=(("hw.type", "gpu"), (ATTR_HW_STATE, "degraded"))),
+    # XIDs since the process started watching: all codes, and 79 (the GPU fell off the bus).
+    Quantity("xid_errors", "openlora.gpu.xid.errors", combine="sum"),
+    Quantity("xid_off_bus", "openlora.gpu.xid.errors", combine="sum", where=((ATTR_XID_CODE, "79"),)),
+    # Uncorrected ECC errors since the driver loaded: what matters is an increase during the run.
+    Quantity("ecc_uncorrected", "hw.errors", combine="sum", where=(("hw.type", "gpu"), ("error.type", "uncorrected"))),
+    Quantity("remap_pending", "openlora.gpu.remap.pending"),
+    Quantity("remap_failed", "openlora.gpu.remap.failed"),
+    # Seconds the clock was held down per reason (counters: their increase over a span, over the
+    # span, is the share of it throttled), the SM clock, the temperature, and the PCIe link's width
+    # against what GPU and slot support (the narrowest of the process's GPUs).
+    *(
+        Quantity(f"throttle_{reason}", "openlora.gpu.throttle.time", where=((ATTR_THROTTLE_REASON, reason),))
+        for reason in SLOWDOWN_REASONS
+    ),
+    Quantity("gpu_clock_sm", "openlora.gpu.clock.sm", combine="mean"),
+    Quantity("gpu_temperature", "hw.temperature"),
+    Quantity("pcie_width", "openlora.gpu.pcie.link.width", combine="min"),
+    Quantity("pcie_width_max", "openlora.gpu.pcie.link.width.max", combine="min"),
 )
 
 

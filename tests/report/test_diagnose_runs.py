@@ -4,15 +4,20 @@ data loader, and under
 torchrun a rank slowed on purpose. For each faulty run the injected cause is the top finding, with
 its step or rank; the healthy run has none; the JSON form validates against its schema.
 
-Not yet in this corpus (issue 34): a hung rank, the fake NVML's faults, memory
-growth, a SIGKILL and a resume (their detectors do not exist yet, or are tested in memory:
-tests/report/test_diagnosis.py)."""
+GPU faults, with no GPU to make fail: two-rank runs (tests/support/gpu_fault_rank.py) whose real
+telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's GPU: it fell off the bus
+(and the rank died), an uncorrected ECC error, a row remap pending, its clock held down by heat (a
+straggler), its PCIe link trained narrow (a straggler); and a healthy pair.
+
+Not yet in this corpus (issue 34): a hung rank, memory growth, a SIGKILL and a resume (their
+detectors do not exist yet, or are tested in memory: tests/report/test_diagnosis.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +25,7 @@ import pytest
 
 from openlora_otel.cli import main
 from openlora_otel.report.diagnosis import JSON_SCHEMA
+from tests.support import gpu_fault_rank
 from tests.support.demo import needs_the_demo
 from tests.support.processes import child_env, reap
 
@@ -69,13 +75,14 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def diagnosis(corpus: Path, name: str, capsys: pytest.CaptureFixture) -> dict:
+def diagnosis(corpus: Path, directory: str, capsys: pytest.CaptureFixture, *, name: str | None = None) -> dict:
+    """The one run diagnosed in ``corpus/directory``, its JSON validated (``name``: its run name, the directory's by default)."""
     capsys.readouterr()
-    assert main(["diagnose", str(corpus / name), "--json"]) == 0
+    assert main(["diagnose", str(corpus / directory), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     jsonschema.validate(document, JSON_SCHEMA)
     (run,) = document["runs"]
-    assert run["name"] == name
+    assert run["name"] == (name or directory)
     return run
 
 
@@ -119,3 +126,113 @@ def test_the_text_form_and_a_run_by_name(corpus: Path, capsys: pytest.CaptureFix
     assert "runbook: https://openlora.github.io/openlora-otel/runbooks/#openloralossnonfinite" in text
     assert main(["diagnose", *every, "--run", "nope"]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
+
+
+# -- GPU faults ---------------------------------------------------------------------------------
+FAULT_AT = 20
+
+
+def run_ranks(directory: Path, fault: str, ports: int | None = None) -> None:
+    """Rank 0 and rank 1 of run ``gpu-<fault>`` side by side, writing their history every 250 ms; with
+    ``ports``, each serving its metrics for Prometheus on ``ports`` + its rank instead."""
+    processes = []
+    for rank in (0, 1):
+        exporting = {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
+            "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(ports), "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true"}  # + LOCAL_RANK  # fmt: skip
+        env = child_env(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OPENLORA_RUN_ID=f"gpu-{fault}",
+            OPENLORA_HISTORY_DIR=str(directory / fault), OPENLORA_HISTORY_INTERVAL="250",
+            OPENLORA_HOST_METRICS="false", OPENLORA_QUIET="true", **exporting,
+        )  # fmt: skip
+        processes.append(subprocess.Popen(
+            [sys.executable, gpu_fault_rank.__file__, "--fault", fault, "--fault-at", str(FAULT_AT)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    for rank, process in enumerate(processes):
+        try:
+            output, _ = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            reap(process, 10)
+        # The rank whose GPU fell off the bus dies of the CUDA error, as a real one would.
+        assert process.returncode == (1 if (fault, rank) == ("off-bus", 1) else 0), output
+
+
+@pytest.fixture(scope="module")
+def gpu_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("gpu-corpus")
+    for fault in gpu_fault_rank.FAULTS:
+        run_ranks(directory, fault)
+    return directory
+
+
+def test_a_healthy_pair_of_ranks_on_fake_gpus_has_no_finding(gpu_corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    assert diagnosis(gpu_corpus, "none", capsys, name="gpu-none")["findings"] == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "severity", "runbook"),
+    [
+        ("off-bus", "critical", "openloragpufelloffthebus"),
+        ("ecc", "critical", "openloragpuuncorrectedeccerrors"),
+        ("remap-pending", "warning", "openloragpurowremappending"),
+    ],
+)
+def test_a_gpu_fault_is_the_top_finding_with_its_rank_and_step(
+    gpu_corpus: Path, capsys: pytest.CaptureFixture, fault: str, severity: str, runbook: str
+) -> None:
+    run = diagnosis(gpu_corpus, fault, capsys, name=f"gpu-{fault}")
+    top = run["findings"][0]
+    assert (top["kind"], top["severity"], top["rank"]) == ("gpu_fault", severity, 1), run["findings"]
+    assert top["runbook"].endswith(f"#{runbook}")
+    # Seen by the first collection after the fault (every 250 ms, five 50 ms steps; more on a loaded
+    # machine): the rank that died stopped at the step before it.
+    assert FAULT_AT - 1 <= top["step"] <= FAULT_AT + 15, top
+    assert [f for f in run["findings"] if f["kind"] == "gpu_fault"] == [top]  # rank 0's GPU is fine
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [("thermal", "its GPU's clock was held down by heat (thermal)"), ("narrow-link", "its GPU's PCIe link ran on 8 of the 16 lanes")],
+)
+def test_a_straggler_is_explained_by_its_gpu(gpu_corpus: Path, capsys: pytest.CaptureFixture, fault: str, cause: str) -> None:
+    run = diagnosis(gpu_corpus, fault, capsys, name=f"gpu-{fault}")
+    (top,) = run["findings"]
+    assert (top["kind"], top["rank"]) == ("straggler", 1)
+    assert top["cause"].startswith(cause), top["cause"]
+    if fault == "thermal":
+        hot = {e["series"]: e["value"] for e in top["evidence"]}
+        assert hot["hw.temperature"] == 88 and hot["openlora.gpu.clock.sm"] < 1.98e9, hot
+
+
+@pytest.mark.e2e
+def test_gpu_faults_found_from_prometheus(tmp_path: Path) -> None:
+    """The same from a real Prometheus (3.16) scraping the ranks: the GPU series' PromQL names are right,
+    and the rank that died keeps its fault (its last scrape, at its exit)."""
+    from openlora_otel.report.diagnosis import diagnose
+    from openlora_otel.report.prometheus import read_prometheus
+    from tests.support.processes import free_port_range
+    from tests.support.prometheus_server import Prometheus
+
+    ports = {fault: free_port_range(2) for fault in ("off-bus", "thermal")}
+    targets = [f"127.0.0.1:{port + rank}" for port in ports.values() for rank in (0, 1)]
+    prometheus = Prometheus(tmp_path, targets, major=3)
+    try:
+        # Its scrape loops running (its first targets come up to 5 s after its start) before the ranks.
+        assert prometheus.wait_for_scrapes(1)
+        for fault, port in ports.items():
+            run_ranks(tmp_path, fault, port)
+        time.sleep(2)  # the last scrapes stored
+        (dead,) = read_prometheus(prometheus.url, ["gpu-off-bus"], every_rank=True)
+        top = diagnose(dead)[0]
+        assert (top.kind, top.severity, top.rank) == ("gpu_fault", "critical", 1), diagnose(dead)
+        assert top.runbook.endswith("#openloragpufelloffthebus") and FAULT_AT - 1 <= top.step <= FAULT_AT + 15, top
+        (hot,) = read_prometheus(prometheus.url, ["gpu-thermal"], every_rank=True)
+        (top,) = diagnose(hot)
+        assert (top.kind, top.rank) == ("straggler", 1) and top.cause.startswith(
+            "its GPU's clock was held down by heat (thermal)"
+        ), top
+    finally:
+        prometheus.stop()

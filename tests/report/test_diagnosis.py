@@ -94,10 +94,92 @@ def test_a_straggler_is_named_with_its_rank_since_when_and_whether_its_data_wait
     (finding,) = diagnose(run(*processes, ProcessRows(3, slow, phases(20.0, 0.2, 3))))
     assert (finding.kind, finding.rank, finding.step) == ("straggler", 3, 105.0)
     assert finding.severity == "warning" and "no cause found" in finding.cause  # 1.75x over the run
-    assert "its data loader" in finding.ruled_out[0]
+    assert [r.split(":")[0] for r in finding.ruled_out] == ["its GPU", "its data loader"]
     # Its data wait explains it when it waits far more than the others.
     (finding,) = [f for f in diagnose(run(*processes, ProcessRows(3, slow, phases(10.0, 8.0, 3)))) if f.kind == "straggler"]
     assert finding.cause.startswith("its data loader")
+
+
+def gpu(**overrides) -> dict:
+    """A healthy GPU's readings of a rank (the counters' own starting values: ECC errors since the driver
+    loaded, throttle seconds), each a function of the step in ``overrides``."""
+    values = {"gpu_failed": lambda s: 0.0, "gpu_degraded": lambda s: 0.0, "remap_pending": lambda s: 0.0,
+              "remap_failed": lambda s: 0.0, "ecc_uncorrected": lambda s: 2.0, "gpu_clock_sm": lambda s: 1.98e9,
+              "throttle_thermal": lambda s: 0.25, "throttle_sw_power_cap": lambda s: 1.5 + s * 0.001,
+              "pcie_width": lambda s: 16.0, "pcie_width_max": lambda s: 16.0}  # fmt: skip
+    values.update(overrides)
+    return values
+
+
+@pytest.mark.parametrize(
+    ("fault", "severity", "title", "runbook"),
+    [
+        ({"xid_off_bus": lambda s: float(s >= 60), "xid_errors": lambda s: float(s >= 60),
+          "gpu_failed": lambda s: float(s >= 60)}, "critical", "fell off the bus (XID 79)", "openloragpufelloffthebus"),
+        ({"remap_failed": lambda s: float(s >= 60), "gpu_failed": lambda s: float(s >= 60)}, "critical",
+         "failed to remap a bad memory row", "openloragpurowremapfailed"),
+        ({"ecc_uncorrected": lambda s: 2.0 + (s >= 60)}, "critical", "had uncorrected ECC errors",
+         "openloragpuuncorrectedeccerrors"),
+        ({"gpu_failed": lambda s: float(s >= 60)}, "critical", "failed", "openloragpufailed"),
+        ({"xid_errors": lambda s: float(s >= 60), "gpu_degraded": lambda s: float(s >= 60)}, "critical",
+         "reported an XID of a bad GPU", "openloragpuhardwarexid"),
+        ({"remap_pending": lambda s: float(s >= 60), "gpu_degraded": lambda s: float(s >= 60)}, "warning",
+         "has a row remap waiting for a reset", "openloragpurowremappending"),
+        ({"gpu_degraded": lambda s: float(s >= 60)}, "warning", "is degraded", "openloragpudegraded"),
+        ({"xid_errors": lambda s: float(s >= 60)}, "info", "reported XIDs", "openloragpuhardwarexid"),
+    ],
+    ids=["off-bus", "remap-failed", "ecc", "failed", "bad-xid", "remap-pending", "degraded", "program-xid"],
+)  # fmt: skip
+def test_a_gpu_fault_is_named_with_its_rank_step_and_runbook(fault: dict, severity: str, title: str, runbook: str) -> None:
+    healthy = ProcessRows(0, rows(100, **gpu()), phases(10.0, 0.1, 0))
+    faulty = ProcessRows(1, rows(100, **gpu(**fault)), phases(10.0, 0.1, 1))
+    (finding,) = diagnose(run(healthy, faulty))
+    assert finding.severity == severity
+    assert (finding.kind, finding.rank, finding.step, finding.time_s) == ("gpu_fault", 1, 60.0, T0 + 6.0)
+    assert finding.title.startswith(f"rank 1's GPU {title} between steps 55 and 60"), finding.title
+    assert finding.runbook.endswith(f"#{runbook}")
+    assert {e.step for e in finding.evidence} == {60.0}
+
+
+def test_a_pending_remap_is_a_warning_and_counters_from_before_the_run_are_not_its_faults() -> None:
+    pending = ProcessRows(1, rows(100, **gpu(remap_pending=lambda s: float(s >= 60))), [])
+    (finding,) = diagnose(run(ProcessRows(0, rows(100, **gpu())), pending))
+    assert (finding.severity, finding.kind, finding.runbook.rsplit("#")[1]) == ("warning", "gpu_fault", "openloragpurowremappending")
+    # 7 uncorrected errors since the driver loaded, none during the run; a new attempt's lower count
+    # (another GPU) is a new base, not an error.
+    old = ProcessRows(0, rows(100, **gpu(ecc_uncorrected=lambda s: 7.0 if s < 50 else 3.0)), [])
+    assert diagnose(run(old, ProcessRows(1, rows(100, **gpu())))) == []
+
+
+def test_a_gpu_fault_comes_before_what_it_caused() -> None:
+    """A GPU whose memory went bad, then a loss gone NaN: the GPU is the top finding."""
+    faulty = ProcessRows(0, rows(100, **gpu(ecc_uncorrected=lambda s: 2.0 + (s >= 50)),
+                                 loss_nonfinite=lambda s: float(s >= 55)), [])  # fmt: skip
+    assert [f.kind for f in diagnose(run(faulty))] == ["gpu_fault", "divergence"]
+
+
+def test_a_straggler_whose_gpu_was_throttled_or_clocked_down_or_its_link_narrow() -> None:
+    slow = {"step_time_sum": lambda s: s * 0.2}  # 2x the others
+    others = [ProcessRows(rank, rows(200, **gpu()), phases(20.0, 0.2, rank)) for rank in range(3)]
+    # 60 % of its time held down by heat (0.1 s steps: 0.06 s a step), against 0 for the others.
+    hot = gpu(throttle_thermal=lambda s: 0.25 + s * 0.06, gpu_clock_sm=lambda s: 1.2e9)
+    (finding,) = diagnose(run(*others, ProcessRows(3, rows(200, **hot, **slow), phases(20.0, 0.2, 3))))
+    assert finding.cause.startswith("its GPU's clock was held down by heat (thermal) 60% of its time, the other ranks 0%")
+    assert {e.series for e in finding.evidence} >= {"openlora.gpu.throttle.time", "openlora.gpu.clock.sm"}
+    assert "cooling" in finding.try_next[0]
+    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader"]
+    # Clocked down without a throttle counter to say why.
+    (finding,) = diagnose(run(*others, ProcessRows(3, rows(200, **gpu(gpu_clock_sm=lambda s: 1.4e9), **slow), [])))
+    assert finding.cause.startswith("its GPU's SM clock averaged 1,400 MHz, the other ranks' 1,980 MHz")
+    # Its data loader explains more than its GPU: named first, the GPU ruled out as explaining less.
+    (finding,) = [f for f in diagnose(run(*others, ProcessRows(3, rows(200, **hot, **slow), phases(4.0, 16.0, 3))))
+                  if f.kind == "straggler"]  # fmt: skip
+    assert finding.cause.startswith("its data loader") and finding.ruled_out[0].startswith("its GPU's clock was held")
+    # A link trained narrow, nothing else different.
+    narrow = gpu(pcie_width=lambda s: 8.0)
+    (finding,) = diagnose(run(*others, ProcessRows(3, rows(200, **narrow, **slow), phases(20.0, 0.2, 3))))
+    assert finding.cause == "its GPU's PCIe link ran on 8 of the 16 lanes GPU and slot support"
+    assert [r.split(":")[0] for r in finding.ruled_out] == ["its GPU's clock", "its GPU's clock", "its data loader"]
 
 
 def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:

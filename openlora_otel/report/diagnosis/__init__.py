@@ -8,15 +8,19 @@ what to try, and the runbook entry. A healthy run gets no finding.
 
 The detectors so far (issue 34 lists the rest):
 
+- ``gpu_fault``: what a rank's GPU series show went wrong (fell off the bus, a failed row remap,
+  uncorrected ECC errors during the run, failed, an XID of a bad GPU, a remap pending, degraded, a
+  program's XIDs), the most specific first, with the step it was first seen at.
 - ``divergence``: the first non-finite loss or gradient norm; whether the gradient norm grew before
   it, a loss spike preceded it, and the learning rate then.
 - ``hang``: a rank that stopped stepping while the others went on, or a run whose telemetry kept
   reporting after its steps stopped.
-- ``straggler``: a rank whose mean step time is well above the others', since when, and whether
-  its own data wait explains it.
+- ``straggler``: a rank whose mean step time is well above the others', since when, and which of
+  its own signals explains it: its GPU's clock held down (throttle reasons, SM clock, temperature),
+  its data wait, its PCIe link trained narrow.
 - ``input_bound``: the share of the run's time spent waiting for data.
 
-The detectors live in :mod:`.training` (divergence, hang, input-bound) and :mod:`.stragglers`, what
+The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound) and :mod:`.stragglers`, what
 they share in :mod:`.findings`, the JSON and text forms in :mod:`.output`.
 
 :func:`to_json` gives the documented JSON form (:data:`JSON_SCHEMA`); :func:`text_lines` the printed one.
@@ -26,6 +30,7 @@ See docs/how-to/diagnose.md.
 from __future__ import annotations
 
 from openlora_otel.report.diagnosis.findings import KINDS, SCHEMA_ID, SEVERITIES, Evidence, Finding
+from openlora_otel.report.diagnosis.gpu import gpu_fault
 from openlora_otel.report.diagnosis.output import JSON_SCHEMA, text_lines, to_json
 from openlora_otel.report.diagnosis.stragglers import straggler
 from openlora_otel.report.diagnosis.training import divergence, hang, input_bound
@@ -37,6 +42,6 @@ __all__ = ["JSON_SCHEMA", "KINDS", "SCHEMA_ID", "SEVERITIES", "Evidence", "Findi
 def diagnose(run: Run) -> list[Finding]:
     """Every detector's findings for ``run``, most severe (then most telling) first."""
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
-    found: list[Finding] = [*divergence(processes), *hang(processes, run.outcome), *straggler(processes),
-                            *input_bound(processes)]  # fmt: skip
+    found: list[Finding] = [*gpu_fault(processes), *divergence(processes), *hang(processes, run.outcome),
+                            *straggler(processes), *input_bound(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)

@@ -4,6 +4,7 @@ readings every detector shares (step times, goodput phases, how a time or a step
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -14,7 +15,7 @@ RUNBOOKS = "https://openlora.github.io/openlora-otel/runbooks/"
 SCHEMA_ID = "https://openlora.github.io/openlora-otel/schemas/diagnosis-v1.json"
 SEVERITIES = ("critical", "warning", "info")
 # The detectors, in the order their findings of one severity come: what ruins a run, then what slows it.
-KINDS = ("divergence", "hang", "straggler", "input_bound")
+KINDS = ("gpu_fault", "divergence", "hang", "straggler", "input_bound")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Finding:
     """One thing that went wrong (or is worth knowing), with its evidence and what to do."""
 
     severity: str  # one of SEVERITIES
-    kind: str  # the detector: divergence, hang, straggler, input_bound
+    kind: str  # the detector: one of KINDS
     title: str
     cause: str
     evidence: tuple[Evidence, ...] = ()
@@ -122,3 +123,33 @@ def step_text(value: float | None) -> str:
 
 def rank_text(rank: int | None) -> str:
     return "the process" if rank is None else f"rank {rank}"
+
+def first_row(process: ProcessRows, key: str, above: float = 0.0) -> Row | None:
+    """The rank's first row whose ``key`` is above ``above``."""
+    return next((row for row in process.rows if finite(row.values.get(key)) and row.values[key] > above), None)
+
+
+def rose(process: ProcessRows, key: str) -> tuple[Row, float] | None:
+    """The first row at which counter ``key`` stood above the rank's first reading of it, and by how much
+    (a count since the driver loaded: what it held when the run began is not the run's; a lower
+    reading, another attempt's GPU, is the new base)."""
+    base = None
+    for row in process.rows:
+        value = row.values.get(key)
+        if not finite(value):
+            continue
+        if base is None or value < base:
+            base = value
+        elif value > base:
+            return row, value - base
+    return None
+
+
+def highest(process: ProcessRows, key: str) -> float | None:
+    values = [row.values[key] for row in process.rows if finite(row.values.get(key))]
+    return max(values) if values else None
+
+
+def mean_of(process: ProcessRows, key: str) -> float | None:
+    values = [r.values[key] for r in process.rows if finite(r.values.get(key))]
+    return statistics.fmean(values) if values else None

@@ -3,6 +3,7 @@ explains it."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 
@@ -11,6 +12,9 @@ from openlora_otel.report.diagnosis.findings import (
     Evidence,
     Finding,
     data_wait_share,
+    finite,
+    highest,
+    mean_of,
     mean_step_time,
     rank_phases,
     rank_text,
@@ -18,13 +22,15 @@ from openlora_otel.report.diagnosis.findings import (
     step_time_increments,
     when_text,
 )
-from openlora_otel.report.model import ProcessRows
+from openlora_otel.report.model import SLOWDOWN_REASONS, ProcessRows
 
 # Thresholds, each a documented choice (docs/how-to/diagnose.md).
 STRAGGLER_RATIO = 1.25  # a rank's mean step time over the other ranks' median: a straggler (warning)
 STRAGGLER_CRITICAL = 2.0  # ... and critical from this ratio
 STRAGGLER_MIN_EXTRA_S = 0.005  # below this many seconds more a step, noise on a tiny step
 DATA_WAIT_EXPLAINS = 0.10  # a straggler's data-wait share above the other ranks' median by this: its data loader
+THROTTLE_EXPLAINS = 0.10  # a straggler's share of time throttled for a reason, above the other ranks' median by this
+CLOCK_EXPLAINS = 0.90  # a straggler's mean SM clock at most this fraction of the other ranks' median
 
 
 def straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
@@ -58,30 +64,123 @@ def straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
                 Evidence("openlora.training.time", round(share, 4),
                          f"share of its time waiting for data (the other ranks' median {median_share:.1%})", None, process.rank)
             )  # fmt: skip
-        if share is not None and median_share is not None and share - median_share >= DATA_WAIT_EXPLAINS:
-            cause = f"its data loader: it waits for data {share:.0%} of its time, the other ranks {median_share:.0%}"
-            ruled_out = ("its compute: without the extra data wait its steps take what the others' do",)
-            try_next = ("give this rank's DataLoader more workers, or check its node's storage and CPU",)
-        else:
-            cause = (
-                "no cause found among the signals recorded: its own steps take longer (compute, a GPU clocked "
-                "down, a PCIe link trained narrow, a host busy elsewhere); the GPU and host series of that rank's "
-                "node say which"
-            )
-            ruled_out = (
-                (f"its data loader: it waits for data {share:.0%} of its time, like the others ({median_share:.0%})",)
-                if share is not None and median_share is not None
-                else ("its data loader: not recorded (no goodput phases in these files)",)
-            )
-            try_next = ("compare the rank's GPU clocks, throttle reasons, temperature and power with the others' "
-                        "(the cluster dashboard)", "move the rank to another node to see whether the slowness follows it")  # fmt: skip
+        cause, ruled_out, try_next, more = straggler_cause(processes, index, share, median_share)
+        evidence.extend(more)
         findings.append(
             Finding(
                 "critical" if ratio >= STRAGGLER_CRITICAL else "warning", "straggler",
                 f"{rank_text(process.rank)} is a straggler: {ratio:.2f}x the other ranks' step time"
                 + (f" since step {step_text(since[0].values.get('steps'))} ({when_text(since[0].time_s)})" if since else ""),
-                cause, tuple(evidence), ruled_out, try_next, f"{RUNBOOKS}#openlorarankstraggling",
+                cause, tuple(evidence), tuple(ruled_out), tuple(try_next), f"{RUNBOOKS}#openlorarankstraggling",
                 since[0].values.get("steps") if since else None, since[0].time_s if since else None, process.rank, ratio,
             )
         )  # fmt: skip
     return findings
+
+
+def _throttled(process: ProcessRows) -> dict[str, float]:
+    """Share of the rank's reported time its GPU clock was held down, per reason (SLOWDOWN_REASONS): the
+    throttle counters' increase over the span of its rows (a lower reading, another attempt's GPU,
+    adds nothing)."""
+    out = {}
+    for reason in SLOWDOWN_REASONS:
+        points = [(r.time_s, r.values[f"throttle_{reason}"]) for r in process.rows if finite(r.values.get(f"throttle_{reason}"))]
+        span = points[-1][0] - points[0][0] if len(points) > 1 else 0.0
+        if span > 0:
+            gained = sum(max(0.0, b - a) for (_, a), (_, b) in itertools.pairwise(points))
+            out[reason] = min(1.0, gained / span)
+    return out
+
+
+def _narrow_link(process: ProcessRows) -> tuple[float, float] | None:
+    """(lanes, lanes supported) of the rank's latest reading whose PCIe link ran narrow."""
+    narrow = [(r.values["pcie_width"], r.values["pcie_width_max"]) for r in process.rows
+              if finite(r.values.get("pcie_width")) and finite(r.values.get("pcie_width_max"))
+              and r.values["pcie_width"] < r.values["pcie_width_max"]]  # fmt: skip
+    return narrow[-1] if narrow else None
+
+
+_REASON_WORDS = {
+    "sw_power_cap": "its power cap (sw_power_cap)",
+    "thermal": "heat (thermal)",
+    "hw_thermal_slowdown": "heat, by the hardware (hw_thermal_slowdown)",
+    "hw_power_brake_slowdown": "the power brake (hw_power_brake_slowdown)",
+}
+
+
+def straggler_cause(
+    processes: Sequence[ProcessRows], index: int, share: float | None, median_share: float | None
+) -> tuple[str, list[str], list[str], list[Evidence]]:
+    """Why rank ``index`` steps slower, among its own signals against the other ranks': its GPU's clock
+    held down (throttle reasons, the SM clock), its data loader, its PCIe link trained narrow. The
+    largest excess of time lost is the cause; ``(cause, ruled out, what to try, evidence)``."""
+    process, others = processes[index], [p for i, p in enumerate(processes) if i != index]
+    rank = process.rank
+    candidates: list[tuple[float, str, list[str], list[Evidence]]] = []
+    ruled_out: list[str] = []
+    throttled = _throttled(process)
+    if throttled:
+        theirs = {reason: statistics.median([t.get(reason, 0.0) for t in map(_throttled, others)] or [0.0])
+                  for reason in throttled}  # fmt: skip
+        reason = max(throttled, key=lambda r: throttled[r] - theirs[r])
+        excess = throttled[reason] - theirs[reason]
+        words = f"{_REASON_WORDS[reason]} {throttled[reason]:.0%} of its time, the other ranks {theirs[reason]:.0%}"
+        if excess >= THROTTLE_EXPLAINS:
+            fix = ("check the node's cooling, fans and airflow and the GPU's temperature" if "thermal" in reason
+                   else "check the GPU's power limit (nvidia-smi -q -d POWER) and the node's power supply")  # fmt: skip
+            shown = [Evidence("openlora.gpu.throttle.time", round(throttled[reason], 4),
+                              f"share of its time throttled for {reason}", None, rank)]  # fmt: skip
+            hottest = highest(process, "gpu_temperature")
+            theirs_hottest = [t for p in others if (t := highest(p, "gpu_temperature")) is not None]
+            if hottest is not None and theirs_hottest:
+                shown.append(Evidence("hw.temperature", hottest, f"its GPU's highest temperature, °C (the other ranks' "
+                                      f"median {statistics.median(theirs_hottest):.0f})", None, rank))  # fmt: skip
+            candidates.append((excess, f"its GPU's clock was held down by {words}", [fix], shown))
+        else:
+            ruled_out.append(f"its GPU's clock: held down no more than the others' (most by {words})")
+    clock = mean_of(process, "gpu_clock_sm")
+    their_clocks = [c for p in others if (c := mean_of(p, "gpu_clock_sm")) is not None]
+    if clock is not None and their_clocks:
+        median_clock = statistics.median(their_clocks)
+        words = f"its GPU's SM clock averaged {clock / 1e6:,.0f} MHz, the other ranks' {median_clock / 1e6:,.0f} MHz"
+        clock_evidence = Evidence("openlora.gpu.clock.sm", round(clock), words, None, rank)
+        if median_clock > 0 and clock <= CLOCK_EXPLAINS * median_clock:
+            if candidates:  # the throttling's own evidence
+                candidates[0][3].append(clock_evidence)
+            else:
+                candidates.append((1.0 - clock / median_clock, f"{words}: it runs slower, for a reason "
+                                   "its throttle counters do not show", ["compare the GPU's clocks and power "
+                                   "limit with nvidia-smi -q -d CLOCK,POWER"], [clock_evidence]))  # fmt: skip
+        elif not candidates:
+            ruled_out.append(f"its GPU's clock: {words}")
+    if not throttled and clock is None:
+        ruled_out.append("its GPU: no throttle or clock series recorded for this rank")
+    if share is not None and median_share is not None:
+        words = f"it waits for data {share:.0%} of its time, the other ranks {median_share:.0%}"
+        if share - median_share >= DATA_WAIT_EXPLAINS:
+            candidates.append((share - median_share, f"its data loader: {words}",
+                               ["give this rank's DataLoader more workers, or check its node's storage and CPU"], []))  # fmt: skip
+        else:
+            ruled_out.append(f"its data loader: {words}")
+    else:
+        ruled_out.append("its data loader: not recorded (no goodput phases in these files)")
+    link = _narrow_link(process)
+    if link is not None:
+        words = f"its GPU's PCIe link ran on {link[0]:.0f} of the {link[1]:.0f} lanes GPU and slot support"
+        if any(_narrow_link(p) is None for p in others):
+            # Slows copies between host and GPU, not the GPU's compute: the cause only when nothing else is.
+            candidates.append((0.0, words, ["reseat the GPU or its riser (a link trains its width at reset)"],
+                               [Evidence("openlora.gpu.pcie.link.width", link[0], words, None, rank)]))  # fmt: skip
+    if not candidates:
+        return (
+            "no cause found among the signals recorded: its own steps take longer (its compute, a host busy "
+            "elsewhere, its network); the host series of that rank's node may say which",
+            ruled_out,
+            ["move the rank to another node to see whether the slowness follows it"],
+            [],
+        )
+    candidates.sort(key=lambda c: -c[0])
+    (_, cause, try_next, evidence), *rest = candidates
+    ruled_out[:0] = [f"{other}: it explains less" for _, other, _, _ in rest]
+    return cause, ruled_out, try_next, evidence
+

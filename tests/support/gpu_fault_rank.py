@@ -1,0 +1,90 @@
+"""One rank of a training-like run whose GPU is a fake NVML's (tests/support/fake_nvml.py), with a GPU
+fault injected: what `openlora-otel diagnose` is proven on when no real GPU can be made to fail.
+
+Run as a script, one process per rank, with the environment torchrun would give it (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``) and ``OPENLORA_RUN_ID``, ``OPENLORA_HISTORY_DIR``: the real
+``setup_telemetry()``, its GPU collection reading this rank's GPU (by ``LOCAL_RANK``) of a node of
+``WORLD_SIZE`` H100s, steps of ``--step-ms`` recorded as a training loop records them. From step
+``--fault-at`` the ``--fault`` hits LOCAL_RANK 1's GPU:
+
+- ``off-bus``: XID 79 and NVML loses the GPU; the rank stops stepping, goes on reporting for
+  ``--linger-s`` and then raises (the CUDA error a real rank would die of).
+- ``ecc``: an uncorrected ECC error; the rank goes on.
+- ``remap-pending``: a row remap waits for a reset; the rank goes on.
+- ``thermal``: the clock held down by heat 60 % of the time, at 1.2 GHz and 88 °C: its steps take twice
+  as long.
+- ``narrow-link``: the PCIe link trained at x8 of x16 (from the start): its steps take 1.5 times as long.
+- ``none``: a healthy rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from openlora_otel import setup_telemetry  # noqa: E402
+from openlora_otel.hardware import nvml  # noqa: E402
+from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
+
+FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--fault-at", type=int, default=20)
+    parser.add_argument("--step-ms", type=float, default=50.0)
+    parser.add_argument("--linger-s", type=float, default=1.5)
+    args = parser.parse_args()
+    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    cards = h100s(world, processes={os.getpid(): 2 * 2**30})
+    card = cards[local_rank]
+    faulty = local_rank == 1 and args.fault != "none"
+    if faulty and args.fault == "narrow-link":
+        card.link = (8, 5)
+    fake = FakeNvml(cards)
+    nvml.load_pynvml_backend = lambda: fake
+    telemetry = setup_telemetry("gpu-fault-run", hyperparameters={"learning_rate": 1e-4})
+    training = telemetry.training
+    step_s = args.step_ms / 1000.0
+    for step in range(1, args.steps + 1):
+        slow = 1.5 if faulty and args.fault == "narrow-link" else 1.0
+        if faulty and step >= args.fault_at and args.fault == "thermal":
+            slow = 2.0
+            card.sm_clock_hz = 1.2e9
+            card.temperature_c = 88.0
+            card.throttle_ns["thermal"] += round(0.6 * slow * step_s * 1e9)
+        if faulty and step == args.fault_at:
+            if args.fault == "off-bus":
+                _when_watched(fake, card)
+                fake.inject_xid(card, 79)
+                card.failing = True
+                time.sleep(args.linger_s)  # stuck in the step its GPU left under, still reporting
+                # The error a real rank dies of; the telemetry's exit hooks write its last line.
+                raise RuntimeError("CUDA error: unspecified launch failure")
+            if args.fault == "ecc":
+                card.ecc_uncorrected += 1
+            if args.fault == "remap-pending":
+                card.remap = (card.remap[0], card.remap[1] + 1, 1, 0)
+        time.sleep(step_s * slow)
+        training.record_step(loss=3.0 / (1 + step / 100), grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4)
+    telemetry.shutdown()
+    return 0
+
+
+def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:
+    """The driver delivers XIDs only to a GPU registered for events (at the first collection)."""
+    deadline = time.monotonic() + timeout_s
+    while card.uuid not in fake.registered and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
