@@ -178,7 +178,7 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     for quantity in QUANTITIES:
         found = []
         for point in snapshot.metrics.get(quantity.otel_name, ()):
-            if any(str(point.attributes.get(k)) != v for k, v in quantity.where):
+            if not quantity.matches(point.attributes):
                 continue
             value = point.value if quantity.field == "value" else getattr(point, quantity.field)
             if value is not None:

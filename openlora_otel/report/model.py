@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from openlora_otel.names import (
@@ -21,6 +21,7 @@ from openlora_otel.names import (
     GPU_METRICS,
     GUARD_REASONS,
     TRAINING_METRICS,
+    XID_BAD_GPU,
     MetricSpec,
 )
 from openlora_otel.report.goodput import TimeBreakdown, TimeSample
@@ -76,8 +77,8 @@ class Quantity:
     otel_name: str
     field: str = "value"
     combine: str = "max"  # one of COMBINE
-    # Points must carry these attributes (OTel keys) with these values.
-    where: tuple[tuple[str, str], ...] = ()
+    # Points must carry these attributes (OTel keys) with these values (a tuple: any of them).
+    where: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
     @property
     def spec(self) -> MetricSpec:
@@ -95,7 +96,10 @@ class Quantity:
         if spec.kind == "histogram":
             names = {f"{name}_{self.field}" for name in names}
         matchers = [selector] if selector else []
-        matchers += [f'{key.replace(".", "_")}="{value}"' for key, value in self.where]
+        matchers += [
+            f'{key.replace(".", "_")}="{value}"' if isinstance(value, str) else f'{key.replace(".", "_")}=~"{"|".join(value)}"'
+            for key, value in self.where
+        ]
         if len(names) == 1:
             inner = f"{names.pop()}{{{', '.join(matchers)}}}"
         else:  # the semantic conventions' unit-1 gauges: hw_gpu_utilization, or _ratio via the Collector
@@ -105,6 +109,13 @@ class Quantity:
             inner = f"{inner} * on (job, instance) group_left () {run_target(run_id, selector)}"
         grouping = f" by ({', '.join(by)}) " if by else ""
         return f"{_PROMQL_COMBINE[self.combine]}{grouping}({inner})"
+
+    def matches(self, attributes: Mapping[str, object]) -> bool:
+        """Whether a point with these attributes is one of this quantity's."""
+        return all(
+            str(attributes.get(key)) == value if isinstance(value, str) else str(attributes.get(key)) in value
+            for key, value in self.where
+        )
 
     def fold(self, values: Sequence[float]) -> float:
         """The points of one collection as one value, as :meth:`promql` folds them."""
@@ -159,9 +170,13 @@ QUANTITIES: tuple[Quantity, ...] = (
     # a reboot asked for; degraded: an XID of a bad GPU, a remap pending, a reset asked for).
     Quantity("gpu_failed", "hw.status", where=(("hw.type", "gpu"), (ATTR_HW_STATE, "failed"))),
     Quantity("gpu_degraded", "hw.status", where=(("hw.type", "gpu"), (ATTR_HW_STATE, "degraded"))),
-    # XIDs since the process started watching: all codes, and 79 (the GPU fell off the bus).
+    # XIDs since the process started watching: all codes, 79 (the GPU fell off the bus), and the
+    # codes of a bad GPU (names.XID_BAD_GPU: ECC, NVLink, GSP; a program's own 13, 31, 43 are not).
     Quantity("xid_errors", "openlora.gpu.xid.errors", combine="sum"),
     Quantity("xid_off_bus", "openlora.gpu.xid.errors", combine="sum", where=((ATTR_XID_CODE, "79"),)),
+    Quantity(
+        "xid_bad_gpu", "openlora.gpu.xid.errors", combine="sum", where=((ATTR_XID_CODE, tuple(map(str, XID_BAD_GPU))),)
+    ),
     # Uncorrected ECC errors since the driver loaded: what matters is an increase during the run.
     Quantity("ecc_uncorrected", "hw.errors", combine="sum", where=(("hw.type", "gpu"), ("error.type", "uncorrected"))),
     Quantity("remap_pending", "openlora.gpu.remap.pending"),

@@ -216,7 +216,9 @@ class PrometheusSource:
             for series in self.query_range(quantity.promql("", run_id, by), start, end, step):
                 key = (series["metric"].get("job", ""), series["metric"].get("instance", ""))
                 for stamp, text in series["values"]:
-                    if float(stamp) <= last_seen.get(key, math.inf):
+                    # Up to the first grid point after its last sample, which holds that sample's value (the
+                    # points before it may all precede the last scrape: a running run's newest fault).
+                    if float(stamp) < last_seen.get(key, math.inf) + step:
                         samples.setdefault(key, {}).setdefault(float(stamp), {})[quantity.key] = float(text)
         phases: dict[tuple[str, str], tuple[float, dict[str, float]]] = {}
         time_query = Quantity("time", TIME_METRIC).promql("", run_id, (*by, _PHASE_LABEL))

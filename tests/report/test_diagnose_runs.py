@@ -133,31 +133,7 @@ FAULT_AT = 20
 
 
 def run_ranks(directory: Path, fault: str, ports: int | None = None) -> None:
-    """Rank 0 and rank 1 of run ``gpu-<fault>`` side by side, writing their history every 250 ms; with
-    ``ports``, each serving its metrics for Prometheus on ``ports`` + its rank instead."""
-    processes = []
-    for rank in (0, 1):
-        exporting = {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
-            "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
-            "OTEL_EXPORTER_PROMETHEUS_PORT": str(ports), "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true"}  # + LOCAL_RANK  # fmt: skip
-        env = child_env(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OPENLORA_RUN_ID=f"gpu-{fault}",
-            OPENLORA_HISTORY_DIR=str(directory / fault), OPENLORA_HISTORY_INTERVAL="250",
-            OPENLORA_HOST_METRICS="false", OPENLORA_QUIET="true", **exporting,
-        )  # fmt: skip
-        processes.append(subprocess.Popen(
-            [sys.executable, gpu_fault_rank.__file__, "--fault", fault, "--fault-at", str(FAULT_AT)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    for rank, process in enumerate(processes):
-        try:
-            output, _ = process.communicate(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            reap(process, 10)
-        # The rank whose GPU fell off the bus dies of the CUDA error, as a real one would.
-        assert process.returncode == (1 if (fault, rank) == ("off-bus", 1) else 0), output
+    gpu_fault_rank.finish(gpu_fault_rank.start(directory, fault, FAULT_AT, ports), fault)
 
 
 @pytest.fixture(scope="module")

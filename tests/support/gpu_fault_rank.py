@@ -4,7 +4,8 @@ fault injected: what `openlora-otel diagnose` is proven on when no real GPU can 
 Run as a script, one process per rank, with the environment torchrun would give it (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``) and ``OPENLORA_RUN_ID``, ``OPENLORA_HISTORY_DIR``: the real
 ``setup_telemetry()``, its GPU collection reading this rank's GPU (by ``LOCAL_RANK``) of a node of
-``WORLD_SIZE`` H100s, steps of ``--step-ms`` recorded as a training loop records them. From step
+``WORLD_SIZE`` H100s, steps of ``--step-ms`` recorded as a training loop records them. Tests start a
+pair with :func:`start` and wait for it with :func:`finish`. From step
 ``--fault-at`` the ``--fault`` hits LOCAL_RANK 1's GPU:
 
 - ``off-bus``: XID 79 and NVML loses the GPU; the rank stops stepping, goes on reporting for
@@ -13,7 +14,7 @@ Run as a script, one process per rank, with the environment torchrun would give 
 - ``remap-pending``: a row remap waits for a reset; the rank goes on.
 - ``thermal``: the clock held down by heat 60 % of the time, at 1.2 GHz and 88 °C: its steps take twice
   as long.
-- ``narrow-link``: the PCIe link trained at x8 of x16 (from the start): its steps take 1.5 times as long.
+- ``narrow-link``: the PCIe link trained at x8 of x16 (from the start): its steps take twice as long.
 - ``none``: a healthy rank.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +57,7 @@ def main() -> int:
     training = telemetry.training
     step_s = args.step_ms / 1000.0
     for step in range(1, args.steps + 1):
-        slow = 1.5 if faulty and args.fault == "narrow-link" else 1.0
+        slow = 2.0 if faulty and args.fault == "narrow-link" else 1.0
         if faulty and step >= args.fault_at and args.fault == "thermal":
             slow = 2.0
             card.sm_clock_hz = 1.2e9
@@ -77,6 +79,44 @@ def main() -> int:
         training.record_step(loss=3.0 / (1 + step / 100), grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4)
     telemetry.shutdown()
     return 0
+
+
+def start(directory: Path, fault: str, fault_at: int, ports: int | None = None, *extra: str) -> list[subprocess.Popen]:
+    """Rank 0 and rank 1 of run ``gpu-<fault>`` side by side, each writing its history every 250 ms under
+    ``directory/<fault>``; with ``ports``, serving its metrics for Prometheus on ``ports`` + LOCAL_RANK,
+    with a last scrape at its exit. ``extra``: more arguments for both."""
+    from tests.support.processes import child_env
+
+    processes = []
+    for rank in (0, 1):
+        exporting = {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
+            "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
+            "OTEL_EXPORTER_PROMETHEUS_PORT": str(ports), "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true"}  # fmt: skip
+        env = child_env(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OPENLORA_RUN_ID=f"gpu-{fault}",
+            OPENLORA_HISTORY_DIR=str(directory / fault), OPENLORA_HISTORY_INTERVAL="250",
+            OPENLORA_HOST_METRICS="false", OPENLORA_QUIET="true", **exporting,
+        )  # fmt: skip
+        processes.append(subprocess.Popen(
+            [sys.executable, __file__, "--fault", fault, "--fault-at", str(fault_at), *extra],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    return processes
+
+
+def finish(processes: list[subprocess.Popen], fault: str, timeout_s: float = 120.0) -> None:
+    """Wait for the ranks :func:`start` started (killed after ``timeout_s``); each must have exited 0, but
+    the rank whose GPU fell off the bus, which dies of the CUDA error as a real one would."""
+    from tests.support.processes import reap
+
+    for rank, process in enumerate(processes):
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            reap(process, 10)
+        assert process.returncode == (1 if (fault, rank) == ("off-bus", 1) else 0), output
 
 
 def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:

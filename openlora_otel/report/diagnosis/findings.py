@@ -124,25 +124,60 @@ def step_text(value: float | None) -> str:
 def rank_text(rank: int | None) -> str:
     return "the process" if rank is None else f"rank {rank}"
 
-def first_row(process: ProcessRows, key: str, above: float = 0.0) -> Row | None:
-    """The rank's first row whose ``key`` is above ``above``."""
-    return next((row for row in process.rows if finite(row.values.get(key)) and row.values[key] > above), None)
+def attempts(process: ProcessRows) -> list[list[Row]]:
+    """The rank's rows split where a new process began (a resumed attempt: its step count or step
+    histogram's count went down)."""
+    out: list[list[Row]] = []
+    before: tuple[float, float] | None = None
+    for row in process.rows:
+        now = (row.values.get("steps", math.nan), row.values.get("step_time_count", math.nan))
+        if not out or (before is not None and any(finite(b) and finite(n) and n < b for n, b in zip(now, before, strict=True))):
+            out.append([])
+        out[-1].append(row)
+        before = now
+    return out
+
+
+def first_row(process: ProcessRows, key: str, above: float = 0.0, *, held: bool = False) -> Row | None:
+    """The rank's first row whose ``key`` is above ``above``; ``held``: and so in the reading after it
+    too, or the rank's last (one failed reading is not a failed GPU: a timeout reads so)."""
+    rows = [row for row in process.rows if finite(row.values.get(key))]
+    for index, row in enumerate(rows):
+        if row.values[key] > above and (not held or index == len(rows) - 1 or rows[index + 1].values[key] > above):
+            return row
+    return None
 
 
 def rose(process: ProcessRows, key: str) -> tuple[Row, float] | None:
-    """The first row at which counter ``key`` stood above the rank's first reading of it, and by how much
-    (a count since the driver loaded: what it held when the run began is not the run's; a lower
-    reading, another attempt's GPU, is the new base)."""
-    base = None
-    for row in process.rows:
-        value = row.values.get(key)
-        if not finite(value):
+    """The first row at which counter ``key`` rose within an attempt, and by how much since the attempt's
+    first reading. A count since the driver loaded: what it held when an attempt began is not the
+    run's, whatever the GPU; a rise must hold in the reading after it (a process's GPUs summed dip and
+    come back when one GPU's read fails once), unless it is the attempt's last."""
+    for rows in attempts(process):
+        values = [(row, row.values[key]) for row in rows if finite(row.values.get(key))]
+        if not values:
             continue
-        if base is None or value < base:
-            base = value
-        elif value > base:
-            return row, value - base
+        base = values[0][1]
+        for index, (row, value) in enumerate(values):
+            if value > base and (index == len(values) - 1 or values[index + 1][1] > base):
+                return row, value - base
     return None
+
+
+def gained(process: ProcessRows, key: str) -> tuple[float, float]:
+    """(what counter ``key`` added, over how many seconds): within each attempt, its rises above the
+    highest reading so far (a dip and its return add nothing), over the attempt's span."""
+    total = span = 0.0
+    for rows in attempts(process):
+        values = [(row.time_s, row.values[key]) for row in rows if finite(row.values.get(key))]
+        if len(values) < 2:
+            continue
+        most = values[0][1]
+        for _, value in values[1:]:
+            if value > most:
+                total, most = total + value - most, value
+        span += values[-1][0] - values[0][0]
+    return total, span
 
 
 def highest(process: ProcessRows, key: str) -> float | None:

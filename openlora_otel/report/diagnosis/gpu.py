@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from openlora_otel.names import XID_BAD_GPU
 from openlora_otel.report.diagnosis.findings import (
     RUNBOOKS,
     Evidence,
@@ -35,6 +36,7 @@ class _GpuSign:
     try_next: tuple[str, ...]
     runbook: str
     rose: bool = False  # a count since the driver loaded: only an increase during the run counts
+    held: bool = False  # shown in two readings in a row (or the rank's last): one is not enough
 
 
 _DRAIN = "drain the node and resume the run from its last checkpoint on another GPU"
@@ -61,7 +63,14 @@ _GPU_SIGNS = (
     _GpuSign("gpu_failed", "hw.status{hw.state=failed}", "GPU status failed", "critical", "failed",
              "NVML lost the GPU (it stopped answering) or the driver asks for a node reboot: the rank's work on it "
              "stopped", "XID 79 and a failed row remap: not reported", (_DRAIN, "reboot the node; check nvidia-smi "
-             "and dmesg"), "openloragpufailed"),
+             "and dmesg"), "openloragpufailed", held=True),
+    _GpuSign("xid_bad_gpu", f"openlora.gpu.xid.errors{{openlora.gpu.xid.code=~{'|'.join(map(str, XID_BAD_GPU))}}}",
+             "XIDs of a bad GPU", "critical", "reported an XID of a bad GPU",
+             "the driver reported an XID that means a bad GPU (48 a double-bit ECC error, 62 a micro-controller halt, "
+             "74 NVLink, 94/95 contained or uncontained ECC errors, 119/120 GSP: the process's log names the code): "
+             "the work on it was killed or may be corrupt", "a program's own XIDs (13, 31, 43): these codes are the "
+             "GPU's", ("resume from a checkpoint written before this step", "reset the GPU (nvidia-smi -r) or drain "
+             "its node; ECC XIDs again mean replacing it"), "openloragpuhardwarexid"),
     _GpuSign("remap_pending", "openlora.gpu.remap.pending", "a row remap pending", "warning", "has a row remap waiting for a reset",
              "a memory row went bad and stays in use until the GPU is reset", "a failed remap: spare rows are left",
              ("let the run finish or checkpoint, then reset the GPU (nvidia-smi -r) or reboot the node",),
@@ -89,24 +98,20 @@ def gpu_fault(processes: Sequence[ProcessRows]) -> list[Finding]:
                 increase = rose(process, sign.key)
                 if increase is not None:
                     shown.append((sign, increase[0], increase[1]))
-            elif (row := first_row(process, sign.key)) is not None:
+            elif (row := first_row(process, sign.key, held=sign.held)) is not None:
                 shown.append((sign, row, highest(process, sign.key) or 0.0))
         if not shown:
             continue
         sign, row, _ = shown[0]
-        keys = {other.key: at for other, at, _ in shown}
-        if sign.key in ("remap_pending", "gpu_degraded", "xid_errors") and {"gpu_degraded", "xid_errors"} <= set(keys):
-            # Degraded after an XID: the XID's was a bad GPU's (a program's own leave it ok).
-            row = keys["gpu_degraded"]
-            degraded = next(other for other in _GPU_SIGNS if other.key == "gpu_degraded")
-            sign = _GpuSign(degraded.key, degraded.series, degraded.label, "critical", "reported an XID of a bad GPU",
-                            degraded.cause, degraded.ruled_out, (*degraded.try_next, "resume from a checkpoint written "
-                            "before this step: work on the GPU was killed or may be corrupt"), "openloragpuhardwarexid")  # fmt: skip
         step = finite_or_none(row.values.get("steps"))
         # Between the reading before, which did not show it, and this one.
         before = [r.values.get("steps") for r in process.rows if r.time_s < row.time_s and finite(r.values.get("steps"))]
-        when = (f"between steps {step_text(before[-1])} and {step_text(step)}" if before and step is not None and before[-1] < step
-                else f"at step {step_text(step)}")  # fmt: skip
+        if step is None:
+            when = "before the first step"
+        elif before and before[-1] < step:
+            when = f"between steps {step_text(before[-1])} and {step_text(step)}"
+        else:
+            when = f"at step {step_text(step)}"
         evidence = tuple(
             Evidence(other.series, value, f"{other.label}: first at step {step_text(at.values.get('steps'))} "
                      f"({when_text(at.time_s)})" + (", an increase since the run began" if other.rose else ""),

@@ -3,7 +3,6 @@ explains it."""
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ from openlora_otel.report.diagnosis.findings import (
     Finding,
     data_wait_share,
     finite,
+    gained,
     highest,
     mean_of,
     mean_step_time,
@@ -79,16 +79,14 @@ def straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
 
 
 def _throttled(process: ProcessRows) -> dict[str, float]:
-    """Share of the rank's reported time its GPU clock was held down, per reason (SLOWDOWN_REASONS): the
-    throttle counters' increase over the span of its rows (a lower reading, another attempt's GPU,
-    adds nothing)."""
+    """Share of the rank's reported time its GPU clock was held down, per reason (SLOWDOWN_REASONS): what
+    the throttle counters added within each attempt, over the attempts' spans (a counter since the
+    driver loaded: another attempt's GPU starts from its own reading)."""
     out = {}
     for reason in SLOWDOWN_REASONS:
-        points = [(r.time_s, r.values[f"throttle_{reason}"]) for r in process.rows if finite(r.values.get(f"throttle_{reason}"))]
-        span = points[-1][0] - points[0][0] if len(points) > 1 else 0.0
+        added, span = gained(process, f"throttle_{reason}")
         if span > 0:
-            gained = sum(max(0.0, b - a) for (_, a), (_, b) in itertools.pairwise(points))
-            out[reason] = min(1.0, gained / span)
+            out[reason] = min(1.0, added / span)
     return out
 
 
@@ -118,6 +116,16 @@ def straggler_cause(
     rank = process.rank
     candidates: list[tuple[float, str, list[str], list[Evidence]]] = []
     ruled_out: list[str] = []
+    starved = share is not None and median_share is not None and share - median_share >= DATA_WAIT_EXPLAINS
+    if share is not None and median_share is not None:
+        words = f"it waits for data {share:.0%} of its time, the other ranks {median_share:.0%}"
+        if starved:
+            candidates.append((share - median_share, f"its data loader: {words}",
+                               ["give this rank's DataLoader more workers, or check its node's storage and CPU"], []))  # fmt: skip
+        else:
+            ruled_out.append(f"its data loader: {words}")
+    else:
+        ruled_out.append("its data loader: not recorded (no goodput phases in these files)")
     throttled = _throttled(process)
     if throttled:
         theirs = {reason: statistics.median([t.get(reason, 0.0) for t in map(_throttled, others)] or [0.0])
@@ -137,33 +145,28 @@ def straggler_cause(
                                       f"median {statistics.median(theirs_hottest):.0f})", None, rank))  # fmt: skip
             candidates.append((excess, f"its GPU's clock was held down by {words}", [fix], shown))
         else:
-            ruled_out.append(f"its GPU's clock: held down no more than the others' (most by {words})")
+            ruled_out.append(f"its GPU's throttle counters: held down by {words}, under "
+                             f"{THROTTLE_EXPLAINS:.0%} of its time more")  # fmt: skip
     clock = mean_of(process, "gpu_clock_sm")
     their_clocks = [c for p in others if (c := mean_of(p, "gpu_clock_sm")) is not None]
     if clock is not None and their_clocks:
         median_clock = statistics.median(their_clocks)
         words = f"its GPU's SM clock averaged {clock / 1e6:,.0f} MHz, the other ranks' {median_clock / 1e6:,.0f} MHz"
         clock_evidence = Evidence("openlora.gpu.clock.sm", round(clock), words, None, rank)
+        throttling = [c for c in candidates if c[1].startswith("its GPU's clock was held down")]
         if median_clock > 0 and clock <= CLOCK_EXPLAINS * median_clock:
-            if candidates:  # the throttling's own evidence
-                candidates[0][3].append(clock_evidence)
+            if throttling:  # the throttling's own evidence
+                throttling[0][3].append(clock_evidence)
+            elif starved:  # a GPU waiting for its data idles, and idles at a lower clock
+                ruled_out.append(f"its GPU's clock: {words}, as a GPU waiting for data clocks down")
             else:
                 candidates.append((1.0 - clock / median_clock, f"{words}: it runs slower, for a reason "
                                    "its throttle counters do not show", ["compare the GPU's clocks and power "
                                    "limit with nvidia-smi -q -d CLOCK,POWER"], [clock_evidence]))  # fmt: skip
-        elif not candidates:
+        elif not throttling:
             ruled_out.append(f"its GPU's clock: {words}")
     if not throttled and clock is None:
         ruled_out.append("its GPU: no throttle or clock series recorded for this rank")
-    if share is not None and median_share is not None:
-        words = f"it waits for data {share:.0%} of its time, the other ranks {median_share:.0%}"
-        if share - median_share >= DATA_WAIT_EXPLAINS:
-            candidates.append((share - median_share, f"its data loader: {words}",
-                               ["give this rank's DataLoader more workers, or check its node's storage and CPU"], []))  # fmt: skip
-        else:
-            ruled_out.append(f"its data loader: {words}")
-    else:
-        ruled_out.append("its data loader: not recorded (no goodput phases in these files)")
     link = _narrow_link(process)
     if link is not None:
         words = f"its GPU's PCIe link ran on {link[0]:.0f} of the {link[1]:.0f} lanes GPU and slot support"
