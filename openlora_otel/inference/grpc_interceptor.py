@@ -24,6 +24,7 @@ of each response message, when given. Other methods pass through untouched. The 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -137,7 +138,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
     def _unary(self, behavior: Callable[[Any, Any], Any], operation: str, metadata: Any) -> Callable[[Any, Any], Any]:
         def measured(request: Any, context: grpc.ServicerContext) -> Any:
             record = self.inference.request(self._adapter_of(metadata, request), operation=operation)
-            budget = _time_remaining(context)
+            budget = _Deadline(context)
             try:
                 response = behavior(request, context)
             except BaseException as exc:
@@ -157,7 +158,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
     ) -> Callable[[Any, Any], Iterator[Any]]:
         def measured(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             record = self.inference.request(self._adapter_of(metadata, request), operation=operation)
-            budget = _time_remaining(context)  # the call's deadline as the server got it (None: none)
+            budget = _Deadline(context)
             error: str | None = "CANCELLED"  # unless the stream runs to its end
             produced = 0
             try:
@@ -171,7 +172,7 @@ class OpenAIMetricsServerInterceptor(grpc.ServerInterceptor):
             except GeneratorExit:
                 # Closed before its end: the client cancelled, or its deadline passed (the server's
                 # fault, not the client's: a server too slow for its clients must reach the alert).
-                if _deadline_passed(context, budget):
+                if budget.passed():
                     error = "DEADLINE_EXCEEDED"
                 raise
             except BaseException as exc:
@@ -199,22 +200,42 @@ def _time_remaining(context: Any) -> float | None:
     return None if remaining is None else float(remaining)
 
 
-def _deadline_passed(context: Any, budget: float | None) -> bool:
-    """Whether the call's deadline has passed, or was as good as passed, when it was closed.
+def _deadline_passed(remaining: float | None, budget: float | None) -> bool:
+    """Whether a call with ``remaining`` seconds to its deadline when it ended was past it, or as good as.
 
     The client's deadline passes first: the server's copy runs from the request's arrival (the
     ``grpc-timeout`` header), so the client's cancel at its own deadline reaches the server a
     request's transit before the server's timer. Within a tenth of the call's time (``budget``,
-    what remained when the handler started), between 20 ms and 1 s, of its deadline, a closed call
-    is counted as past it. A call without a deadline never passes it.
+    what remained when the handler started), between 20 ms and 1 s, of its deadline, a call that
+    ended is counted as past it. A call without a deadline never passes it.
     """
-    remaining = _time_remaining(context)
     if remaining is None or budget is None:
         return False
     return remaining <= min(_DEADLINE_SLACK_MAX_S, max(_DEADLINE_SLACK_MIN_S, 0.1 * budget))
 
 
-def _gone(context: Any, budget: float | None) -> str | None:
+class _Deadline:
+    """A call's deadline: the time it had when its handler started, and what was left when the call
+    ended for the server (``add_callback`` runs then: a client's cancel, the deadline, the status
+    sent). A handler that notices a cancel only later (blocked past the deadline) is judged by when the
+    call ended, not by when it noticed."""
+
+    __slots__ = ("_context", "budget", "ended")
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self.budget = _time_remaining(context)
+        self.ended: list[float | None] = []
+        # A context without add_callback: judged by when the handler noticed.
+        with contextlib.suppress(Exception):
+            context.add_callback(lambda: self.ended.append(_time_remaining(context)))
+
+    def passed(self) -> bool:
+        remaining = self.ended[0] if self.ended else _time_remaining(self._context)
+        return _deadline_passed(remaining, self.budget)
+
+
+def _gone(context: Any, budget: _Deadline) -> str | None:
     """``CANCELLED`` or ``DEADLINE_EXCEEDED`` when the call is over for its client (``None`` while it
     is active, or when the context cannot say)."""
     try:
@@ -223,7 +244,7 @@ def _gone(context: Any, budget: float | None) -> str | None:
         return None
     if active:
         return None
-    return "DEADLINE_EXCEEDED" if _deadline_passed(context, budget) else "CANCELLED"
+    return "DEADLINE_EXCEEDED" if budget.passed() else "CANCELLED"
 
 
 def _status(context: Any) -> str | None:

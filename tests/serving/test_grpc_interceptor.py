@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -89,6 +90,8 @@ class Rig:
         for word in request["prompt"].split():
             if request.get("model") in ("slow", "stops"):
                 self.held(context)
+            if request.get("model") == "deaf":  # blind to its client: only the test releases it
+                self.release.wait(10)
             if request.get("model") == "stops" and not context.is_active():
                 return  # a server that stops generating when its client leaves
             yield {"text": word}
@@ -182,6 +185,19 @@ def test_a_stream_past_its_deadline_is_the_servers_deadline_exceeded_not_a_cance
     assert re.fullmatch(CLIENT_ERROR_PATTERN, "DEADLINE_EXCEEDED") is None
 
 
+@pytest.mark.parametrize("timeout", [None, 1.0], ids=["no-deadline", "deadline"])
+def test_a_cancel_is_judged_by_when_the_client_left_not_when_the_handler_noticed(rig: Rig, timeout: float | None) -> None:
+    """A handler blind to its client, released after the deadline its client had: the client cancelled
+    long before that deadline, so CANCELLED (not the server's DEADLINE_EXCEEDED)."""
+    call = stream_of(rig, "deaf", timeout=timeout)
+    wait_until(lambda: running(rig) == 1, 10, "the call running")
+    call.cancel()
+    time.sleep(1.2)
+    rig.release.set()
+    wait_until(lambda: rig.by(DURATION, "error.type"), 10, "the cancelled call recorded")
+    assert rig.by(DURATION, "error.type") == {("deaf", "CANCELLED"): 1}
+
+
 def test_a_unary_call_whose_client_left_is_not_an_answer(rig: Rig) -> None:
     """A unary handler still at work when its client cancels (or its deadline passes) returns an answer
     nobody gets: CANCELLED (DEADLINE_EXCEEDED), no first token, no tokens."""
@@ -197,14 +213,6 @@ def test_a_unary_call_whose_client_left_is_not_an_answer(rig: Rig) -> None:
     assert rig.by(DURATION, "error.type") == {("slow", "CANCELLED"): 1, ("slow", "DEADLINE_EXCEEDED"): 1}
     assert not points(rig.reader.get_metrics_data(), TTFT)
     assert not points(rig.reader.get_metrics_data(), TOKENS)
-
-
-class _Context:
-    def __init__(self, remaining: float | None) -> None:
-        self.remaining = remaining
-
-    def time_remaining(self) -> float | None:
-        return self.remaining
 
 
 @pytest.mark.parametrize(
@@ -223,8 +231,8 @@ class _Context:
 def test_a_call_closed_near_its_deadline_is_past_it(budget: float | None, remaining: float, passed: bool) -> None:
     from openlora_otel.inference.grpc_interceptor import _deadline_passed
 
-    assert _deadline_passed(_Context(remaining), budget) is passed
-    assert _deadline_passed(_Context(None), budget) is False
+    assert _deadline_passed(remaining, budget) is passed
+    assert _deadline_passed(None, budget) is False
 
 
 def test_the_interceptor_refuses_what_cannot_work() -> None:
