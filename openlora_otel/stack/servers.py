@@ -95,6 +95,8 @@ class StackPlan:
             f"--config.file={self.prometheus_config_path}",
             f"--storage.tsdb.path={self.directory / 'data' / 'prometheus'}",
             f"--web.listen-address={LOOPBACK}:{self.prometheus_port}",
+            # The URL alerts name ($externalURL: the diagnose annotation's --prometheus, the links back).
+            f"--web.external-url=http://{LOOPBACK}:{self.prometheus_port}/",
             # An alert that fires before Prometheus has found the Alertmanager (its first
             # seconds) is sent again after this delay: one evaluation, not the default minute.
             f"--rules.alert.resend-delay={self.evaluation_interval}",

@@ -113,7 +113,7 @@ def test_writes_a_prometheus_config_for_the_local_ranks(tmp_path: Path) -> None:
     # The exact command lines, on loopback, with the files just written.
     assert (
         f"prometheus --config.file={directory}/prometheus.yml --storage.tsdb.path={directory}/data/prometheus "
-        "--web.listen-address=127.0.0.1:9090 --rules.alert.resend-delay=15s"
+        "--web.listen-address=127.0.0.1:9090 --web.external-url=http://127.0.0.1:9090/ --rules.alert.resend-delay=15s"
     ) in out
     assert (
         f"--config.file={directory}/alertmanager.yml --storage.path={directory}/data/alertmanager "

@@ -188,8 +188,11 @@ class Prometheus(ServerProcess):
         blocks: dict | None = None,
         external_labels: dict[str, str] | None = None,
         evaluation_interval: str | None = None,
+        external_url: bool = False,
     ) -> None:
         """Scrape ``targets`` (static) and, with ``file_sd``, the targets in files matching those globs;
+        with ``external_url``, its ``--web.external-url`` is its own loopback URL (what ``$externalURL``
+        gives the alerts' annotations);
         ``honor_labels`` as the scrape job of a Collector's exporter has it. ``blocks``: more top-level
         sections of the config (``otlp``, ``storage``), as YAML would give them; ``external_labels``
         those of the ``global`` section (a Thanos sidecar needs some); ``evaluation_interval`` that of the
@@ -226,6 +229,7 @@ class Prometheus(ServerProcess):
             f"--storage.tsdb.path={workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
             "--log.level=warn",
+            *((f"--web.external-url=http://127.0.0.1:{port}/",) if external_url else ()),
             *extra_args,
         ]
         super().__init__("prometheus", argv, port, workdir, "/-/ready")
