@@ -192,6 +192,12 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("gpu_temperature", "hw.temperature"),
     Quantity("pcie_width", "openlora.gpu.pcie.link.width", combine="min"),
     Quantity("pcie_width_max", "openlora.gpu.pcie.link.width.max", combine="min"),
+    # The torch allocator's memory on the process's fullest device, its GPU's total memory, and the
+    # allocations it could not make (diagnose's memory findings).
+    Quantity("torch_allocated", "openlora.torch.memory.allocated"),
+    Quantity("torch_reserved", "openlora.torch.memory.reserved"),
+    Quantity("gpu_memory_limit", "hw.gpu.memory.limit"),
+    Quantity("torch_ooms", "openlora.torch.memory.ooms", combine="sum"),
 )
 
 

@@ -258,7 +258,7 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
             prometheus_source.PrometheusSource.get = get
         # A bounded number of queries, whatever the number of ranks: one range query per series for
         # all of them, the run's span and identity (docs/how-to/diagnose.md states it).
-        assert len(asked) == len(prometheus_source.QUANTITIES) + 6, asked  # 39 today
+        assert len(asked) == len(prometheus_source.QUANTITIES) + 6, asked  # 43 today
         assert sorted(p.rank for p in run.processes) == [0, 1], run.processes
         findings = diagnose(run)
         assert findings and (findings[0].kind, findings[0].rank) == ("straggler", 1), findings

@@ -7,10 +7,12 @@ its step or rank; the healthy run has none; the JSON form validates against its 
 GPU faults, with no GPU to make fail: two-rank runs (tests/support/gpu_fault_rank.py) whose real
 telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's GPU: it fell off the bus
 (and the rank died), an uncorrected ECC error, a row remap pending, its clock held down by heat (a
-straggler), its PCIe link trained narrow (a straggler); and a healthy pair.
+straggler), its PCIe link trained narrow (a straggler), its allocated memory growing every step, an
+out-of-memory error (and the rank died); both ranks' GPUs held down by heat from step 40 (the run
+slowed); and a healthy pair.
 
-Not yet in this corpus (issue 34): a hung rank, memory growth, a SIGKILL and a resume (their
-detectors do not exist yet, or are tested in memory: tests/report/test_diagnosis.py)."""
+Not yet in this corpus (issue 34): a hung rank, a SIGKILL and a resume (tested in memory:
+tests/report/test_diagnosis.py)."""
 
 from __future__ import annotations
 
@@ -132,8 +134,15 @@ def test_the_text_form_and_a_run_by_name(corpus: Path, capsys: pytest.CaptureFix
 FAULT_AT = 20
 
 
+SLOWDOWN_AT = 40  # the run slows from here: 8 readings (250 ms) of 50 ms steps before, 24 of 100 ms after
+
+
 def run_ranks(directory: Path, fault: str, ports: int | None = None) -> None:
-    gpu_fault_rank.finish(gpu_fault_rank.start(directory, fault, FAULT_AT, ports), fault)
+    if fault == "slowdown":
+        processes = gpu_fault_rank.start(directory, fault, SLOWDOWN_AT, ports, "--steps", "100")
+    else:
+        processes = gpu_fault_rank.start(directory, fault, FAULT_AT, ports)
+    gpu_fault_rank.finish(processes, fault)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +176,19 @@ def test_a_gpu_fault_is_the_top_finding_with_its_rank_and_step(
     # machine): the rank that died stopped at the step before it.
     assert FAULT_AT - 1 <= top["step"] <= FAULT_AT + 15, top
     assert [f for f in run["findings"] if f["kind"] == "gpu_fault"] == [top]  # rank 0's GPU is fine
+
+
+@pytest.mark.parametrize(
+    ("fault", "severity", "title"),
+    [("oom", "critical", "rank 1 ran out of GPU memory by step"), ("memory-growth", "warning", "rank 1's allocated GPU memory grows")],
+)
+def test_a_memory_fault_is_the_top_finding(gpu_corpus: Path, capsys: pytest.CaptureFixture, fault: str, severity: str, title: str) -> None:
+    run = diagnosis(gpu_corpus, fault, capsys, name=f"gpu-{fault}")
+    (top,) = run["findings"]
+    assert (top["kind"], top["severity"], top["rank"]) == ("memory", severity, 1), run["findings"]
+    assert top["title"].startswith(title), top["title"]
+    if fault == "oom":
+        assert FAULT_AT - 1 <= top["step"] <= FAULT_AT + 15, top
 
 
 @pytest.mark.parametrize(
@@ -212,3 +234,11 @@ def test_gpu_faults_found_from_prometheus(tmp_path: Path) -> None:
         ), top
     finally:
         prometheus.stop()
+
+
+def test_a_slowdown_of_every_rank_is_found_at_its_step_with_what_changed(gpu_corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    run = diagnosis(gpu_corpus, "slowdown", capsys, name="gpu-slowdown")
+    (top,) = run["findings"]  # both ranks slowed alike: no straggler
+    assert (top["kind"], top["rank"]) == ("throughput", None), run["findings"]
+    assert top["title"].startswith("every rank became") and SLOWDOWN_AT <= top["step"] <= SLOWDOWN_AT + 15, top
+    assert "the GPU's clock held down (thermal)" in top["cause"], top["cause"]

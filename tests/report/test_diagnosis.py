@@ -221,6 +221,80 @@ def test_a_straggler_whose_gpu_was_throttled_or_clocked_down_or_its_link_narrow(
     assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader", "its GPU's throttle counters", "its GPU's clock"]
 
 
+GIB = 2**30
+
+
+def memory(**overrides) -> dict:
+    """A rank's torch allocator on an 80 GiB GPU: 20 GiB allocated, 22 reserved, no OOM."""
+    values = {"torch_allocated": lambda s: 20.0 * GIB, "torch_reserved": lambda s: 22.0 * GIB,
+              "gpu_memory_limit": lambda s: 80.0 * GIB, "torch_ooms": lambda s: 0.0}  # fmt: skip
+    values.update(overrides)
+    return values
+
+
+def test_memory_out_of_it_growing_and_fragmented() -> None:
+    healthy = ProcessRows(0, rows(200, **memory()))
+    # An out-of-memory error at step 120: critical.
+    (finding,) = diagnose(run(healthy, ProcessRows(1, rows(200, **memory(torch_ooms=lambda s: float(s >= 120))))))
+    assert (finding.severity, finding.kind, finding.rank, finding.step) == ("critical", "memory", 1, 120.0)
+    assert finding.title.startswith("rank 1 ran out of GPU memory by step 120")
+    # 50 MiB more every step: 8.5 GiB over the readings after the warm-up (from step 25); 80 GiB reached
+    # near step 1,434 (19.8 GiB at step 200, 60.2 GiB to go at 50 MiB a step).
+    growing = memory(torch_allocated=lambda s: 10.0 * GIB + s * 50 * 2**20, torch_reserved=lambda s: 12.0 * GIB + s * 50 * 2**20)
+    (finding,) = diagnose(run(healthy, ProcessRows(1, rows(200, **growing))))
+    assert (finding.severity, finding.kind, finding.rank) == ("warning", "memory", 1)
+    assert "grows with every step" in finding.title and "runs out near step 1,434" in finding.title, finding.title
+    # The allocator reserving ever more than it hands out.
+    fragmented = memory(torch_reserved=lambda s: 22.0 * GIB + s * 80 * 2**20)
+    (finding,) = diagnose(run(healthy, ProcessRows(1, rows(200, **fragmented))))
+    assert finding.kind == "memory" and finding.title.startswith("rank 1's allocator holds 17.6 GiB it does not hand out")
+
+
+def test_memory_that_fills_up_at_the_start_or_wanders_is_no_growth() -> None:
+    # The optimizer's state and the caches in the first readings, then flat.
+    warm = memory(torch_allocated=lambda s: 5.0 * GIB if s <= 10 else 20.0 * GIB)
+    # Up and down by a GiB around 20 (sequences of varying length): no steady climb.
+    wandering = memory(torch_allocated=lambda s: (20.0 + ((s * 7919) % 13 - 6) / 6) * GIB)
+    # A second attempt (its counters start again) that holds more than the first: not growth.
+    second = rows(100, **memory()) + [Row(r.time_s + 30, {**r.values, "torch_allocated": 30.0 * GIB})
+                                      for r in rows(100, start=T0 + 30, **memory())]  # fmt: skip
+    for process in (rows(200, **warm), rows(200, **wandering), second):
+        assert diagnose(run(ProcessRows(0, rows(200, **memory())), ProcessRows(1, process))) == []
+
+
+def slower_from(step: int, factor: float = 2.0, step_s: float = 0.1):
+    """step_time_sum of steps of ``step_s`` seconds that take ``factor`` times as long from ``step`` on."""
+    return lambda s: s * step_s + max(0, s - step) * step_s * (factor - 1)
+
+
+def test_a_lasting_slowdown_of_the_run_its_step_and_what_changed_then() -> None:
+    slowed = [ProcessRows(rank, rows(300, step_time_sum=slower_from(100), **gpu())) for rank in range(4)]
+    (finding,) = diagnose(run(*slowed))
+    assert (finding.severity, finding.kind, finding.step, finding.rank) == ("warning", "throughput", 105.0, None)
+    assert finding.title.startswith("every rank became 2.00x slower a step from step 105"), finding.title
+    assert finding.cause.startswith("no cause found among the signals recorded: every slowed rank changed at once")
+    # Held down by heat from then on, on every rank: that is what changed.
+    hot = gpu(throttle_thermal=lambda s: 0.25 + max(0, s - 100) * 0.1, gpu_clock_sm=lambda s: 1.98e9 if s <= 100 else 1.3e9)
+    (finding,) = diagnose(run(*(ProcessRows(rank, rows(300, step_time_sum=slower_from(100), **hot)) for rank in range(4))))
+    assert "the GPU's clock held down (thermal)" in finding.cause and "openlora.gpu.clock.sm" in {e.series for e in finding.evidence}
+    # Waiting for data from then on (goodput readings at every row).
+    def waits(rank: int) -> list[TimeSample]:
+        return [TimeSample(T0 + step * 0.1, {"productive": step * 0.1, "data_wait": max(0, step - 100) * 0.1}, rank=rank)
+                for step in range(5, 301, 5)]  # fmt: skip
+    starving = [ProcessRows(rank, rows(300, step_time_sum=slower_from(100), **gpu()), waits(rank)) for rank in range(4)]
+    (finding, *_) = [f for f in diagnose(run(*starving)) if f.kind == "throughput"]
+    assert "the data loader: waiting for data 50% of its time after, 0% before" in finding.cause, finding.cause
+
+
+def test_one_slowed_rank_or_a_passing_slowdown_is_no_slowdown_of_the_run() -> None:
+    healthy = [ProcessRows(rank, rows(300)) for rank in range(3)]
+    one = ProcessRows(3, rows(300, step_time_sum=slower_from(100)))
+    assert [f.kind for f in diagnose(run(*healthy, one))] == ["straggler"]
+    # Three slow readings (15 steps 3x as long) in the middle, then as before.
+    passing = lambda s: s * 0.1 + min(max(0, s - 100), 15) * 0.2  # noqa: E731
+    assert diagnose(run(*(ProcessRows(rank, rows(300, step_time_sum=passing)) for rank in range(4)))) == []
+
+
 def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
     # Rank 0 steps to 100 (a step a second) and goes on reporting, without a step, to 200 s; the
     # others step on to 300 s.

@@ -15,6 +15,11 @@ pair with :func:`start` and wait for it with :func:`finish`. From step
 - ``thermal``: the clock held down by heat 60 % of the time, at 1.2 GHz and 88 °C: its steps take twice
   as long.
 - ``narrow-link``: the PCIe link trained at x8 of x16 (from the start): its steps take twice as long.
+- ``memory-growth``: the torch allocator's allocated (and reserved) memory grows by 400 MiB a step
+  from the start (20 GiB of 80 at first, as every rank's).
+- ``oom``: the allocator counts an out-of-memory error; the rank lingers and raises (the error a
+  real rank dies of).
+- ``slowdown``: ``thermal`` on every rank's GPU (not only LOCAL_RANK 1's): the whole run slows.
 - ``none``: a healthy rank.
 """
 
@@ -31,10 +36,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from openlora_otel import setup_telemetry  # noqa: E402
-from openlora_otel.hardware import nvml  # noqa: E402
+from openlora_otel.hardware import gpu, nvml  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
 
-FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link")
+FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown")
+DYING = ("off-bus", "oom")  # faults rank 1 dies of
 
 
 def main() -> int:
@@ -48,22 +54,33 @@ def main() -> int:
     local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     cards = h100s(world, processes={os.getpid(): 2 * 2**30})
     card = cards[local_rank]
-    faulty = local_rank == 1 and args.fault != "none"
+    faulty = (local_rank == 1 or args.fault == "slowdown") and args.fault != "none"
     if faulty and args.fault == "narrow-link":
         card.link = (8, 5)
     fake = FakeNvml(cards)
     nvml.load_pynvml_backend = lambda: fake
+    # The torch allocator of this rank's device, as torch.cuda.memory_stats() reports it.
+    stats = {"allocated_bytes.all.current": 20 * 2**30, "reserved_bytes.all.current": 22 * 2**30,
+             "allocated_bytes.all.peak": 21 * 2**30, "num_ooms": 0, "num_alloc_retries": 0}  # fmt: skip
+    gpu.torch_allocator_stats = lambda: [(local_rank, card.uuid.removeprefix("GPU-"), dict(stats))]
     telemetry = setup_telemetry("gpu-fault-run", hyperparameters={"learning_rate": 1e-4})
     training = telemetry.training
     step_s = args.step_ms / 1000.0
     for step in range(1, args.steps + 1):
         slow = 2.0 if faulty and args.fault == "narrow-link" else 1.0
-        if faulty and step >= args.fault_at and args.fault == "thermal":
+        if faulty and step >= args.fault_at and args.fault in ("thermal", "slowdown"):
             slow = 2.0
             card.sm_clock_hz = 1.2e9
             card.temperature_c = 88.0
             card.throttle_ns["thermal"] += round(0.6 * slow * step_s * 1e9)
+        if faulty and args.fault == "memory-growth":
+            stats["allocated_bytes.all.current"] += 400 * 2**20
+            stats["reserved_bytes.all.current"] += 400 * 2**20
         if faulty and step == args.fault_at:
+            if args.fault == "oom":
+                stats["num_ooms"] += 1
+                time.sleep(args.linger_s)
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
             if args.fault == "off-bus":
                 _when_watched(fake, card)
                 fake.inject_xid(card, 79)
@@ -106,7 +123,7 @@ def start(directory: Path, fault: str, fault_at: int, ports: int | None = None, 
 
 def finish(processes: list[subprocess.Popen], fault: str, timeout_s: float = 120.0) -> None:
     """Wait for the ranks :func:`start` started (killed after ``timeout_s``); each must have exited 0, but
-    the rank whose GPU fell off the bus, which dies of the CUDA error as a real one would."""
+    rank 1 of a fault in :data:`DYING`, which dies of its CUDA error as a real one would."""
     from tests.support.processes import reap
 
     for rank, process in enumerate(processes):
@@ -116,7 +133,7 @@ def finish(processes: list[subprocess.Popen], fault: str, timeout_s: float = 120
             if process.poll() is None:
                 process.kill()
             reap(process, 10)
-        assert process.returncode == (1 if (fault, rank) == ("off-bus", 1) else 0), output
+        assert process.returncode == (1 if fault in DYING and rank == 1 else 0), output
 
 
 def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:

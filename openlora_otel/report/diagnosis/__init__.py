@@ -18,9 +18,15 @@ The detectors so far (issue 34 lists the rest):
 - ``straggler``: a rank whose mean step time is well above the others', since when, and which of
   its own signals explains it: its GPU's clock held down (throttle reasons, SM clock, temperature),
   its data wait, its PCIe link trained narrow.
+- ``memory``: a rank that ran out of GPU memory, whose allocated memory grows with the steps (and
+  where it would run out), or whose allocator holds ever more than it hands out.
+- ``throughput``: the step from which most ranks' steps became lastingly slower (a change point:
+  medians before and after against the spread before), and what changed then (data wait, GPU
+  throttling and clocks).
 - ``input_bound``: the share of the run's time spent waiting for data.
 
-The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound) and :mod:`.stragglers`, what
+The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound), :mod:`.memory`,
+:mod:`.stragglers` and :mod:`.throughput`, what
 they share in :mod:`.findings`, the JSON and text forms in :mod:`.output`.
 
 :func:`to_json` gives the documented JSON form (:data:`JSON_SCHEMA`); :func:`text_lines` the printed one.
@@ -31,8 +37,10 @@ from __future__ import annotations
 
 from openlora_otel.report.diagnosis.findings import KINDS, SCHEMA_ID, SEVERITIES, Evidence, Finding
 from openlora_otel.report.diagnosis.gpu import gpu_fault
+from openlora_otel.report.diagnosis.memory import memory
 from openlora_otel.report.diagnosis.output import JSON_SCHEMA, text_lines, to_json
 from openlora_otel.report.diagnosis.stragglers import straggler
+from openlora_otel.report.diagnosis.throughput import throughput
 from openlora_otel.report.diagnosis.training import divergence, hang, input_bound
 from openlora_otel.report.model import ProcessRows, Run
 
@@ -43,5 +51,6 @@ def diagnose(run: Run) -> list[Finding]:
     """Every detector's findings for ``run``, most severe (then most telling) first."""
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
     found: list[Finding] = [*gpu_fault(processes), *divergence(processes), *hang(processes, run.outcome),
-                            *straggler(processes), *input_bound(processes)]  # fmt: skip
+                            *memory(processes), *straggler(processes), *throughput(processes),
+                            *input_bound(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)

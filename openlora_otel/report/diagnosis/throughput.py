@@ -1,0 +1,161 @@
+"""The throughput detector: the step at which the run's steps became lastingly slower, found as a
+change point (medians before and after, against the spread before: robust to single slow steps),
+and what changed at the same time: the data wait, the GPUs' clocks and throttling."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from openlora_otel.report.diagnosis.findings import (
+    RUNBOOKS,
+    Evidence,
+    Finding,
+    attempts,
+    finite,
+    step_text,
+    step_time_increments,
+    when_text,
+)
+from openlora_otel.report.model import SLOWDOWN_REASONS, ProcessRows, Row
+
+# Thresholds, each a documented choice (docs/how-to/diagnose.md).
+CHANGE_RATIO = 1.3  # steps at least this much slower after the change than before (medians)
+CHANGE_SPREAD = 5.0  # ... and by at least this many times the spread before it (scaled median absolute deviation)
+CHANGE_MIN_READINGS = 5  # readings on each side of a change
+CHANGE_EXPLAINS = 0.10  # a share of time (waiting for data, throttled) at least this much larger after
+CLOCK_DROP = 0.90  # a mean SM clock after at most this fraction of the one before
+
+
+def _change(process: ProcessRows) -> tuple[Row, float, float, Row, Row] | None:
+    """(the first reading after the change, seconds a step before, after, the first and last readings
+    of the attempt) of the rank's largest lasting slowdown, per attempt."""
+    best: tuple[float, tuple[Row, float, float, Row, Row]] | None = None
+    for rows in attempts(process):
+        increments = [(row, seconds / steps) for row, seconds, steps in step_time_increments(rows)]
+        times = [t for _, t in increments]
+        if len(times) < 2 * CHANGE_MIN_READINGS:
+            continue
+        # Where it changed: the split whose two sides lie closest to their own medians (least absolute deviations).
+        k = min(range(CHANGE_MIN_READINGS, len(times) - CHANGE_MIN_READINGS + 1), key=lambda k: _cost(times[:k]) + _cost(times[k:]))
+        before, after = times[:k], times[k:]
+        median_before, median_after = statistics.median(before), statistics.median(after)
+        spread = 1.4826 * statistics.median(abs(t - median_before) for t in before)
+        # A floor of 2 % of the median: steps of a steady run may vary by less than a clock's resolution.
+        score = (median_after - median_before) / max(spread, 0.02 * median_before, 1e-9)
+        if median_after >= CHANGE_RATIO * median_before and score >= CHANGE_SPREAD and (best is None or score > best[0]):
+            best = (score, (increments[k][0], median_before, median_after, rows[0], rows[-1]))
+    return best[1] if best else None
+
+
+def _cost(values: Sequence[float]) -> float:
+    median = statistics.median(values)
+    return sum(abs(v - median) for v in values)
+
+
+def _share(process: ProcessRows, start: float, end: float, phase: str) -> float | None:
+    """The share of the busy time (productive and data_wait) between ``start`` and ``end`` spent in ``phase``,
+    from the rank's goodput readings (None without two of them in the span)."""
+    readings = [t for t in process.time if start <= t.time_s <= end]
+    if len(readings) < 2:
+        return None
+    first, last = readings[0].phases, readings[-1].phases
+    busy = sum(last.get(p, 0.0) - first.get(p, 0.0) for p in ("productive", "data_wait"))
+    return (last.get(phase, 0.0) - first.get(phase, 0.0)) / busy if busy > 0 else None
+
+
+def _window(process: ProcessRows, start: float, end: float) -> list[Row]:
+    return [row for row in process.rows if start <= row.time_s <= end]
+
+
+def _throttled(rows: Sequence[Row], reason: str) -> float | None:
+    points = [(r.time_s, r.values[f"throttle_{reason}"]) for r in rows if finite(r.values.get(f"throttle_{reason}"))]
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    return max(0.0, points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+def _mean(rows: Sequence[Row], key: str) -> float | None:
+    values = [r.values[key] for r in rows if finite(r.values.get(key))]
+    return statistics.fmean(values) if values else None
+
+
+def _explain(process: ProcessRows, at: Row, first: Row, last: Row) -> tuple[list[str], list[str], list[Evidence]]:
+    """What changed on this rank at the change: (causes found, ruled out, evidence)."""
+    causes: list[str] = []
+    ruled_out: list[str] = []
+    evidence: list[Evidence] = []
+    rank = process.rank
+    # Before: up to the reading before the change's (that one holds the interval it happened in).
+    before, after = (first.time_s, math.nextafter(at.time_s, -math.inf)), (at.time_s, last.time_s)
+    waited = (_share(process, *before, "data_wait"), _share(process, *after, "data_wait"))
+    if waited[0] is not None and waited[1] is not None:
+        words = f"waiting for data {waited[1]:.0%} of its time after, {waited[0]:.0%} before"
+        if waited[1] - waited[0] >= CHANGE_EXPLAINS:
+            causes.append(f"the data loader: {words}")
+            note = f"share waiting for data after ({waited[0]:.1%} before)"
+            evidence.append(Evidence("openlora.training.time", round(waited[1], 4), note, None, rank))
+        else:
+            ruled_out.append(f"the data loader: {words}")
+    rows_before, rows_after = _window(process, *before), _window(process, *after)
+    shares: dict[str, tuple[float, float]] = {}
+    for reason in SLOWDOWN_REASONS:
+        was, now = _throttled(rows_before, reason), _throttled(rows_after, reason)
+        if was is not None and now is not None:
+            shares[reason] = (was, now)
+    if shares:
+        reason = max(shares, key=lambda r: shares[r][1] - shares[r][0])
+        was, now = shares[reason]
+        if now - was >= CHANGE_EXPLAINS:
+            causes.append(f"the GPU's clock held down ({reason}) {now:.0%} of the time after, {was:.0%} before")
+            note = f"share of the time throttled for {reason} after ({was:.0%} before)"
+            evidence.append(Evidence("openlora.gpu.throttle.time", round(now, 4), note, None, rank))
+        else:
+            ruled_out.append("the GPU's throttling: no more after than before")
+    clock = (_mean(rows_before, "gpu_clock_sm"), _mean(rows_after, "gpu_clock_sm"))
+    if clock[0] and clock[1] is not None:
+        words = f"{clock[1] / 1e6:,.0f} MHz after, {clock[0] / 1e6:,.0f} MHz before"
+        if clock[1] <= CLOCK_DROP * clock[0]:
+            evidence.append(Evidence("openlora.gpu.clock.sm", round(clock[1]), f"its GPU's mean SM clock: {words}", None, rank))
+            if not any(c.startswith("the GPU's clock") for c in causes):
+                causes.append(f"the GPU's clock dropped: {words}")
+        else:
+            ruled_out.append(f"the GPU's clock: {words}")
+    return causes, ruled_out, evidence
+
+
+def throughput(processes: Sequence[ProcessRows]) -> list[Finding]:
+    """The run's lasting slowdown, when more than half of its ranks (each with a change point of its own)
+    slowed: one rank alone is a straggler, left to that detector."""
+    changes = {i: found for i, p in enumerate(processes) if (found := _change(p)) is not None}
+    if not changes or (len(processes) > 1 and len(changes) * 2 <= len(processes)):
+        return []
+    index = min(changes, key=lambda i: changes[i][0].time_s)
+    at, before, after, first, last = changes[index]
+    process = processes[index]
+    causes, ruled_out, evidence = _explain(process, at, first, last)
+    step = at.values.get("steps")
+    ranks = len(processes)
+    who = "the run" if ranks == 1 else ("every rank" if len(changes) == ranks else f"{len(changes)} of its {ranks} ranks")
+    steps = [Evidence("openlora.training.step.duration", round(a, 6), f"median seconds per step before: {b:.3g} s, after: {a:.3g} s "
+                      f"({a / b:.2f}x), from step {step_text(r.values.get('steps'))}", r.values.get("steps"), processes[i].rank)
+             for i, (r, b, a, _, _) in sorted(changes.items())[:8]]  # fmt: skip
+    if causes:
+        cause = "what changed then on " + ("the rank" if ranks == 1 else f"rank {process.rank}") + ": " + "; ".join(causes)
+    elif len(changes) > 1:
+        cause = ("no cause found among the signals recorded: every slowed rank changed at once, so something "
+                 "they share (the network, the storage, another job on their nodes, a new phase of the data)")  # fmt: skip
+    else:
+        cause = "no cause found among the signals recorded: its own steps take longer (its compute, a host busy elsewhere)"
+    return [
+        Finding(
+            "warning", "throughput",
+            f"{who} became {after / before:.2f}x slower a step from step {step_text(step)} ({when_text(at.time_s)})",
+            cause, (*steps, *evidence), tuple(ruled_out),
+            ("compare the dashboards at that time: data wait, GPU clocks and throttle reasons, the network",
+             "look at what else started on the nodes then"),
+            f"{RUNBOOKS}#openlorathroughputdegraded", step if step is None or math.isfinite(step) else None,
+            at.time_s, None if ranks > 1 else process.rank, after / before,
+        )
+    ]  # fmt: skip
