@@ -9,7 +9,8 @@ telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's 
 (and the rank died), an uncorrected ECC error, a row remap pending, its clock held down by heat (a
 straggler), its PCIe link trained narrow (a straggler), its allocated memory growing every step, an
 out-of-memory error (and the rank died); both ranks' GPUs held down by heat from step 40 (the run
-slowed); and a healthy pair.
+slowed); an evaluation loss rising from step 30 while the training loss falls (overfitting); and a
+healthy pair.
 
 Not yet in this corpus (issue 34): a hung rank, a SIGKILL and a resume (tested in memory:
 tests/report/test_diagnosis.py)."""
@@ -242,3 +243,12 @@ def test_a_slowdown_of_every_rank_is_found_at_its_step_with_what_changed(gpu_cor
     assert (top["kind"], top["rank"]) == ("throughput", None), run["findings"]
     assert top["title"].startswith("every rank became") and SLOWDOWN_AT <= top["step"] <= SLOWDOWN_AT + 15, top
     assert "the GPU's clock held down (thermal)" in top["cause"], top["cause"]
+
+
+def test_overfitting_is_found_from_the_evaluations(gpu_corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    run = diagnosis(gpu_corpus, "overfit", capsys, name="gpu-overfit")
+    (top,) = run["findings"]
+    assert (top["kind"], top["severity"]) == ("evaluation", "warning"), run["findings"]
+    # The evaluation of step 30, at the step of the first history line that held it (lines every 250 ms).
+    assert 30 <= top["step"] <= 40, top
+    assert "overfitting" in top["title"], top["title"]

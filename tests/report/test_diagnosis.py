@@ -295,6 +295,31 @@ def test_one_slowed_rank_or_a_passing_slowdown_is_no_slowdown_of_the_run() -> No
     assert diagnose(run(*(ProcessRows(rank, rows(300, step_time_sum=passing)) for rank in range(4)))) == []
 
 
+def evaluated(eval_loss, loss=lambda s: 2.0 - s / 400) -> dict:
+    """Rows of a rank that evaluates every 20 steps (eval_loss a function of the evaluation's step)."""
+    return {"eval_loss": lambda s: eval_loss(s - s % 20), "loss": loss}
+
+
+def test_overfitting_the_evaluation_loss_rising_from_its_best_while_the_training_loss_falls() -> None:
+    # Best at step 100 (1.5), then up 0.05 an evaluation: 1.75 at step 200; the training loss falls throughout.
+    rising = evaluated(lambda s: 2.0 - s / 200 if s <= 100 else 1.5 + (s - 100) / 400)
+    (finding,) = diagnose(run(ProcessRows(0, rows(200, **rising))))
+    assert (finding.severity, finding.kind, finding.step) == ("warning", "evaluation", 100.0)
+    assert finding.title.startswith("the evaluation loss rose 17% from its best at step 100 (1.5) to step 200 (1.75)")
+    assert finding.time_s is not None and "overfitting" in finding.title
+
+
+def test_an_evaluation_loss_that_wobbles_or_rises_with_the_training_loss_is_not_overfitting() -> None:
+    cases = [
+        evaluated(lambda s: 2.0 - s / 200 if s <= 100 else 1.5 + (0.1 if s % 40 else -0.02)),  # back under its best once
+        evaluated(lambda s: 2.0 - s / 200 if s <= 160 else 1.2 + (s - 160) / 1000),  # 3 % up at the end only
+        evaluated(lambda s: 2.0 - s / 200 if s <= 100 else 1.5 + (s - 100) / 400, loss=lambda s: 1.0 + s / 100),  # both rise
+        evaluated(lambda s: 2.0 - s / 200),  # falls throughout
+    ]
+    for values in cases:
+        assert diagnose(run(ProcessRows(0, rows(200, **values)))) == []
+
+
 def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
     # Rank 0 steps to 100 (a step a second) and goes on reporting, without a step, to 200 s; the
     # others step on to 300 s.

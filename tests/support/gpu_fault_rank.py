@@ -20,6 +20,8 @@ pair with :func:`start` and wait for it with :func:`finish`. From step
 - ``oom``: the allocator counts an out-of-memory error; the rank lingers and raises (the error a
   real rank dies of).
 - ``slowdown``: ``thermal`` on every rank's GPU (not only LOCAL_RANK 1's): the whole run slows.
+- ``overfit``: every rank evaluates every 10 steps; the evaluation loss falls to its best at step 30
+  and rises from there, while the training loss falls throughout.
 - ``none``: a healthy rank.
 """
 
@@ -39,7 +41,7 @@ from openlora_otel import setup_telemetry  # noqa: E402
 from openlora_otel.hardware import gpu, nvml  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
 
-FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown")
+FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown", "overfit")
 DYING = ("off-bus", "oom")  # faults rank 1 dies of
 
 
@@ -94,6 +96,8 @@ def main() -> int:
                 card.remap = (card.remap[0], card.remap[1] + 1, 1, 0)
         time.sleep(step_s * slow)
         training.record_step(loss=3.0 / (1 + step / 100), grad_norm=1.0, learning_rate=1e-4, tokens=512, samples=4)
+        if args.fault == "overfit" and step % 10 == 0:
+            training.record_eval(loss=2.5 - step / 40 if step <= 30 else 1.75 + (step - 30) / 200)
     telemetry.shutdown()
     return 0
 

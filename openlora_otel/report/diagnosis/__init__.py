@@ -15,6 +15,8 @@ The detectors so far (issue 34 lists the rest):
   it, a loss spike preceded it, and the learning rate then.
 - ``hang``: a rank that stopped stepping while the others went on, or a run whose telemetry kept
   reporting after its steps stopped.
+- ``evaluation``: overfitting, the evaluation loss rising over several evaluations from its best
+  while the training loss still falls.
 - ``straggler``: a rank whose mean step time is well above the others', since when, and which of
   its own signals explains it: its GPU's clock held down (throttle reasons, SM clock, temperature),
   its data wait, its PCIe link trained narrow.
@@ -25,7 +27,7 @@ The detectors so far (issue 34 lists the rest):
   throttling and clocks).
 - ``input_bound``: the share of the run's time spent waiting for data.
 
-The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound), :mod:`.memory`,
+The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound), :mod:`.memory`, :mod:`.evaluation`,
 :mod:`.stragglers` and :mod:`.throughput`, what
 they share in :mod:`.findings`, the JSON and text forms in :mod:`.output`.
 
@@ -35,6 +37,7 @@ See docs/how-to/diagnose.md.
 
 from __future__ import annotations
 
+from openlora_otel.report.diagnosis.evaluation import evaluation
 from openlora_otel.report.diagnosis.findings import KINDS, SCHEMA_ID, SEVERITIES, Evidence, Finding
 from openlora_otel.report.diagnosis.gpu import gpu_fault
 from openlora_otel.report.diagnosis.memory import memory
@@ -51,6 +54,6 @@ def diagnose(run: Run) -> list[Finding]:
     """Every detector's findings for ``run``, most severe (then most telling) first."""
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
     found: list[Finding] = [*gpu_fault(processes), *divergence(processes), *hang(processes, run.outcome),
-                            *memory(processes), *straggler(processes), *throughput(processes),
-                            *input_bound(processes)]  # fmt: skip
+                            *memory(processes), *evaluation(processes), *straggler(processes),
+                            *throughput(processes), *input_bound(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)
