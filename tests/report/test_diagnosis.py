@@ -320,6 +320,30 @@ def test_an_evaluation_loss_that_wobbles_or_rises_with_the_training_loss_is_not_
         assert diagnose(run(ProcessRows(0, rows(200, **values)))) == []
 
 
+def attempt(rank: int, number: int, **phases: float) -> TimeSample:
+    return TimeSample(T0 + 100 * number, phases, steps_lost=40.0 if number > 1 else 0.0, attempt=number, rank=rank,
+                      process=f"rank{rank}-attempt{number}")  # fmt: skip
+
+
+def test_time_lost_to_restarts_across_attempts_by_cause() -> None:
+    """Two ranks, two attempts: the second redid 40 steps (120 s a rank), loaded a checkpoint and started
+    up again: restarts cost 350 of 1,000 rank-seconds."""
+    processes = [
+        ProcessRows(rank, rows(100), [attempt(rank, 1, startup=20.0, productive=200.0, checkpoint_save=5.0),
+                                      attempt(rank, 2, startup=40.0, checkpoint_load=15.0, lost_progress=120.0,
+                                              productive=100.0)])
+        for rank in (0, 1)
+    ]  # fmt: skip
+    (finding,) = diagnose(run(*processes))
+    assert (finding.severity, finding.kind) == ("warning", "goodput")
+    assert finding.title == "36% of the run's time went to other work than training, most of it to restarts (35%)"
+    assert finding.cause.startswith("goodput 60% over 2 attempt(s) and 4 process(es): restarts 35%, checkpoint saves 1%")
+    # The same time in one attempt that simply ran longer: nothing lost to restarts, nothing to say.
+    once = [ProcessRows(rank, rows(100), [attempt(rank, 1, startup=20.0, productive=460.0, checkpoint_save=5.0)])
+            for rank in (0, 1)]  # fmt: skip
+    assert diagnose(run(*once)) == []
+
+
 def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
     # Rank 0 steps to 100 (a step a second) and goes on reporting, without a step, to 200 s; the
     # others step on to 300 s.
@@ -350,7 +374,8 @@ def test_a_run_that_ended_or_evaluates_after_its_last_step_is_not_hung() -> None
                                      TimeSample(T0 + 200, {"productive": 50.0, "evaluation": 148.0}, rank=p.rank)])
         for p in after
     ]  # fmt: skip
-    assert diagnose(run(*evaluating)) == []
+    # Not a hang; three quarters of its time went to evaluating, which the goodput finding says.
+    assert [(f.kind, f.title.rsplit(" ", 2)[-2]) for f in diagnose(run(*evaluating))] == [("goodput", "evaluation")]
 
 
 def test_an_input_bound_run_and_the_order_of_findings() -> None:

@@ -26,9 +26,11 @@ The detectors so far (issue 34 lists the rest):
   medians before and after against the spread before), and what changed then (data wait, GPU
   throttling and clocks).
 - ``input_bound``: the share of the run's time spent waiting for data.
+- ``goodput``: where the rest of the time went, by cause across the attempts (restarts, checkpoint
+  saves, idle, evaluation), when it is a quarter of the run's time or more.
 
 The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound), :mod:`.memory`, :mod:`.evaluation`,
-:mod:`.stragglers` and :mod:`.throughput`, what
+:mod:`.stragglers`, :mod:`.throughput` and :mod:`.wasted` (goodput), what
 they share in :mod:`.findings`, the JSON and text forms in :mod:`.output`.
 
 :func:`to_json` gives the documented JSON form (:data:`JSON_SCHEMA`); :func:`text_lines` the printed one.
@@ -45,6 +47,7 @@ from openlora_otel.report.diagnosis.output import JSON_SCHEMA, text_lines, to_js
 from openlora_otel.report.diagnosis.stragglers import straggler
 from openlora_otel.report.diagnosis.throughput import throughput
 from openlora_otel.report.diagnosis.training import divergence, hang, input_bound
+from openlora_otel.report.diagnosis.wasted import wasted
 from openlora_otel.report.model import ProcessRows, Run
 
 __all__ = ["JSON_SCHEMA", "KINDS", "SCHEMA_ID", "SEVERITIES", "Evidence", "Finding", "diagnose", "text_lines", "to_json"]
@@ -55,5 +58,5 @@ def diagnose(run: Run) -> list[Finding]:
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
     found: list[Finding] = [*gpu_fault(processes), *divergence(processes), *hang(processes, run.outcome),
                             *memory(processes), *evaluation(processes), *straggler(processes),
-                            *throughput(processes), *input_bound(processes)]  # fmt: skip
+                            *throughput(processes), *input_bound(processes), *wasted(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)

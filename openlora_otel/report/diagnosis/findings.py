@@ -15,7 +15,7 @@ RUNBOOKS = "https://openlora.github.io/openlora-otel/runbooks/"
 SCHEMA_ID = "https://openlora.github.io/openlora-otel/schemas/diagnosis-v1.json"
 SEVERITIES = ("critical", "warning", "info")
 # The detectors, in the order their findings of one severity come: what ruins a run, then what slows it.
-KINDS = ("gpu_fault", "divergence", "hang", "memory", "evaluation", "straggler", "throughput", "input_bound")
+KINDS = ("gpu_fault", "divergence", "hang", "memory", "evaluation", "straggler", "throughput", "input_bound", "goodput")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def text_lines(run: Run, findings: Sequence[Finding]) -> list[str]:
     name = f" ({run.name})" if run.name != run.run_id else ""
     lines = [f"run {run.run_id}{name}: {len(run.processes) or 1} rank(s), from {run.source}"]
     if not findings:
-        lines.append("  no findings: no GPU fault, divergence, hang, memory growth, overfitting, straggler, slowdown or input wait found in its metrics")
+        lines.append("  no findings: no GPU fault, divergence, hang, memory growth, overfitting, straggler, slowdown, input wait or lost time found in its metrics")
     for number, finding in enumerate(findings, 1):
         lines.append(f"  {number}. [{finding.severity}] {finding.title}")
         lines.append(f"     likely cause: {finding.cause}")

@@ -1,0 +1,80 @@
+"""The goodput detector: where a run's time went that was not training, by cause, across its attempts
+(restarts: the steps done again, checkpoint loads, later attempts' start-up; checkpoint saves; idle
+stalls; evaluation). Data waits are the input-bound detector's; the first start-up is every run's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from openlora_otel.report.diagnosis.findings import RUNBOOKS, Evidence, Finding
+from openlora_otel.report.goodput import TimeSample, time_breakdown
+from openlora_otel.report.model import ProcessRows
+
+# Thresholds, each a documented choice (docs/how-to/diagnose.md).
+WASTED_SHARE = 0.25  # of the run's rank-seconds gone to the causes below: a finding
+WASTED_MIN_S = 60.0  # ... and at least this many rank-seconds (a short run is mostly its start-up)
+
+
+def _later_startups(samples: Sequence[TimeSample]) -> float:
+    """Start-up seconds of every attempt but the first (by attempt number; unnumbered: none)."""
+    numbers = [s.attempt for s in samples if s.attempt is not None]
+    if not numbers:
+        return 0.0
+    first = min(numbers)
+    last: dict[tuple[int | None, int | None, str | None], TimeSample] = {}
+    for sample in samples:
+        last[(sample.attempt, sample.rank, sample.process)] = sample
+    return sum(s.phases.get("startup", 0.0) for s in last.values() if s.attempt is not None and s.attempt > first)
+
+
+def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
+    samples = [sample for process in processes for sample in process.time]
+    breakdown = time_breakdown(samples)
+    if breakdown is None or breakdown.total <= 0:
+        return []
+    phases, total = breakdown.phases, breakdown.total
+    restarts = len(breakdown.attempts) - 1
+    later_startup = _later_startups(samples)
+    causes = {
+        "restarts": phases["lost_progress"] + phases["checkpoint_load"] + later_startup if restarts > 0 else 0.0,
+        "checkpoint saves": phases["checkpoint_save"],
+        "idle (stalls, time after the last step)": phases["idle"],
+        "evaluation": phases["evaluation"],
+    }
+    lost = sum(causes.values())
+    if lost < WASTED_MIN_S or lost / total < WASTED_SHARE:
+        return []
+    ranked = sorted(causes.items(), key=lambda item: -item[1])
+    top, top_s = ranked[0]
+    evidence = [
+        Evidence("openlora.training.time", round(seconds, 3), f"{name}: {seconds / total:.0%} of the run's "
+                 f"{total:,.0f} rank-seconds", None, None)
+        for name, seconds in ranked if seconds > 0
+    ]  # fmt: skip
+    if restarts > 0:
+        evidence.append(Evidence("openlora.training.steps.lost", breakdown.steps_lost, f"steps done again over "
+                                 f"{restarts} restart(s): {phases['lost_progress']:,.0f} s; checkpoint loads "
+                                 f"{phases['checkpoint_load']:,.0f} s; later attempts' start-up {later_startup:,.0f} s"))  # fmt: skip
+    advice = {
+        "restarts": ("checkpoint more often (each restart redoes the steps since the last one)",
+                     "find why the attempts ended: `openlora-otel report` lists their outcomes"),
+        "checkpoint saves": ("save less often, or asynchronously (torch.distributed.checkpoint.async_save)",
+                             "save only the adapter's weights, to faster storage"),
+        "idle (stalls, time after the last step)": ("look for stalls: the hang findings, a process that lingers after "
+                                                     "training (exit when done)",),
+        "evaluation": ("evaluate less often or on a subset", "evaluate with a larger batch, without gradients"),
+    }[top]  # fmt: skip
+    return [
+        Finding(
+            "warning", "goodput",
+            f"{lost / total:.0%} of the run's time went to other work than training, most of it to {top} "
+            f"({top_s / total:.0%})",
+            f"goodput {phases['productive'] / total:.0%} over {len(breakdown.attempts)} attempt(s) and "
+            f"{breakdown.processes} process(es): "
+            + ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in ranked if seconds > 0),
+            tuple(evidence),
+            (f"waiting for data ({phases['data_wait'] / total:.0%}): the input-bound finding's", "the first start-up: "
+             f"every run's ({(phases['startup'] - later_startup) / total:.0%})"),
+            advice, f"{RUNBOOKS}#openloralowgoodput", None, None, None, lost / total,
+        )
+    ]  # fmt: skip
