@@ -26,27 +26,56 @@ CHANGE_SPREAD = 5.0  # ... and by at least this many times the spread before it 
 CHANGE_MIN_READINGS = 5  # readings on each side of a change
 CHANGE_EXPLAINS = 0.10  # a share of time (waiting for data, throttled) at least this much larger after
 CLOCK_DROP = 0.90  # a mean SM clock after at most this fraction of the one before
+CHANGE_TOGETHER_READINGS = 3  # ranks whose changes are this many readings apart at most changed together
 
 
-def _change(process: ProcessRows) -> tuple[Row, float, float, Row, Row] | None:
-    """(the first reading after the change, seconds a step before, after, the first and last readings
-    of the attempt) of the rank's largest lasting slowdown, per attempt."""
-    best: tuple[float, tuple[Row, float, float, Row, Row]] | None = None
+def _change(process: ProcessRows) -> tuple[Row, float, float, Row, Row, Row, str] | None:
+    """(the first reading after the change, seconds a step (or a token) before, after, the first and last
+    readings of the attempt, the reading before the change, the unit) of the rank's largest lasting
+    slowdown, per attempt. Per token where every interval counted tokens: longer batches (a second stage
+    of longer sequences, data sorted by length) make longer steps, not a slower run."""
+    best: tuple[float, tuple[Row, float, float, Row, Row, Row, str]] | None = None
     for rows in attempts(process):
-        increments = [(row, seconds / steps) for row, seconds, steps in step_time_increments(rows)]
-        times = [t for _, t in increments]
+        increments = step_time_increments(rows)
+        tokens = _tokens_added(rows, [row for row, _, _ in increments])
+        unit = "token" if tokens and all(t > 0 for t in tokens) else "step"
+        if unit == "token":
+            times = [seconds / added for (_, seconds, _), added in zip(increments, tokens, strict=True)]
+        else:
+            times = [seconds / steps for _, seconds, steps in increments]
         if len(times) < 2 * CHANGE_MIN_READINGS:
             continue
         # Where it changed: the split whose two sides lie closest to their own medians (least absolute deviations).
-        k = min(range(CHANGE_MIN_READINGS, len(times) - CHANGE_MIN_READINGS + 1), key=lambda k: _cost(times[:k]) + _cost(times[k:]))
+        k = min(range(CHANGE_MIN_READINGS, len(times) - CHANGE_MIN_READINGS + 1),
+                key=lambda k: _cost(times[:k]) + _cost(times[k:]))  # fmt: skip
         before, after = times[:k], times[k:]
         median_before, median_after = statistics.median(before), statistics.median(after)
+        if median_before <= 0:
+            continue  # steps that took no time (a foreign writer's zeros): nothing to compare with
         spread = 1.4826 * statistics.median(abs(t - median_before) for t in before)
         # A floor of 2 % of the median: steps of a steady run may vary by less than a clock's resolution.
-        score = (median_after - median_before) / max(spread, 0.02 * median_before, 1e-9)
+        score = (median_after - median_before) / max(spread, 0.02 * median_before)
         if median_after >= CHANGE_RATIO * median_before and score >= CHANGE_SPREAD and (best is None or score > best[0]):
-            best = (score, (increments[k][0], median_before, median_after, rows[0], rows[-1]))
+            best = (score, (increments[k][0], median_before, median_after, rows[0], rows[-1], increments[k - 1][0], unit))
     return best[1] if best else None
+
+
+def _tokens_added(rows: Sequence[Row], at: Sequence[Row]) -> list[float]:
+    """Tokens counted in the interval that ends at each row of ``at`` (empty when any is unknown)."""
+    out = []
+    previous = None
+    wanted = iter(at)
+    target = next(wanted, None)
+    for row in rows:
+        tokens = row.values.get("tokens")
+        if row is target:
+            if previous is None or not finite(tokens):
+                return []
+            out.append(tokens - previous)
+            target = next(wanted, None)
+        if finite(tokens):
+            previous = tokens
+    return out if len(out) == len(at) else []
 
 
 def _cost(values: Sequence[float]) -> float:
@@ -128,30 +157,42 @@ def _explain(process: ProcessRows, at: Row, first: Row, last: Row) -> tuple[list
 def throughput(processes: Sequence[ProcessRows]) -> list[Finding]:
     """The run's lasting slowdown, when more than half of its ranks (each with a change point of its own)
     slowed: one rank alone is a straggler, left to that detector."""
-    changes = {i: found for i, p in enumerate(processes) if (found := _change(p)) is not None}
-    if not changes or (len(processes) > 1 and len(changes) * 2 <= len(processes)):
+    found = {i: change for i, p in enumerate(processes) if (change := _change(p)) is not None}
+    if not found:
+        return []
+    # Ranks that changed together: within a few readings of each other (each rank's own interval). The
+    # largest such group; ranks that slowed at other times are stragglers or changes of their own.
+    def together(anchor: int) -> dict[int, tuple]:
+        at = found[anchor][0].time_s
+        window = CHANGE_TOGETHER_READINGS * max(found[anchor][0].time_s - found[anchor][5].time_s, 1e-9)
+        return {i: change for i, change in found.items() if abs(change[0].time_s - at) <= window}
+
+    changes = max((together(i) for i in sorted(found, key=lambda i: found[i][0].time_s)), key=len)
+    if len(processes) > 1 and len(changes) * 2 <= len(processes):
         return []
     index = min(changes, key=lambda i: changes[i][0].time_s)
-    at, before, after, first, last = changes[index]
+    at, before, after, first, last, prior, unit = changes[index]
     process = processes[index]
     causes, ruled_out, evidence = _explain(process, at, first, last)
     step = at.values.get("steps")
     ranks = len(processes)
     who = "the run" if ranks == 1 else ("every rank" if len(changes) == ranks else f"{len(changes)} of its {ranks} ranks")
-    steps = [Evidence("openlora.training.step.duration", round(a, 6), f"median seconds per step before: {b:.3g} s, after: {a:.3g} s "
-                      f"({a / b:.2f}x), from step {step_text(r.values.get('steps'))}", r.values.get("steps"), processes[i].rank)
-             for i, (r, b, a, _, _) in sorted(changes.items())[:8]]  # fmt: skip
+    steps = [Evidence("openlora.training.step.duration", round(a, 9), f"median seconds per {u} before: {b:.3g} s, after: "
+                      f"{a:.3g} s ({a / b:.2f}x), from step {step_text(r.values.get('steps'))}", r.values.get("steps"),
+                      processes[i].rank)
+             for i, (r, b, a, _, _, _, u) in sorted(changes.items())[:8]]  # fmt: skip
     if causes:
         cause = "what changed then on " + ("the rank" if ranks == 1 else f"rank {process.rank}") + ": " + "; ".join(causes)
     elif len(changes) > 1:
-        cause = ("no cause found among the signals recorded: every slowed rank changed at once, so something "
+        cause = ("no cause found among the signals recorded: the slowed ranks changed together, so something "
                  "they share (the network, the storage, another job on their nodes, a new phase of the data)")  # fmt: skip
     else:
         cause = "no cause found among the signals recorded: its own steps take longer (its compute, a host busy elsewhere)"
     return [
         Finding(
             "warning", "throughput",
-            f"{who} became {after / before:.2f}x slower a step from step {step_text(step)} ({when_text(at.time_s)})",
+            f"{who} became {after / before:.2f}x slower per {unit} between steps {step_text(prior.values.get('steps'))} "
+            f"and {step_text(step)} ({when_text(at.time_s)}) and stayed so",
             cause, (*steps, *evidence), tuple(ruled_out),
             ("compare the dashboards at that time: data wait, GPU clocks and throttle reasons, the network",
              "look at what else started on the nodes then"),
