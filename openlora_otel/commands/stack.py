@@ -116,7 +116,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="URL",
         help="send alerts to this webhook (Alertmanager's JSON) instead of printing them here",
     )
-    parser.add_argument("--start", action="store_true", help="run Prometheus and Alertmanager until Ctrl-C")
+    parser.add_argument(
+        "--start",
+        action="store_true",
+        help="run Prometheus and Alertmanager until Ctrl-C; the alerts are printed here (unless --webhook), "
+        "with the diagnosis of each alerting run (openlora-otel diagnose) under its first alert",
+    )
     parser.add_argument(
         "--receiver-only",
         action="store_true",

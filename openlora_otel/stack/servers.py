@@ -8,6 +8,7 @@ be running once Prometheus scrapes the targets. See docs/how-to/local-stack.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import signal
@@ -240,12 +241,42 @@ def format_notification(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
-class AlertPrinter:
-    """A webhook receiver on loopback that prints each alert of every notification to ``out``."""
+# A run is diagnosed at most once in this many seconds, whatever its alerts (Alertmanager repeats
+# a group's notification, and a run's alerts come in several groups).
+DIAGNOSE_EVERY_S = 600.0
+DIAGNOSIS_FINDINGS = 3  # the top findings printed under an alert
+_MAX_RUN_ID = 160
 
-    def __init__(self, port: int, out: TextIO | None = None, host: str = LOOPBACK) -> None:
+
+def diagnosis_lines(run_id: str, findings: Sequence[Any]) -> list[str]:
+    """What the receiver prints of a run's diagnosis: its top findings, each with its cause and runbook."""
+    if not findings:
+        return [f"  diagnosis of run {run_id}: no findings"]
+    lines = [f"  diagnosis of run {run_id} (openlora-otel diagnose; {len(findings)} finding(s)):"]
+    for finding in findings[:DIAGNOSIS_FINDINGS]:
+        lines += [f"    [{finding.severity}] {finding.title}", f"      likely cause: {finding.cause}",
+                  f"      runbook: {finding.runbook}"]  # fmt: skip
+    return lines
+
+
+class AlertPrinter:
+    """A webhook receiver on loopback that prints each alert of every notification to ``out``.
+
+    With ``diagnose_from`` (a Prometheus URL: the stack's own), the first firing alert of a run
+    (its ``openlora_run_id`` label) has the run diagnosed there, as ``openlora-otel diagnose
+    --prometheus`` does, in a thread of its own (one at a time; each of its queries bounded by the
+    report's timeout); the top findings are printed under the alerts. A run is diagnosed at most once
+    every :data:`DIAGNOSE_EVERY_S` seconds.
+    """
+
+    def __init__(
+        self, port: int, out: TextIO | None = None, host: str = LOOPBACK, *, diagnose_from: str | None = None
+    ) -> None:
         self._out = out if out is not None else sys.stdout
         self._lock = threading.Lock()
+        self._diagnose_from = diagnose_from
+        self._diagnosed: dict[str, float] = {}
+        self._diagnosis = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="openlora-diagnose")
         printer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -259,6 +290,8 @@ class AlertPrinter:
                     self.end_headers()
                     return
                 printer._print(lines)
+                if isinstance(payload, dict):
+                    printer._diagnose_alerts(payload)
                 self.send_response(200)
                 self.end_headers()
 
@@ -278,6 +311,40 @@ class AlertPrinter:
             for line in lines:
                 print(line, file=self._out, flush=True)
 
+    def _diagnose_alerts(self, payload: dict[str, Any]) -> None:
+        if self._diagnose_from is None:
+            return
+        for alert in payload.get("alerts") or []:
+            if not isinstance(alert, dict) or str(alert.get("status") or payload.get("status")) != "firing":
+                continue
+            run_id = (alert.get("labels") or {}).get("openlora_run_id")
+            if not isinstance(run_id, str) or not run_id or len(run_id) > _MAX_RUN_ID:
+                continue
+            now = time.monotonic()
+            with self._lock:
+                if now - self._diagnosed.get(run_id, -DIAGNOSE_EVERY_S) < DIAGNOSE_EVERY_S:
+                    continue
+                self._diagnosed[run_id] = now
+            try:
+                self._diagnosis.submit(self._diagnose, run_id)
+            except RuntimeError:  # closed
+                return
+
+    def _diagnose(self, run_id: str) -> None:
+        from openlora_otel.report.diagnosis import diagnose
+        from openlora_otel.report.model import ReportError, shown
+        from openlora_otel.report.prometheus import read_prometheus
+
+        assert self._diagnose_from is not None
+        try:
+            runs = read_prometheus(self._diagnose_from, [run_id], every_rank=True)
+            lines = [line for run in runs for line in diagnosis_lines(shown(run_id), diagnose(run))]
+        except ReportError as exc:
+            lines = [f"  diagnosis of run {shown(run_id)} failed: {exc}"]
+        except Exception as exc:  # never the receiver's end: the alerts go on being printed
+            lines = [f"  diagnosis of run {shown(run_id)} failed: {type(exc).__name__}: {exc}"]
+        self._print(lines)
+
     def start(self) -> AlertPrinter:
         self._thread.start()
         return self
@@ -285,6 +352,7 @@ class AlertPrinter:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._diagnosis.shutdown(wait=False, cancel_futures=True)
 
 
 # -- running the two servers ----------------------------------------------------------------------------
@@ -389,7 +457,9 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
     printer = None
     if plan.builtin_receiver:
         try:
-            printer = AlertPrinter(plan.receiver_port, out).start()
+            printer = AlertPrinter(
+                plan.receiver_port, out, diagnose_from=f"http://{LOOPBACK}:{plan.prometheus_port}"
+            ).start()
         except OSError as exc:
             print(
                 f"openlora-otel stack: cannot listen on {LOOPBACK}:{plan.receiver_port} for alerts "

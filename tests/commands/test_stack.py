@@ -486,6 +486,38 @@ def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.
 
 
 @pytest.mark.process
+def test_the_alert_printer_diagnoses_a_firing_runs_once_and_survives_a_prometheus_it_cannot_reach() -> None:
+    """With diagnose_from, a firing alert's run is diagnosed there (once in DIAGNOSE_EVERY_S); a resolved
+    alert, an alert without a run, and a repeat notification are not. Here the Prometheus is a closed
+    port: the diagnosis says it failed and why, and the printer goes on. (A real Prometheus and a real
+    run: tests/report/test_alert_diagnosis.py.)"""
+    out = io.StringIO()
+    closed = f"http://127.0.0.1:{free_port()}"
+    printer = stack.AlertPrinter(0, out, diagnose_from=closed).start()
+
+    def post(status: str, labels: dict) -> None:
+        payload = {"version": "4", "status": status, "alerts": [{"status": status, "labels": labels, "annotations": {}}]}
+        request = urllib.request.Request(printer.url, data=json.dumps(payload).encode())
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+
+    try:
+        run = {"alertname": "OpenloraRankHung", "severity": "critical", "openlora_run_id": "r-7"}
+        post("firing", run)
+        post("firing", run)  # Alertmanager's repeat: not diagnosed again
+        post("resolved", {**run, "openlora_run_id": "r-8"})
+        post("firing", {"alertname": "OpenloraCollectorDown", "severity": "critical"})
+        deadline = time.monotonic() + 60
+        while "diagnosis of run" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        printer.close()
+    diagnoses = [line for line in out.getvalue().splitlines() if "diagnosis of run" in line]
+    assert len(diagnoses) == 1 and diagnoses[0].startswith("  diagnosis of run r-7 failed: "), out.getvalue()
+    assert closed.rsplit(":", 1)[1] in diagnoses[0]  # it says which Prometheus
+
+
 def test_receiver_only_prints_alerts_until_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen(

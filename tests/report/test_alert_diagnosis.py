@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import shlex
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,8 @@ def test_every_training_alert_and_no_other_names_the_command() -> None:
 def test_a_firing_alerts_command_diagnoses_its_run(tmp_path: Path) -> None:
     """A two-rank run whose rank 1's GPU falls off the bus (a fake NVML: tests/support/gpu_fault_rank.py),
     scraped by Prometheus 3.16 with the shipped rules and its external URL set: OpenloraGpuFellOffTheBus
-    fires while the rank lingers, and the command its annotation holds names that GPU first."""
+    fires while the rank lingers, and the command its annotation holds names that GPU first; so does
+the stack's alert receiver given that alert."""
     from tests.support.processes import free_port_range
     from tests.support.prometheus_server import Prometheus
 
@@ -76,6 +78,23 @@ def test_a_firing_alerts_command_diagnoses_its_run(tmp_path: Path) -> None:
         top = run["findings"][0]
         assert (top["kind"], top["severity"], top["rank"]) == ("gpu_fault", "critical", 1), run["findings"]
         assert top["runbook"] == found[0]["annotations"]["runbook_url"]
+
+        # The stack's receiver, given the alert as Alertmanager's webhook sends it, diagnoses the run
+        # from the same Prometheus and prints the top finding under it.
+        from openlora_otel.stack import AlertPrinter
+
+        out = io.StringIO()
+        printer = AlertPrinter(0, out, diagnose_from=prometheus.url).start()
+        try:
+            alert = {"status": "firing", "labels": found[0]["labels"], "annotations": found[0]["annotations"]}
+            body = json.dumps({"version": "4", "status": "firing", "alerts": [alert]}).encode()
+            with urllib.request.urlopen(urllib.request.Request(printer.url, data=body), timeout=10) as response:
+                assert response.status == 200
+            wait_until(lambda: "runbook:" in out.getvalue(), 60, "the receiver's diagnosis")
+        finally:
+            printer.close()
+        printed = out.getvalue()
+        assert "diagnosis of run gpu-off-bus" in printed and "[critical] rank 1's GPU fell off the bus" in printed, printed
     finally:
         if processes:
             gpu_fault_rank.finish(processes, "off-bus")
