@@ -485,7 +485,6 @@ def test_start_runs_both_on_loopback_and_stops_them(tmp_path: Path, how: signal.
     assert all(_refused(port) for port in ports)  # both servers and the printer are gone
 
 
-@pytest.mark.process
 def test_the_alert_printer_diagnoses_a_firing_runs_once_and_survives_a_prometheus_it_cannot_reach() -> None:
     """With diagnose_from, a firing alert's run is diagnosed there (once in DIAGNOSE_EVERY_S); a resolved
     alert, an alert without a run, and a repeat notification are not. Here the Prometheus is a closed
@@ -518,6 +517,7 @@ def test_the_alert_printer_diagnoses_a_firing_runs_once_and_survives_a_prometheu
     assert closed.rsplit(":", 1)[1] in diagnoses[0]  # it says which Prometheus
 
 
+@pytest.mark.process
 def test_receiver_only_prints_alerts_until_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen(
