@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "gone non-finite (and whether the gradient norm grew or the loss spiked before it, with the learning rate "
         "then), a rank that stopped stepping while the others went on, a rank that ran out of GPU memory or whose "
         "allocated memory grows with the steps (and where it would run out) or fragments, a straggler rank (and what explains it: its GPU's "
-        "clock held down by power or heat, its data wait, its PCIe link trained narrow), the step from which the run became lastingly slower (and what changed then), overfitting (the evaluation loss rising from its best while the training loss falls), a run waiting for its data, and where the rest of its time went (restarts, checkpoints, idle, evaluation) when it is a quarter or more. Each finding says when (step, wall time, rank), the values "
+        "clock held down by power or heat, its data wait, its PCIe link trained narrow), the step from which the run became lastingly slower (and what changed then), overfitting (the evaluation loss rising from its best while the training loss falls), a run waiting for its data, and where the rest of its time went (restarts, checkpoint saves, idle stalls) when it is a quarter or more. Each finding says when (step, wall time, rank), the values "
         "that show it and their series, the likely cause and what it ruled out, what to try, and the runbook "
         "entry. A healthy run has no finding. --json prints the documented JSON form instead "
         "(docs/how-to/diagnose.md). Exit status: 0 diagnosed (whatever was found), 2 usage error, unknown run or "

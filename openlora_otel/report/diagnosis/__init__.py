@@ -27,7 +27,7 @@ The detectors so far (issue 34 lists the rest):
   throttling and clocks).
 - ``input_bound``: the share of the run's time spent waiting for data.
 - ``goodput``: where the rest of the time went, by cause across the attempts (restarts, checkpoint
-  saves, idle, evaluation), when it is a quarter of the run's time or more.
+  saves, idle stalls), when it is a quarter of the run's time or more (evaluating is a choice, shown only).
 
 The detectors live in :mod:`.gpu`, :mod:`.training` (divergence, hang, input-bound), :mod:`.memory`, :mod:`.evaluation`,
 :mod:`.stragglers`, :mod:`.throughput` and :mod:`.wasted` (goodput), what

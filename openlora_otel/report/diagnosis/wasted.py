@@ -1,24 +1,26 @@
 """The goodput detector: where a run's time went that was not training, by cause, across its attempts
 (restarts: the steps done again, checkpoint loads, later attempts' start-up; checkpoint saves; idle
-stalls; evaluation). Data waits are the input-bound detector's; the first start-up is every run's."""
+stalls). Data waits are the input-bound detector's; the first start-up is every run's; evaluating is a
+choice; the time after the last step (a merge, an upload) is no stall."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from openlora_otel.report.diagnosis.findings import RUNBOOKS, Evidence, Finding
+from openlora_otel.report.diagnosis.findings import RUNBOOKS, Evidence, Finding, attempts, finite
 from openlora_otel.report.goodput import TimeSample, time_breakdown
 from openlora_otel.report.model import ProcessRows
 
 # Thresholds, each a documented choice (docs/how-to/diagnose.md).
 WASTED_SHARE = 0.25  # of the run's rank-seconds gone to the causes below: a finding
-WASTED_MIN_S = 60.0  # ... and at least this many rank-seconds (a short run is mostly its start-up)
+WASTED_MIN_S = 60.0  # ... and at least this many seconds a process (a short run is mostly its start-up)
 
 
 def _later_startups(samples: Sequence[TimeSample]) -> float:
-    """Start-up seconds of every attempt but the first (by attempt number; unnumbered: none)."""
-    numbers = [s.attempt for s in samples if s.attempt is not None]
-    if not numbers:
+    """Start-up seconds of every attempt but the first, when the attempts are numbered (a source
+    without the numbers, or ranks without theirs, cannot tell a restart from a second rank)."""
+    numbers = {s.attempt for s in samples if s.attempt is not None}
+    if len(numbers) < 2 or any(s.attempt is None or s.rank is None for s in samples):
         return 0.0
     first = min(numbers)
     last: dict[tuple[int | None, int | None, str | None], TimeSample] = {}
@@ -27,22 +29,36 @@ def _later_startups(samples: Sequence[TimeSample]) -> float:
     return sum(s.phases.get("startup", 0.0) for s in last.values() if s.attempt is not None and s.attempt > first)
 
 
+def _tails(processes: Sequence[ProcessRows]) -> float:
+    """Seconds from each attempt's last step to its last reading, over the ranks: the time after
+    training (a merge, an upload, the process lingering) that the clock books as idle, and no stall."""
+    total = 0.0
+    for process in processes:
+        for rows in attempts(process):
+            steps = [row.values["last_step_time"] for row in rows if finite(row.values.get("last_step_time"))]
+            if steps and max(steps) > 0:
+                total += max(0.0, rows[-1].time_s - max(steps))
+    return total
+
+
 def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
     samples = [sample for process in processes for sample in process.time]
     breakdown = time_breakdown(samples)
     if breakdown is None or breakdown.total <= 0:
         return []
     phases, total = breakdown.phases, breakdown.total
-    restarts = len(breakdown.attempts) - 1
     later_startup = _later_startups(samples)
+    numbered = all(s.attempt is not None and s.rank is not None for s in samples)
+    restarts = len({s.attempt for s in samples}) - 1 if numbered else 0
     causes = {
         "restarts": phases["lost_progress"] + phases["checkpoint_load"] + later_startup if restarts > 0 else 0.0,
         "checkpoint saves": phases["checkpoint_save"],
-        "idle (stalls, time after the last step)": phases["idle"],
-        "evaluation": phases["evaluation"],
+        "idle (stalls)": max(0.0, phases["idle"] - _tails(processes)),
     }
+    # Evaluating is a choice, not lost time: shown, never what makes the finding.
     lost = sum(causes.values())
-    if lost < WASTED_MIN_S or lost / total < WASTED_SHARE:
+    per_process = lost / max(1, breakdown.processes)
+    if per_process < WASTED_MIN_S or lost / total < WASTED_SHARE:
         return []
     ranked = sorted(causes.items(), key=lambda item: -item[1])
     top, top_s = ranked[0]
@@ -60,9 +76,7 @@ def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
                      "find why the attempts ended: `openlora-otel report` lists their outcomes"),
         "checkpoint saves": ("save less often, or asynchronously (torch.distributed.checkpoint.async_save)",
                              "save only the adapter's weights, to faster storage"),
-        "idle (stalls, time after the last step)": ("look for stalls: the hang findings, a process that lingers after "
-                                                     "training (exit when done)",),
-        "evaluation": ("evaluate less often or on a subset", "evaluate with a larger batch, without gradients"),
+        "idle (stalls)": ("look for stalls between steps: the hang findings, the ranks' stacks (py-spy dump --pid)",),
     }[top]  # fmt: skip
     return [
         Finding(
@@ -74,7 +88,9 @@ def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
             + ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in ranked if seconds > 0),
             tuple(evidence),
             (f"waiting for data ({phases['data_wait'] / total:.0%}): the input-bound finding's", "the first start-up: "
-             f"every run's ({(phases['startup'] - later_startup) / total:.0%})"),
+             f"every run's ({(phases['startup'] - later_startup) / total:.0%})", "evaluation "
+             f"({phases['evaluation'] / total:.0%}): a choice, not lost time", "the time after the last step (a "
+             "merge, an upload, a process lingering): not a stall"),
             advice, f"{RUNBOOKS}#openloralowgoodput", None, None, None, lost / total,
         )
     ]  # fmt: skip
