@@ -217,18 +217,36 @@ def write(plan: StackPlan) -> list[Path]:
 # -- the built-in receiver ---------------------------------------------------------------------------
 
 
+def _text(value: object, limit: int = 300) -> str:
+    """A value of a notification as printed: control characters (a terminal's escape sequences) and lone
+    surrogates written as escapes, at most ``limit`` characters."""
+    from openlora_otel.report.model import shown
+
+    return shown(value, limit)
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _alerts(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alerts of a notification that are objects (anything else in a hostile or broken body is skipped)."""
+    alerts = payload.get("alerts")
+    return [alert for alert in alerts if isinstance(alert, dict)] if isinstance(alerts, list) else []
+
+
 def format_notification(payload: dict[str, Any]) -> list[str]:
-    """One line per alert of an Alertmanager webhook notification (version 4)."""
+    """One line per alert of an Alertmanager webhook notification (version 4), its texts escaped."""
     lines = []
-    for alert in payload.get("alerts") or []:
-        labels = alert.get("labels") or {}
-        annotations = alert.get("annotations") or {}
-        status = str(alert.get("status") or payload.get("status") or "?").upper()
-        text = str(annotations.get("summary") or "")
+    for alert in _alerts(payload):
+        labels = _mapping(alert.get("labels"))
+        annotations = _mapping(alert.get("annotations"))
+        status = _text(alert.get("status") or payload.get("status") or "?", 20).upper()
+        text = _text(annotations.get("summary") or "")
         name, run_id, instance = (
-            labels.get("openlora_run_name"),
-            labels.get("openlora_run_id"),
-            labels.get("instance"),
+            _text(labels["openlora_run_name"]) if labels.get("openlora_run_name") else None,
+            _text(labels["openlora_run_id"]) if labels.get("openlora_run_id") else None,
+            _text(labels["instance"]) if labels.get("instance") else None,
         )
         if instance and instance not in text:
             text += f" on {instance}"
@@ -236,7 +254,7 @@ def format_notification(payload: dict[str, Any]) -> list[str]:
             text += f" (run {name})"
         if run_id and run_id != name:
             text += f" [run id {run_id}]"
-        line = f"[{status}] {labels.get('severity', '?')} {labels.get('alertname', '?')}"
+        line = f"[{status}] {_text(labels.get('severity', '?'), 40)} {_text(labels.get('alertname', '?'), 120)}"
         lines.append(f"{line}: {text.strip()}" if text.strip() else line)
     return lines
 
@@ -245,6 +263,9 @@ def format_notification(payload: dict[str, Any]) -> list[str]:
 # a group's notification, and a run's alerts come in several groups).
 DIAGNOSE_EVERY_S = 600.0
 DIAGNOSIS_FINDINGS = 3  # the top findings printed under an alert
+DIAGNOSES_PER_NOTIFICATION = 3  # distinct runs diagnosed from one notification, at most
+DIAGNOSES_PENDING = 4  # diagnoses queued or running, at most: a flood of runs is not all diagnosed
+_DIAGNOSED_KEPT = 1024  # runs remembered for the once-in-DIAGNOSE_EVERY_S rule, at most
 _MAX_RUN_ID = 160
 
 
@@ -276,16 +297,20 @@ class AlertPrinter:
         self._lock = threading.Lock()
         self._diagnose_from = diagnose_from
         self._diagnosed: dict[str, float] = {}
+        self._pending = 0
+        self._closed = threading.Event()
         self._diagnosis = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="openlora-diagnose")
         printer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                length = min(int(self.headers.get("Content-Length") or 0), 10 * 2**20)
                 try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if not 0 <= length <= 10 * 2**20:
+                        raise ValueError(f"Content-Length {length}")
                     payload = json.loads(self.rfile.read(length) or b"{}")
                     lines = format_notification(payload) if isinstance(payload, dict) else []
-                except (ValueError, UnicodeDecodeError):
+                except (ValueError, UnicodeDecodeError, RecursionError):
                     self.send_response(400)
                     self.end_headers()
                     return
@@ -314,19 +339,30 @@ class AlertPrinter:
     def _diagnose_alerts(self, payload: dict[str, Any]) -> None:
         if self._diagnose_from is None:
             return
-        for alert in payload.get("alerts") or []:
-            if not isinstance(alert, dict) or str(alert.get("status") or payload.get("status")) != "firing":
+        submitted = 0
+        for alert in _alerts(payload):
+            if submitted >= DIAGNOSES_PER_NOTIFICATION:
+                return
+            if str(alert.get("status") or payload.get("status")) != "firing":
                 continue
-            run_id = (alert.get("labels") or {}).get("openlora_run_id")
+            run_id = _mapping(alert.get("labels")).get("openlora_run_id")
             if not isinstance(run_id, str) or not run_id or len(run_id) > _MAX_RUN_ID:
                 continue
             now = time.monotonic()
             with self._lock:
                 if now - self._diagnosed.get(run_id, -DIAGNOSE_EVERY_S) < DIAGNOSE_EVERY_S:
                     continue
+                if self._pending >= DIAGNOSES_PENDING:
+                    return  # busy: this run's next notification (Alertmanager repeats) may find room
+                for old in [r for r, at in self._diagnosed.items() if now - at >= DIAGNOSE_EVERY_S]:
+                    del self._diagnosed[old]
+                if len(self._diagnosed) >= _DIAGNOSED_KEPT:
+                    return
                 self._diagnosed[run_id] = now
+                self._pending += 1
             try:
                 self._diagnosis.submit(self._diagnose, run_id)
+                submitted += 1
             except RuntimeError:  # closed
                 return
 
@@ -337,19 +373,26 @@ class AlertPrinter:
 
         assert self._diagnose_from is not None
         try:
+            if self._closed.is_set():
+                return
             runs = read_prometheus(self._diagnose_from, [run_id], every_rank=True)
             lines = [line for run in runs for line in diagnosis_lines(shown(run_id), diagnose(run))]
         except ReportError as exc:
-            lines = [f"  diagnosis of run {shown(run_id)} failed: {exc}"]
+            lines = [f"  diagnosis of run {shown(run_id)} failed: {shown(exc, 300)}"]
         except Exception as exc:  # never the receiver's end: the alerts go on being printed
-            lines = [f"  diagnosis of run {shown(run_id)} failed: {type(exc).__name__}: {exc}"]
-        self._print(lines)
+            lines = [f"  diagnosis of run {shown(run_id)} failed: {type(exc).__name__}: {shown(exc, 300)}"]
+        finally:
+            with self._lock:
+                self._pending -= 1
+        if not self._closed.is_set():  # not after the stack stopped
+            self._print(lines)
 
     def start(self) -> AlertPrinter:
         self._thread.start()
         return self
 
     def close(self) -> None:
+        self._closed.set()
         self._server.shutdown()
         self._server.server_close()
         self._diagnosis.shutdown(wait=False, cancel_futures=True)

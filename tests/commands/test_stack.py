@@ -517,6 +517,41 @@ def test_the_alert_printer_diagnoses_a_firing_runs_once_and_survives_a_prometheu
     assert closed.rsplit(":", 1)[1] in diagnoses[0]  # it says which Prometheus
 
 
+def test_the_alert_printer_takes_hostile_notifications_without_harm() -> None:
+    """Found by review: bodies that are not what Alertmanager sends broke the handler, a body of 5,000
+    runs queued 5,000 diagnoses, and a label's escape sequences reached the terminal."""
+    out = io.StringIO()
+    printer = stack.AlertPrinter(0, out, diagnose_from=f"http://127.0.0.1:{free_port()}").start()
+
+    def post(body: bytes, headers: dict | None = None) -> int:
+        request = urllib.request.Request(printer.url, data=body, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    try:
+        for body in ({"alerts": 7}, {"alerts": ["x", 3, None]}, {"alerts": [{"labels": ["a"], "annotations": 2}]},
+                     {"alerts": [{"status": "firing", "labels": {"openlora_run_id": ["r"]}}]}):  # fmt: skip
+            assert post(json.dumps(body).encode()) == 200
+        assert post(b"{}", {"Content-Length": "-1"}) in (400, 200)  # never a read to EOF
+        flood = [{"status": "firing", "labels": {"alertname": "X", "openlora_run_id": f"run-{i}"}} for i in range(5000)]
+        assert post(json.dumps({"alerts": flood}).encode()) == 200
+        evil = {"alertname": "A\x1b]0;pwn\x07", "openlora_run_id": "r\x1b[2J", "severity": "warning"}
+        assert post(json.dumps({"alerts": [{"status": "resolved", "labels": evil}]}).encode()) == 200
+        deadline = time.monotonic() + 60
+        while out.getvalue().count("diagnosis of run") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert printer._pending <= stack.servers.DIAGNOSES_PENDING and len(printer._diagnosed) <= 3
+    finally:
+        printer.close()
+    text = out.getvalue()
+    assert out.getvalue().count("diagnosis of run") == 3, text  # of the first notification's first runs only
+    assert "\x1b" not in text and "A\\x1b]0;pwn\\x07" in text and "r\\x1b[2J" in text, text
+
+
 @pytest.mark.process
 def test_receiver_only_prints_alerts_until_sigterm() -> None:
     port = free_port()
