@@ -365,6 +365,13 @@ def test_time_lost_to_restarts_across_attempts_by_cause() -> None:
     once = [ProcessRows(rank, rows(100), [attempt(rank, 1, startup=20.0, productive=460.0, checkpoint_save=5.0)])
             for rank in (0, 1)]  # fmt: skip
     assert diagnose(run(*once)) == []
+    # One process without a rank (no torchrun), resumed: its second attempt's restart counts.
+    single = ProcessRows(None, rows(100), [
+        TimeSample(T0 + 100, {"startup": 20.0, "productive": 400.0}, attempt=1, process="a"),
+        TimeSample(T0 + 200, {"startup": 40.0, "checkpoint_load": 15.0, "lost_progress": 250.0, "productive": 200.0},
+                   steps_lost=40.0, attempt=2, process="b")])  # fmt: skip
+    (finding,) = diagnose(run(single))
+    assert finding.kind == "goodput" and "most of it to restarts" in finding.title, finding.title
 
 
 def test_what_is_no_time_lost() -> None:

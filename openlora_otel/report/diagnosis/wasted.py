@@ -16,11 +16,24 @@ WASTED_SHARE = 0.25  # of the run's rank-seconds gone to the causes below: a fin
 WASTED_MIN_S = 60.0  # ... and at least this many seconds a process (a short run is mostly its start-up)
 
 
+def _numbered(samples: Sequence[TimeSample]) -> bool:
+    """Whether the readings tell the attempts apart: every one has its attempt number, and either its
+    rank or one process to its attempt (a source without the numbers, or several processes of one
+    attempt without their ranks, cannot tell a restart from a second rank)."""
+    if any(s.attempt is None for s in samples):
+        return False
+    if all(s.rank is not None for s in samples):
+        return True
+    processes: dict[int | None, set[str | None]] = {}
+    for sample in samples:
+        processes.setdefault(sample.attempt, set()).add(sample.process)
+    return all(len(members) == 1 for members in processes.values())
+
+
 def _later_startups(samples: Sequence[TimeSample]) -> float:
-    """Start-up seconds of every attempt but the first, when the attempts are numbered (a source
-    without the numbers, or ranks without theirs, cannot tell a restart from a second rank)."""
+    """Start-up seconds of every attempt but the first, when the readings tell the attempts apart."""
     numbers = {s.attempt for s in samples if s.attempt is not None}
-    if len(numbers) < 2 or any(s.attempt is None or s.rank is None for s in samples):
+    if len(numbers) < 2 or not _numbered(samples):
         return 0.0
     first = min(numbers)
     last: dict[tuple[int | None, int | None, str | None], TimeSample] = {}
@@ -48,8 +61,7 @@ def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
         return []
     phases, total = breakdown.phases, breakdown.total
     later_startup = _later_startups(samples)
-    numbered = all(s.attempt is not None and s.rank is not None for s in samples)
-    restarts = len({s.attempt for s in samples}) - 1 if numbered else 0
+    restarts = len({s.attempt for s in samples}) - 1 if _numbered(samples) else 0
     causes = {
         "restarts": phases["lost_progress"] + phases["checkpoint_load"] + later_startup if restarts > 0 else 0.0,
         "checkpoint saves": phases["checkpoint_save"],
