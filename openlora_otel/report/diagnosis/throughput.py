@@ -14,6 +14,8 @@ from openlora_otel.report.diagnosis.findings import (
     Finding,
     attempts,
     finite,
+    gained,
+    mean_of,
     step_text,
     step_time_increments,
     when_text,
@@ -94,20 +96,15 @@ def _share(process: ProcessRows, start: float, end: float, phase: str) -> float 
     return (last.get(phase, 0.0) - first.get(phase, 0.0)) / busy if busy > 0 else None
 
 
-def _window(process: ProcessRows, start: float, end: float) -> list[Row]:
-    return [row for row in process.rows if start <= row.time_s <= end]
+def _window(process: ProcessRows, start: float, end: float) -> ProcessRows:
+    """The rank's readings between ``start`` and ``end``, as a rank of their own."""
+    return ProcessRows(process.rank, [row for row in process.rows if start <= row.time_s <= end])
 
 
-def _throttled(rows: Sequence[Row], reason: str) -> float | None:
-    points = [(r.time_s, r.values[f"throttle_{reason}"]) for r in rows if finite(r.values.get(f"throttle_{reason}"))]
-    if len(points) < 2 or points[-1][0] <= points[0][0]:
-        return None
-    return max(0.0, points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
-
-
-def _mean(rows: Sequence[Row], key: str) -> float | None:
-    values = [r.values[key] for r in rows if finite(r.values.get(key))]
-    return statistics.fmean(values) if values else None
+def _throttled(window: ProcessRows, reason: str) -> float | None:
+    """The share of the window's time the clock was held down for ``reason`` (as the straggler detector reads it)."""
+    added, span = gained(window, f"throttle_{reason}")
+    return added / span if span > 0 else None
 
 
 def _explain(process: ProcessRows, at: Row, first: Row, last: Row) -> tuple[list[str], list[str], list[Evidence]]:
@@ -142,7 +139,7 @@ def _explain(process: ProcessRows, at: Row, first: Row, last: Row) -> tuple[list
             evidence.append(Evidence("openlora.gpu.throttle.time", round(now, 4), note, None, rank))
         else:
             ruled_out.append("the GPU's throttling: no more after than before")
-    clock = (_mean(rows_before, "gpu_clock_sm"), _mean(rows_after, "gpu_clock_sm"))
+    clock = (mean_of(rows_before, "gpu_clock_sm"), mean_of(rows_after, "gpu_clock_sm"))
     if clock[0] and clock[1] is not None:
         words = f"{clock[1] / 1e6:,.0f} MHz after, {clock[0] / 1e6:,.0f} MHz before"
         if clock[1] <= CLOCK_DROP * clock[0]:
