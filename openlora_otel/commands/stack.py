@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -15,6 +16,7 @@ from openlora_otel.config import ConfigError, TelemetryConfig
 from openlora_otel.config.checks import check_url
 from openlora_otel.exporters.discovery import scrape_address
 from openlora_otel.redaction import redact_url
+from openlora_otel.stack.chat import CHAT_WEBHOOK_ENV
 from openlora_otel.stack.servers import (
     ALERTMANAGER_BINARIES,
     DEFAULT_ALERTMANAGER_PORT,
@@ -82,6 +84,22 @@ def _webhook(text: str) -> str:
     return text
 
 
+def _chat_webhook(text: str) -> str:
+    try:
+        check_url("--chat-webhook", text, hide_path=True)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _prometheus(text: str) -> str:
+    try:
+        check_url("--prometheus", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``stack`` subcommand to ``openlora-otel``'s subparsers."""
     parser = command_parser(
@@ -129,6 +147,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "default receiver of collector/alertmanager.yml, for the compose stack); no --dir needed",
     )
     parser.add_argument(
+        "--chat-webhook",
+        type=_chat_webhook,
+        metavar="URL",
+        help=f"also forward the alerts and diagnoses the receiver prints (--start, --receiver-only) to this "
+        f'Slack-style incoming webhook ({{"text": ...}}: Slack, Mattermost, Rocket.Chat); default: '
+        f"{CHAT_WEBHOOK_ENV}, which keeps the URL (its token) out of `ps`; the URL is never printed whole",
+    )
+    parser.add_argument(
+        "--prometheus",
+        type=_prometheus,
+        metavar="URL",
+        help="with --receiver-only: diagnose each alerting run from this Prometheus (openlora-otel diagnose) "
+        "and print the top findings under its alert (--start diagnoses from the stack's own)",
+    )
+    parser.add_argument(
         "--prometheus-port", type=_port, default=DEFAULT_PROMETHEUS_PORT, help="(default %(default)s)"
     )
     parser.add_argument(
@@ -161,8 +194,25 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     """Carry out ``openlora-otel stack`` for parsed ``args``."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
+    chat_webhook = args.chat_webhook
+    if chat_webhook is not None and not (args.start or args.receiver_only):
+        usage_error(args, "--chat-webhook forwards what the receiver of --start or --receiver-only prints")
+    if chat_webhook is not None and args.webhook and not args.receiver_only:
+        usage_error(args, "--chat-webhook needs the built-in receiver: not with --webhook")
+    if args.prometheus is not None and not args.receiver_only:
+        usage_error(args, "--prometheus is for --receiver-only (--start diagnoses from the stack's own)")
+    if chat_webhook is None and (args.receiver_only or (args.start and not args.webhook)):
+        chat_webhook = os.environ.get(CHAT_WEBHOOK_ENV) or None
+        if chat_webhook is not None:
+            try:
+                check_url(CHAT_WEBHOOK_ENV, chat_webhook, hide_path=True)
+            except ConfigError as exc:
+                print(f"openlora-otel stack: {exc}", file=err)
+                return 2
     if args.receiver_only:
-        return receive_only(args.receiver_port, out, err)
+        return receive_only(
+            args.receiver_port, out, err, diagnose_from=args.prometheus, chat_webhook=chat_webhook
+        )
     if args.dir is None:
         usage_error(args, "--dir is required (where the configs go), unless --receiver-only")
     try:
@@ -195,6 +245,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         scrape_interval=args.scrape_interval,
         evaluation_interval=args.evaluation_interval,
         runbook_base=args.runbook_base,
+        chat_webhook=chat_webhook,
     )
     try:
         paths = write(plan)

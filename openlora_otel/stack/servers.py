@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from openlora_otel._version import __version__
 from openlora_otel.config import DEFAULT_PROMETHEUS_PORT as _DEFAULT_METRICS_PORT
 from openlora_otel.redaction import redact, redact_url, url_secrets
+from openlora_otel.stack.chat import ChatForwarder
 from openlora_otel.stack.rules import DEFAULT_RUNBOOK_BASE, rules_text
 
 __all__ = [
@@ -70,6 +71,8 @@ class StackPlan:
     scrape_interval: str = DEFAULT_SCRAPE_INTERVAL
     evaluation_interval: str = DEFAULT_EVALUATION_INTERVAL
     runbook_base: str = DEFAULT_RUNBOOK_BASE
+    # A Slack-style webhook the built-in receiver forwards its alerts and diagnoses to (its URL is a secret).
+    chat_webhook: str | None = None
 
     @property
     def scraped(self) -> str:
@@ -288,14 +291,24 @@ class AlertPrinter:
     --prometheus`` does, in a thread of its own (one at a time; each of its queries bounded by the
     report's timeout); the top findings are printed under the alerts. A run is diagnosed at most once
     every :data:`DIAGNOSE_EVERY_S` seconds.
+
+    With ``chat`` (:class:`~openlora_otel.stack.chat.ChatForwarder`), what is printed also goes to a
+    chat: a message per notification's alerts and one per diagnosis. :meth:`close` closes it.
     """
 
     def __init__(
-        self, port: int, out: TextIO | None = None, host: str = LOOPBACK, *, diagnose_from: str | None = None
+        self,
+        port: int,
+        out: TextIO | None = None,
+        host: str = LOOPBACK,
+        *,
+        diagnose_from: str | None = None,
+        chat: ChatForwarder | None = None,
     ) -> None:
         self._out = out if out is not None else sys.stdout
         self._lock = threading.Lock()
         self._diagnose_from = diagnose_from
+        self._chat = chat
         self._diagnosed: dict[str, float] = {}
         self._pending = 0
         self._closed = threading.Event()
@@ -335,6 +348,8 @@ class AlertPrinter:
         with self._lock:
             for line in lines:
                 print(line, file=self._out, flush=True)
+        if self._chat is not None and not self._closed.is_set():
+            self._chat.send(lines)
 
     def _diagnose_alerts(self, payload: dict[str, Any]) -> None:
         if self._diagnose_from is None:
@@ -396,6 +411,8 @@ class AlertPrinter:
         self._server.shutdown()
         self._server.server_close()
         self._diagnosis.shutdown(wait=False, cancel_futures=True)
+        if self._chat is not None:
+            self._chat.close()
 
 
 # -- running the two servers ----------------------------------------------------------------------------
@@ -501,7 +518,10 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
     if plan.builtin_receiver:
         try:
             printer = AlertPrinter(
-                plan.receiver_port, out, diagnose_from=f"http://{LOOPBACK}:{plan.prometheus_port}"
+                plan.receiver_port,
+                out,
+                diagnose_from=f"http://{LOOPBACK}:{plan.prometheus_port}",
+                chat=ChatForwarder(plan.chat_webhook, err) if plan.chat_webhook else None,
             ).start()
         except OSError as exc:
             print(
@@ -566,6 +586,8 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
         if stop.is_set():
             return 0
         alerts = "printed here" if printer is not None else f"sent to {redact_url(plan.webhook_url, path=True)}"
+        if printer is not None and plan.chat_webhook:
+            alerts += f", with the diagnoses, and forwarded to {redact_url(plan.chat_webhook, path=True)}"
         print(
             f"Prometheus   http://{LOOPBACK}:{plan.prometheus_port}  (log {servers[1].log})\n"
             f"Alertmanager http://{LOOPBACK}:{plan.alertmanager_port}  (log {servers[0].log})\n"
@@ -613,17 +635,27 @@ def _restore_handlers(previous: dict[int, Any]) -> None:
         signal.signal(number, handler)
 
 
-def receive_only(port: int, out: TextIO, err: TextIO) -> int:
-    """Print the alerts an Alertmanager sends to ``http://127.0.0.1:PORT/alerts`` until SIGINT / SIGTERM."""
+def receive_only(
+    port: int, out: TextIO, err: TextIO, *, diagnose_from: str | None = None, chat_webhook: str | None = None
+) -> int:
+    """Print the alerts an Alertmanager sends to ``http://127.0.0.1:PORT/alerts`` until SIGINT / SIGTERM
+    (``diagnose_from``: with the diagnosis of each alerting run, from that Prometheus; ``chat_webhook``:
+    forwarded there too)."""
+    chat = ChatForwarder(chat_webhook, err) if chat_webhook else None
     try:
-        printer = AlertPrinter(port, out).start()
+        printer = AlertPrinter(port, out, diagnose_from=diagnose_from, chat=chat).start()
     except OSError as exc:
+        if chat is not None:
+            chat.close(0)
         print(f"openlora-otel stack: cannot listen on {LOOPBACK}:{port} ({exc.strerror or exc})", file=err)
         return 1
     stop = threading.Event()
     previous = _install_stop_handlers(stop)
     try:
-        print(f"receiving alerts at {printer.url}; Ctrl-C stops", file=out, flush=True)
+        extra = f"; diagnosing their runs from {redact_url(diagnose_from)}" if diagnose_from else ""
+        if chat_webhook:
+            extra += f"; forwarded to {redact_url(chat_webhook, path=True)}"
+        print(f"receiving alerts at {printer.url}{extra}; Ctrl-C stops", file=out, flush=True)
         stop.wait()
     finally:
         printer.close()

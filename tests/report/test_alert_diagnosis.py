@@ -52,7 +52,7 @@ def test_a_firing_alerts_command_diagnoses_its_run(tmp_path: Path) -> None:
     """A two-rank run whose rank 1's GPU falls off the bus (a fake NVML: tests/support/gpu_fault_rank.py),
     scraped by Prometheus 3.16 with the shipped rules and its external URL set: OpenloraGpuFellOffTheBus
     fires while the rank lingers, and the command its annotation holds names that GPU first; so does
-the stack's alert receiver given that alert."""
+the stack's alert receiver given that alert, and it forwards that to a chat webhook."""
     from tests.support.processes import free_port_range
     from tests.support.prometheus_server import Prometheus
 
@@ -81,10 +81,13 @@ the stack's alert receiver given that alert."""
 
         # The stack's receiver, given the alert as Alertmanager's webhook sends it, diagnoses the run
         # from the same Prometheus and prints the top finding under it.
+        # With a chat webhook (Slack's shape), the diagnosis goes there too.
         from openlora_otel.stack import AlertPrinter
+        from openlora_otel.stack.chat import ChatForwarder
+        from tests.support.alertmanager import Webhook
 
-        out = io.StringIO()
-        printer = AlertPrinter(0, out, diagnose_from=prometheus.url).start()
+        out, err, hook = io.StringIO(), io.StringIO(), Webhook("/services/T0/B0/secret")
+        printer = AlertPrinter(0, out, diagnose_from=prometheus.url, chat=ChatForwarder(hook.url, err)).start()
         try:
             alert = {"status": "firing", "labels": found[0]["labels"], "annotations": found[0]["annotations"]}
             body = json.dumps({"version": "4", "status": "firing", "alerts": [alert]}).encode()
@@ -93,8 +96,12 @@ the stack's alert receiver given that alert."""
             wait_until(lambda: "runbook:" in out.getvalue(), 60, "the receiver's diagnosis")
         finally:
             printer.close()
+            hook.close()
         printed = out.getvalue()
         assert "diagnosis of run gpu-off-bus" in printed and "[critical] rank 1's GPU fell off the bus" in printed, printed
+        messages = [m["text"] for m in hook.notifications]
+        assert messages[0].startswith("[FIRING] critical OpenloraGpuFellOffTheBus") and err.getvalue() == ""
+        assert "diagnosis of run gpu-off-bus" in messages[1] and "[critical] rank 1's GPU fell off the bus" in messages[1]
     finally:
         if processes:
             gpu_fault_rank.finish(processes, "off-bus")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,26 +19,39 @@ SHIPPED_WEBHOOK = "http://127.0.0.1:9095/alerts"
 
 
 class Webhook:
-    """A webhook receiver on loopback that keeps every notification Alertmanager POSTs."""
+    """A webhook receiver on loopback that keeps every notification Alertmanager POSTs (or every message
+    a chat webhook gets: ``path`` as a Slack URL's; ``answers``: the status codes and headers of the first
+    answers, 200 after them; ``hold_s``: how long each answer waits)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "/hook", answers: Sequence[tuple[int, dict[str, str]]] = (), hold_s: float = 0.0) -> None:
         self.notifications: list[dict] = []
+        self.refused = 0
         self._lock = threading.Lock()
+        self._answers = list(answers)
         received = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(hold_s)
                 with received._lock:
-                    received.notifications.append(json.loads(body))
-                self.send_response(200)
+                    code, headers = received._answers.pop(0) if received._answers else (200, {})
+                    if code == 200 and self.path == path:
+                        received.notifications.append(json.loads(body))
+                    else:
+                        received.refused += 1
+                self.send_response(code if self.path == path else 404)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "0")
                 self.end_headers()
 
             def log_message(self, *args: object) -> None:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hook"
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}{path}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
