@@ -142,6 +142,21 @@ def register(commands: Any) -> None:
         help="milliseconds rank R sleeps inside each of its steps (its step time shows it)",
     )
     demo.add_argument(
+        "--hang-at-step",
+        type=positive_int,
+        metavar="N",
+        help="at step N one process (under torchrun: rank --hang-rank) stops before its batch, as a rank whose "
+        "data loader deadlocked, and stays stuck, its telemetry going on, until Ctrl-C or SIGTERM (to watch "
+        "the hang alerts and `openlora-otel diagnose` find it); under torchrun the other ranks wait for it in "
+        "their next all-reduce, and fail once it leaves",
+    )
+    demo.add_argument(
+        "--hang-rank",
+        type=non_negative_int,
+        metavar="R",
+        help="under torchrun: the rank --hang-at-step stops (default 0)",
+    )
+    demo.add_argument(
         "--nan-at-step",
         type=positive_int,
         metavar="N",
@@ -256,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         distributed=ranks.distributed,
         straggle_rank=args.straggle_rank,
         straggle_ms=args.straggle_ms or 0.0,
+        hang_rank=args.hang_rank,
+        hang_at_step=args.hang_at_step,
         nan_at_step=args.nan_at_step,
         data_delay_ms=args.data_delay_ms or 0.0,
         save_dir=args.save,
@@ -364,13 +381,21 @@ def _distributed_problem(args: argparse.Namespace, world_size: int) -> str | Non
                 f"--straggle-rank: {args.straggle_rank} is not a rank of this launch "
                 f"(WORLD_SIZE={world_size}: ranks 0 to {world_size - 1})"
             )
+    if args.hang_rank is not None:
+        if args.hang_at_step is None:
+            return "--hang-rank needs --hang-at-step: at which step that rank hangs"
+        if args.hang_rank >= world_size:
+            return (
+                f"--hang-rank: {args.hang_rank} is not a rank of this launch "
+                f"(WORLD_SIZE={world_size}: ranks 0 to {world_size - 1})"
+            )
     if world_size > 1 and args.device not in ("auto", "cpu"):
         return (
             f"--device {args.device}: under torchrun the demo trains data-parallel on CPU (DDP over gloo); "
             "drop --device or use --device cpu"
         )
-    if args.hf_trainer and (args.nan_at_step is not None or args.data_delay_ms is not None):
-        return "--nan-at-step and --data-delay-ms work with the demo's own loop; drop --hf-trainer"
+    if args.hf_trainer and (args.nan_at_step is not None or args.data_delay_ms is not None or args.hang_at_step is not None):
+        return "--nan-at-step, --data-delay-ms and --hang-at-step work with the demo's own loop; drop --hf-trainer"
     if args.hf_trainer and world_size > 1:
         return (
             "--hf-trainer runs one process; under torchrun the demo trains with its own DDP loop "

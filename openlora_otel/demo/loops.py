@@ -134,6 +134,7 @@ def train_loop(
     straggle_s = (
         options.straggle_ms / 1000.0 if group is not None and group.rank == options.straggle_rank else 0.0
     )
+    hangs = options.hang_at_step is not None and (group.rank if group is not None else 0) == (options.hang_rank or 0)
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
     warmup = max(1, options.steps // 10)
@@ -168,6 +169,13 @@ def train_loop(
     model.train()
     for step in range(start + 1, options.steps + 1):
         if group is None and stop.signal:
+            step -= 1
+            break
+        if hangs and step == options.hang_at_step:
+            # --hang-at-step: stuck before its batch, as a rank whose data loader deadlocked; its telemetry
+            # goes on. Under DDP the other ranks wait for it in this step's all-reduce. Only a signal (or
+            # the caller's event) ends it: this rank then leaves as a stopped run; its peers' collective fails.
+            stop.event.wait()
             step -= 1
             break
         # Under DDP this rank's reason to stop goes out with this step's gradients (see ddp.py).

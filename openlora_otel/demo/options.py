@@ -51,6 +51,9 @@ class DemoOptions:
     # This rank sleeps straggle_ms inside each of its steps (distributed only).
     straggle_rank: int | None = None
     straggle_ms: float = 0.0
+    # At this step this rank (hang_rank, 0 by default) blocks before its batch until the run is stopped.
+    hang_rank: int | None = None
+    hang_at_step: int | None = None
     # From this step on the loss is made NaN (the guard then stops the run).
     nan_at_step: int | None = None
     # Each batch takes this much longer to arrive (an input-bound run).

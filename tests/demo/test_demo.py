@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,14 @@ def test_default_length_run_learns(memory_reader: InMemoryMetricReader) -> None:
         (["--hf-trainer", "--nan-at-step", "5"], {}, "work with the demo's own loop; drop --hf-trainer"),
         (["--hf-trainer", "--data-delay-ms", "5"], {}, "work with the demo's own loop; drop --hf-trainer"),
         (["--nan-at-step", "0"], {}, "argument --nan-at-step: must be > 0"),
+        (["--hang-rank", "1"], {}, "--hang-rank needs --hang-at-step"),
+        (
+            ["--hang-rank", "2", "--hang-at-step", "5"],
+            {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},
+            "--hang-rank: 2 is not a rank of this launch (WORLD_SIZE=2: ranks 0 to 1)",
+        ),
+        (["--hf-trainer", "--hang-at-step", "5"], {}, "work with the demo's own loop; drop --hf-trainer"),
+        (["--hang-at-step", "0"], {}, "argument --hang-at-step: must be > 0"),
     ],
 )
 def test_distributed_options_that_make_no_sense_are_usage_errors(
@@ -189,6 +198,25 @@ def test_distributed_options_that_make_no_sense_are_usage_errors(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_hung_process_stays_at_its_step_until_stopped() -> None:
+    """--hang-at-step in one process: it stops before the step's batch and stays there (its telemetry
+    going on) until stopped; the run then ends as a stopped one, at the step before."""
+    import threading
+
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[reader])
+    stop = threading.Event()
+    threading.Timer(1.5, stop.set).start()
+    began = time.monotonic()
+    result = run_demo(DemoOptions(steps=10, batch_size=2, eval_every=0, quiet=True, hang_at_step=3), telemetry,
+                      where="memory", stop_event=stop)  # fmt: skip
+    stuck = time.monotonic() - began
+    data = reader.get_metrics_data()
+    telemetry.shutdown()
+    assert (result.steps, result.interrupted) == (2, "requested")
+    assert value(data, "openlora.training.steps") == 2 and stuck >= 1.5
 
 
 def test_a_rank_outside_the_world_is_a_clear_error(monkeypatch, capsys) -> None:

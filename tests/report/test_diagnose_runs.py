@@ -1,8 +1,9 @@
 """``openlora-otel diagnose`` on real runs with faults injected the way the demo injects them, from
 their history files: a healthy run, a loss gone NaN at step 20, a learning rate far too high, a slow
-data loader, and under
-torchrun a rank slowed on purpose. For each faulty run the injected cause is the top finding, with
-its step or rank; the healthy run has none; the JSON form validates against its schema.
+data loader, a run SIGKILLed after its checkpoint and resumed, and under torchrun a rank slowed on
+purpose and a rank hung (its peer blocked in the all-reduce, the run terminated after more than a
+minute). For each faulty run the injected cause is the top finding, with its step or rank; the
+healthy run has none; the JSON form validates against its schema.
 
 GPU faults, with no GPU to make fail: two-rank runs (tests/support/gpu_fault_rank.py) whose real
 telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's GPU: it fell off the bus
@@ -10,14 +11,13 @@ telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's 
 straggler), its PCIe link trained narrow (a straggler), its allocated memory growing every step, an
 out-of-memory error (and the rank died); both ranks' GPUs held down by heat from step 40 (the run
 slowed); an evaluation loss rising from step 30 while the training loss falls (overfitting); and a
-healthy pair.
-
-Not yet in this corpus (issue 34): a hung rank, a SIGKILL and a resume (tested in memory:
-tests/report/test_diagnosis.py)."""
+healthy pair."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +27,12 @@ import jsonschema
 import pytest
 
 from openlora_otel.cli import main
-from openlora_otel.report.diagnosis import JSON_SCHEMA
+from openlora_otel.report.diagnosis import JSON_SCHEMA, diagnose
+from openlora_otel.report.history_source import read_runs
+from openlora_otel.report.model import ReportError
 from tests.support import gpu_fault_rank
 from tests.support.demo import needs_the_demo
+from tests.support.polling import wait_until
 from tests.support.processes import child_env, reap
 
 pytestmark = pytest.mark.process
@@ -45,36 +48,92 @@ RUNS = {
 }
 
 
-def run_demo(directory: Path, name: str, args: list[str], *, ranks: int = 1) -> None:
+HANG_AT = 20  # rank 1 of the hung run stops before this step's batch
+KILL_AFTER = 25  # the killed run is SIGKILLed once it reached this step, its checkpoint at step 20
+
+
+def start_demo(
+    directory: Path, name: str, args: list[str], *, ranks: int = 1, history: str | None = None, **env: str
+) -> subprocess.Popen:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "openlora_otel"] if ranks > 1 else [
         "-m", "openlora_otel"]  # fmt: skip
     env = child_env(
-        OMP_NUM_THREADS="1", OPENLORA_HISTORY_DIR=str(directory / name), OPENLORA_HOST_METRICS="false",
-        OTEL_METRICS_EXPORTER="none", OPENLORA_QUIET="true",
+        OMP_NUM_THREADS="1", OPENLORA_HISTORY_DIR=str(directory / (history or name)), OPENLORA_HOST_METRICS="false",
+        OTEL_METRICS_EXPORTER="none", OPENLORA_QUIET="true", **env,
     )  # fmt: skip
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, *launcher, "demo", "--steps", STEPS, "--run-name", name, *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
+
+
+def end_demo(process: subprocess.Popen, codes: tuple[int, ...] = (0, 3), timeout: float = 240) -> None:
     try:
-        output, _ = process.communicate(timeout=240)
+        output, _ = process.communicate(timeout=timeout)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
         reap(process, 10)
     # 3: the divergence guard stopped the NaN run, as the demo documents.
-    assert process.returncode in (0, 3), output
+    assert process.returncode in codes, output
+
+
+def run_demo(directory: Path, name: str, args: list[str], *, ranks: int = 1) -> None:
+    end_demo(start_demo(directory, name, args, ranks=ranks))
+
+
+def killed_and_resumed(directory: Path) -> None:
+    """Run ``resumed``: SIGKILLed once past step KILL_AFTER (its checkpoint of step 20 saved), then
+    ``--resume``d to the end; each attempt's history in a directory of its own (resumed-1, resumed-2)."""
+    checkpoints = directory / "checkpoints"
+    args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]
+    # The progress file is written at each collection: every 100 ms, so the kill lands a step or two
+    # after KILL_AFTER, well before the next checkpoint (step 30).
+    process = start_demo(directory, "resumed", args, history="resumed-1", OPENLORA_HISTORY_INTERVAL="100")
+    progress = checkpoints / "openlora-progress.json"
+
+    def reached() -> int:
+        try:
+            return int(json.loads(progress.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    try:
+        wait_until(lambda: reached() >= KILL_AFTER or process.poll() is not None, 240, f"step {KILL_AFTER}", interval=0.02)
+        assert process.poll() is None, "the run ended before it could be killed"
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        end_demo(process, (-signal.SIGKILL,), 30)
+    end_demo(start_demo(directory, "resumed", [*args, "--resume"], history="resumed-2"))
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     needs_the_demo()
     directory = tmp_path_factory.mktemp("corpus")
-    for name, args in RUNS.items():
-        run_demo(directory, name, args)
-    # 300 ms more a step: twice a loaded machine's step (80 ms, 1.9 times an idle one's, came near the
-    # 1.25 threshold when the steps themselves took longer).
-    run_demo(directory, "straggler", ["--straggle-rank", "1", "--straggle-ms", "300"], ranks=2)
+    # The hung run first: it must stay stuck for over a minute (HANG_MIN_S) while the others run.
+    hung = start_demo(directory, "hung-rank", ["--hang-rank", "1", "--hang-at-step", str(HANG_AT)], ranks=2)
+    try:
+        for name, args in RUNS.items():
+            run_demo(directory, name, args)
+        # 300 ms more a step: twice a loaded machine's step (80 ms, 1.9 times an idle one's, came near the
+        # 1.25 threshold when the steps themselves took longer).
+        run_demo(directory, "straggler", ["--straggle-rank", "1", "--straggle-ms", "300"], ranks=2)
+        killed_and_resumed(directory)
+
+        def found_hung() -> bool:
+            try:
+                return any(f.kind == "hang" for run in read_runs([str(directory / "hung-rank")]) for f in diagnose(run))
+            except ReportError:  # no line written yet
+                return False
+
+        wait_until(lambda: found_hung() or hung.poll() is not None, 240, "the hung run found hung", interval=1.0)
+        assert hung.poll() is None, "the hung run ended by itself"
+        # As a person or a scheduler's time limit would: torchrun passes the SIGTERM on to the ranks.
+        hung.send_signal(signal.SIGTERM)
+    finally:
+        # The hung rank leaves on the signal; its peer's all-reduce then fails, and torchrun with it.
+        end_demo(hung, tuple(range(-64, 256)), 120)
     return directory
 
 
@@ -120,9 +179,34 @@ def test_a_slowed_rank_is_the_top_finding_by_its_rank(corpus: Path, capsys: pyte
     assert [f for f in run["findings"] if f["kind"] == "straggler"] == [top]  # rank 0 is not one
 
 
+def test_a_hung_rank_stops_the_run_at_its_step(corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    """Under DDP the hung rank's peer waits for it in the all-reduce of the same step: no rank steps
+    after step HANG_AT - 1, and their last steps cannot tell which one hung (the finding says where
+    to look: the ranks' stacks)."""
+    run = diagnosis(corpus, "hung-rank", capsys)
+    top = run["findings"][0]
+    assert (top["kind"], top["severity"], top["step"], top["rank"]) == ("hang", "critical", HANG_AT - 1, None), run
+    assert top["title"].startswith(f"no rank stepped after step {HANG_AT - 1} "), top["title"]
+    assert "py-spy dump" in top["try"][0]
+
+
+def test_a_run_killed_and_resumed_says_it_restarted_and_what_it_did_again(corpus: Path, capsys: pytest.CaptureFixture) -> None:
+    capsys.readouterr()
+    assert main(["diagnose", str(corpus / "resumed-1"), str(corpus / "resumed-2"), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, JSON_SCHEMA)
+    (run,) = document["runs"]  # one run, two attempts
+    assert run["name"] == "resumed" and run["outcome"] == "finished"
+    (top,) = run["findings"]  # a few seconds lost: worth knowing, no warning
+    assert (top["kind"], top["severity"]) == ("goodput", "info"), top
+    # Killed past step KILL_AFTER (a collection later at most), resumed from the checkpoint of step 20.
+    lost = int(top["title"].split(": ", 1)[1].split(" step")[0])
+    assert top["title"].startswith("the run restarted 1 time(s): ") and KILL_AFTER - 20 <= lost < 10, top["title"]
+
+
 def test_the_text_form_and_a_run_by_name(corpus: Path, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
-    every = sorted(str(path) for path in corpus.iterdir())  # the four runs' directories
+    every = sorted(str(corpus / name) for name in RUNS)  # the four runs' directories
     assert main(["diagnose", *every, "--run", "nan"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("run ") and "(nan)" in text and "[critical] the loss went non-finite at step 20" in text

@@ -372,6 +372,14 @@ def test_time_lost_to_restarts_across_attempts_by_cause() -> None:
                    steps_lost=40.0, attempt=2, process="b")])  # fmt: skip
     (finding,) = diagnose(run(single))
     assert finding.kind == "goodput" and "most of it to restarts" in finding.title, finding.title
+    # A restart that cost little (a few steps done again) is still said, as info.
+    cheap = ProcessRows(None, rows(100), [
+        TimeSample(T0 + 100, {"startup": 20.0, "productive": 400.0}, attempt=1, process="a"),
+        TimeSample(T0 + 200, {"startup": 20.0, "checkpoint_load": 1.0, "lost_progress": 4.0, "productive": 200.0},
+                   steps_lost=5.0, attempt=2, process="b")])  # fmt: skip
+    (finding,) = diagnose(run(cheap))
+    assert (finding.severity, finding.kind) == ("info", "goodput"), finding
+    assert finding.title == "the run restarted 1 time(s): 5 step(s) done again; the restarts cost 25 s (4% of the run's time)"
 
 
 def test_what_is_no_time_lost() -> None:
@@ -405,6 +413,13 @@ def test_a_hung_rank_and_a_run_that_stopped_stepping() -> None:
     frozen = [ProcessRows(rank, rows(2000, last_step_time=lambda s: T0 + min(s, 500) * 0.1), []) for rank in (0, 1)]
     (finding,) = diagnose(run(*frozen))
     assert finding.kind == "hang" and finding.rank is None and "no rank stepped after step 500" in finding.title
+    # Found by the corpus's real hung run: the goodput clock books a stall (no step for a minute) as idle,
+    # and idle once counted as work done between steps; the hang went unseen.
+    stalled = [ProcessRows(p.rank, p.rows, [TimeSample(T0 + 50, {"productive": 50.0, "idle": 0.0}, rank=p.rank),
+                                            TimeSample(T0 + 200, {"productive": 110.0, "idle": 90.0}, rank=p.rank)])
+               for p in frozen]  # fmt: skip
+    (finding,) = diagnose(run(*stalled))
+    assert finding.kind == "hang" and "no rank stepped after step 500" in finding.title, finding
 
 
 def test_a_run_that_ended_or_evaluates_after_its_last_step_is_not_hung() -> None:
@@ -414,6 +429,13 @@ def test_a_run_that_ended_or_evaluates_after_its_last_step_is_not_hung() -> None
     finished = run(*after)
     finished.outcome = "finished"
     assert diagnose(finished) == []
+    # A hung run is often ended from outside (a time limit, a person) or by a collective's timeout: still
+    # a hang, that says how it ended.
+    for ended in ("terminated", "failed"):
+        killed = run(*after)
+        killed.outcome = ended
+        (finding,) = diagnose(killed)
+        assert finding.kind == "hang" and finding.title.endswith(f"; then the run {ended}"), finding.title
     # Still running, but evaluating for the 150 s since its last step (its goodput readings say so).
     evaluating = [
         ProcessRows(p.rank, p.rows, [TimeSample(T0 + 50, {"productive": 45.0, "evaluation": 0.0}, rank=p.rank),

@@ -33,7 +33,9 @@ RECOVERED_STEPS = 10  # steps after a divergence, most of them finite: the run r
 HANG_MIN_S = 60.0  # no step for this long (and for HANG_STEPS step times) while others step: hung
 HANG_STEPS = 20.0
 # Goodput phases that are work without optimizer steps: time in them is not a hang.
-_NOT_STEPPING = ("evaluation", "checkpoint_save", "checkpoint_load", "idle")
+# What a rank may do for long between steps without being stuck: the phases the run marks itself. Not
+# idle: the goodput clock books a stall (no step for a minute) as idle, and a stall is what a hang is.
+_NOT_STEPPING = ("evaluation", "checkpoint_save", "checkpoint_load")
 
 
 def divergence(processes: Sequence[ProcessRows]) -> list[Finding]:
@@ -189,7 +191,7 @@ def _last_step(process: ProcessRows) -> tuple[float, float | None] | None:
 
 def _busy_between(process: ProcessRows, start: float, end: float) -> float:
     """Seconds the rank spent between ``start`` and ``end`` on what is not a step but is work: an
-    evaluation, a checkpoint, or idle time the run marked (its goodput readings)."""
+    evaluation or a checkpoint (its goodput readings)."""
 
     def at(moment: float) -> float:
         readings = [t for t in process.time if t.time_s <= moment]
@@ -236,16 +238,20 @@ def hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[F
                 )
             )  # fmt: skip
     # Every rank stopped while telemetry went on: the rows keep coming, the steps do not. Not a run that
-    # ended (its outcome says so), nor one evaluating or saving a checkpoint in that time.
+    # finished (after its last step come a merge, an upload) or that its guard stopped, nor one evaluating
+    # or saving a checkpoint in that time. A hung run is often terminated (a scheduler's time limit, a
+    # person) or fails (a collective's timeout) in the end: that is how it ended, not why it stopped.
     newest_row = max((r.time_s for p in processes for r in p.rows), default=newest)
     silent = newest_row - newest
     busy = max((_busy_between(p, newest, newest_row) for p in processes), default=0.0)
-    if not findings and outcome in (None, "running") and silent >= limit and silent - busy >= limit:
+    ended = f"; then the run {outcome}" if outcome in ("terminated", "failed") else ""
+    if not findings and outcome not in _ENDED_WELL and silent >= limit and silent - busy >= limit:
         stamp, step = lasts[max(lasts, key=lambda i: lasts[i][0])]
         findings.append(
             Finding(
                 "critical", "hang",
-                f"no rank stepped after step {step_text(step)} ({when_text(stamp)}) while the telemetry went on for {silent:,.0f} s",
+                f"no rank stepped after step {step_text(step)} ({when_text(stamp)}) while the telemetry went on for "
+                f"{silent:,.0f} s{ended}",
                 "the training loop stopped without ending the process: every rank stuck in the same collective or "
                 "waiting for input, or a loop that ended without shutting down",
                 (Evidence("openlora.training.last_step.timestamp", stamp, f"{silent:,.0f} s before the last sample",
@@ -257,6 +263,10 @@ def hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[F
             )
         )  # fmt: skip
     return findings
+
+
+# Outcomes after which a silence since the last step is no hang (see hang()).
+_ENDED_WELL = ("finished", "stopped_by_guard")
 
 
 def _recorded_phases(processes: Sequence[ProcessRows]) -> bool:

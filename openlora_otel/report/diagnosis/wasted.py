@@ -71,7 +71,8 @@ def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
     lost = sum(causes.values())
     per_process = lost / max(1, breakdown.processes)
     if per_process < WASTED_MIN_S or lost / total < WASTED_SHARE:
-        return []
+        # Too little lost to warn about; a restart is still worth knowing (an attempt ended early).
+        return [_restarted(restarts, causes["restarts"], total, breakdown.steps_lost, phases)] if restarts > 0 else []
     ranked = sorted(causes.items(), key=lambda item: -item[1])
     top, top_s = ranked[0]
     evidence = [
@@ -106,3 +107,20 @@ def wasted(processes: Sequence[ProcessRows]) -> list[Finding]:
             advice, f"{RUNBOOKS}#openloralowgoodput", None, None, None, lost / total,
         )
     ]  # fmt: skip
+
+
+def _restarted(restarts: int, seconds: float, total: float, steps_lost: float, phases: dict[str, float]) -> Finding:
+    """The info of a run that restarted at little cost: how many times, the steps done again, the time."""
+    return Finding(
+        "info", "goodput",
+        f"the run restarted {restarts} time(s): {steps_lost:,.0f} step(s) done again; the restarts cost "
+        f"{seconds:,.0f} s ({seconds / total:.0%} of the run's time)",
+        "an attempt ended before the run did (killed, failed or preempted) and the next resumed from its "
+        "checkpoint",
+        (Evidence("openlora.training.steps.lost", steps_lost, f"steps done again over {restarts} restart(s): "
+                  f"{phases['lost_progress']:,.1f} s; checkpoint loads {phases['checkpoint_load']:,.1f} s"),),
+        (f"time lost worth a warning: under {WASTED_SHARE:.0%} of the run's time or {WASTED_MIN_S:.0f} s a process",),
+        ("find why the attempt ended: `openlora-otel report` lists the attempts, and OpenloraRunVanished or "
+         "OpenloraRunFailed paged when it did", "checkpoint more often if restarts are frequent"),
+        f"{RUNBOOKS}#openloralowgoodput", None, None, None, seconds / total,
+    )  # fmt: skip
