@@ -1,7 +1,9 @@
 """What `openlora-otel diagnose --prometheus` costs on a 64-rank, 2-hour run: its queries and its time.
 
 The data is bench_rules_cost.py's (its functions, reused): the series one rank really exports (an
-in-process ``setup_telemetry()`` with every training argument; no GPU series), ``--ranks`` copies of
+in-process ``setup_telemetry()`` with every training argument, and its GPU's series: one H100 of the
+fake NVML and the torch allocator's, as a rank on a GPU reports them; ``--no-gpu``: without them,
+as before 2026-11-29), ``--ranks`` copies of
 them every 15 s over the ``--hours`` ending a minute ago, backfilled with ``promtool tsdb
 create-blocks-from openmetrics``. A Prometheus (Debian's 2.42; ``--prometheus3`` for build/bin's) on
 that data, without rules. Then, side by side, ``--repeat`` times each:
@@ -13,7 +15,7 @@ It prints each one's queries (``PrometheusSource.get`` calls) and median seconds
 The backfilled samples sit in blocks on disk, outside the head: a live Prometheus answers the last
 two to three hours from memory, so real reads can be faster than these.
 
-    python benchmarks/bench_diagnose.py [--ranks 64] [--hours 2] [--repeat 3] [--prometheus3]
+    python benchmarks/bench_diagnose.py [--ranks 64] [--hours 2] [--repeat 3] [--prometheus3] [--no-gpu]
 """
 
 from __future__ import annotations
@@ -85,13 +87,15 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=2.0, help="history backfilled, ending a minute ago")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--prometheus3", action="store_true", help="build/bin's Prometheus 3 instead of 2.42")
+    parser.add_argument("--no-gpu", action="store_true", help="the training series alone, without a GPU's")
     args = parser.parse_args()
     bin_dir = ROOT / "build" / "bin"
     prometheus = str(bin_dir / "prometheus") if args.prometheus3 else shutil.which("prometheus") or "prometheus"
     promtool = str(bin_dir / "promtool") if args.prometheus3 else shutil.which("promtool") or "promtool"
     version = subprocess.run([prometheus, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
 
-    probe = one_rank_series(args.ranks)
+    probe = one_rank_series(args.ranks, gpu=not args.no_gpu)
+    gpu_series = sum(1 for name, _, _ in probe if name.startswith(("hw_", "openlora_gpu_", "openlora_torch_")))
     work = Path(tempfile.mkdtemp(prefix="bench-diagnose-"))
     try:
         source = work / "ranks.om"
@@ -100,7 +104,7 @@ def main() -> None:
                        check=True)  # fmt: skip
         source.unlink()
         print(f"{args.ranks} ranks, {args.hours:g} h: {count} series x {points} points at 15 s = {count * points:,} "
-              f"samples; {version}")  # fmt: skip
+              f"samples ({gpu_series} of each rank's {len(probe)} series its GPU's); {version}")  # fmt: skip
         process, base = start_prometheus(prometheus, work / "data", work)
         try:
             results = {}

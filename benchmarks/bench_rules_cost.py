@@ -72,8 +72,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def one_rank_series(world_size: int) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample one rank's /metrics serves."""
+def one_rank_series(world_size: int, *, gpu: bool = False) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample one rank's /metrics serves; ``gpu``: with its GPU's series (one
+    H100 of the fake NVML, tests/support/fake_nvml.py, and the torch allocator's, as a rank on a GPU reports them)."""
     from openlora_otel import setup_telemetry
     from openlora_otel.config import TelemetryConfig
     from openlora_otel.names import (
@@ -85,9 +86,20 @@ def one_rank_series(world_size: int) -> list[tuple[str, dict[str, str], float]]:
 
     rank_attributes = {RANK_ATTRIBUTE: "0", LOCAL_RANK_ATTRIBUTE: "0",
                        WORLD_SIZE_ATTRIBUTE: str(world_size), GROUP_RANK_ATTRIBUTE: "0"}  # fmt: skip
+    if gpu:
+        from openlora_otel.hardware import gpu as gpu_metrics
+        from openlora_otel.hardware import nvml
+        from tests.support.fake_nvml import FakeNvml, h100s
+
+        fake = FakeNvml(h100s(1))
+        nvml.load_pynvml_backend = lambda: fake
+        stats = {"allocated_bytes.all.current": 20 * 2**30, "reserved_bytes.all.current": 22 * 2**30,
+                 "allocated_bytes.all.peak": 21 * 2**30, "num_ooms": 0, "num_alloc_retries": 0}  # fmt: skip
+        uuid = fake.gpus[0].uuid.removeprefix("GPU-")
+        gpu_metrics.torch_allocator_stats = lambda: [(0, uuid, dict(stats))]
     config = TelemetryConfig(exporters=("prometheus",), prometheus_host="127.0.0.1", prometheus_port=free_port(),
-                             gpu_metrics="off", host_metrics=False, quiet=True, run_id="bench-rules",
-                             resource_attributes=rank_attributes)  # fmt: skip
+                             gpu_metrics="on" if gpu else "off", gpu_devices="all", host_metrics=False, quiet=True,
+                             run_id="bench-rules", resource_attributes=rank_attributes)  # fmt: skip
     telemetry = setup_telemetry(config=config)
     try:
         training = telemetry.training
@@ -167,6 +179,11 @@ def value_function(name: str, labels: dict[str, str], probe: float, rank: int, s
     if name.startswith("openlora_training_throughput_"):
         per_step = TOKENS_PER_STEP if "tokens" in name else SAMPLES_PER_STEP
         return lambda t: per_step * rate * (1.0 + 0.03 * math.sin(t / 45 + phase0))
+    if name.startswith(("hw_", "openlora_gpu_", "openlora_torch_")):
+        # A healthy GPU: states, limits, link widths and zeros stay as read; the rest wanders by 2 %.
+        if not probe or name.startswith(("hw_status", "hw_gpu_memory_limit", "openlora_gpu_pcie")) or "info" in name:
+            return lambda t: probe
+        return lambda t: probe * (1.0 + 0.02 * math.sin(t / 90 + phase0))
     base = probe if probe else 1.0
     return lambda t: base * (1.0 + 0.1 * math.sin(t / 90 + phase0))
 

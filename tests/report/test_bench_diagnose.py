@@ -1,6 +1,7 @@
 """benchmarks/bench_diagnose.py at a small scale (4 ranks, a quarter of an hour), so that it keeps
 working between its real 64-rank, 2-hour runs: the backfilled run is read both ways, the query counts
-are the ones docs/how-to/diagnose.md states, and the synthetic healthy run has no finding."""
+are the ones docs/how-to/diagnose.md states, and the synthetic healthy run, its GPUs' series included, has
+no finding."""
 
 from __future__ import annotations
 
@@ -32,3 +33,6 @@ def test_the_diagnose_benchmark_runs_at_a_small_scale() -> None:
     # diagnose: one range query per quantity and the goodput phases, the span and identity (the docs' 43).
     assert counts == {"report": counts["report"], "diagnose": str(len(QUANTITIES) + 6)}, bench.stdout
     assert "ratio diagnose/report:" in bench.stdout and "findings: 0 []" in bench.stdout, bench.stdout
+    # With a GPU's series (the fake NVML's H100 and the torch allocator's), healthy: no GPU finding either.
+    gpu = re.search(r"\((\d+) of each rank's (\d+) series its GPU's\)", bench.stdout)
+    assert gpu and int(gpu[1]) >= 30, bench.stdout
