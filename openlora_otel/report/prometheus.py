@@ -247,7 +247,7 @@ class PrometheusSource:
         """While the process was this run: its ``target_info`` samples, with a margin on both sides.
 
         The margin is for the range query's grid; the queries themselves are scoped to the
-        run (:func:`~openlora_otel.report.model.run_target`), so it adds no other run's values.
+        run (:func:`~openlora_otel.report.quantities.run_target`), so it adds no other run's values.
         """
         stamps = [
             float(stamp)
