@@ -36,6 +36,7 @@ from openlora_otel.report.model import (
     EVAL_PREFIX,
     QUANTITIES,
     SHOWN_METRIC,
+    SHOWN_NAME,
     ProcessRows,
     ReportError,
     Row,
@@ -53,6 +54,7 @@ _RUN_INFO = RUN_METRICS[0].name
 _OUTCOME = "openlora.run.outcome"
 _EVAL_VALUE = "openlora.training.eval.value"
 _INSTANCE_ATTRIBUTE = "service.instance.id"
+_HOST_ATTRIBUTE = "host.name"
 
 
 def history_files(paths: Sequence[str]) -> list[Path]:
@@ -85,6 +87,7 @@ class _Process:
     outcome: tuple[float, str] | None = None  # (time, openlora.run.outcome) of the latest outcome point
     # Goodput readings of every process (attempt) of this rank, in file order.
     time: list[TimeSample] = field(default_factory=list)
+    host: tuple[float, str] | None = None  # (time, host.name) of its latest snapshot that named one
 
 
 def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None = None) -> list[Run]:
@@ -138,7 +141,9 @@ def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None 
                 time=time_breakdown(sample for p in group for sample in p.time),
                 outcome=lowest.outcome[1] if lowest.outcome else None,
                 processes=[
-                    ProcessRows(p.rank, sorted(p.rows, key=lambda r: r.time_s), list(p.time)) for p in group
+                    ProcessRows(p.rank, sorted(p.rows, key=lambda r: r.time_s), list(p.time),
+                                p.host[1] if p.host else None)
+                    for p in group
                 ],
             )
         )
@@ -163,6 +168,8 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     process.files.add(str(path))
     if resource.get(RUN_NAME_ATTRIBUTE):
         process.name = str(resource[RUN_NAME_ATTRIBUTE])
+    if resource.get(_HOST_ATTRIBUTE) and (process.host is None or snapshot.time_s >= process.host[0]):
+        process.host = (snapshot.time_s, shown(resource[_HOST_ATTRIBUTE], SHOWN_NAME))
     for point in snapshot.metrics.get(_RUN_INFO, ()):
         if process.info is None or point.time_s >= process.info[0]:
             process.info = (point.time_s, dict(point.attributes))

@@ -98,6 +98,7 @@ class ProcessRows:
     rank: int | None
     rows: list[Row]
     time: list[TimeSample] = field(default_factory=list)
+    host: str | None = None  # host.name of its latest process (an attempt may run on another node)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from openlora_otel.redaction import redact, redact_url, url_secrets
 from openlora_otel.report.goodput import TIME_METRIC, TimeSample
 from openlora_otel.report.model import (
     QUANTITIES,
+    SHOWN_NAME,
     ProcessRows,
     Quantity,
     ReportError,
@@ -33,6 +34,7 @@ from openlora_otel.report.model import (
     Run,
     promql_string,
     run_target,
+    shown,
 )
 from openlora_otel.run.info import HPARAM_PREFIX, hyperparameters_from
 
@@ -230,17 +232,21 @@ class PrometheusSource:
                 last = phases.setdefault(key, (float(stamp), {}))
                 last[1][phase] = float(text)
         ranks = {(t.get("job", ""), t.get("instance", "")): _rank(t) for t in targets}
-        by_rank: dict[object, tuple[list[Row], list[TimeSample]]] = {}
+        hosts = {(t.get("job", ""), t.get("instance", "")): t["host_name"] for t in targets if t.get("host_name")}
+        by_rank: dict[object, tuple[list[Row], list[TimeSample], list[tuple[float, str]]]] = {}
         for key, by_time in samples.items():
             rank = ranks.get(key)
-            rows, readings = by_rank.setdefault(key if rank is None else rank, ([], []))
+            rows, readings, named = by_rank.setdefault(key if rank is None else rank, ([], [], []))
             rows.extend(Row(stamp, values) for stamp, values in by_time.items())
             if key in phases:
                 readings.append(TimeSample(phases[key][0], phases[key][1], rank=rank, process="/".join(key)))
+            if key in hosts:  # the host of the rank's latest process (a resume may run on another node)
+                named.append((last_seen.get(key, -math.inf), shown(hosts[key], SHOWN_NAME)))
         processes = [
-            ProcessRows(who if isinstance(who, int) else None, sorted(rows, key=lambda r: r.time_s), readings)
-            for who, (rows, readings) in by_rank.items()
-        ]
+            ProcessRows(who if isinstance(who, int) else None, sorted(rows, key=lambda r: r.time_s), readings,
+                        max(named)[1] if named else None)
+            for who, (rows, readings, named) in by_rank.items()
+        ]  # fmt: skip
         return sorted(processes, key=lambda p: (p.rank is None, p.rank or 0))
 
     def _span(self, run_id: str, selector: str) -> tuple[float, float]:

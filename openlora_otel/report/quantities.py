@@ -14,6 +14,7 @@ from openlora_otel.names import (
     ATTR_XID_CODE,
     GPU_METRICS,
     GUARD_REASONS,
+    HOST_METRICS,
     TRAINING_METRICS,
     XID_BAD_GPU,
     MetricSpec,
@@ -25,7 +26,7 @@ __all__ = ["COMBINE", "QUANTITIES", "SLOWDOWN_REASONS", "Quantity", "promql_stri
 # The throttle reasons that slow a GPU down against its own clocks (sync_boost only lines a GPU up
 # with the others of its group).
 SLOWDOWN_REASONS = ("sw_power_cap", "thermal", "hw_thermal_slowdown", "hw_power_brake_slowdown")
-_SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*TRAINING_METRICS, *GPU_METRICS)}
+_SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in (*TRAINING_METRICS, *GPU_METRICS, *HOST_METRICS)}
 
 
 @dataclass(frozen=True)
@@ -162,4 +163,7 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("torch_reserved", "openlora.torch.memory.reserved"),
     Quantity("gpu_memory_limit", "hw.gpu.memory.limit"),
     Quantity("torch_ooms", "openlora.torch.memory.ooms", combine="sum"),
+    # The node's CPUs: their mean idle share (LOCAL_RANK 0 reports it for its node), for diagnose's
+    # straggler whose host is busy elsewhere.
+    Quantity("host_cpu_idle", "system.cpu.utilization", combine="mean", where=(("cpu.mode", "idle"),)),
 )

@@ -8,7 +8,7 @@ healthy run has none; the JSON form validates against its schema.
 GPU faults, with no GPU to make fail: two-rank runs (tests/support/gpu_fault_rank.py) whose real
 telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's GPU: it fell off the bus
 (and the rank died), an uncorrected ECC error, a row remap pending, its clock held down by heat (a
-straggler), its PCIe link trained narrow (a straggler), its allocated memory growing every step, an
+straggler), its PCIe link trained narrow (a straggler), its node's CPUs busy elsewhere (a straggler), its allocated memory growing every step, an
 out-of-memory error (and the rank died); both ranks' GPUs held down by heat from step 40 (the run
 slowed); an evaluation loss rising from step 30 while the training loss falls (overfitting); and a
 healthy pair."""
@@ -280,9 +280,10 @@ def test_a_memory_fault_is_the_top_finding(gpu_corpus: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize(
     ("fault", "cause"),
-    [("thermal", "its GPU's clock was held down by heat (thermal)"), ("narrow-link", "its GPU's PCIe link ran on 8 of the 16 lanes")],
+    [("thermal", "its GPU's clock was held down by heat (thermal)"), ("narrow-link", "its GPU's PCIe link ran on 8 of the 16 lanes"),
+     ("busy-host", "its host was busy elsewhere: its node node-1's CPUs were 92% busy, the other ranks' nodes 15%")],
 )
-def test_a_straggler_is_explained_by_its_gpu(gpu_corpus: Path, capsys: pytest.CaptureFixture, fault: str, cause: str) -> None:
+def test_a_straggler_is_explained_by_its_gpu_or_its_host(gpu_corpus: Path, capsys: pytest.CaptureFixture, fault: str, cause: str) -> None:
     run = diagnosis(gpu_corpus, fault, capsys, name=f"gpu-{fault}")
     (top,) = run["findings"]
     assert (top["kind"], top["rank"]) == ("straggler", 1)
@@ -301,7 +302,7 @@ def test_gpu_faults_found_from_prometheus(tmp_path: Path) -> None:
     from tests.support.processes import free_port_range
     from tests.support.prometheus_server import Prometheus
 
-    ports = {fault: free_port_range(2) for fault in ("off-bus", "thermal")}
+    ports = {fault: free_port_range(2) for fault in ("off-bus", "thermal", "busy-host")}
     targets = [f"127.0.0.1:{port + rank}" for port in ports.values() for rank in (0, 1)]
     prometheus = Prometheus(tmp_path, targets, major=3)
     try:
@@ -319,6 +320,12 @@ def test_gpu_faults_found_from_prometheus(tmp_path: Path) -> None:
         assert (top.kind, top.rank) == ("straggler", 1) and top.cause.startswith(
             "its GPU's clock was held down by heat (thermal)"
         ), top
+        # Each rank's node from its target_info's host_name, its CPUs from system_cpu_utilization.
+        (busy,) = read_prometheus(prometheus.url, ["gpu-busy-host"], every_rank=True)
+        assert [p.host for p in busy.processes] == ["node-0", "node-1"]
+        (top,) = diagnose(busy)
+        assert (top.kind, top.rank) == ("straggler", 1) and top.cause.startswith(
+            "its host was busy elsewhere: its node node-1's CPUs were 9"), top
     finally:
         prometheus.stop()
 

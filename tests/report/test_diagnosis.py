@@ -94,7 +94,7 @@ def test_a_straggler_is_named_with_its_rank_since_when_and_whether_its_data_wait
     (finding,) = diagnose(run(*processes, ProcessRows(3, slow, phases(20.0, 0.2, 3))))
     assert (finding.kind, finding.rank, finding.step) == ("straggler", 3, 105.0)
     assert finding.severity == "warning" and "no cause found" in finding.cause  # 1.75x over the run
-    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader", "its GPU"]
+    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader", "its node's CPUs", "its GPU"]
     # Its data wait explains it when it waits far more than the others.
     (finding,) = [f for f in diagnose(run(*processes, ProcessRows(3, slow, phases(10.0, 8.0, 3)))) if f.kind == "straggler"]
     assert finding.cause.startswith("its data loader")
@@ -206,7 +206,7 @@ def test_a_straggler_whose_gpu_was_throttled_or_clocked_down_or_its_link_narrow(
     assert finding.cause.startswith("its GPU's clock was held down by heat (thermal) 60% of its time, the other ranks 0%")
     assert {e.series for e in finding.evidence} >= {"openlora.gpu.throttle.time", "openlora.gpu.clock.sm"}
     assert "cooling" in finding.try_next[0]
-    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader"]
+    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader", "its node's CPUs"]
     # Clocked down without a throttle counter to say why.
     (finding,) = diagnose(run(*others, ProcessRows(3, rows(200, **gpu(gpu_clock_sm=lambda s: 1.4e9), **slow), [])))
     assert finding.cause.startswith("its GPU's SM clock averaged 1,400 MHz, the other ranks' 1,980 MHz")
@@ -218,7 +218,32 @@ def test_a_straggler_whose_gpu_was_throttled_or_clocked_down_or_its_link_narrow(
     narrow = gpu(pcie_width=lambda s: 8.0)
     (finding,) = diagnose(run(*others, ProcessRows(3, rows(200, **narrow, **slow), phases(20.0, 0.2, 3))))
     assert finding.cause == "its GPU's PCIe link ran on 8 of the 16 lanes GPU and slot support"
-    assert [r.split(":")[0] for r in finding.ruled_out] == ["its data loader", "its GPU's throttle counters", "its GPU's clock"]
+    assert [r.split(":")[0] for r in finding.ruled_out] == [
+        "its data loader", "its node's CPUs", "its GPU's throttle counters", "its GPU's clock"]  # fmt: skip
+
+
+def test_a_straggler_on_a_node_busy_elsewhere_and_ranks_sharing_one_node() -> None:
+    """Four ranks, one per node, each node's LOCAL_RANK 0 reporting its CPUs' idle share: rank 3's node is
+    92 % busy against the others' 15 %, and rank 3 is the straggler; its cause is its host. Two ranks
+    on the same busy node, one of them slow: nothing to compare the node with, not the cause."""
+    slow = {"step_time_sum": lambda s: s * 0.2}  # 2x the others
+
+    def node(rank: int, idle: float, **values) -> ProcessRows:
+        return ProcessRows(rank, rows(200, host_cpu_idle=lambda s: idle, **values), phases(20.0, 0.2, rank), f"node-{rank}")
+
+    (finding,) = diagnose(run(*(node(rank, 0.85) for rank in range(3)), node(3, 0.08, **slow)))
+    assert (finding.kind, finding.rank) == ("straggler", 3)
+    assert finding.cause.startswith("its host was busy elsewhere: its node node-3's CPUs were 92% busy, the other "
+                                    "ranks' nodes 15%"), finding.cause  # fmt: skip
+    assert "node-3" in finding.try_next[0] and ("system.cpu.utilization", 0.92) in [(e.series, e.value) for e in finding.evidence]
+    assert not any(r.startswith("its host") or r.startswith("its node") for r in finding.ruled_out)
+    # A node only a little busier: ruled out, with the figures.
+    (finding,) = diagnose(run(*(node(rank, 0.85) for rank in range(3)), node(3, 0.70, **slow)))
+    assert "no cause found" in finding.cause and "its host: its node node-3's CPUs were 30% busy" in finding.ruled_out[1]
+    shared = [ProcessRows(0, rows(200, host_cpu_idle=lambda s: 0.1), phases(20.0, 0.2, 0), "node-a"),
+              ProcessRows(1, rows(200, **slow), phases(20.0, 0.2, 1), "node-a")]  # fmt: skip
+    (finding,) = diagnose(run(*shared))
+    assert "no cause found" in finding.cause and "no other rank ran on another node" in finding.ruled_out[1]
 
 
 GIB = 2**30

@@ -22,6 +22,9 @@ pair with :func:`start` and wait for it with :func:`finish`. From step
 - ``slowdown``: ``thermal`` on every rank's GPU (not only LOCAL_RANK 1's): the whole run slows.
 - ``overfit``: every rank evaluates every 10 steps; the evaluation loss falls to its best at step 30
   and rises from there, while the training loss falls throughout.
+- ``busy-host``: each rank on a node of its own (``host.name`` node-0 and node-1, both ``LOCAL_RANK`` 0,
+  so each reports its node's CPUs), rank 1's node 92 % busy (psutil's CPU times scripted), rank 0's
+  15 %: rank 1's steps take twice as long.
 - ``none``: a healthy rank.
 """
 
@@ -41,7 +44,8 @@ from openlora_otel import setup_telemetry  # noqa: E402
 from openlora_otel.hardware import gpu, nvml  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
 
-FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown", "overfit")
+FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown", "overfit",
+          "busy-host")  # fmt: skip
 DYING = ("off-bus", "oom")  # faults rank 1 dies of
 
 
@@ -57,6 +61,9 @@ def main() -> int:
     cards = h100s(world, processes={os.getpid(): 2 * 2**30})
     card = cards[local_rank]
     faulty = (local_rank == 1 or args.fault == "slowdown") and args.fault != "none"
+    if args.fault == "busy-host":
+        faulty = os.environ["RANK"] == "1"
+        _busy_cpus(0.92 if faulty else 0.15)
     if faulty and args.fault == "narrow-link":
         card.link = (8, 5)
     fake = FakeNvml(cards)
@@ -69,7 +76,7 @@ def main() -> int:
     training = telemetry.training
     step_s = args.step_ms / 1000.0
     for step in range(1, args.steps + 1):
-        slow = 2.0 if faulty and args.fault == "narrow-link" else 1.0
+        slow = 2.0 if faulty and args.fault in ("narrow-link", "busy-host") else 1.0
         if faulty and step >= args.fault_at and args.fault in ("thermal", "slowdown"):
             slow = 2.0
             card.sm_clock_hz = 1.2e9
@@ -104,20 +111,24 @@ def main() -> int:
 
 def start(directory: Path, fault: str, fault_at: int, ports: int | None = None, *extra: str) -> list[subprocess.Popen]:
     """Rank 0 and rank 1 of run ``gpu-<fault>`` side by side, each writing its history every 250 ms under
-    ``directory/<fault>``; with ``ports``, serving its metrics for Prometheus on ``ports`` + LOCAL_RANK,
+    ``directory/<fault>``; with ``ports``, serving its metrics for Prometheus on ``ports`` + its rank,
     with a last scrape at its exit. ``extra``: more arguments for both."""
     from tests.support.processes import child_env
 
     processes = []
     for rank in (0, 1):
+        # busy-host: a node each, each rank its node's LOCAL_RANK 0 (the one that reports the node's CPUs).
+        node = {"LOCAL_RANK": "0", "OTEL_RESOURCE_ATTRIBUTES": f"host.name=node-{rank}", "OPENLORA_HOST_METRICS": "true",
+                "OPENLORA_PROMETHEUS_PORT_OFFSET": "rank"}  # fmt: skip
         exporting = {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
             "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
             "OTEL_EXPORTER_PROMETHEUS_PORT": str(ports), "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true"}  # fmt: skip
-        env = child_env(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", OPENLORA_RUN_ID=f"gpu-{fault}",
-            OPENLORA_HISTORY_DIR=str(directory / fault), OPENLORA_HISTORY_INTERVAL="250",
-            OPENLORA_HOST_METRICS="false", OPENLORA_QUIET="true", **exporting,
-        )  # fmt: skip
+        env = child_env(**{
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OPENLORA_RUN_ID": f"gpu-{fault}",
+            "OPENLORA_HISTORY_DIR": str(directory / fault), "OPENLORA_HISTORY_INTERVAL": "250",
+            "OPENLORA_HOST_METRICS": "false", "OPENLORA_QUIET": "true", **exporting,
+            **(node if fault == "busy-host" else {}),
+        })  # fmt: skip
         processes.append(subprocess.Popen(
             [sys.executable, __file__, "--fault", fault, "--fault-at", str(fault_at), *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -138,6 +149,21 @@ def finish(processes: list[subprocess.Popen], fault: str, timeout_s: float = 120
                 process.kill()
             reap(process, 10)
         assert process.returncode == (1 if fault in DYING and rank == 1 else 0), output
+
+
+def _busy_cpus(busy: float) -> None:
+    """psutil's CPU times of a 4-CPU node whose CPUs are ``busy`` (a share) of the time, from now on."""
+    import psutil
+
+    kind = type(psutil.cpu_times())
+    began = time.monotonic()
+
+    def cpu_times(percpu: bool = False) -> object:
+        elapsed = 1000.0 + time.monotonic() - began
+        one = kind(**{**dict.fromkeys(kind._fields, 0.0), "user": elapsed * busy, "idle": elapsed * (1.0 - busy)})
+        return [one] * 4 if percpu else one
+
+    psutil.cpu_times = cpu_times
 
 
 def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:

@@ -31,6 +31,7 @@ STRAGGLER_MIN_EXTRA_S = 0.005  # below this many seconds more a step, noise on a
 DATA_WAIT_EXPLAINS = 0.10  # a straggler's data-wait share above the other ranks' median by this: its data loader
 THROTTLE_EXPLAINS = 0.10  # a straggler's share of time throttled for a reason, above the other ranks' median by this
 CLOCK_EXPLAINS = 0.90  # a straggler's mean SM clock at most this fraction of the other ranks' median
+HOST_BUSY_EXPLAINS = 0.25  # a straggler's node's CPUs busier than the other ranks' nodes' median by this share
 
 
 def straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
@@ -98,6 +99,39 @@ def _narrow_link(process: ProcessRows) -> tuple[float, float] | None:
     return narrow[-1] if narrow else None
 
 
+def _busy_nodes(processes: Sequence[ProcessRows]) -> dict[str, float]:
+    """Each node's mean share of CPU time busy (1 - ``system.cpu.utilization`` idle), from the processes
+    that report it (LOCAL_RANK 0 reports its node's), by host name."""
+    busy: dict[str, float] = {}
+    for process in processes:
+        idle = mean_of(process, "host_cpu_idle")
+        if process.host is not None and idle is not None:
+            busy[process.host] = max(busy.get(process.host, 0.0), min(1.0, max(0.0, 1.0 - idle)))
+    return busy
+
+
+def _host_cause(
+    processes: Sequence[ProcessRows], process: ProcessRows, others: Sequence[ProcessRows]
+) -> tuple[tuple[float, str, list[str], list[Evidence]] | None, str]:
+    """Whether the straggler's node was busier than the other ranks' nodes: a candidate, and its words."""
+    nodes = _busy_nodes(processes)
+    mine = nodes.get(process.host) if process.host is not None else None
+    if mine is None:
+        return None, "its node's CPUs: no host series (system.cpu.utilization of its node's LOCAL_RANK 0) recorded"
+    theirs = [nodes[host] for host in {p.host for p in others} - {process.host} if host in nodes]
+    if not theirs:
+        return None, f"its node's CPUs: {mine:.0%} busy, but no other rank ran on another node to compare with"
+    median = statistics.median(theirs)
+    words = f"its node {process.host}'s CPUs were {mine:.0%} busy, the other ranks' nodes {median:.0%}"
+    if mine - median < HOST_BUSY_EXPLAINS:
+        return None, f"its host: {words}"
+    evidence = [Evidence("system.cpu.utilization", round(mine, 4), f"share of its node's CPU time busy (1 - idle), "
+                         f"the other ranks' nodes' median {median:.1%}", None, process.rank)]  # fmt: skip
+    return (mine - median, f"its host was busy elsewhere: {words} (another job or process on that node, or this "
+            "rank's own CPU work)", [f"find what else runs on {process.host} (top, ps), or move the rank to another "
+            "node"], evidence), words  # fmt: skip
+
+
 _REASON_WORDS = {
     "sw_power_cap": "its power cap (sw_power_cap)",
     "thermal": "heat (thermal)",
@@ -110,7 +144,8 @@ def straggler_cause(
     processes: Sequence[ProcessRows], index: int, share: float | None, median_share: float | None
 ) -> tuple[str, list[str], list[str], list[Evidence]]:
     """Why rank ``index`` steps slower, among its own signals against the other ranks': its GPU's clock
-    held down (throttle reasons, the SM clock), its data loader, its PCIe link trained narrow. The
+    held down (throttle reasons, the SM clock), its data loader, its node's CPUs busy, its PCIe link
+    trained narrow. The
     largest excess of time lost is the cause; ``(cause, ruled out, what to try, evidence)``."""
     process, others = processes[index], [p for i, p in enumerate(processes) if i != index]
     rank = process.rank
@@ -126,6 +161,11 @@ def straggler_cause(
             ruled_out.append(f"its data loader: {words}")
     else:
         ruled_out.append("its data loader: not recorded (no goodput phases in these files)")
+    host, host_words = _host_cause(processes, process, others)
+    if host is not None:
+        candidates.append(host)
+    else:
+        ruled_out.append(host_words)
     throttled = _throttled(process)
     if throttled:
         theirs = {reason: statistics.median([t.get(reason, 0.0) for t in map(_throttled, others)] or [0.0])
@@ -176,8 +216,8 @@ def straggler_cause(
                                [Evidence("openlora.gpu.pcie.link.width", link[0], words, None, rank)]))  # fmt: skip
     if not candidates:
         return (
-            "no cause found among the signals recorded: its own steps take longer (its compute, a host busy "
-            "elsewhere, its network); the host series of that rank's node may say which",
+            "no cause found among the signals recorded: its own steps take longer (its compute, its network, "
+            "or its host, where no host series say otherwise)",
             ruled_out,
             ["move the rank to another node to see whether the slowness follows it"],
             [],
