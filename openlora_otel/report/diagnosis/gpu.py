@@ -114,7 +114,7 @@ def gpu_fault(processes: Sequence[ProcessRows]) -> list[Finding]:
             when = f"at step {step_text(step)}"
         evidence = tuple(
             Evidence(other.series, value, f"{other.label}: first at step {step_text(at.values.get('steps'))} "
-                     f"({when_text(at.time_s)})" + (", an increase since the run began" if other.rose else ""),
+                     f"({when_text(at.time_s)})" + (", its increase since its attempt's first reading" if other.rose else ""),
                      finite_or_none(at.values.get("steps")), process.rank)
             for other, at, value in shown
         )  # fmt: skip
