@@ -9,12 +9,13 @@ from collections.abc import Sequence
 
 from openlora_otel._version import __version__
 from openlora_otel.commands import COMMANDS
+from openlora_otel.commands._args import RedactingParser
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RedactingParser(
         prog="openlora-otel",
         description="OpenTelemetry metrics for LoRA / LLM fine-tuning jobs.",
     )

@@ -6,10 +6,12 @@ argument is :func:`openlora_otel.config.checks.check_url`."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from openlora_otel.redaction import redact_url
 from openlora_otel.stack.rules import DEFAULT_RUNBOOK_BASE, check_runbook_base
 
 
@@ -35,6 +37,18 @@ positive_int = number(int)
 non_negative_int = number(int, allow_zero=True)
 positive_float = number(float)
 non_negative_float = number(float, allow_zero=True)
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+
+
+class RedactingParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors show every URL with its credentials and path redacted: an
+    option mistyped before a webhook's URL lands in "unrecognized arguments: ...", and a Slack webhook's
+    path is its token. The subcommands' parsers are of this class too (argparse makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(_URL.sub(lambda match: redact_url(match.group(), path=True), message))
 
 
 def command_parser(subparsers: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:

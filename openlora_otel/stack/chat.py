@@ -2,7 +2,7 @@
 
 The body is ``{"text": ...}``, which Slack's incoming webhooks take, and Mattermost's and
 Rocket.Chat's too (Discord's through its ``/slack`` endpoint). The messages go out from a thread of
-their own, one at a time, each POST bounded by :data:`POST_TIMEOUT_S`, at most :data:`QUEUED`
+their own, one at a time, each POST given :data:`POST_TIMEOUT_S` in all, at most :data:`QUEUED`
 waiting: the receiver never waits for the chat, and a chat that is down or slow costs dropped
 messages, each counted and said. The webhook's URL is its credential (Slack's path is its token):
 it is only ever shown with its path redacted, and so is any error that could quote it.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import http.client
 import json
 import queue
 import threading
@@ -31,6 +32,7 @@ QUEUED = 16  # messages waiting at most; more are dropped (and counted)
 MAX_TEXT = 3000  # characters of one message (Slack cuts at 40,000; a chat is read by people)
 RETRY_AFTER_MAX_S = 10.0  # a 429's Retry-After is honoured once, up to this long
 CLOSE_WAIT_S = 10.0  # what close() gives the messages still queued
+STUCK_MAX = 4  # POSTs given up on at their deadline that may still hold a connection
 
 
 def slack_text(lines: Sequence[str]) -> str:
@@ -51,7 +53,7 @@ class ChatForwarder:
     """
 
     def __init__(self, url: str, err: TextIO, *, timeout_s: float = POST_TIMEOUT_S) -> None:
-        self.url = url
+        self._url = url  # never shown: its path is the token
         self.shown = redact_url(url, path=True)
         self._secrets = url_secrets(url, path=True)
         self._err = err
@@ -61,6 +63,7 @@ class ChatForwarder:
         self.sent = 0
         self.failed = 0
         self.dropped = 0
+        self._stuck: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="openlora-chat", daemon=True)
         self._thread.start()
 
@@ -96,7 +99,10 @@ class ChatForwarder:
             text = self._queue.get()
             if text is None:
                 return
-            problem = self._post(text)
+            try:
+                problem = self._post(text)
+            except Exception as exc:  # never this thread's end: the next messages still go
+                problem = f"{type(exc).__name__}: {exc}"
             if problem is not None:
                 with self._lock:
                     self.failed += 1
@@ -106,27 +112,59 @@ class ChatForwarder:
                     self.sent += 1
 
     def _post(self, text: str) -> str | None:
-        """POST one message; None when the chat took it, else what went wrong, in a few words."""
+        """POST one message; None when the chat took it, else what went wrong, in a few words (redacted,
+        then cut: a token cut in two would no longer be found)."""
         body = json.dumps({"text": text}).encode()
         for attempt in (1, 2):
-            request = urllib.request.Request(
-                self.url, data=body, method="POST",
-                headers={"Content-Type": "application/json", "User-Agent": f"openlora-otel/{__version__}"},
-            )  # fmt: skip
-            try:
-                with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                    response.read(4096)
-                    return None
-            except urllib.error.HTTPError as exc:
-                wait = _retry_after(exc.headers.get("Retry-After")) if exc.code == 429 else None
-                exc.close()
-                if wait is None or attempt == 2:
-                    return f"HTTP {exc.code}"
-                time.sleep(wait)
-            except (OSError, ValueError) as exc:  # refused, timed out, a name that does not resolve
-                reason = getattr(exc, "reason", exc)
-                return f"{type(reason).__name__}: {reason}"[:200]
+            answer = self._bounded(body)
+            if isinstance(answer, str):
+                return redact(answer, self._secrets)[:200]
+            code, retry_after = answer
+            if code < 300:
+                return None
+            wait = _retry_after(retry_after) if code == 429 else None
+            if wait is None or attempt == 2:
+                return f"HTTP {code}"
+            time.sleep(wait)
         return None  # not reached: the second attempt returns
+
+    def _bounded(self, body: bytes) -> tuple[int, str | None] | str:
+        """One POST within :data:`POST_TIMEOUT_S` in all (a socket timeout bounds each read, not a
+        chat that answers a byte at a time): run in a thread of its own, given up on at the deadline.
+        At most :data:`STUCK_MAX` given-up POSTs may still hold a connection; past that none is made."""
+        with self._lock:
+            self._stuck = [t for t in self._stuck if t.is_alive()]
+            if len(self._stuck) >= STUCK_MAX:
+                return f"{len(self._stuck)} earlier POSTs still unanswered"
+        answer: list[tuple[int, str | None] | str] = []
+        worker = threading.Thread(target=lambda: answer.append(self._once(body)), name="openlora-chat-post", daemon=True)
+        worker.start()
+        worker.join(self._timeout_s)
+        if worker.is_alive():
+            with self._lock:
+                self._stuck.append(worker)
+            return f"no answer within {self._timeout_s:g} s"
+        return answer[0] if answer else "no answer"
+
+    def _once(self, body: bytes) -> tuple[int, str | None] | str:
+        """(status, Retry-After) of one POST, or what went wrong."""
+        request = urllib.request.Request(
+            self._url, data=body, method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": f"openlora-otel/{__version__}"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
+                response.read(4096)
+                return response.status, None
+        except urllib.error.HTTPError as exc:
+            retry_after = exc.headers.get("Retry-After") if exc.headers is not None else None
+            exc.close()
+            return exc.code, retry_after
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, timed out, a bad answer
+            reason = getattr(exc, "reason", exc)
+            return f"{type(reason).__name__}: {reason}"
+        except Exception as exc:  # whatever else the HTTP stack raises: said, never this thread's end
+            return f"{type(exc).__name__}: {exc}"
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TextIO
@@ -63,7 +63,7 @@ class StackPlan:
     directory: Path
     targets: tuple[str, ...] = (f"localhost:{DEFAULT_METRICS_PORT}",)
     file_sd_dir: str | None = None
-    webhook_url: str = f"http://{LOOPBACK}:{DEFAULT_RECEIVER_PORT}/alerts"
+    webhook_url: str = field(default=f"http://{LOOPBACK}:{DEFAULT_RECEIVER_PORT}/alerts", repr=False)  # may hold a token
     builtin_receiver: bool = True
     prometheus_port: int = DEFAULT_PROMETHEUS_PORT
     alertmanager_port: int = DEFAULT_ALERTMANAGER_PORT
@@ -72,7 +72,7 @@ class StackPlan:
     evaluation_interval: str = DEFAULT_EVALUATION_INTERVAL
     runbook_base: str = DEFAULT_RUNBOOK_BASE
     # A Slack-style webhook the built-in receiver forwards its alerts and diagnoses to (its URL is a secret).
-    chat_webhook: str | None = None
+    chat_webhook: str | None = field(default=None, repr=False)
 
     @property
     def scraped(self) -> str:
@@ -516,14 +516,14 @@ def start(plan: StackPlan, err: TextIO, out: TextIO) -> int:
     assert prometheus is not None and alertmanager is not None
     printer = None
     if plan.builtin_receiver:
+        chat = ChatForwarder(plan.chat_webhook, err) if plan.chat_webhook else None
         try:
             printer = AlertPrinter(
-                plan.receiver_port,
-                out,
-                diagnose_from=f"http://{LOOPBACK}:{plan.prometheus_port}",
-                chat=ChatForwarder(plan.chat_webhook, err) if plan.chat_webhook else None,
+                plan.receiver_port, out, diagnose_from=f"http://{LOOPBACK}:{plan.prometheus_port}", chat=chat
             ).start()
         except OSError as exc:
+            if chat is not None:
+                chat.close(0)
             print(
                 f"openlora-otel stack: cannot listen on {LOOPBACK}:{plan.receiver_port} for alerts "
                 f"({exc.strerror or exc}); pick another --receiver-port or pass --webhook",

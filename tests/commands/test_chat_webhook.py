@@ -5,13 +5,17 @@ command line's checks. A real Prometheus firing a real alert into it: tests/repo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -95,8 +99,64 @@ def test_a_chat_that_refuses_rate_limits_or_hangs_never_holds_the_receiver_nor_s
     # Each notification answered without waiting for a 0.3 s POST (24 of them: 7 s if it did).
     assert answered < chat.QUEUED * 0.3, answered
     said = err.getvalue()
-    assert "not delivered (TimeoutError" in said and "messages dropped" in said, said
+    assert "not delivered (no answer within 0.3 s)" in said and "messages dropped" in said, said
     assert TOKEN not in said and "XXXXsecretXXXX" not in said and TOKEN not in out.getvalue()
+
+
+def raw_server(answer: Callable[[socket.socket], None]) -> tuple[socket.socket, str]:
+    """A loopback server that reads a request and answers each connection with ``answer(connection)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def one(connection: socket.socket) -> None:
+        with connection, contextlib.suppress(OSError):
+            connection.recv(65536)
+            answer(connection)
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=one, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"http://127.0.0.1:{listener.getsockname()[1]}{SLACK_PATH}"
+
+
+def test_a_chat_that_answers_garbage_or_a_byte_at_a_time_costs_one_message_each() -> None:
+    """Found by review: a reply that is no HTTP (http.client's BadStatusLine) ended the forwarding
+    thread, and a reply dripped a byte every half second held one POST past its bound for as long
+    as the chat liked (a socket timeout bounds each read, not the POST)."""
+
+    def drip(connection: socket.socket) -> None:
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: yes\r\n":
+            connection.sendall(bytes([byte]))
+            time.sleep(0.5)
+
+    listener, url = raw_server(lambda c: c.sendall(b"GARBAGE\r\n\r\n"))
+    err = io.StringIO()
+    forwarder = ChatForwarder(url, err, timeout_s=1.0)
+    forwarder.send(["one"])
+    forwarder.send(["two"])
+    forwarder.close()
+    listener.close()
+    assert forwarder.failed == 2 and err.getvalue().count("not delivered (BadStatusLine") == 2, err.getvalue()
+    # Each dripping POST is given up after its second; past STUCK_MAX of them still open, no new one.
+    listener, url = raw_server(drip)
+    err = io.StringIO()
+    forwarder = ChatForwarder(url, err, timeout_s=1.0)
+    began = time.monotonic()
+    for number in range(chat.STUCK_MAX + 2):
+        forwarder.send([f"message {number}"])
+    forwarder.close()
+    took = time.monotonic() - began
+    listener.close()
+    said = err.getvalue()
+    assert said.count("not delivered (no answer within 1 s)") == chat.STUCK_MAX, said
+    assert said.count(f"not delivered ({chat.STUCK_MAX} earlier POSTs still unanswered)") == 2, said
+    assert took < chat.STUCK_MAX + 3.0, took  # a second a POST, not the drip's 16 s
+    assert TOKEN not in said
 
 
 def test_slack_text_escapes_and_cuts_long_messages_at_a_line() -> None:
@@ -136,6 +196,10 @@ def test_the_command_lines_checks_never_show_the_token(tmp_path: Path) -> None:
     assert code == 2 and chat.CHAT_WEBHOOK_ENV in text and TOKEN not in text, text
     code, text = run_stack("--dir", str(tmp_path), "--prometheus", "http://127.0.0.1:9090")
     assert code == 2 and "--prometheus is for --receiver-only" in text
+    # Found by review: a mistyped option puts the URL after it in argparse's "unrecognized arguments".
+    code, text = run_stack("--receiver-only", "--chat-web-hook", url)
+    assert code == 2 and "unrecognized arguments: --chat-web-hook http://127.0.0.1:9/<redacted>" in text, text
+    assert TOKEN not in text
 
 
 @pytest.mark.process
