@@ -8,6 +8,7 @@ fine-tune with, and without it stops naming the extra to install. See docs/getti
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -152,6 +153,10 @@ def _run(
         with stop_on_signals(stop):
             stop.event.wait(options.linger)
         result.interrupted = stop.signal
+    if stop.signal in ("SIGINT", "SIGTERM"):
+        # The demo handles these itself, so the telemetry's own SIGTERM handler stood aside: the run's
+        # outcome says terminated, with its signal, as it would have without the demo's handler.
+        telemetry._outcome.note_signal(signal.Signals[stop.signal])
     return result
 
 

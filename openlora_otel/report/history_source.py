@@ -55,6 +55,7 @@ _OUTCOME = "openlora.run.outcome"
 _EVAL_VALUE = "openlora.training.eval.value"
 _INSTANCE_ATTRIBUTE = "service.instance.id"
 _HOST_ATTRIBUTE = "host.name"
+_NODE_ATTRIBUTE = "k8s.node.name"  # a pod's host.name is the pod's: its node is this
 
 
 def history_files(paths: Sequence[str]) -> list[Path]:
@@ -87,7 +88,7 @@ class _Process:
     outcome: tuple[float, str] | None = None  # (time, openlora.run.outcome) of the latest outcome point
     # Goodput readings of every process (attempt) of this rank, in file order.
     time: list[TimeSample] = field(default_factory=list)
-    host: tuple[float, str] | None = None  # (time, host.name) of its latest snapshot that named one
+    host: tuple[float, str] | None = None  # (time, node) of its latest snapshot that named one
 
 
 def read_runs(paths: Sequence[str], *, skipped: MutableMapping[str, int] | None = None) -> list[Run]:
@@ -168,8 +169,9 @@ def _add(snapshot: history.Snapshot, path: Path, processes: dict[tuple[str, int 
     process.files.add(str(path))
     if resource.get(RUN_NAME_ATTRIBUTE):
         process.name = str(resource[RUN_NAME_ATTRIBUTE])
-    if resource.get(_HOST_ATTRIBUTE) and (process.host is None or snapshot.time_s >= process.host[0]):
-        process.host = (snapshot.time_s, shown(resource[_HOST_ATTRIBUTE], SHOWN_NAME))
+    node = resource.get(_NODE_ATTRIBUTE) or resource.get(_HOST_ATTRIBUTE)
+    if node and (process.host is None or snapshot.time_s >= process.host[0]):
+        process.host = (snapshot.time_s, shown(node, SHOWN_NAME))
     for point in snapshot.metrics.get(_RUN_INFO, ()):
         if process.info is None or point.time_s >= process.info[0]:
             process.info = (point.time_s, dict(point.attributes))

@@ -98,7 +98,9 @@ class ProcessRows:
     rank: int | None
     rows: list[Row]
     time: list[TimeSample] = field(default_factory=list)
-    host: str | None = None  # host.name of its latest process (an attempt may run on another node)
+    # The node of its latest process (an attempt may run on another): k8s.node.name, else host.name (in a
+    # Kubernetes pod that is the pod's name).
+    host: str | None = None
 
 
 @dataclass

@@ -232,7 +232,8 @@ class PrometheusSource:
                 last = phases.setdefault(key, (float(stamp), {}))
                 last[1][phase] = float(text)
         ranks = {(t.get("job", ""), t.get("instance", "")): _rank(t) for t in targets}
-        hosts = {(t.get("job", ""), t.get("instance", "")): t["host_name"] for t in targets if t.get("host_name")}
+        hosts = {(t.get("job", ""), t.get("instance", "")): t.get("k8s_node_name") or t["host_name"]
+                 for t in targets if t.get("k8s_node_name") or t.get("host_name")}  # fmt: skip
         by_rank: dict[object, tuple[list[Row], list[TimeSample], list[tuple[float, str]]]] = {}
         for key, by_time in samples.items():
             rank = ranks.get(key)

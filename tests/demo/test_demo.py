@@ -202,21 +202,24 @@ def test_distributed_options_that_make_no_sense_are_usage_errors(
 
 def test_a_hung_process_stays_at_its_step_until_stopped() -> None:
     """--hang-at-step in one process: it stops before the step's batch and stays there (its telemetry
-    going on) until stopped; the run then ends as a stopped one, at the step before."""
+    going on) until stopped, here by SIGTERM; the run then ends as a stopped one, at the step before,
+    its outcome terminated (found by review: the demo's own signal handler left it finished)."""
+    import os
     import threading
 
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",)), metric_readers=[reader])
-    stop = threading.Event()
-    threading.Timer(1.5, stop.set).start()
+    # Sent while the demo's handlers are in place: it is stuck until a signal comes.
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     began = time.monotonic()
     result = run_demo(DemoOptions(steps=10, batch_size=2, eval_every=0, quiet=True, hang_at_step=3), telemetry,
-                      where="memory", stop_event=stop)  # fmt: skip
+                      where="memory")  # fmt: skip
     stuck = time.monotonic() - began
     data = reader.get_metrics_data()
     telemetry.shutdown()
-    assert (result.steps, result.interrupted) == (2, "requested")
+    assert (result.steps, result.interrupted) == (2, "SIGTERM")
     assert value(data, "openlora.training.steps") == 2 and stuck >= 1.5
+    assert telemetry.outcome == "terminated"
 
 
 def test_a_rank_outside_the_world_is_a_clear_error(monkeypatch, capsys) -> None:

@@ -94,6 +94,8 @@ the stack's alert receiver given that alert, and it forwards that to a chat webh
             with urllib.request.urlopen(urllib.request.Request(printer.url, data=body), timeout=10) as response:
                 assert response.status == 200
             wait_until(lambda: "runbook:" in out.getvalue(), 60, "the receiver's diagnosis")
+            # The chat gets the lines once they are all printed: waited for before the receiver closes.
+            wait_until(lambda: len(hook.notifications) >= 2, 30, "the diagnosis in the chat")
         finally:
             printer.close()
             hook.close()

@@ -15,6 +15,7 @@ healthy pair."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,9 +87,10 @@ def killed_and_resumed(directory: Path) -> None:
     """Run ``resumed``: SIGKILLed once past step KILL_AFTER (its checkpoint of step 20 saved), then
     ``--resume``d to the end; each attempt's history in a directory of its own (resumed-1, resumed-2)."""
     checkpoints = directory / "checkpoints"
-    args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]
-    # The progress file is written at each collection: every 100 ms, so the kill lands a step or two
-    # after KILL_AFTER, well before the next checkpoint (step 30).
+    # Checkpoints at steps 20 and 40 (the end): the kill lands between, however late a loaded machine makes it.
+    args = ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "20"]
+    # The progress file is written at each collection: every 100 ms, so the kill lands a few steps after
+    # KILL_AFTER, before the next checkpoint (step 40).
     process = start_demo(directory, "resumed", args, history="resumed-1", OPENLORA_HISTORY_INTERVAL="100")
     progress = checkpoints / "openlora-progress.json"
 
@@ -101,8 +103,9 @@ def killed_and_resumed(directory: Path) -> None:
     try:
         wait_until(lambda: reached() >= KILL_AFTER or process.poll() is not None, 240, f"step {KILL_AFTER}", interval=0.02)
         assert process.poll() is None, "the run ended before it could be killed"
-        os.killpg(process.pid, signal.SIGKILL)
-    finally:
+    finally:  # killed whatever happened above: a failure there is not hidden behind a wait
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         end_demo(process, (-signal.SIGKILL,), 30)
     end_demo(start_demo(directory, "resumed", [*args, "--resume"], history="resumed-2"))
 
@@ -129,10 +132,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
         wait_until(lambda: found_hung() or hung.poll() is not None, 240, "the hung run found hung", interval=1.0)
         assert hung.poll() is None, "the hung run ended by itself"
-        # As a person or a scheduler's time limit would: torchrun passes the SIGTERM on to the ranks.
-        hung.send_signal(signal.SIGTERM)
     finally:
-        # The hung rank leaves on the signal; its peer's all-reduce then fails, and torchrun with it.
+        # As a person or a scheduler's time limit would (and whatever failed above): torchrun passes the
+        # SIGTERM on to the ranks; the hung rank leaves on it, its peer's all-reduce then fails.
+        if hung.poll() is None:
+            hung.send_signal(signal.SIGTERM)
         end_demo(hung, tuple(range(-64, 256)), 120)
     return directory
 
@@ -201,7 +205,7 @@ def test_a_run_killed_and_resumed_says_it_restarted_and_what_it_did_again(corpus
     assert (top["kind"], top["severity"]) == ("goodput", "info"), top
     # Killed past step KILL_AFTER (a collection later at most), resumed from the checkpoint of step 20.
     lost = int(top["title"].split(": ", 1)[1].split(" step")[0])
-    assert top["title"].startswith("the run restarted 1 time(s): ") and KILL_AFTER - 20 <= lost < 10, top["title"]
+    assert top["title"].startswith("the run restarted 1 time(s): ") and KILL_AFTER - 20 <= lost < 20, top["title"]
 
 
 def test_the_text_form_and_a_run_by_name(corpus: Path, capsys: pytest.CaptureFixture) -> None:

@@ -237,6 +237,12 @@ def test_a_straggler_on_a_node_busy_elsewhere_and_ranks_sharing_one_node() -> No
                                     "ranks' nodes 15%"), finding.cause  # fmt: skip
     assert "node-3" in finding.try_next[0] and ("system.cpu.utilization", 0.92) in [(e.series, e.value) for e in finding.evidence]
     assert not any(r.startswith("its host") or r.startswith("its node") for r in finding.ruled_out)
+    # Found by review: a GPU held down by heat is a direct sign, and wins over a busy node (a share of CPU
+    # time, not of the rank's); the node then explains less.
+    hot = gpu(throttle_thermal=lambda s: 0.25 + s * 0.04)
+    (finding,) = diagnose(run(*(node(rank, 0.7, **gpu()) for rank in range(3)), node(3, 0.2, **hot, **slow)))
+    assert finding.cause.startswith("its GPU's clock was held down by heat (thermal) 40% of its time"), finding.cause
+    assert finding.ruled_out[0].startswith("its host was busy elsewhere: its node node-3's CPUs were 80% busy"), finding.ruled_out
     # A node only a little busier: ruled out, with the figures.
     (finding,) = diagnose(run(*(node(rank, 0.85) for rank in range(3)), node(3, 0.70, **slow)))
     assert "no cause found" in finding.cause and "its host: its node node-3's CPUs were 30% busy" in finding.ruled_out[1]
@@ -461,6 +467,20 @@ def test_a_run_that_ended_or_evaluates_after_its_last_step_is_not_hung() -> None
         killed.outcome = ended
         (finding,) = diagnose(killed)
         assert finding.kind == "hang" and finding.title.endswith(f"; then the run {ended}"), finding.title
+    # Found by review: a run that reached its planned last step (max_steps) finished training, whatever
+    # it did after (a save, an upload) and however it ended; a run of one attempt only.
+    for ended in ("running", "terminated", "failed"):
+        saving = run(*after)
+        saving.outcome, saving.hyperparameters = ended, {"max_steps": "500"}
+        assert diagnose(saving) == [], ended
+    # Found by review: a requeue's gap between two attempts, and a later attempt that has not stepped
+    # yet, are no silence after a step. Attempt 1 steps to 500 and is preempted; attempt 2 starts 600 s
+    # later and is still loading its checkpoint (steps 0) when preempted again.
+    first = rows(500, step_s=0.1)
+    loading = [Row(first[-1].time_s + 600 + i * 10, {"steps": 0.0, "step_time_count": 0.0}) for i in range(4)]
+    requeued = run(ProcessRows(0, first + loading, []))
+    requeued.outcome = "terminated"
+    assert diagnose(requeued) == []
     # Still running, but evaluating for the 150 s since its last step (its goodput readings say so).
     evaluating = [
         ProcessRows(p.rank, p.rows, [TimeSample(T0 + 50, {"productive": 45.0, "evaluation": 0.0}, rank=p.rank),

@@ -56,7 +56,17 @@ __all__ = ["JSON_SCHEMA", "KINDS", "SCHEMA_ID", "SEVERITIES", "Evidence", "Findi
 def diagnose(run: Run) -> list[Finding]:
     """Every detector's findings for ``run``, most severe (then most telling) first."""
     processes = run.processes or [ProcessRows(run.rank, run.rows, [])]
-    found: list[Finding] = [*gpu_fault(processes), *divergence(processes), *hang(processes, run.outcome),
+    found: list[Finding] = [*gpu_fault(processes), *divergence(processes),
+                            *hang(processes, run.outcome, _max_steps(run.hyperparameters)),
                             *memory(processes), *evaluation(processes), *straggler(processes),
                             *throughput(processes), *input_bound(processes), *wasted(processes)]  # fmt: skip
     return sorted(found, key=lambda f: f.order)
+
+
+def _max_steps(hyperparameters: dict[str, str]) -> float | None:
+    """The run's planned number of steps (its ``max_steps`` hyperparameter), when it names one."""
+    try:
+        value = float(hyperparameters.get("max_steps", "nan"))
+    except ValueError:
+        return None
+    return value if value > 0 and value != float("inf") else None

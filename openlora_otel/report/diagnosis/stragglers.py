@@ -10,6 +10,7 @@ from openlora_otel.report.diagnosis.findings import (
     RUNBOOKS,
     Evidence,
     Finding,
+    attempts,
     data_wait_share,
     finite,
     gained,
@@ -32,6 +33,7 @@ DATA_WAIT_EXPLAINS = 0.10  # a straggler's data-wait share above the other ranks
 THROTTLE_EXPLAINS = 0.10  # a straggler's share of time throttled for a reason, above the other ranks' median by this
 CLOCK_EXPLAINS = 0.90  # a straggler's mean SM clock at most this fraction of the other ranks' median
 HOST_BUSY_EXPLAINS = 0.25  # a straggler's node's CPUs busier than the other ranks' nodes' median by this share
+HOST_RANK = 0.05  # the host cause's score per share busier: under any direct sign's (see _host_cause)
 
 
 def straggler(processes: Sequence[ProcessRows]) -> list[Finding]:
@@ -101,10 +103,13 @@ def _narrow_link(process: ProcessRows) -> tuple[float, float] | None:
 
 def _busy_nodes(processes: Sequence[ProcessRows]) -> dict[str, float]:
     """Each node's mean share of CPU time busy (1 - ``system.cpu.utilization`` idle), from the processes
-    that report it (LOCAL_RANK 0 reports its node's), by host name."""
+    that report it (LOCAL_RANK 0 reports its node's), by node name (:attr:`ProcessRows.host`)."""
     busy: dict[str, float] = {}
     for process in processes:
-        idle = mean_of(process, "host_cpu_idle")
+        # Its latest attempt's readings: the node its host names (a resume may run on another).
+        latest = attempts(process)[-1] if process.rows else []
+        readings = [r.values["host_cpu_idle"] for r in latest if finite(r.values.get("host_cpu_idle"))]
+        idle = statistics.fmean(readings) if readings else None
         if process.host is not None and idle is not None:
             busy[process.host] = max(busy.get(process.host, 0.0), min(1.0, max(0.0, 1.0 - idle)))
     return busy
@@ -114,8 +119,10 @@ def _host_cause(
     processes: Sequence[ProcessRows], process: ProcessRows, others: Sequence[ProcessRows]
 ) -> tuple[tuple[float, str, list[str], list[Evidence]] | None, str]:
     """Whether the straggler's node was busier than the other ranks' nodes: a candidate, and its words."""
+    if process.host is None:
+        return None, "its node's CPUs: its node unknown (no host.name or k8s.node.name in its resource)"
     nodes = _busy_nodes(processes)
-    mine = nodes.get(process.host) if process.host is not None else None
+    mine = nodes.get(process.host)
     if mine is None:
         return None, "its node's CPUs: no host series (system.cpu.utilization of its node's LOCAL_RANK 0) recorded"
     theirs = [nodes[host] for host in {p.host for p in others} - {process.host} if host in nodes]
@@ -127,7 +134,10 @@ def _host_cause(
         return None, f"its host: {words}"
     evidence = [Evidence("system.cpu.utilization", round(mine, 4), f"share of its node's CPU time busy (1 - idle), "
                          f"the other ranks' nodes' median {median:.1%}", None, process.rank)]  # fmt: skip
-    return (mine - median, f"its host was busy elsewhere: {words} (another job or process on that node, or this "
+    # Ranked below every direct sign (a GPU held down, a data loader that starves it: their scores are
+    # shares of its time, at least 0.10) and above a narrow link (0): a busy node is a share of CPU
+    # time, not of the rank's, and its own loader's workers may be what keeps it busy.
+    return (HOST_RANK * (mine - median), f"its host was busy elsewhere: {words} (another job or process on that node, or this "
             "rank's own CPU work)", [f"find what else runs on {process.host} (top, ps), or move the rank to another "
             "node"], evidence), words  # fmt: skip
 

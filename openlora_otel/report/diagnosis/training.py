@@ -9,6 +9,7 @@ from openlora_otel.report.diagnosis.findings import (
     RUNBOOKS,
     Evidence,
     Finding,
+    attempts,
     data_wait_share,
     finite,
     finite_or_none,
@@ -203,7 +204,18 @@ def _busy_between(process: ProcessRows, start: float, end: float) -> float:
     return max(0.0, at(end) - at(start))
 
 
-def hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[Finding]:
+def _attempt_end(process: ProcessRows) -> float | None:
+    """When the rank's attempt that holds its latest step last reported: the silence after a step is
+    measured there (not across a requeue's gap, nor into a later attempt that has not stepped yet)."""
+    best: tuple[float, float] | None = None  # (latest step's time, its attempt's last row's time)
+    for rows in attempts(process):
+        stamps = [r.values["last_step_time"] for r in rows if finite(r.values.get("last_step_time"))]
+        if stamps and max(stamps) > 0 and (best is None or max(stamps) > best[0]):
+            best = (max(stamps), rows[-1].time_s)
+    return best[1] if best else None
+
+
+def hang(processes: Sequence[ProcessRows], outcome: str | None = None, max_steps: float | None = None) -> list[Finding]:
     lasts = {index: _last_step(p) for index, p in enumerate(processes)}
     lasts = {i: v for i, v in lasts.items() if v is not None}
     if not lasts:
@@ -241,12 +253,15 @@ def hang(processes: Sequence[ProcessRows], outcome: str | None = None) -> list[F
     # finished (after its last step come a merge, an upload) or that its guard stopped, nor one evaluating
     # or saving a checkpoint in that time. A hung run is often terminated (a scheduler's time limit, a
     # person) or fails (a collective's timeout) in the end: that is how it ended, not why it stopped.
-    newest_row = max((r.time_s for p in processes for r in p.rows), default=newest)
+    newest_row = max((end for p in processes if (end := _attempt_end(p)) is not None), default=newest)
     silent = newest_row - newest
     busy = max((_busy_between(p, newest, newest_row) for p in processes), default=0.0)
     ended = f"; then the run {outcome}" if outcome in ("terminated", "failed") else ""
-    if not findings and outcome not in _ENDED_WELL and silent >= limit and silent - busy >= limit:
-        stamp, step = lasts[max(lasts, key=lambda i: lasts[i][0])]
+    stamp, step = lasts[max(lasts, key=lambda i: lasts[i][0])]
+    # A run of one attempt that reached its planned last step (max_steps) finished training: what it
+    # does after (a save, a merge, an upload) is no hang, whatever its outcome says.
+    done = max_steps is not None and step is not None and step >= max_steps and all(len(attempts(p)) == 1 for p in processes)
+    if not findings and not done and outcome not in _ENDED_WELL and silent >= limit and silent - busy >= limit:
         findings.append(
             Finding(
                 "critical", "hang",
