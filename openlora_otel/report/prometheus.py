@@ -160,7 +160,7 @@ class PrometheusSource:
             raise ReportError(f"no run {run_id!r} on Prometheus at {self.shown}")
         targets.sort(key=lambda t: (_rank(t) is None, _rank(t) or 0, t.get("instance", "")))
         target = targets[0]
-        ranks = len({(t.get("job"), t.get("instance")) for t in targets})
+        ranks = len(set(_rank_groups(targets).values()))
         selector = _selector(target)
         start, end = self._span(run_id, selector)
         step = max((end - start) / POINTS, 0.001)
@@ -232,15 +232,20 @@ class PrometheusSource:
                 last = phases.setdefault(key, (float(stamp), {}))
                 last[1][phase] = float(text)
         ranks = {(t.get("job", ""), t.get("instance", "")): _rank(t) for t in targets}
+        groups = _rank_groups(targets)
+        # Each process's attempt (openlora.run.attempt): goodput then tells a restart from a second rank.
+        attempts = {(t.get("job", ""), t.get("instance", "")): a for t in targets if (a := _attempt(t)) is not None}
         hosts = {(t.get("job", ""), t.get("instance", "")): t.get("k8s_node_name") or t["host_name"]
                  for t in targets if t.get("k8s_node_name") or t.get("host_name")}  # fmt: skip
         by_rank: dict[object, tuple[list[Row], list[TimeSample], list[tuple[float, str]]]] = {}
         for key, by_time in samples.items():
             rank = ranks.get(key)
-            rows, readings, named = by_rank.setdefault(key if rank is None else rank, ([], [], []))
+            rows, readings, named = by_rank.setdefault(groups.get(key, key), ([], [], []))
             rows.extend(Row(stamp, values) for stamp, values in by_time.items())
             if key in phases:
-                readings.append(TimeSample(phases[key][0], phases[key][1], rank=rank, process="/".join(key)))
+                lost = [v["steps_lost"] for _, v in sorted(by_time.items()) if "steps_lost" in v]
+                readings.append(TimeSample(phases[key][0], phases[key][1], steps_lost=lost[-1] if lost else 0.0,
+                                           attempt=attempts.get(key), rank=rank, process="/".join(key)))  # fmt: skip
             if key in hosts:  # the host of the rank's latest process (a resume may run on another node)
                 named.append((last_seen.get(key, -math.inf), shown(hosts[key], SHOWN_NAME)))
         processes = [
@@ -309,6 +314,25 @@ def _rank(labels: dict[str, str]) -> int | None:
         return int(labels["openlora_rank"])
     except (KeyError, ValueError):
         return None
+
+
+def _rank_groups(targets: list[dict[str, str]]) -> dict[tuple[str, str], object]:
+    """Which rank each process (job, instance) is: its ``openlora_rank``; without one, the run's one
+    process when every attempt has a single rank-less process (a run without torchrun, resumed on
+    another port or pod), else a rank of its own."""
+    keys = {(t.get("job", ""), t.get("instance", "")): t for t in targets}
+    rankless = {key: _attempt(t) for key, t in keys.items() if _rank(t) is None}
+    attempts = list(rankless.values())
+    single = bool(attempts) and None not in attempts and len(set(attempts)) == len(attempts)
+    return {key: _rank(t) if _rank(t) is not None else ("single",) if single else key for key, t in keys.items()}
+
+
+def _attempt(labels: dict[str, str]) -> int | None:
+    try:
+        value = int(labels["openlora_run_attempt"])
+    except (KeyError, ValueError):
+        return None
+    return value if value >= 1 else None
 
 
 def _selector(labels: dict[str, str]) -> str:

@@ -163,6 +163,9 @@ QUANTITIES: tuple[Quantity, ...] = (
     Quantity("torch_reserved", "openlora.torch.memory.reserved"),
     Quantity("gpu_memory_limit", "hw.gpu.memory.limit"),
     Quantity("torch_ooms", "openlora.torch.memory.ooms", combine="sum"),
+    # Steps an attempt did again after resuming (goodput's lost progress; from Prometheus, where a
+    # process's goodput reading takes it from its last row).
+    Quantity("steps_lost", "openlora.training.steps.lost"),
     # The node's CPUs: their mean idle share (LOCAL_RANK 0 reports it for its node), for diagnose's
     # straggler whose host is busy elsewhere.
     Quantity("host_cpu_idle", "system.cpu.utilization", combine="mean", where=(("cpu.mode", "idle"),)),

@@ -30,7 +30,7 @@ def test_the_diagnose_benchmark_runs_at_a_small_scale() -> None:
     )  # fmt: skip
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
     counts = dict(re.findall(r"^(report|diagnose)\s+(\d+)\s+[\d.]+$", bench.stdout, re.M))
-    # diagnose: one range query per quantity and the goodput phases, the span and identity (the docs' 44).
+    # diagnose: one range query per quantity and the goodput phases, the span and identity (the docs' 45).
     assert counts == {"report": counts["report"], "diagnose": str(len(QUANTITIES) + 6)}, bench.stdout
     assert "ratio diagnose/report:" in bench.stdout and "findings: 0 []" in bench.stdout, bench.stdout
     # With a GPU's series (the fake NVML's H100 and the torch allocator's), healthy: no GPU finding either.

@@ -22,10 +22,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
+import yaml
 
 from openlora_otel.cli import main
 from openlora_otel.report.diagnosis import JSON_SCHEMA, diagnose
@@ -33,10 +35,14 @@ from openlora_otel.report.history_source import read_runs
 from openlora_otel.report.model import ReportError
 from tests.support import gpu_fault_rank
 from tests.support.demo import needs_the_demo
+from tests.support.metrics_paths import push_env
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, reap
+from tests.support.prometheus_server import Prometheus, prometheus_binary
 
-pytestmark = pytest.mark.process
+# e2e: the corpus's runs also push to a real Prometheus 3, when one is built (the store fixture).
+pytestmark = [pytest.mark.process, pytest.mark.e2e]
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS = "40"
 RUNS = {
@@ -49,6 +55,10 @@ RUNS = {
 }
 
 
+# Where the corpus's runs also push their metrics over OTLP, when the store fixture has a Prometheus 3
+# (build/bin): each run is then diagnosed from both sources.
+_PUSH: dict[str, str] = {}
+
 HANG_AT = 20  # rank 1 of the hung run stops before this step's batch
 KILL_AFTER = 25  # the killed run is SIGKILLed once it reached this step, its checkpoint at step 20
 
@@ -58,10 +68,10 @@ def start_demo(
 ) -> subprocess.Popen:
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "openlora_otel"] if ranks > 1 else [
         "-m", "openlora_otel"]  # fmt: skip
-    env = child_env(
-        OMP_NUM_THREADS="1", OPENLORA_HISTORY_DIR=str(directory / (history or name)), OPENLORA_HOST_METRICS="false",
-        OTEL_METRICS_EXPORTER="none", OPENLORA_QUIET="true", **env,
-    )  # fmt: skip
+    env = child_env(**{
+        "OMP_NUM_THREADS": "1", "OPENLORA_HISTORY_DIR": str(directory / (history or name)),
+        "OPENLORA_HOST_METRICS": "false", "OTEL_METRICS_EXPORTER": "none", "OPENLORA_QUIET": "true", **_PUSH, **env,
+    })  # fmt: skip
     return subprocess.Popen(
         [sys.executable, *launcher, "demo", "--steps", STEPS, "--run-name", name, *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -111,7 +121,27 @@ def killed_and_resumed(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus | None]:
+    """A Prometheus 3 (build/bin's: tools/build.sh builds it in CI) taking the corpus's runs over OTLP, as
+    deploy/prometheus/otlp.yml has it; None where it was not built (the runs then only write history)."""
+    try:
+        prometheus_binary(3)
+    except pytest.skip.Exception:
+        yield None
+        return
+    shipped = yaml.safe_load((ROOT / "deploy" / "prometheus" / "otlp.yml").read_text())
+    prometheus = Prometheus(tmp_path_factory.mktemp("corpus-store"), [], major=3, extra_args=("--web.enable-otlp-receiver",),
+                            blocks={"otlp": shipped["otlp"], "storage": shipped["storage"]})  # fmt: skip
+    try:
+        _PUSH.update(push_env(f"{prometheus.url}/api/v1/otlp"))
+        yield prometheus
+    finally:
+        _PUSH.clear()
+        prometheus.stop()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory, store: Prometheus | None) -> Path:
     needs_the_demo()
     directory = tmp_path_factory.mktemp("corpus")
     # The hung run first: it must stay stuck for over a minute (HANG_MIN_S) while the others run.
@@ -208,6 +238,27 @@ def test_a_run_killed_and_resumed_says_it_restarted_and_what_it_did_again(corpus
     assert top["title"].startswith("the run restarted 1 time(s): ") and KILL_AFTER - 20 <= lost < 20, top["title"]
 
 
+def test_every_run_of_the_corpus_is_diagnosed_alike_from_prometheus(corpus: Path, store: Prometheus | None) -> None:
+    """The same runs, pushed over OTLP to a Prometheus 3 as they ran and read back from it (every rank):
+    the same top finding (kind, severity, rank) as from their history files, nothing above info for
+    the healthy run; the steps within the push's second of the files'."""
+    from openlora_otel.report.prometheus import read_prometheus
+
+    if store is None:
+        pytest.skip("no Prometheus 3 built (tools/build.sh): the corpus was diagnosed from its files only")
+    directories = {name: [name] for name in (*RUNS, "straggler", "hung-rank")} | {"resumed": ["resumed-1", "resumed-2"]}
+    for name, where in directories.items():
+        (from_files,) = read_runs([str(corpus / d) for d in where])
+        (from_prometheus,) = read_prometheus(store.url, [name], every_rank=True)
+        files, pulled = diagnose(from_files), diagnose(from_prometheus)
+        shown = f"{name}: files {[(f.kind, f.severity, f.rank, f.step) for f in files]}, prometheus {pulled}"
+        assert from_prometheus.ranks == from_files.ranks and bool(files) == bool(pulled), shown
+        if name == "healthy":
+            assert all(f.severity == "info" for f in pulled), shown
+            continue
+        assert (pulled[0].kind, pulled[0].severity, pulled[0].rank) == (files[0].kind, files[0].severity, files[0].rank), shown
+
+
 def test_the_text_form_and_a_run_by_name(corpus: Path, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
     every = sorted(str(corpus / name) for name in RUNS)  # the four runs' directories
@@ -297,7 +348,6 @@ def test_a_straggler_is_explained_by_its_gpu_or_its_host(gpu_corpus: Path, capsy
         assert hot["hw.temperature"] == 88 and hot["openlora.gpu.clock.sm"] < 1.98e9, hot
 
 
-@pytest.mark.e2e
 def test_gpu_faults_found_from_prometheus(tmp_path: Path) -> None:
     """The same from a real Prometheus (3.16) scraping the ranks: the GPU series' PromQL names are right,
     and the rank that died keeps its fault (its last scrape, at its exit)."""
