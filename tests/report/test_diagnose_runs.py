@@ -3,7 +3,8 @@ their history files: a healthy run, a loss gone NaN at step 20, a learning rate 
 data loader, a run SIGKILLed after its checkpoint and resumed, and under torchrun a rank slowed on
 purpose and a rank hung (its peer blocked in the all-reduce, the run terminated after more than a
 minute). For each faulty run the injected cause is the top finding, with its step or rank; the
-healthy run has none; the JSON form validates against its schema.
+healthy run has none; the JSON form validates against its schema. Where a Prometheus 3 is built, the
+runs also push over OTLP to it, and each is diagnosed from there alike.
 
 GPU faults, with no GPU to make fail: two-rank runs (tests/support/gpu_fault_rank.py) whose real
 telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's GPU: it fell off the bus
