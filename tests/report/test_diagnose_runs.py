@@ -278,22 +278,42 @@ FAULT_AT = 20
 SLOWDOWN_AT = 40  # the run slows from here: 8 readings (250 ms) of 50 ms steps before, 24 of 100 ms after
 
 
-def run_ranks(directory: Path, fault: str, ports: int | None = None) -> None:
+def run_ranks(directory: Path, fault: str, ports: int | None = None, push: dict[str, str] | None = None) -> None:
     if fault == "slowdown":
-        processes = gpu_fault_rank.start(directory, fault, SLOWDOWN_AT, ports, "--steps", "100")
+        processes = gpu_fault_rank.start(directory, fault, SLOWDOWN_AT, ports, "--steps", "100", push=push)
     elif fault == "memory-growth":  # 20 readings: growth is judged on at least 12 after the warm-up
-        processes = gpu_fault_rank.start(directory, fault, FAULT_AT, ports, "--steps", "100")
+        processes = gpu_fault_rank.start(directory, fault, FAULT_AT, ports, "--steps", "100", push=push)
     else:
-        processes = gpu_fault_rank.start(directory, fault, FAULT_AT, ports)
+        processes = gpu_fault_rank.start(directory, fault, FAULT_AT, ports, push=push)
     gpu_fault_rank.finish(processes, fault)
 
 
 @pytest.fixture(scope="module")
-def gpu_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gpu_corpus(tmp_path_factory: pytest.TempPathFactory, store: Prometheus | None) -> Path:
+    """The GPU-fault runs; each also pushed every 250 ms to the store's Prometheus 3, where there is one."""
     directory = tmp_path_factory.mktemp("gpu-corpus")
     for fault in gpu_fault_rank.FAULTS:
-        run_ranks(directory, fault)
+        run_ranks(directory, fault, push=dict(_PUSH) or None)
     return directory
+
+
+def test_every_gpu_fault_run_is_diagnosed_alike_from_prometheus(gpu_corpus: Path, store: Prometheus | None) -> None:
+    """The GPU corpus from both sources: the same top finding (kind, severity, rank) from the Prometheus
+    3 the runs pushed to as from their history files; nothing above info for the healthy pair."""
+    from openlora_otel.report.prometheus import read_prometheus
+
+    if store is None:
+        pytest.skip("no Prometheus 3 built (tools/build.sh): the corpus was diagnosed from its files only")
+    for fault in gpu_fault_rank.FAULTS:
+        (from_files,) = read_runs([str(gpu_corpus / fault)])
+        (from_prometheus,) = read_prometheus(store.url, [f"gpu-{fault}"], every_rank=True)
+        files, pulled = diagnose(from_files), diagnose(from_prometheus)
+        shown = f"{fault}: files {[(f.kind, f.severity, f.rank, f.step) for f in files]}, prometheus {pulled}"
+        assert from_prometheus.ranks == from_files.ranks == 2 and bool(files) == bool(pulled), shown
+        if fault == "none":
+            assert all(f.severity == "info" for f in pulled), shown
+            continue
+        assert (pulled[0].kind, pulled[0].severity, pulled[0].rank) == (files[0].kind, files[0].severity, files[0].rank), shown
 
 
 def test_a_healthy_pair_of_ranks_on_fake_gpus_has_no_finding(gpu_corpus: Path, capsys: pytest.CaptureFixture) -> None:

@@ -109,10 +109,13 @@ def main() -> int:
     return 0
 
 
-def start(directory: Path, fault: str, fault_at: int, ports: int | None = None, *extra: str) -> list[subprocess.Popen]:
+def start(
+    directory: Path, fault: str, fault_at: int, ports: int | None = None, *extra: str, push: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """Rank 0 and rank 1 of run ``gpu-<fault>`` side by side, each writing its history every 250 ms under
     ``directory/<fault>``; with ``ports``, serving its metrics for Prometheus on ``ports`` + its rank,
-    with a last scrape at its exit. ``extra``: more arguments for both."""
+    with a last scrape at its exit; with ``push`` (an OTLP exporter's environment), pushing its metrics
+    every 250 ms (as its history is written) instead. ``extra``: more arguments for both."""
     from tests.support.processes import child_env
 
     processes = []
@@ -120,7 +123,7 @@ def start(directory: Path, fault: str, fault_at: int, ports: int | None = None, 
         # busy-host: a node each, each rank its node's LOCAL_RANK 0 (the one that reports the node's CPUs).
         node = {"LOCAL_RANK": "0", "OTEL_RESOURCE_ATTRIBUTES": f"host.name=node-{rank}", "OPENLORA_HOST_METRICS": "true",
                 "OPENLORA_PROMETHEUS_PORT_OFFSET": "rank"}  # fmt: skip
-        exporting = {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
+        exporting = {**push, "OTEL_METRIC_EXPORT_INTERVAL": "250"} if push else {"OTEL_METRICS_EXPORTER": "none"} if ports is None else {
             "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
             "OTEL_EXPORTER_PROMETHEUS_PORT": str(ports), "OPENLORA_PROMETHEUS_EXPECT_SCRAPE": "true"}  # fmt: skip
         env = child_env(**{
