@@ -12,7 +12,7 @@ telemetry reads a fake NVML (tests/support/fake_nvml.py), the fault on rank 1's 
 straggler), its PCIe link trained narrow (a straggler), its node's CPUs busy elsewhere (a straggler), its allocated memory growing every step, an
 out-of-memory error (and the rank died); both ranks' GPUs held down by heat from step 40 (the run
 slowed); an evaluation loss rising from step 30 while the training loss falls (overfitting); and a
-healthy pair."""
+healthy pair; also pushed to the Prometheus 3, where there is one, and diagnosed from there alike."""
 
 from __future__ import annotations
 
