@@ -12,6 +12,7 @@ SLOW_FILES_FIRST = (
     "deploy/test_cluster_dashboard.py",
     "serving/test_aiperf.py",
     "demo/test_demo.py",
+    "report/test_diagnose_runs.py",
     "deploy/test_thanos_faults.py",
     "hardware/test_gpu_check.py",
     "report/test_report_adapter.py",
