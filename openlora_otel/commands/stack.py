@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -74,30 +75,24 @@ def _ranks(text: str) -> int:
     return value
 
 
-def _webhook(text: str) -> str:
-    # argparse quotes the raw value of any other exception (a ValueError from urlsplit, say): every
-    # refusal goes through this message, redacted (the path too: a Slack webhook's is its token).
-    try:
-        check_url("--webhook", text, hide_path=True)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def _url(option: str, *, hide_path: bool = False) -> Callable[[str], str]:
+    """The argparse type of URL argument ``option`` (``hide_path``: a webhook's, whose path is its token)."""
+
+    def parse(text: str) -> str:
+        # argparse quotes the raw value of any other exception (a ValueError from urlsplit, say): every
+        # refusal goes through this message, redacted.
+        try:
+            check_url(option, text, hide_path=hide_path)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return parse
 
 
-def _chat_webhook(text: str) -> str:
-    try:
-        check_url("--chat-webhook", text, hide_path=True)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _prometheus(text: str) -> str:
-    try:
-        check_url("--prometheus", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+_webhook = _url("--webhook", hide_path=True)
+_chat_webhook = _url("--chat-webhook", hide_path=True)
+_prometheus = _url("--prometheus")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
