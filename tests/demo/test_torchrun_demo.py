@@ -176,10 +176,12 @@ def test_two_ranks_scraped_with_the_rules_a_straggler_and_sigterm(tmp_path, path
         ratios = by_rank(prometheus, RATIO)
         means = by_rank(prometheus, "rank:openlora_training_step_duration_seconds:mean2m")
         assert ratios["1"] > THRESHOLD > ratios["0"], ratios
-        # Rank 1's own step holds the 400 ms sleep; rank 0's does not. Not the full 400 ms apart:
-        # the young run's mean still holds the first steps, where DDP's bucket rebuild puts the
-        # wait for rank 1 into rank 0's own time (CI once saw 0.2995).
-        assert means["1"] - means["0"] > 0.2, means
+        # Rank 1's own step holds the 400 ms sleep (it sleeps inside its timed step, so its mean
+        # cannot be under 0.4 s); rank 0's does not hold that wait. Not a fixed gap between the two:
+        # rank 0's own compute grows with the machine's load, and the young run's mean still holds
+        # the first steps, where DDP's bucket rebuild puts part of the wait for rank 1 into rank 0's
+        # time (CI saw 0.448 against 0.272 on a busy machine, and 0.2995 apart on a quiet one).
+        assert means["1"] > 0.39 > means["0"], means
 
         # target_info: the ranks, the world size, one run id.
         infos = [r["metric"] for r in prometheus.query('target_info{openlora_world_size="2"}')]
