@@ -37,10 +37,11 @@ def run_demo(
     telemetry: Telemetry,
     *,
     where: str,
-    out: TextIO = sys.stderr,
+    out: TextIO | None = None,
     stop_event: threading.Event | None = None,
 ) -> DemoResult:
-    """Fine-tune and report through ``telemetry``; returns the summary.
+    """Fine-tune and report through ``telemetry``; returns the summary. The progress goes to ``out``
+    (default: ``sys.stderr`` as it is at the call, not at import).
 
     Stops at the next step on SIGINT/SIGTERM (when run on the main thread) or
     when ``stop_event`` is set; never raises for either. With
@@ -60,6 +61,7 @@ def run_demo(
             f"device {placement.name}: the Hugging Face Trainer picks cuda:0 itself; "
             f"run with CUDA_VISIBLE_DEVICES={placement.device.index} --device cuda instead"
         )
+    out = sys.stderr if out is None else out
     stop = Stop(stop_event)
     group = None
     # From the first moment: a signal while the model is built or first evaluated stops the run
