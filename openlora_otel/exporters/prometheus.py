@@ -1,7 +1,8 @@
 """Prometheus pull endpoint: a ``/metrics`` HTTP server on a background thread.
 
-The reader has its own ``CollectorRegistry``, so the endpoint shows this run's metrics alone and can
-be rebuilt in one process. The server is ours, not ``start_http_server``, to behave at a run's
+The reader (:class:`~openlora_otel.exporters.exposition.PullReader`) collects at each scrape and
+writes the text formats itself, so the endpoint shows this run's metrics alone and can be rebuilt in
+one process. The server is ours, not ``start_http_server``, to behave at a run's
 edges: bounded connections, a ``close()`` that joins its threads, a count of completed scrapes for
 the final-scrape wait (:meth:`PrometheusEndpoint.wait_for_scrape`), sockets dropped in forked
 children. See docs/concepts/lifecycle.md (The pull endpoint).
@@ -24,9 +25,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import gzip_accepted
 
 from openlora_otel.config import (
     DEFAULT_PROMETHEUS_PORT,
@@ -34,6 +33,7 @@ from openlora_otel.config import (
     ConfigError,
     TelemetryConfig,
 )
+from openlora_otel.exporters.exposition import PullReader
 from openlora_otel.names import LOCAL_RANK_ATTRIBUTE
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class PortInUseError(ConfigError):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Serves the registry on every GET path, as prometheus_client's handler does."""
+    """Serves the metrics on every GET path, as prometheus_client's handler does."""
 
     server: _Server
     # StreamRequestHandler applies it to the socket: every read waits at most this long.
@@ -108,12 +108,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         started = time.monotonic()
         try:
-            encoder, content_type = choose_encoder(self.headers.get("Accept"))
-            registry: Any = self.server.registry
             params = parse_qs(urlparse(self.path).query)
-            if "name[]" in params:
-                registry = registry.restricted_registry(params["name[]"])
-            output = encoder(registry)
+            output, content_type = self.server.reader.scrape(self.headers.get("Accept"), params.get("name[]"))
         except Exception:
             # A collection that fails must not take the server down or print a
             # traceback per scrape: answer 500 and say why once.
@@ -170,9 +166,9 @@ class _Server(HTTPServer):
     # the accept loop waits for the GIL; clients then retry only after a second.
     request_queue_size = 128
 
-    def __init__(self, address: tuple[Any, ...], family: int, registry: CollectorRegistry) -> None:
+    def __init__(self, address: tuple[Any, ...], family: int, reader: PullReader) -> None:
         self.address_family = family
-        self.registry = registry
+        self.reader = reader
         self._lock = threading.Lock()
         self._active: dict[socket.socket, threading.Thread] = {}
         self._threads: list[threading.Thread] = []
@@ -289,9 +285,8 @@ class _Server(HTTPServer):
 class PrometheusEndpoint:
     """A bound, serving ``/metrics`` endpoint and the reader behind it."""
 
-    def __init__(self, reader: PrometheusMetricReader, server: _Server, host: str) -> None:
+    def __init__(self, reader: PullReader, server: _Server, host: str) -> None:
         self.reader = reader
-        self.registry = server.registry
         self.host = host
         self.port: int = server.server_address[1]
         self._server: _Server | None = server
@@ -402,7 +397,7 @@ def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
     Raises :class:`ConfigError` naming the variable when the address cannot be
     bound (port in use, unknown host); nothing is left running in that case.
     """
-    registry = CollectorRegistry(auto_describe=False)
+    reader = PullReader()
     host, port = config.prometheus_host, config.prometheus_port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -412,7 +407,7 @@ def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
             "OTEL_EXPORTER_PROMETHEUS_HOST", host, "a resolvable host name or IP address", str(exc)
         ) from None
     try:
-        server = _Server(sockaddr, family, registry)
+        server = _Server(sockaddr, family, reader)
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL:
             raise ConfigError(
@@ -422,5 +417,4 @@ def build_prometheus(config: TelemetryConfig) -> PrometheusEndpoint:
                 f"binding {host}:{port} failed: {exc.strerror or exc}",
             ) from None
         raise PortInUseError(config, exc) from None
-    reader = PrometheusMetricReader(registry=registry)
     return PrometheusEndpoint(reader, server, host)

@@ -167,15 +167,15 @@ def test_a_failing_collection_answers_500_warns_once_and_the_server_survives(
     telemetry.meter.create_observable_gauge("test.broken", callbacks=[callback])
     # The SDK logs a failing callback itself and goes on; make the whole collection fail instead,
     # as an SDK collect timeout (MetricsTimeoutError) does.
-    collector = telemetry._prometheus.reader._collector
-    original = collector._callback
+    reader = telemetry._prometheus.reader
+    original = reader.collect
 
     def broken_collect(*args, **kwargs):
         if failing["on"]:
             raise RuntimeError("collection broke")
         return original(*args, **kwargs)
 
-    collector._callback = broken_collect
+    reader.collect = broken_collect
     caplog.set_level(logging.DEBUG, logger="openlora_otel")
     try:
         for _ in range(3):
