@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +58,12 @@ PROCESS_SELECTION: Mapping[str, tuple[str, ...] | None] = {
     "process.memory.usage": None,
     "process.disk.io": ("read", "write"),
 }
+
+# Block devices that are not storage of their own, left out as node_exporter's diskstats collector leaves
+# them out by default: RAM and compressed-RAM disks, loop and floppy devices, and the partitions of
+# sd/vd/xvd/hd/nvme disks (their bytes are counted again on the whole disk); unlike its default, also
+# the partitions of the disks named past sdz (sdaa1), as the dashboards' whole-disk selector reads them.
+NOT_STORAGE = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]+|nvme\d+n\d+p)\d+$")
 
 _missing_warned = False
 _missing_lock = threading.Lock()
@@ -133,6 +140,11 @@ class _Readings:
         self._chosen = chosen
         self._stopped = False
         self._process: Any = None
+        # system.memory.usage's reading of /proc/meminfo, left for system.memory.linux.available, whose
+        # callback runs next in the same collection (instruments are called in the order they were made).
+        self._memory: Any = None
+        # Attribute sets, made once per device, interface or value (the SDK copies what it keeps).
+        self._attributes: dict[tuple[str, ...], dict[str, str]] = {}
         modes = chosen.get("system.cpu.utilization")
         # The first CPU-times reading, the base of the first collection's shares, is taken now.
         self._cpu_idle = CpuIdle(modes, psutil.cpu_times) if modes else None
@@ -161,24 +173,35 @@ class _Readings:
     def _system_memory_usage(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        memory = self._psutil.virtual_memory()
+        memory = self._memory = self._psutil.virtual_memory()
         for state in self._chosen["system.memory.usage"] or ():
             if hasattr(memory, state):
-                yield Observation(getattr(memory, state), {"system.memory.state": state})
+                yield Observation(getattr(memory, state), self._attributes_of("system.memory.state", state))
 
     def _system_memory_linux_available(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        yield Observation(self._psutil.virtual_memory().available)
+        memory, self._memory = self._memory, None
+        yield Observation((memory or self._psutil.virtual_memory()).available)
+
+    def _attributes_of(self, *pairs: str) -> dict[str, str]:
+        attributes = self._attributes.get(pairs)
+        if attributes is None:
+            if len(self._attributes) > 4096:  # devices and interfaces come and go (containers' veths)
+                self._attributes.clear()
+            attributes = self._attributes[pairs] = dict(zip(pairs[::2], pairs[1::2], strict=True))
+        return attributes
 
     def _system_disk_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
         for device, counters in (self._psutil.disk_io_counters(perdisk=True) or {}).items():
+            if NOT_STORAGE.match(device):
+                continue
             for direction in self._chosen["system.disk.io"] or ():
                 value = getattr(counters, f"{direction}_bytes", None)
                 if value is not None:
-                    yield Observation(value, {"system.device": device, "disk.io.direction": direction})
+                    yield Observation(value, self._attributes_of("system.device", device, "disk.io.direction", direction))
 
     def _system_network_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -187,7 +210,9 @@ class _Readings:
             for direction in self._chosen["system.network.io"] or ():
                 value = getattr(counters, f"bytes_{self._NETWORK_FIELDS[direction]}", None)
                 if value is not None:
-                    yield Observation(value, {"network.interface.name": interface, "network.io.direction": direction})
+                    yield Observation(
+                        value, self._attributes_of("network.interface.name", interface, "network.io.direction", direction)
+                    )
 
     def _process_cpu_time(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -195,7 +220,7 @@ class _Readings:
         times = self._own_process().cpu_times()
         for mode in self._chosen["process.cpu.time"] or ():
             if hasattr(times, mode):
-                yield Observation(getattr(times, mode), {"cpu.mode": mode})
+                yield Observation(getattr(times, mode), self._attributes_of("cpu.mode", mode))
 
     def _process_memory_usage(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -210,7 +235,7 @@ class _Readings:
         except (AttributeError, NotImplementedError, PermissionError, self._psutil.AccessDenied):
             return  # io_counters() is not on every platform (macOS) nor always readable
         for direction in self._chosen["process.disk.io"] or ():
-            yield Observation(getattr(counters, f"{direction}_bytes"), {"disk.io.direction": direction})
+            yield Observation(getattr(counters, f"{direction}_bytes"), self._attributes_of("disk.io.direction", direction))
 
 
 class HostMetrics:

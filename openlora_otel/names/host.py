@@ -49,8 +49,8 @@ HOST_METRICS: tuple[MetricSpec, ...] = (
         "system.disk.io",
         "counter",
         "By",
-        "Bytes read and written (`disk.io.direction`) per block device (`system.device`, every line of "
-        "/proc/diskstats: partitions and loop devices too). Node only.",
+        "Bytes read and written (`disk.io.direction`) per block device (`system.device`: whole disks, "
+        "device-mapper and md devices; not partitions, loop, RAM or floppy devices, as node_exporter). Node only.",
     ),
     MetricSpec(
         "system.network.io",

@@ -29,6 +29,7 @@ from opentelemetry.semconv._incubating.metrics import process_metrics, system_me
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
 from openlora_otel.hardware.host import (
+    NOT_STORAGE,
     PROCESS_SELECTION,
     SCOPE_NAME,
     SYSTEM_SELECTION,
@@ -93,7 +94,7 @@ def test_default_selection_reports_the_documented_names_kinds_and_units() -> Non
     assert {
         (p.attributes["system.device"], p.attributes["disk.io.direction"])
         for p in found["system.disk.io"].data.data_points
-    } == {(disk, direction) for disk in psutil.disk_io_counters(perdisk=True) for direction in ("read", "write")}
+    } == {(disk, direction) for disk in _storage_devices() for direction in ("read", "write")}
     assert {
         (p.attributes["network.interface.name"], p.attributes["network.io.direction"])
         for p in found["system.network.io"].data.data_points
@@ -199,10 +200,43 @@ def test_the_pull_endpoint_writes_the_dotted_keys_as_labels_with_underscores() -
         assert f"# TYPE {spec.prometheus} " in body, spec.name
 
 
+def _storage_devices() -> list[str]:
+    return [disk for disk in psutil.disk_io_counters(perdisk=True) if not NOT_STORAGE.match(disk)]
+
+
+def test_disks_are_the_storage_devices_node_exporter_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # node_exporter's default device-exclude: RAM, compressed-RAM, loop and floppy devices, and the
+    # partitions of whole disks (counted again on the disk); device-mapper and md devices stay.
+    names = ["loop0", "loop12", "ram0", "zram0", "fd0", "sda", "sda1", "sdab", "sdab3", "vda", "vda15", "xvda",
+             "xvda1", "hda", "hda2", "nvme0n1", "nvme0n1p1", "nvme12n1", "nvme12n1p15", "dm-0", "md127", "sr0"]  # fmt: skip
+    counters = psutil._ntp.sdiskio(1, 2, 3, 4, 5, 6, 7, 8, 9)
+    monkeypatch.setattr(psutil, "disk_io_counters", lambda **kwargs: dict.fromkeys(names, counters))
+    found, _ = collect()
+    devices = {p.attributes["system.device"] for p in found["system.disk.io"].data.data_points}
+    assert devices == {"sda", "sdab", "vda", "xvda", "hda", "nvme0n1", "nvme12n1", "dm-0", "md127", "sr0"}
+
+
+def test_meminfo_is_read_once_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    original = psutil.virtual_memory
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: (reads.append(1), original())[1])
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader])
+    try:
+        for collection in range(1, 4):
+            data = reader.get_metrics_data()
+            assert len(reads) == collection
+            (available,) = points(data, "system.memory.linux.available")
+            (used,) = points(data, "system.memory.usage")
+            assert available.value + used.value == original().total
+    finally:
+        telemetry.shutdown()
+
+
 def test_series_count_is_the_documented_formula() -> None:
     found, _ = collect()
     cpus = psutil.cpu_count()
-    disks = len(psutil.disk_io_counters(perdisk=True))
+    disks = len(_storage_devices())
     nics = len(psutil.net_io_counters(pernic=True))
     counted = {name: len(metric.data.data_points) for name, metric in found.items()}
     assert counted == {
@@ -216,7 +250,7 @@ def test_series_count_is_the_documented_formula() -> None:
         "process.disk.io": 2,
     }
     section = docs_text.marked(HOST_PAGE, "host-metrics")
-    assert "`C + 2 + 2D + 2N` system series" in section and "and 5 per\n  process" in section
+    assert "`C + 2 + 2D + 2N` system series" in section and "and 5 per process" in section
 
 
 def test_values_are_this_process_and_this_node() -> None:
