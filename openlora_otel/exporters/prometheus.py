@@ -10,6 +10,7 @@ children. See docs/concepts/lifecycle.md (The pull endpoint).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import gzip
@@ -39,7 +40,7 @@ from openlora_otel.names import LOCAL_RANK_ATTRIBUTE
 if TYPE_CHECKING:
     from openlora_otel.exporters.discovery import FileSdRegistration
 
-__all__ = ["CONNECTION_TIMEOUT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
+__all__ = ["CONNECTION_TIMEOUT_S", "IDLE_THREADS", "IDLE_WAIT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
 
 _logger = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ CONNECTION_TIMEOUT_S = 10.0
 # Prometheus opens one connection per scrape; a few scrapers, curl and a browser
 # fit well within this. Connections beyond it are closed at once.
 MAX_CONNECTIONS = 32
+# A thread that served a connection waits this long for the next one, and at most this many wait:
+# a scraper's next scrape (every 15 s or so) then finds one; more threads end with their connection.
+IDLE_WAIT_S = 60.0
+IDLE_THREADS = 2
 # How often the accept loop checks for shutdown (socketserver's default, 0.5 s,
 # would let close() overrun a 2 s shutdown bound by that much).
 _POLL_INTERVAL_S = 0.05
@@ -125,6 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
             # Counted before the answer goes out: a scraper that has read it must never find
             # the count still at zero (shutdown would then skip the final-scrape wait).
             self.server.scrape_started(started)
+        # One request a connection (HTTP/1.0): once the answer is out this thread takes the next
+        # connection, which a scraper may open before the thread is back waiting for one.
+        self.server.finishing()
         if self._send(200, content_type, output, headers) and scraper:
             self.server.scraped(started)
 
@@ -159,7 +167,9 @@ def _is_scraper(headers: Any) -> bool:
 
 
 class _Server(HTTPServer):
-    """An HTTP server with one thread per connection, bounded in number, time and lifetime."""
+    """An HTTP server that serves each connection on a thread of its own, bounded in number, time and
+    lifetime; a thread that finished a connection waits a while for the next one (a scraper's next
+    scrape), since a scrape on a fresh thread costs more CPU (docs/benchmarks.md, the scrape benchmark)."""
 
     daemon_threads = True
     # socketserver's default backlog of 5 drops SYNs from a burst of connections while
@@ -170,7 +180,13 @@ class _Server(HTTPServer):
         self.address_family = family
         self.reader = reader
         self._lock = threading.Lock()
-        self._active: dict[socket.socket, threading.Thread] = {}
+        # Connections accepted and not finished: the thread serving each (None while it waits for one).
+        self._active: dict[socket.socket, threading.Thread | None] = {}
+        self._pending: collections.deque[tuple[socket.socket, Any]] = collections.deque()
+        self._work = threading.Condition(self._lock)
+        self._idle = 0  # threads waiting for a connection
+        self._finishing = 0  # threads sending their connection's answer, about to wait for another
+        self._local = threading.local()
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._scrapes = 0
@@ -189,32 +205,67 @@ class _Server(HTTPServer):
 
     # -- connections ---------------------------------------------------------
     def process_request(self, request: Any, client_address: Any) -> None:
+        thread = None
         with self._lock:
-            # Threads that served their connection may still be finishing: keep them
-            # until they are gone, so close() can join every one.
+            # Threads that ended may still be finishing: keep them until they are gone, so close()
+            # can join every one.
             self._threads = [t for t in self._threads if t.is_alive()]
             if self._closing or len(self._active) >= MAX_CONNECTIONS:
                 reject = True
             else:
                 reject = False
-                thread = threading.Thread(
-                    target=self._serve_one,
-                    args=(request, client_address),
-                    name="openlora-otel-prometheus-conn",
-                    daemon=True,
-                )
-                self._active[request] = thread
-                self._threads.append(thread)
+                self._active[request] = None
+                self._pending.append((request, client_address))
+                if len(self._pending) <= self._idle + self._finishing:
+                    self._work.notify()
+                else:
+                    thread = threading.Thread(target=self._work_loop, name="openlora-otel-prometheus-conn", daemon=True)
+                    self._threads.append(thread)
         if reject:
             self.shutdown_request(request)
+            return
+        if thread is None:
             return
         try:
             thread.start()
         except RuntimeError:  # no more threads can be started: drop this connection, not the server
             with self._lock:
-                self._active.pop(request, None)
                 self._threads = [t for t in self._threads if t is not thread]
-            self.shutdown_request(request)
+                dropped = [p for p in self._pending if p[0] is request]
+                for item in dropped:
+                    self._pending.remove(item)
+                if dropped:
+                    self._active.pop(request, None)
+            if dropped:
+                self.shutdown_request(request)
+
+    def finishing(self) -> None:
+        """The calling thread is about to send its connection's answer (counted once per connection)."""
+        if not getattr(self._local, "finishing", False):
+            self._local.finishing = True
+            with self._lock:
+                self._finishing += 1
+
+    def _work_loop(self) -> None:
+        """Serve connections until none came for IDLE_WAIT_S, enough others wait, or the server closes."""
+        while True:
+            with self._lock:
+                if getattr(self._local, "finishing", False):
+                    self._local.finishing = False
+                    self._finishing -= 1
+                while not self._pending:
+                    if self._closing or self._idle >= IDLE_THREADS:
+                        return
+                    self._idle += 1
+                    woken = self._work.wait(IDLE_WAIT_S)
+                    self._idle -= 1
+                    if not woken and not self._pending:
+                        return
+                if self._closing:
+                    return
+                request, client_address = self._pending.popleft()
+                self._active[request] = threading.current_thread()
+            self._serve_one(request, client_address)
 
     def _serve_one(self, request: Any, client_address: Any) -> None:
         try:
@@ -235,6 +286,8 @@ class _Server(HTTPServer):
             self._closing = True
             active = list(self._active)
             threads = list(self._threads)
+            self._pending.clear()
+            self._work.notify_all()
         for request in active:
             with contextlib.suppress(OSError):
                 request.shutdown(socket.SHUT_RDWR)
@@ -246,9 +299,13 @@ class _Server(HTTPServer):
         # does not exist here to release it. The child has only the forking thread.
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
         self._closing = True
         active = list(self._active)
         self._active.clear()
+        self._pending = collections.deque()
+        self._idle = 0
+        self._finishing = 0
         self._threads = []
         for sock in (self.socket, *active):
             # close(), never shutdown(): the parent's sockets must keep working.
