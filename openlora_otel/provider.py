@@ -88,7 +88,11 @@ def build_provider(
             metric_readers=[*readers, *extra_readers],
             resource=resource,
             shutdown_on_exit=False,
-            views=[step_duration_view(), *inference_views(), *observed_total_views()],
+            views=[
+                step_duration_view(exponential=config.exponential_histograms),
+                *inference_views(exponential=config.exponential_histograms),
+                *observed_total_views(),
+            ],
         )
     except BaseException:
         built.close()

@@ -203,6 +203,7 @@ class Telemetry:
                 self._training = TrainingMetrics(
                     self._meter,
                     window_histogram=self._owns_provider,
+                    exponential_histograms=self._owns_provider and self._config.exponential_histograms,
                     peak_flops=self._config.peak_flops,
                     readers=self._readers,
                     run_id=self.run_id,
@@ -222,6 +223,7 @@ class Telemetry:
                     self._meter,
                     max_adapters=self._config.inference_max_adapters,
                     window_histogram=self._owns_provider,
+                    exponential_histograms=self._owns_provider and self._config.exponential_histograms,
                     exporting_pid=self._pid,
                 )
             return self._inference

@@ -30,6 +30,7 @@ from openlora_otel.config.checks import (
     GPU_MODES,
     GPU_TIMEOUT_RANGE_MS,
     HEADERS_ACCEPTED,
+    HISTOGRAM_AGGREGATIONS,
     HISTORY_INTERVAL_RANGE_MS,
     HISTORY_MAX_BYTES_ACCEPTED,
     HOST_ACCEPTED,
@@ -161,6 +162,9 @@ class OTLPConfig:
     endpoint_variable: str = "OTEL_EXPORTER_OTLP_ENDPOINT"
     # False when neither endpoint variable was set and the protocol's default is used.
     endpoint_set: bool = True
+    histogram_aggregation: Literal["explicit_bucket_histogram", "base2_exponential_bucket_histogram"] = _default(
+        "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+    )
 
     def __post_init__(self) -> None:
         # The same rules as from_env, for configs built in code: a bad value fails
@@ -180,6 +184,10 @@ class OTLPConfig:
             raise ConfigError("otlp.compression", self.compression, choices_accepted(COMPRESSIONS))
         if self.temporality not in TEMPORALITIES:
             raise ConfigError("otlp.temporality", self.temporality, choices_accepted(TEMPORALITIES))
+        if self.histogram_aggregation not in HISTOGRAM_AGGREGATIONS:
+            raise ConfigError(
+                "otlp.histogram_aggregation", self.histogram_aggregation, choices_accepted(HISTOGRAM_AGGREGATIONS)
+            )
         for name in ("certificate", "client_certificate"):
             if getattr(self, name):
                 check_certificate_file(f"otlp.{name}", getattr(self, name))
@@ -333,12 +341,26 @@ class TelemetryConfig:
             raise ConfigError(
                 "inference_max_adapters", self.inference_max_adapters, f"an integer from {low} to {high}"
             )
+        if self.exponential_histograms and "prometheus" in self.exporters:
+            raise ConfigError(
+                "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+                self.otlp.histogram_aggregation,
+                "`explicit_bucket_histogram` while OTEL_METRICS_EXPORTER has `prometheus`",
+                "the pull endpoint's text formats have no exponential histograms: use OTEL_METRICS_EXPORTER=otlp, "
+                "or unset it",
+            )
         if not in_range(self.final_scrape_timeout_s, in_seconds(FINAL_SCRAPE_TIMEOUT_RANGE_MS)):
             raise ConfigError(
                 "final_scrape_timeout_s",
                 self.final_scrape_timeout_s,
                 s_accepted(FINAL_SCRAPE_TIMEOUT_RANGE_MS),
             )
+
+    @property
+    def exponential_histograms(self) -> bool:
+        """Every histogram openlora-otel emits is base-2 exponential
+        (``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``)."""
+        return self.otlp.histogram_aggregation == "base2_exponential_bucket_histogram"
 
     @property
     def enabled_exporters(self) -> tuple[str, ...]:
@@ -427,26 +449,6 @@ def _run_id(env: Env) -> str | None:
     return run_id
 
 
-# OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION: the specification's two values, of which
-# only the first is what our histograms are (each has a view with explicit buckets, which wins over an
-# exporter's preferred aggregation: the exponential one would be ignored without a word).
-_HISTOGRAM_AGGREGATIONS = ("explicit_bucket_histogram",)
-
-
-def _check_histogram_aggregation(env: Env) -> None:
-    name = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
-    try:
-        env.choice(name, _HISTOGRAM_AGGREGATIONS)
-    except ConfigError as exc:
-        if env.get(name).lower() != "base2_exponential_bucket_histogram":
-            raise
-        raise ConfigError(
-            name,
-            exc.value,
-            exc.accepted,
-            "exponential histograms are not supported yet: every histogram openlora-otel emits has explicit"
-            " buckets, which the dashboards and rules read; unset it",
-        ) from None
 
 
 def _read_otlp(env: Env) -> OTLPConfig:
@@ -517,7 +519,10 @@ def _read_otlp(env: Env) -> OTLPConfig:
         env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", TEMPORALITIES)
         or _default("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE")
     )
-    _check_histogram_aggregation(env)
+    histogram_aggregation = (
+        env.choice("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", HISTOGRAM_AGGREGATIONS)
+        or _default("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION")
+    )
 
     # Read and checked now, whatever the protocol and even when `otlp` is not selected: an unreadable
     # or non-PEM file would otherwise fail every export (or, for gRPC, setup with a bare OSError).
@@ -558,6 +563,7 @@ def _read_otlp(env: Env) -> OTLPConfig:
         headers=headers,
         timeout_s=_default("OTEL_EXPORTER_OTLP_TIMEOUT") if timeout is None else timeout / 1000.0,
         compression=compression,  # type: ignore[arg-type]
+        histogram_aggregation=histogram_aggregation,  # type: ignore[arg-type]
         insecure=insecure,
         certificate=files["certificate"][1],
         client_key=client_key,

@@ -303,7 +303,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
         OTLP,
-        "`explicit_bucket_histogram` only: every histogram openlora-otel emits has explicit buckets (the dashboards and rules read `_bucket` series); `base2_exponential_bucket_histogram` is refused at setup rather than ignored, whichever exporter is selected (it would also apply to histograms of your own on the same provider).",
+        "`explicit_bucket_histogram` or `base2_exponential_bucket_histogram`: the buckets of every histogram openlora-otel emits (step duration, request duration, time to first token, time per output token, token usage, adapter load). Exponential ones become native histograms in Prometheus 3 (over OTLP or the Collector's remote write), which the dashboards and rules read with deploy/prometheus/native-histograms.yml loaded; refused with the `prometheus` pull exporter, whose text formats have none.",
         default="explicit_bucket_histogram",
     ),
     Variable(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.metrics import (
@@ -90,6 +91,7 @@ def build_otlp_exporter(otlp: OTLPConfig) -> MetricExporter:
             if otlp.compression == "gzip"
             else grpc.Compression.NoCompression,
             preferred_temporality=temporality,
+            preferred_aggregation=_histogram_aggregation(otlp),
         )
 
     require("opentelemetry.exporter.otlp.proto.http", "OTLP over http/protobuf")
@@ -107,7 +109,22 @@ def build_otlp_exporter(otlp: OTLPConfig) -> MetricExporter:
         timeout=otlp.timeout_s,
         compression=Compression.Gzip if otlp.compression == "gzip" else Compression.NoCompression,
         preferred_temporality=temporality,
+        preferred_aggregation=_histogram_aggregation(otlp),
     )
+
+
+def _histogram_aggregation(otlp: OTLPConfig) -> dict[type, Any]:
+    """OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION as the config has it (the exporter would read
+    the environment itself): for histograms of the provider without a view of ours (an application's own)."""
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.view import (
+        ExplicitBucketHistogramAggregation,
+        ExponentialBucketHistogramAggregation,
+    )
+
+    if otlp.histogram_aggregation == "base2_exponential_bucket_histogram":
+        return {Histogram: ExponentialBucketHistogramAggregation()}
+    return {Histogram: ExplicitBucketHistogramAggregation()}
 
 
 def build_otlp_reader(config: TelemetryConfig) -> PeriodicExportingMetricReader:

@@ -27,7 +27,14 @@ from openlora_otel.names import (
     TPOT_BUCKETS,
     TTFT_BUCKETS,
 )
-from openlora_otel.window_histograms import BucketCounts, replay, window_merging_works, window_view
+from openlora_otel.window_histograms import (
+    BucketCounts,
+    ExponentialCounts,
+    exponential_merging_works,
+    replay,
+    window_merging_works,
+    window_view,
+)
 
 __all__ = ["PROVIDER", "RequestHistograms", "SeriesKey", "inference_views"]
 
@@ -51,9 +58,16 @@ _BOUNDS = {
 SeriesKey = tuple[str, str, str, str, str | None]
 
 
-def inference_views() -> list[Any]:
-    """The views that let the request histograms take a whole window per collection (``setup_telemetry`` adds them)."""
-    return [window_view(name, bounds) for name, bounds in _BOUNDS.items()]
+def inference_views(*, exponential: bool = False) -> list[Any]:
+    """The views that let the request histograms take a whole window per collection (``setup_telemetry`` adds
+    them); ``exponential``: base-2 exponential buckets for every serving histogram, adapter loads too."""
+    views = [window_view(name, bounds, exponential=exponential) for name, bounds in _BOUNDS.items()]
+    if exponential:
+        from opentelemetry.sdk.metrics import Histogram
+        from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
+
+        views.append(View(instrument_type=Histogram, instrument_name=_LOAD, aggregation=ExponentialBucketHistogramAggregation()))
+    return views
 
 
 class _Series:
@@ -61,12 +75,13 @@ class _Series:
 
     __slots__ = ("duration", "input", "output", "tpot", "ttft")
 
-    def __init__(self) -> None:
-        self.duration = BucketCounts(REQUEST_DURATION_BUCKETS)
-        self.ttft = BucketCounts(TTFT_BUCKETS)
-        self.tpot = BucketCounts(TPOT_BUCKETS)
-        self.input = BucketCounts(TOKEN_BUCKETS)
-        self.output = BucketCounts(TOKEN_BUCKETS)
+    def __init__(self, exponential: bool = False) -> None:
+        counts: Any = ExponentialCounts if exponential else BucketCounts
+        self.duration = counts(REQUEST_DURATION_BUCKETS)
+        self.ttft = counts(TTFT_BUCKETS)
+        self.tpot = counts(TPOT_BUCKETS)
+        self.input = counts(TOKEN_BUCKETS)
+        self.output = counts(TOKEN_BUCKETS)
 
 
 class RequestHistograms:
@@ -76,8 +91,11 @@ class RequestHistograms:
     does not merge turns it off, with one ``warn(key, message)``).
     """
 
-    def __init__(self, meter: Meter, *, window_histogram: bool, warn: Callable[[str, str], None]) -> None:
-        self._merge = bool(window_histogram) and window_merging_works()
+    def __init__(
+        self, meter: Meter, *, window_histogram: bool, warn: Callable[[str, str], None], exponential: bool = False
+    ) -> None:
+        self._exponential = exponential
+        self._merge = bool(window_histogram) and (exponential_merging_works() if exponential else window_merging_works())
         self._warn_once = warn
         self._attributes: dict[SeriesKey, dict[str, str]] = {}
         self._pending: dict[SeriesKey, _Series] = {}
@@ -116,7 +134,7 @@ class RequestHistograms:
         token (``first``: when that token was out), time per output token and token counts."""
         series = self._pending.get(series_key)
         if series is None:
-            series = self._pending[series_key] = _Series()
+            series = self._pending[series_key] = _Series(self._exponential)
         series.duration.add(ended - started)
         if series_key[4] is None:
             if first is not None:
@@ -132,7 +150,7 @@ class RequestHistograms:
         """Hand every pending window to the histograms; the ``empty`` series too, even without a request."""
         pending, self._pending = self._pending, {}
         for key in empty:
-            pending.setdefault(key, _Series())
+            pending.setdefault(key, _Series(self._exponential))
         for series_key, series in pending.items():
             attributes = self.attributes(series_key)
             self._put(self._duration, series.duration, attributes, always=True)

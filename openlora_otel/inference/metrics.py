@@ -208,6 +208,7 @@ class InferenceMetrics:
         operation: str = DEFAULT_OPERATION,
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         window_histogram: bool = False,
+        exponential_histograms: bool = False,
         exporting_pid: int | None = None,
     ) -> None:
         if isinstance(max_adapters, bool) or not isinstance(max_adapters, int) or max_adapters < 1:
@@ -230,7 +231,9 @@ class InferenceMetrics:
         self._pid = os.getpid() if exporting_pid is None else exporting_pid
         self.set_model(model, operation=operation)
         # The histograms and each series' pending window (used under self._lock).
-        self._histograms = RequestHistograms(meter, window_histogram=window_histogram, warn=self._warn_once)
+        self._histograms = RequestHistograms(
+            meter, window_histogram=window_histogram, warn=self._warn_once, exponential=exponential_histograms
+        )
         # The first callback of a collection hands the pending windows to the histograms above:
         # the SDK runs observable callbacks before it reads the synchronous instruments.
         for name, callback in (

@@ -38,7 +38,12 @@ from openlora_otel.training.window import (
     observed,
     span_snapshot,
 )
-from openlora_otel.window_histograms import replay, window_merging_works, window_view
+from openlora_otel.window_histograms import (
+    exponential_merging_works,
+    replay,
+    window_merging_works,
+    window_view,
+)
 
 __all__ = ["Collection", "step_duration_view"]
 
@@ -83,12 +88,15 @@ class Collection:
         readers: Iterable[Hashable],
         started: float,
         window_histogram: bool,
+        exponential: bool = False,
         clock: PhaseClock,
         warn: Callable[..., None],
         write_progress: Callable[[int], None],
     ) -> None:
         self._recording = recording
-        self._merge_windows = bool(window_histogram) and window_merging_works()
+        self._merge_windows = bool(window_histogram) and (
+            exponential_merging_works() if exponential else window_merging_works()
+        )
         self._readers = Readers(readers, started)
         self._carry: list[tuple[str, Any]] = []  # GPU read-backs not finished at the previous collection
         self._clock = clock
@@ -259,7 +267,7 @@ class Collection:
         """Take the window, read it back and judge it; returns a new trip of the guard, if any."""
         recording = self._recording
         with recording.lock:
-            window, recording.window = recording.window, Window(started=now)
+            window, recording.window = recording.window, Window(started=now, durations=recording.new_durations())
         # Counts first, before anything that reads a tensor can fail: the window is
         # handed to the SDK exactly once, and stays there until a collection completes.
         self._commit(window)
@@ -386,12 +394,13 @@ class Collection:
         )
 
 
-def step_duration_view() -> Any:
+def step_duration_view(*, exponential: bool = False) -> Any:
     """The ``View`` that lets ``openlora.training.step.duration`` take a whole window per collection.
 
     Pass it to ``MeterProvider(views=[...])`` and build ``TrainingMetrics(meter,
     window_histogram=True)`` on that provider; ``setup_telemetry`` does both. It
-    keeps the same buckets (``names.STEP_DURATION_BUCKETS``); on an SDK whose
-    internals no longer fit, it is a plain explicit-bucket view and windows are replayed.
+    keeps the same buckets (``names.STEP_DURATION_BUCKETS``), or base-2 exponential ones with
+    ``exponential`` (and ``TrainingMetrics(..., exponential_histograms=True)``); on an SDK whose
+    internals no longer fit, it is a plain view of that kind and windows are replayed.
     """
-    return window_view(_DURATION, STEP_DURATION_BUCKETS)
+    return window_view(_DURATION, STEP_DURATION_BUCKETS, exponential=exponential)

@@ -57,6 +57,9 @@ class TrainingMetrics:
     starts from that collection). ``window_histogram``: set it only when the meter's provider was
     built with :func:`step_duration_view` (``setup_telemetry`` does both): each collection then hands
     the step-duration histogram one pre-bucketed window instead of one SDK call per step.
+    ``exponential_histograms``: the provider was built with ``step_duration_view(exponential=True)``
+    (``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``):
+    the window counts step durations into fine exponential buckets instead of the explicit ones.
 
     Every call checks its arguments: a wrong type raises at once, a non-finite value is data and is
     counted. Loss, gradient norm and learning rate may stay one-element device tensors (never read on
@@ -69,6 +72,7 @@ class TrainingMetrics:
         *,
         step_duration_buckets: Sequence[float] = STEP_DURATION_BUCKETS,
         window_histogram: bool = False,
+        exponential_histograms: bool = False,
         peak_flops: float | None = None,
         readers: Iterable[Hashable] = (),
         run_id: str = "",
@@ -78,7 +82,8 @@ class TrainingMetrics:
             raise ValueError(
                 "custom step_duration_buckets are not supported yet; use names.STEP_DURATION_BUCKETS"
             )
-        self._recording = Recording(started=time.monotonic())  # the window the record calls fill
+        # The window the record calls fill.
+        self._recording = Recording(started=time.monotonic(), exponential=exponential_histograms)
         self._last_call: float | None = None
         started = time.monotonic()
         configured_peak = None if peak_flops is None else checked_positive(peak_flops, "peak_flops")
@@ -97,6 +102,7 @@ class TrainingMetrics:
             readers=readers,
             started=started,
             window_histogram=window_histogram,
+            exponential=exponential_histograms,
             clock=self._clock,
             warn=self._warn_once,
             write_progress=self._write_progress,

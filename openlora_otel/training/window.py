@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +21,7 @@ from opentelemetry.metrics import Observation
 from openlora_otel.names import STEP_DURATION_BUCKETS
 from openlora_otel.training.guard import LossWindow
 from openlora_otel.training.readback import Folded
-from openlora_otel.window_histograms import BucketCounts
+from openlora_otel.window_histograms import BucketCounts, ExponentialCounts
 
 __all__ = ["collecting_for"]
 
@@ -116,7 +116,7 @@ class Window:
     loss: Series = field(default_factory=Series)
     grad: Series = field(default_factory=Series)
     lr: Series = field(default_factory=Series)
-    durations: BucketCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
+    durations: BucketCounts | ExponentialCounts = field(default_factory=lambda: BucketCounts(STEP_DURATION_BUCKETS))
     # perf_counter() of the window's latest step: the step path stores the clock reading it
     # already took; the wall-clock conversion waits for the collection.
     last_step: float | None = None
@@ -150,11 +150,16 @@ class Recording:
     The record calls add to ``window`` holding ``lock``; a collection swaps in a fresh one under it.
     """
 
-    __slots__ = ("closed", "dropped_foreign", "dropped_unfolded", "lock", "window")
+    __slots__ = ("closed", "dropped_foreign", "dropped_unfolded", "lock", "new_durations", "window")
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, *, exponential: bool = False) -> None:
         self.lock = threading.Lock()
-        self.window = Window(started=started)
+        # What a window counts step durations into: the explicit buckets, or fine exponential ones when
+        # the histogram is exported exponential.
+        self.new_durations: Callable[[], BucketCounts | ExponentialCounts] = (
+            ExponentialCounts if exponential else lambda: BucketCounts(STEP_DURATION_BUCKETS)
+        )
+        self.window = Window(started=started, durations=self.new_durations())
         self.closed = False
         self.dropped_foreign = 0  # tensor-likes past MAX_FOREIGN in one window
         self.dropped_unfolded = 0  # tensors past MAX_UNFOLDED after a failed fold

@@ -214,10 +214,9 @@ INVALID = [
     ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_CLIENT_CERTIFICATE", "/nonexistent/c.pem", "readable PEM file"),
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "`cumulative`, `delta`, `lowmemory`"),
-    # Our histograms have explicit buckets, each by a view that wins over the exporter's preference:
-    # the exponential aggregation would be ignored without a word, so it is refused.
-    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "base2_exponential_bucket_histogram", "`explicit_bucket_histogram`"),
-    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "native", "`explicit_bucket_histogram`"),
+    # Exponential histograms with the default pull exporter, whose text formats have none.
+    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "base2_exponential_bucket_histogram", "`explicit_bucket_histogram` while OTEL_METRICS_EXPORTER has `prometheus`"),
+    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "native", "`explicit_bucket_histogram`, `base2_exponential_bucket_histogram`"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "-1000", "milliseconds from 100 to 86400000"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "0", "milliseconds from 100 to 86400000"),
     ("OTEL_METRIC_EXPORT_TIMEOUT", "soon", "milliseconds from 100 to 86400000"),
@@ -962,11 +961,25 @@ def test_text_that_is_not_utf8_is_refused_in_code_too(changes: dict[str, object]
         TelemetryConfig(**changes)  # type: ignore[arg-type]
 
 
-def test_the_explicit_histogram_aggregation_is_accepted_and_the_exponential_one_refused_saying_why() -> None:
+def test_the_histogram_aggregation_is_either_and_exponential_needs_a_push_exporter() -> None:
+    from openlora_otel.config import OTLPConfig
+
     name = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
     for value in ("explicit_bucket_histogram", "Explicit_Bucket_Histogram", ""):
-        TelemetryConfig.from_env({name: value})
+        assert not TelemetryConfig.from_env({name: value}).exponential_histograms
+    for exporters in ("otlp", "console", "otlp,console", "none"):
+        config = TelemetryConfig.from_env({name: "BASE2_exponential_bucket_histogram", "OTEL_METRICS_EXPORTER": exporters})
+        assert config.exponential_histograms and config.otlp.histogram_aggregation == "base2_exponential_bucket_histogram"
+    for exporters in ("prometheus", "prometheus,otlp", ""):
+        with pytest.raises(ConfigError) as caught:
+            TelemetryConfig.from_env({name: "base2_exponential_bucket_histogram", "OTEL_METRICS_EXPORTER": exporters})
+        assert caught.value.variable == name
+        assert "the pull endpoint's text formats have no exponential histograms" in str(caught.value)
+    # The same checks for a config built in code.
+    exponential = OTLPConfig(histogram_aggregation="base2_exponential_bucket_histogram")
+    with pytest.raises(ConfigError):
+        TelemetryConfig(otlp=exponential)  # the default exporter is the pull endpoint
+    assert TelemetryConfig(otlp=exponential, exporters=("otlp",)).exponential_histograms
     with pytest.raises(ConfigError) as caught:
-        TelemetryConfig.from_env({name: "base2_exponential_bucket_histogram", "OTEL_METRICS_EXPORTER": "prometheus"})
-    assert caught.value.variable == name
-    assert "exponential histograms are not supported yet" in str(caught.value)
+        OTLPConfig(histogram_aggregation="native")  # type: ignore[arg-type]
+    assert caught.value.variable == "otlp.histogram_aggregation"
