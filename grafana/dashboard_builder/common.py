@@ -10,6 +10,7 @@ _ratio through the collector), the query matches both names with a __name__ rege
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .layout import GridPos
@@ -32,6 +33,18 @@ RUN_LEGEND = "{{openlora_run_name}} $hparam={{openlora_hparam_$hparam}}"
 LEGEND = RUN_LEGEND + " {{instance}}"
 SEL = 'job=~"$job", instance=~"$instance"'
 GPU = f'{SEL}, hw_id=~"$gpu"'
+
+
+def histogram_quantile(q: float | str, histogram: str, by: Sequence[str], inner: Callable[[str], str]) -> str:
+    """The ``q``-quantile of ``histogram`` summed ``by`` these labels, over classic buckets (``<histogram>_bucket``)
+    or native histograms (``<histogram>``, exponential ones through Prometheus 3), joined with ``or``;
+    ``inner(series)`` is the vector around a series name. Written out as
+    ``openlora_otel.names.histogram_quantile`` writes it (the builder imports nothing of the package; a
+    test holds the two alike)."""
+    labels = ", ".join(by)
+    classic = f"sum by (le{', ' + labels if labels else ''}) ({inner(histogram + '_bucket')})"
+    native = f"sum by ({labels}) ({inner(histogram)})" if labels else f"sum ({inner(histogram)})"
+    return f"histogram_quantile({q}, {classic} or {native})"
 
 
 def target(expr: str, legend: str, ref: str = "A", **extra: Any) -> dict[str, Any]:

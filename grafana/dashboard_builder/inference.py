@@ -18,6 +18,7 @@ from .common import (
     SERVICE_QUERY,
     SERVICE_REGEX,
     dashboard,
+    histogram_quantile,
     panel,
     row,
     run_names,
@@ -68,7 +69,7 @@ def quantiles(histogram: str, selector: str) -> list[dict[str, Any]]:
     """p50 / p95 / p99 of a histogram over the selected servers and adapters."""
     return [
         target(
-            f"histogram_quantile({q}, sum by (le) ({rate(histogram + '_bucket', selector)}{SERVING}))",
+            histogram_quantile(q, histogram, (), lambda series: f"{rate(series, selector)}{SERVING}"),
             f"p{int(q * 100)}",
         )
         for q in (0.5, 0.95, 0.99)
@@ -117,7 +118,7 @@ def serving_overview(grid: Grid) -> list[dict[str, Any]]:
             f"95th percentile of the successful requests' duration ({REQUESTS}); red above the "
             f"{LATENCY_OBJECTIVE_S} s objective of OpenloraInferenceLatencyHigh.",
             "s",
-            f"histogram_quantile(0.95, sum by (le) ({rate(REQUESTS + '_bucket', SUCCEEDED)}{SERVING}))",
+            histogram_quantile(0.95, REQUESTS, (), lambda series: f"{rate(series, SUCCEEDED)}{SERVING}"),
             {"thresholds": thresholds((None, "green"), (LATENCY_OBJECTIVE_S, "red"))},
         ),
         (
@@ -228,7 +229,6 @@ def latency(grid: Grid) -> list[dict[str, Any]]:
             at=grid.cell(8, 8),
         ),
     ]
-    by_adapter = "le, openlora_adapter_name"
     panels += [
         panel(
             "timeseries",
@@ -238,7 +238,9 @@ def latency(grid: Grid) -> list[dict[str, Any]]:
             "s",
             [
                 target(
-                    f"histogram_quantile(0.95, sum by ({by_adapter}) ({rate(REQUESTS + '_bucket', SUCCEEDED)}{SERVING}))",
+                    histogram_quantile(
+                        0.95, REQUESTS, ("openlora_adapter_name",), lambda series: f"{rate(series, SUCCEEDED)}{SERVING}"
+                    ),
                     "{{openlora_adapter_name}}",
                 )
             ],
@@ -252,8 +254,12 @@ def latency(grid: Grid) -> list[dict[str, Any]]:
             "s",
             [
                 target(
-                    f"histogram_quantile(0.95, sum by ({by_adapter}) "
-                    f"({rate('gen_ai_server_time_to_first_token_seconds_bucket', ADAPTER_SEL)}{SERVING}))",
+                    histogram_quantile(
+                        0.95,
+                        "gen_ai_server_time_to_first_token_seconds",
+                        ("openlora_adapter_name",),
+                        lambda series: f"{rate(series, ADAPTER_SEL)}{SERVING}",
+                    ),
                     "{{openlora_adapter_name}}",
                 )
             ],

@@ -18,6 +18,7 @@ from .common import (
     RUN_VARIABLE,
     SEL,
     dashboard,
+    histogram_quantile,
     panel,
     row,
     target,
@@ -328,7 +329,13 @@ def training_metrics(grid: Grid) -> list[dict[str, Any]]:
             "s",
             [
                 target(
-                    f"histogram_quantile({q}, sum by (le, job, instance) (rate(openlora_training_step_duration_seconds_bucket{{{SEL}}}[$__rate_interval])){RUN})",
+                    histogram_quantile(
+                        q,
+                        "openlora_training_step_duration_seconds",
+                        ("job", "instance"),
+                        lambda series: f"rate({series}{{{SEL}}}[$__rate_interval])",
+                    )
+                    + RUN,
                     f"p{int(q * 100)} {legend}",
                 )
                 for q in (0.5, 0.9, 0.99)

@@ -12,6 +12,7 @@ from openlora_otel.names.common import (
     ATTR_ERROR_TYPE,
     Kind,
     MetricSpec,
+    histogram_quantile,
     prometheus_name,
 )
 from openlora_otel.names.gpu import (
@@ -138,6 +139,7 @@ __all__ = [
     "XID_OTHER_KNOWN",
     "Kind",
     "MetricSpec",
+    "histogram_quantile",
     "is_client_error",
     "is_client_error_status",
     "prometheus_name",

@@ -9,10 +9,11 @@ unit (``1`` gets ``_ratio`` on the push path alone), counts a ``{annotation}``. 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ATTR_ERROR_TYPE", "Kind", "MetricSpec", "prometheus_name"]
+__all__ = ["ATTR_ERROR_TYPE", "Kind", "MetricSpec", "histogram_quantile", "prometheus_name"]
 
 Kind = Literal["gauge", "counter", "histogram", "updowncounter"]
 
@@ -47,6 +48,21 @@ _UNITS = {
     "Cel": "celsius", "Hz": "hertz", "%": "percent", "1": "",
 }  # fmt: skip
 _PER = {"s": "second", "m": "minute", "h": "hour", "d": "day"}
+
+
+def histogram_quantile(q: float | str, histogram: str, by: Sequence[str], inner: Callable[[str], str]) -> str:
+    """PromQL for the ``q``-quantile of ``histogram`` (its Prometheus base name) summed ``by`` these labels,
+    whether it is stored as classic buckets (``<histogram>_bucket`` with ``le``: pulled, or pushed with
+    explicit buckets) or as native histograms (``<histogram>``: exponential ones through Prometheus 3).
+
+    ``inner(series)`` writes the vector to sum around a series name (``rate(...)`` and any join). The two
+    forms are joined with ``or``: each store holds one of them, and VictoriaMetrics, which has no native
+    histograms, parses this too.
+    """
+    labels = ", ".join(by)
+    classic = f"sum by (le{', ' + labels if labels else ''}) ({inner(histogram + '_bucket')})"
+    native = f"sum by ({labels}) ({inner(histogram)})" if labels else f"sum ({inner(histogram)})"
+    return f"histogram_quantile({q}, {classic} or {native})"
 
 
 def prometheus_name(name: str, unit: str, kind: Kind, *, path: Literal["pull", "collector"] = "pull") -> str:

@@ -23,6 +23,7 @@ from openlora_otel.names import (
     ATTR_TRAINING_RUN_ID,
     ATTR_TRAINING_RUN_NAME,
     INFERENCE_METRICS,
+    histogram_quantile,
 )
 from openlora_otel.report.model import Curve, Line, Panel, ReportError, promql_string
 
@@ -128,7 +129,7 @@ def rate_window(step_s: float) -> str:
 
 
 def _quantile(q: float, histogram: str, selector: str, how: str, window: str, join: str) -> str:
-    return f"histogram_quantile({q}, sum by (le) ({how}({histogram}_bucket{{{selector}}}[{window}]){join}))"
+    return histogram_quantile(q, histogram, (), lambda series: f"{how}({series}{{{selector}}}[{window}]){join}")
 
 
 def curve_queries(adapter: ServedAdapter, window: str) -> dict[str, str]:

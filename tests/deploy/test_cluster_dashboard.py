@@ -181,6 +181,10 @@ def test_every_cluster_query_on_a_real_two_rank_run(tmp_path, path: str, major: 
             "up"
         )
         time.sleep(3)  # a few more scrapes: throughput gauges and rates over more than one interval
+        if metrics.native:  # not vacuous: the step times are a native histogram there (its _sum, _count recorded)
+            names = set(prometheus.get("/api/v1/label/__name__/values")["data"])
+            assert "openlora_training_step_duration_seconds" in names, sorted(names)
+            assert "openlora_training_step_duration_seconds_bucket" not in names
 
         problems = run_every_query(
             CLUSTER_DASHBOARD,

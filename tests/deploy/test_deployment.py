@@ -721,7 +721,7 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
             # The series names are the ones openlora_otel.names gives for the path (the docs' table is made
             # from them): checked here against what the real Collector and Prometheus 3's receiver made.
             observed = set(prometheus.get("/api/v1/label/__name__/values")["data"])
-            assert_series_names_follow_the_path(observed, path)
+            assert_series_names_follow_the_path(observed, path, native=metrics.native)
         finally:
             if diverging is not None:
                 diverging.stdin.close()  # the diverged run shuts down
@@ -735,15 +735,21 @@ def test_every_dashboard_and_rule_query_on_a_real_demo_run(
 NOT_METRICS = {"up", "target_info", "ALERTS", "ALERTS_FOR_STATE"}
 
 
-def assert_series_names_follow_the_path(observed: set[str], path: str) -> None:
+def assert_series_names_follow_the_path(observed: set[str], path: str, native: bool = False) -> None:
     """Every exported series name seen is a metric's name on ``path`` (``MetricSpec.prometheus`` pulled,
-    ``prometheus_collector`` pushed), histograms as their _bucket/_sum/_count."""
+    ``prometheus_collector`` pushed), histograms as their _bucket/_sum/_count (``native``: a native
+    histogram under the name alone, and the _sum and _count that deploy/prometheus/native-histograms.yml
+    records from it; no _bucket)."""
     specs = (*RUN_METRICS, *TRAINING_METRICS, *ADAPTER_METRICS, *GPU_METRICS, *HOST_METRICS, *INFERENCE_METRICS)
     expected: dict[str, str] = {}
     for spec in specs:
         name = spec.prometheus if path == "pull" else spec.prometheus_collector
-        for suffix in ("_bucket", "_sum", "_count") if spec.kind == "histogram" else ("",):
+        suffixes = ("", "_sum", "_count") if native else ("_bucket", "_sum", "_count")
+        for suffix in suffixes if spec.kind == "histogram" else ("",):
             expected[name + suffix] = spec.name
+    if native:  # not vacuous: the step durations came as a native histogram
+        assert "openlora_training_step_duration_seconds" in observed, sorted(observed)
+        assert "openlora_training_step_duration_seconds_bucket" not in observed
     exported = {
         name for name in observed if name not in NOT_METRICS and ":" not in name and not name.startswith("scrape_")
     }
@@ -878,7 +884,9 @@ def _check_every_query(
                 assert {s["metric"][label] for s in found} == values, (rule["alert"], found)
         with urllib.request.urlopen(f"{prometheus.rules_url}/api/v1/rules", timeout=5) as response:
             loaded = json.load(response)["data"]["groups"]
-        assert sum(len(group["rules"]) for group in loaded) == len(rules())
+        # On the native paths deploy/prometheus/native-histograms.yml is loaded too, a group of its own.
+        ours = [group for group in loaded if group["name"] != "openlora-native-histograms"]
+        assert sum(len(group["rules"]) for group in ours) == len(rules())
         assert all(rule["health"] == "ok" for group in loaded for rule in group["rules"])
     finally:
         stop.set()

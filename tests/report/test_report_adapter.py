@@ -62,8 +62,10 @@ def test_the_queries_are_the_dashboards_scoped_to_the_adapter_of_its_training_ru
         " * on (job, instance, openlora_adapter_name) group_left () group by (job, instance, openlora_adapter_name) "
         f'(last_over_time({INFO}{{openlora_adapter_name="support-v2", openlora_training_run_id="5f0c1234"}}[60s]))'
     )
+    # Classic buckets or (exponential histograms in Prometheus 3) native ones.
     assert queries["latency_p95"] == (
         "histogram_quantile(0.95, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket"
+        f'{{openlora_adapter_name="support-v2", error_type=""}}[60s]){scope}) or sum (rate(gen_ai_server_request_duration_seconds'
         f'{{openlora_adapter_name="support-v2", error_type=""}}[60s]){scope}))'
     )
     assert queries["ttft_p50"].startswith(

@@ -538,6 +538,10 @@ def _check_every_inference_query(
                 timeout=90,
             ), prometheus.query("up")
             time.sleep(4)  # several scrapes with traffic: rates over the panels' 15 s have data
+            if metrics.native:  # not vacuous: the requests' histograms are native ones there
+                names = set(prometheus.get("/api/v1/label/__name__/values")["data"])
+                assert "gen_ai_server_time_to_first_token_seconds" in names, sorted(names)
+                assert not {name for name in names if name.endswith("_bucket")}, sorted(names)
             # Bounded wait: the energy records are a chain (GPU power, the server's share, the adapters'
             # shares); on VictoriaMetrics each link comes back through vmalert's remote write, an
             # evaluation or two behind the one before.

@@ -15,6 +15,9 @@
   Cortex, its ruler evaluating them. With ``gateways`` 2 or more, that many gateways, and the agent
   load-balances over them (:func:`~tests.support.collector_server.load_balancing_agent`); each
   stamps its own ``deployment.environment.name``, ``gateway-<index>``.
+- ``otlp`` and ``gateway`` with ``"native"``: as with Prometheus 3, the processes' histograms exponential
+  (``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram``), which
+  Prometheus stores as native histograms, and deploy/prometheus/native-histograms.yml loaded with the rules.
 - ``pull`` with ``"thanos"``: the sidecar shape, a Prometheus 3 scraping the processes and evaluating
   the rules, queried through Thanos Query over its sidecar and a store gateway
   (tests/support/long_term_stores.py).
@@ -44,8 +47,10 @@ METRIC_PATHS = pytest.mark.parametrize(
         ("collector", 2),
         ("collector", 3),
         ("otlp", 3),
+        ("otlp", "native"),
         ("gateway", 2),
         ("gateway", 3),
+        ("gateway", "native"),
         ("gateway", 0),
         ("pull", "thanos"),
         ("gateway", "thanos"),
@@ -57,15 +62,19 @@ METRIC_PATHS = pytest.mark.parametrize(
         "collector-prometheus2",
         "collector-prometheus3",
         "otlp-prometheus3",
+        "otlp-prometheus3-native",
         "gateway-prometheus2",
         "gateway-prometheus3",
+        "gateway-prometheus3-native",
         "gateway-victoriametrics",
         "sidecar-thanos",
         "receive-thanos",
         "gateway-cortex",
     ],
 )
-PUSH_INTERVAL_MS = "1000"  # the processes' OTLP export interval (the default is 60 s)
+PUSH_INTERVAL_MS = "1000"
+NATIVE_RULES = ROOT / "deploy" / "prometheus" / "native-histograms.yml"
+HISTOGRAM_AGGREGATION = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"  # the processes' OTLP export interval (the default is 60 s)
 
 
 class MetricsPath:
@@ -91,7 +100,19 @@ class MetricsPath:
         their alerts go)."""
         assert path in ("pull", "collector", "otlp", "gateway"), path
         assert gateways >= 1 and (gateways == 1 or path == "gateway"), (path, gateways)
-        assert major in (2, 3, 0) or (path, major) in (("pull", "thanos"), ("gateway", "thanos"), ("gateway", "cortex"))
+        assert major in (2, 3, 0) or (path, major) in (
+            ("pull", "thanos"),
+            ("gateway", "thanos"),
+            ("gateway", "cortex"),
+            ("otlp", "native"),
+            ("gateway", "native"),
+        )
+        # "native": Prometheus 3 again, the processes' histograms exponential (stored as native histograms),
+        # and deploy/prometheus/native-histograms.yml loaded beside the rules.
+        self.native = major == "native"
+        if self.native:
+            major = 3
+            rule_files = [*(rule_files or []), str(NATIVE_RULES)]
         # Skip (or fail under CI) before anything starts.
         if major in ("thanos", "cortex"):
             built(major)
@@ -216,8 +237,12 @@ class MetricsPath:
         return f"{self.prometheus.url}/api/v1/otlp"
 
     def push_env(self, instance: str | None = None) -> dict[str, str]:
-        """The environment that sends a process's metrics this way (push paths): :func:`push_env`."""
-        return push_env(self.otlp_endpoint, instance)
+        """The environment that sends a process's metrics this way (push paths): :func:`push_env`; on the
+        native paths with exponential histograms."""
+        env = push_env(self.otlp_endpoint, instance)
+        if self.native:
+            env[HISTOGRAM_AGGREGATION] = "base2_exponential_bucket_histogram"
+        return env
 
     def scrape(self, targets: list[str]) -> Prometheus | VictoriaMetrics | ThanosSidecar | ThanosReceive | Cortex:
         """The store holding the metrics: on the pull path started now, scraping ``targets``."""
