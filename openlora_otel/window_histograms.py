@@ -112,8 +112,8 @@ class ExponentialWindow(float):
 
 class ExponentialCounts:
     """Values counted into base-2 exponential buckets of :data:`EXPONENTIAL_SCALE` (with each bucket's sum),
-    for histograms exported as exponential ones. The same use as :class:`BucketCounts`; values that are
-    not positive and finite are kept as they are (``others``), one by one."""
+    for histograms exported as exponential ones. The same use as :class:`BucketCounts`. Zeros are kept
+    apart (``others``); negative and non-finite values are dropped, as ``Histogram.record`` drops them."""
 
     __slots__ = ("buckets", "count", "longest", "others", "shortest")
 
@@ -125,12 +125,14 @@ class ExponentialCounts:
         self.longest = -math.inf
 
     def add(self, value: float) -> None:
+        if not 0 <= value < math.inf:  # NaN fails this too
+            return
         self.count += 1
         if value < self.shortest:
             self.shortest = value
         if value > self.longest:
             self.longest = value
-        if 0 < value < math.inf:
+        if value > 0:
             key = math.floor(math.log2(value) * _PER_OCTAVE)
             bucket = self.buckets.get(key)
             if bucket is None:
@@ -249,15 +251,16 @@ def _exponential_classes() -> tuple[type, type] | None:
         def aggregate(self, measurement: Any, should_sample_exemplar: bool = True) -> None:
             batch = measurement.value
             if type(batch) is ExponentialWindow:
-                pairs = [(int(c), total) for c, total in batch.buckets.values()] + [(1, v) for v in batch.others]
+                pairs = [(int(c), total / c, total) for c, total in batch.buckets.values()]
+                pairs += [(1, value, value) for value in batch.others]
             elif type(batch) is BucketWindow:  # explicit buckets: exact count and sum, coarse placement
                 pairs = _bucket_pairs(batch)
             else:
                 super().aggregate(measurement, should_sample_exemplar)
                 return
-            for count, total in pairs:
+            for count, placed, total in pairs:
                 if count:
-                    self._add(total / count, count, total)
+                    self._add(placed, count, total)
             if self._record_min_max and pairs:
                 with self._lock:
                     self._min = min(self._min, batch.shortest)
@@ -265,9 +268,12 @@ def _exponential_classes() -> tuple[type, type] | None:
             batch.merged = True
 
         def _add(self, mean: float, count: int, total: float) -> None:
+            """``count`` values summing to ``total``, placed in the bucket of ``mean``."""
             super().aggregate(_Value(mean), should_sample_exemplar=False)  # places one value, rescaling if needed
-            if count == 1:
+            if count == 1 and total == mean:
                 return
+            # A second lock section: no collection runs between the two, since windows are recorded from
+            # the collection's own callbacks, which the SDK runs under its collect lock.
             with self._lock:
                 self._count += count - 1
                 self._sum += total - mean
@@ -299,21 +305,22 @@ def _exponential_classes() -> tuple[type, type] | None:
     return _ExponentialWindowHistogram, _ExponentialWindowAggregation
 
 
-def _bucket_pairs(batch: BucketWindow) -> list[tuple[int, float]]:
-    """An explicit window's buckets as (count, sum) pairs: the sums per bucket are not kept, so each
-    bucket's values go in at the window's mean within that bucket's bounds (count and sum stay exact)."""
-    pairs = []
+def _bucket_pairs(batch: BucketWindow) -> list[tuple[int, float, float]]:
+    """An explicit window's buckets as (count, where placed, sum) triples: the sums per bucket are not kept,
+    so each bucket's values are placed at the window's mean held within that bucket's bounds; the sums
+    add up to the window's (the difference on the last bucket's sum, not its placement)."""
+    triples = []
     mean = batch.total / max(1, sum(batch.counts))
     for index, count in enumerate(batch.counts):
         if count:
             low = batch.bounds[index - 1] if index > 0 else min(batch.shortest, batch.bounds[0])
             high = batch.bounds[index] if index < len(batch.bounds) else max(batch.longest, batch.bounds[-1])
-            pairs.append((count, count * min(max(mean, low), high)))
-    spread = batch.total - sum(total for _, total in pairs)
-    if pairs:  # the rest of the sum on the largest bucket, so the sum stays exact
-        count, total = pairs[-1]
-        pairs[-1] = (count, total + spread)
-    return pairs
+            placed = min(max(mean, low), high)
+            triples.append((count, placed, count * placed))
+    if triples:
+        count, placed, total = triples[-1]
+        triples[-1] = (count, placed, total + batch.total - sum(t for _, _, t in triples))
+    return triples
 
 
 @cache

@@ -8,6 +8,7 @@ value on a meter without those views. Kept apart from the request and adapter ac
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -152,13 +153,17 @@ class RequestHistograms:
         for key in empty:
             pending.setdefault(key, _Series(self._exponential))
         for series_key, series in pending.items():
-            attributes = self.attributes(series_key)
-            self._put(self._duration, series.duration, attributes, always=True)
-            if series_key[4] is None:
-                self._put(self._ttft, series.ttft, attributes)
-                self._put(self._tpot, series.tpot, attributes)
-                self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
-                self._put(self._tokens, series.output, self._token_attrs(series_key, "output"))
+            try:
+                attributes = self.attributes(series_key)
+                self._put(self._duration, series.duration, attributes, always=True)
+                if series_key[4] is None:
+                    self._put(self._ttft, series.ttft, attributes)
+                    self._put(self._tpot, series.tpot, attributes)
+                    self._put(self._tokens, series.input, self._token_attrs(series_key, "input"))
+                    self._put(self._tokens, series.output, self._token_attrs(series_key, "output"))
+            except Exception:  # one series' window failing in the SDK costs that window, not the others'
+                self._warn_once("commit", "handing a request window to the SDK failed; that window is lost")
+                logging.getLogger(__name__).debug("committing %s failed", series_key, exc_info=True)
 
     def record_load(self, seconds: float, attributes: dict[str, str]) -> None:
         """An adapter's load time, recorded at once."""

@@ -135,12 +135,54 @@ def test_an_applications_own_histogram_follows_the_variable_on_the_otlp_exporter
     assert not isinstance(explicit._preferred_aggregation[HistogramInstrument], ExponentialBucketHistogramAggregation)
 
 
-def test_values_that_are_not_positive_are_kept_one_by_one() -> None:
+def test_zeros_are_kept_one_by_one_and_what_record_would_drop_is_dropped() -> None:
     counts = ExponentialCounts()
-    for value in (0.0, 0.0, 0.25, 0.25, 3.0):
+    for value in (0.0, 0.0, 0.25, 0.25, 3.0, math.nan, math.inf, -1.0):
         counts.add(value)
     assert counts.count == 5 and (counts.shortest, counts.longest) == (0.0, 3.0)
     assert sorted(counts.counts) == [1, 1, 1, 2] and math.isclose(sum(counts.sums), 3.5)
+
+
+def test_a_nan_time_to_first_token_costs_no_other_series_its_window() -> None:
+    # Found in review: a NaN reached the SDK's exponential aggregation, which raised in the collection
+    # and lost every later series' pending window with it.
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(config=TelemetryConfig.from_env(EXPONENTIAL), metric_readers=[reader])
+    try:
+        inference = telemetry.inference
+        with inference.request("a") as request:
+            request.first_token(at=math.nan)
+        with inference.request("b") as request:
+            request.first_token()
+        data = reader.get_metrics_data()
+    finally:
+        telemetry.shutdown()
+    durations = {p.attributes["openlora.adapter.name"]: p for p in points(data, "gen_ai.server.request.duration")}
+    assert {name: p.count for name, p in durations.items()} == {"a": 1, "b": 1}
+    ttft = {p.attributes["openlora.adapter.name"]: p for p in points(data, "gen_ai.server.time_to_first_token")}
+    assert ttft["b"].count == 1 and not math.isnan(ttft["b"].sum)
+    assert "a" not in ttft or (ttft["a"].count == 0 and ttft["a"].sum == 0)
+
+
+def test_an_explicit_window_in_an_exponential_histogram_keeps_count_and_sum_and_bounds() -> None:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    from openlora_otel.window_histograms import BucketCounts, _exponential_classes
+
+    histogram, _ = _exponential_classes()
+    from opentelemetry.sdk.metrics import SimpleFixedSizeExemplarReservoir
+    from opentelemetry.sdk.metrics._internal.aggregation import AggregationTemporality
+
+    bounds = (0.005, 0.01, 0.1, 1.0)
+    counts = BucketCounts(bounds)
+    for value in [0.001] * 50 + [0.009] * 5 + [0.2]:  # most values far below the window's mean
+        counts.add(value)
+    aggregation = histogram({}, SimpleFixedSizeExemplarReservoir, AggregationTemporality.DELTA, 0)
+    aggregation.aggregate(Measurement(counts.window(), 0, None, Context()))  # type: ignore[arg-type]
+    point = aggregation.collect(AggregationTemporality.CUMULATIVE, 1)
+    assert point.count == 56 and math.isclose(point.sum, 50 * 0.001 + 5 * 0.009 + 0.2)
+    assert sum(point.negative.bucket_counts) == 0 and (point.min, point.max) == (0.001, 0.2)
 
 
 def test_the_dashboards_quantile_is_the_packages() -> None:
