@@ -124,6 +124,12 @@ def negotiate(accept: str | None) -> Format:
     return TEXT
 
 
+def _typed(attributes: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Attributes as a key that tells 1, 1.0 and True apart (equal, and equally hashed, in a dict key),
+    which are written as different label values; strings, the usual values, as they are."""
+    return tuple(item if item[1].__class__ is str else (item[0], repr(item[1])) for item in attributes.items())
+
+
 def _label_value(value: object) -> str:
     """An attribute value as a label value: strings as they are, anything else as JSON (as upstream)."""
     return value if isinstance(value, str) else json.dumps(value, default=str)
@@ -140,9 +146,12 @@ def _labels_text(pairs: Iterable[tuple[str, str]]) -> str:
 class _Family:
     """One Prometheus metric family's names and header lines, per format (kept between scrapes)."""
 
-    __slots__ = ("name", "om_header", "sample", "text_header", "unit")
+    __slots__ = ("merge_key", "name", "om_header", "sample", "text_header", "unit")
 
     def __init__(self, name: str, documentation: str, kind: str, unit: str) -> None:
+        # Upstream merges the metrics whose sanitized name (before the suffixes below), description,
+        # mapped unit and kind agree into one family.
+        self.merge_key = (name, documentation, unit, kind)
         counter = kind == "counter"
         if counter and name.endswith("_total"):
             name = name[:-6]
@@ -243,7 +252,7 @@ class Exposition:
     # -- translation -----------------------------------------------------------------------
     def _scope_labels(self, scope: Any) -> tuple[tuple[str, str], ...]:
         try:
-            key: Any = (scope.name, scope.version, scope.schema_url, tuple((scope.attributes or {}).items()))
+            key: Any = (scope.name, scope.version, scope.schema_url, _typed(scope.attributes or {}))
             labels = self._scopes.get(key)
         except TypeError:  # an unhashable attribute value: worked out again each scrape
             key, labels = None, None
@@ -282,8 +291,7 @@ class Exposition:
             family = self._families[key] = _Family(
                 sanitize_full_name(metric.name), key[1], kind, map_unit(metric.unit or "")
             )
-        # Upstream merges the metrics whose sanitized name, description and mapped unit agree.
-        return (family.name, key[1], family.unit, kind), family
+        return family.merge_key, family
 
     def _translate(self, metric: Metric, scope: tuple[tuple[str, str], ...], scraped: dict[Any, _Scraped]) -> None:
         kind = self._kind(metric)
@@ -332,7 +340,7 @@ class Exposition:
         labelnames: tuple[str, ...],
     ) -> _Series:
         try:
-            key: tuple[Any, ...] = (scope, label_keys, labelnames, *attributes.items())
+            key: tuple[Any, ...] = (scope, label_keys, labelnames, _typed(attributes))
             series = self._series.get(key)
         except TypeError:  # an unhashable attribute value: written, not kept
             key, series = (), None
