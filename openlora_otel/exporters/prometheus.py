@@ -130,9 +130,6 @@ class _Handler(BaseHTTPRequestHandler):
             # Counted before the answer goes out: a scraper that has read it must never find
             # the count still at zero (shutdown would then skip the final-scrape wait).
             self.server.scrape_started(started)
-        # One request a connection (HTTP/1.0): once the answer is out this thread takes the next
-        # connection, which a scraper may open before the thread is back waiting for one.
-        self.server.finishing()
         if self._send(200, content_type, output, headers) and scraper:
             self.server.scraped(started)
 
@@ -185,8 +182,6 @@ class _Server(HTTPServer):
         self._pending: collections.deque[tuple[socket.socket, Any]] = collections.deque()
         self._work = threading.Condition(self._lock)
         self._idle = 0  # threads waiting for a connection
-        self._finishing = 0  # threads sending their connection's answer, about to wait for another
-        self._local = threading.local()
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._scrapes = 0
@@ -216,7 +211,7 @@ class _Server(HTTPServer):
                 reject = False
                 self._active[request] = None
                 self._pending.append((request, client_address))
-                if len(self._pending) <= self._idle + self._finishing:
+                if len(self._pending) <= self._idle:
                     self._work.notify()
                 else:
                     thread = threading.Thread(target=self._work_loop, name="openlora-otel-prometheus-conn", daemon=True)
@@ -239,20 +234,10 @@ class _Server(HTTPServer):
             if dropped:
                 self.shutdown_request(request)
 
-    def finishing(self) -> None:
-        """The calling thread is about to send its connection's answer (counted once per connection)."""
-        if not getattr(self._local, "finishing", False):
-            self._local.finishing = True
-            with self._lock:
-                self._finishing += 1
-
     def _work_loop(self) -> None:
         """Serve connections until none came for IDLE_WAIT_S, enough others wait, or the server closes."""
         while True:
             with self._lock:
-                if getattr(self._local, "finishing", False):
-                    self._local.finishing = False
-                    self._finishing -= 1
                 while not self._pending:
                     if self._closing or self._idle >= IDLE_THREADS:
                         return
@@ -284,10 +269,16 @@ class _Server(HTTPServer):
         """Stop accepting, shut every open connection so its thread returns; the threads to join."""
         with self._lock:
             self._closing = True
-            active = list(self._active)
             threads = list(self._threads)
+            # Accepted, never taken by a thread: closed here, as nothing else will.
+            waiting = [request for request, _ in self._pending]
             self._pending.clear()
+            for request in waiting:
+                self._active.pop(request, None)
+            active = list(self._active)
             self._work.notify_all()
+        for request in waiting:
+            self.shutdown_request(request)
         for request in active:
             with contextlib.suppress(OSError):
                 request.shutdown(socket.SHUT_RDWR)
@@ -305,7 +296,6 @@ class _Server(HTTPServer):
         self._active.clear()
         self._pending = collections.deque()
         self._idle = 0
-        self._finishing = 0
         self._threads = []
         for sock in (self.socket, *active):
             # close(), never shutdown(): the parent's sockets must keep working.
