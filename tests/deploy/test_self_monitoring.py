@@ -1,5 +1,6 @@
 """The monitoring watches itself: the openlora-prometheus alerts fire on a real Prometheus (2.42 and
-3.16) scraping itself, for real faults, and resolve when the fault is gone.
+3.16) scraping itself, for real faults, and resolve when the fault is gone (the notifications alert's
+resolution, two minutes of waiting, on 3.16).
 
 One Prometheus per release, with the faults the issue names: a rule group whose rule fails at every
 evaluation (a many-to-many match), a remote write to a port nothing listens on, and an Alertmanager
@@ -133,6 +134,11 @@ def test_rule_remote_write_and_notification_faults_fire_and_notifications_resolv
         assert {a["labels"]["alertmanager"] for a in notifying} == {f"http://127.0.0.1:{am_port}/api/v2/alerts"}
         assert notifying[0]["labels"]["severity"] == "critical"
         timings["notifications failing fires"] = time.monotonic() - stopped
+        if major == 2:
+            # The resolution is waited for on Prometheus 3 alone: the same rule over the same counters
+            # resolves when the failures leave its 2 m window, about two minutes of waiting per version.
+            print(f"prometheus {major}: " + ", ".join(f"{k} after {v:.0f} s" for k, v in timings.items()))
+            return
         # Back on the same port: the sends succeed, and the alert resolves once the failures have left
         # the rule's 2 m window.
         alertmanager = start_alertmanager(tmp_path, am_port)
