@@ -142,7 +142,13 @@ class InferenceRequest:
     def first_token(self, at: float | None = None) -> None:
         """The first output token is ready (the first call counts). Implies :meth:`start`. ``at``: when it
         was, a ``time.perf_counter()`` value, if not now (a middleware that reads the answer after
-        sending it)."""
+        sending it). An ``at`` that is not a number is ignored with one warning, as bad token counts are:
+        the request goes on without a time to first token (a non-finite one is left out the same way)."""
+        if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float))):
+            # Checked here: taken as it is, it raised TypeError in end(), out of the app's `with` exit.
+            self._metrics._warn_once("first-token-at", f"first_token(at=...) must be a time.perf_counter() reading, got {at!r}: ignored")
+            self.start()
+            return
         if self._first is None and not self.ended:
             self._first = time.perf_counter() if at is None else at
             self.start()

@@ -383,6 +383,21 @@ def test_bad_token_counts_are_ignored_with_one_warning(rig: Rig, caplog: pytest.
     assert sum("output token count" in m for m in messages) == 1
 
 
+def test_a_first_token_time_that_is_not_a_number_is_ignored_with_one_warning(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It used to be taken and then raise TypeError in end(): out of the app's `with` block or error path.
+    with caplog.at_level(logging.WARNING):
+        for at in ("12.5", True, object()):
+            with rig.metrics.request("a1") as request:
+                request.first_token(at=at)  # type: ignore[arg-type]
+            assert request.ended
+    data = rig.collect()
+    assert point(data, DURATION, base_attrs("a1")).count == 3
+    assert points(data, TTFT) == []
+    assert sum("first_token(at=...)" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_the_decorator_times_sync_and_async_calls(rig: Rig) -> None:
     @rig.metrics.instrument(adapter="a1")
     def generate(x: int) -> int:
