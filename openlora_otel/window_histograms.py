@@ -240,6 +240,7 @@ def _exponential_classes() -> tuple[type, type] | None:
             AggregationTemporality,
             _ExponentialBucketHistogramAggregation,
         )
+        from opentelemetry.sdk.metrics._internal.exponential_histogram.buckets import Buckets
         from opentelemetry.sdk.metrics.view import Aggregation
     except ImportError:  # pragma: no cover - a future SDK layout
         return None
@@ -258,6 +259,8 @@ def _exponential_classes() -> tuple[type, type] | None:
             else:
                 super().aggregate(measurement, should_sample_exemplar)
                 return
+            if not any(count for count, _, _ in pairs):
+                self._hold_empty()
             for count, placed, total in pairs:
                 if count:
                     self._add(placed, count, total)
@@ -266,6 +269,16 @@ def _exponential_classes() -> tuple[type, type] | None:
                     self._min = min(self._min, batch.shortest)
                     self._max = max(self._max, batch.longest)
             batch.merged = True
+
+        def _hold_empty(self) -> None:
+            """An empty window still makes a point (count 0), as an empty explicit window does: a loaded
+            adapter's request series exists before its first request, so rate() sees that request as a rise.
+            The state is the SDK's own after only zeros, without them."""
+            with self._lock:
+                if self._value_positive is None and self._value_negative is None:
+                    self._value_positive, self._value_negative = Buckets(), Buckets()
+                    if self._scale is None:
+                        self._scale = 0
 
         def _add(self, mean: float, count: int, total: float) -> None:
             """``count`` values summing to ``total``, placed in the bucket of ``mean``."""

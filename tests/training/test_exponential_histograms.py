@@ -220,3 +220,30 @@ def test_the_native_histogram_rules_cover_every_histogram() -> None:
 def test_the_shipped_prometheus_configs_load_them(config_file: str) -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus" / config_file).read_text())
     assert "native-histograms.yml" in config["rule_files"]
+
+
+@pytest.mark.parametrize("temporality", ["cumulative", "delta"])
+def test_a_loaded_adapters_request_series_exists_at_zero_before_its_first_request(temporality: str) -> None:
+    # As with explicit buckets: the series is there at 0, so the first request is a rise rate() sees.
+    # Found in review: an empty exponential window made no point at all.
+    from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    from openlora_otel.inference import InferenceMetrics, inference_views
+
+    preferred = {} if temporality == "cumulative" else {HistogramInstrument: AggregationTemporality.DELTA}
+    reader = InMemoryMetricReader(preferred_temporality=preferred)
+    provider = MeterProvider(metric_readers=[reader], views=inference_views(exponential=True))
+    metrics = InferenceMetrics(
+        provider.get_meter("test"), model="m", window_histogram=True, exponential_histograms=True
+    )
+    metrics.adapter_loaded("a1", load_time_s=0.5)
+    counts = []
+    for requests in (0, 1, 0):
+        for _ in range(requests):
+            with metrics.request("a1"):
+                pass
+        (point,) = [p for p in points(reader.get_metrics_data(), "gen_ai.server.request.duration")]
+        counts.append(point.count)
+    provider.shutdown()
+    assert counts == ([0, 1, 1] if temporality == "cumulative" else [0, 1, 0])
