@@ -95,31 +95,28 @@ class ExponentialWindow(float):
     """A window of values in fine exponential buckets, passed to ``Histogram.record`` as one value (0.0)."""
 
     buckets: dict[int, list[float]]
-    count: int
-    total: float
+    zeros: int
     shortest: float
     longest: float
-    others: list[float]
     merged: bool
 
     def __new__(cls, counts: ExponentialCounts) -> ExponentialWindow:
         self = super().__new__(cls, 0.0)
-        self.buckets, self.others = counts.buckets, counts.others
-        self.count, self.total = counts.count, math.fsum(counts.sums)
+        self.buckets, self.zeros = counts.buckets, counts.zeros
         self.shortest, self.longest, self.merged = counts.shortest, counts.longest, False
         return self
 
 
 class ExponentialCounts:
     """Values counted into base-2 exponential buckets of :data:`EXPONENTIAL_SCALE` (with each bucket's sum),
-    for histograms exported as exponential ones. The same use as :class:`BucketCounts`. Zeros are kept
-    apart (``others``); negative and non-finite values are dropped, as ``Histogram.record`` drops them."""
+    for histograms exported as exponential ones. The same use as :class:`BucketCounts`. Zeros are counted
+    apart (``zeros``); negative and non-finite values are dropped, as ``Histogram.record`` drops them."""
 
-    __slots__ = ("buckets", "count", "longest", "others", "shortest")
+    __slots__ = ("buckets", "count", "longest", "shortest", "zeros")
 
     def __init__(self, bounds: tuple[float, ...] = ()) -> None:  # bounds: BucketCounts' signature, unused
         self.buckets: dict[int, list[float]] = {}  # bucket -> [count, sum]
-        self.others: list[float] = []
+        self.zeros = 0
         self.count = 0
         self.shortest = math.inf
         self.longest = -math.inf
@@ -141,16 +138,16 @@ class ExponentialCounts:
                 bucket[0] += 1
                 bucket[1] += value
         else:
-            self.others.append(value)
+            self.zeros += 1
 
     @property
     def counts(self) -> list[int]:
-        """Per bucket (then each other value), how many: with :attr:`sums`, what :func:`replay` takes."""
-        return [int(bucket[0]) for bucket in self.buckets.values()] + [1] * len(self.others)
+        """Per bucket (then each zero), how many: with :attr:`sums`, what :func:`replay` takes."""
+        return [int(bucket[0]) for bucket in self.buckets.values()] + [1] * self.zeros
 
     @property
     def sums(self) -> list[float]:
-        return [bucket[1] for bucket in self.buckets.values()] + list(self.others)
+        return [bucket[1] for bucket in self.buckets.values()] + [0.0] * self.zeros
 
     def window(self) -> ExponentialWindow:
         return ExponentialWindow(self)
@@ -253,7 +250,8 @@ def _exponential_classes() -> tuple[type, type] | None:
             batch = measurement.value
             if type(batch) is ExponentialWindow:
                 pairs = [(int(c), total / c, total) for c, total in batch.buckets.values()]
-                pairs += [(1, value, value) for value in batch.others]
+                if batch.zeros:
+                    pairs.append((batch.zeros, 0.0, 0.0))
             elif type(batch) is BucketWindow:  # explicit buckets: exact count and sum, coarse placement
                 pairs = _bucket_pairs(batch)
             else:

@@ -33,14 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.exporter.prometheus._mapping import map_unit, sanitize_attribute, sanitize_full_name
-from opentelemetry.sdk.metrics import (
-    Counter,
-    Histogram,
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    UpDownCounter,
-)
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Gauge,
@@ -51,6 +43,8 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 from prometheus_client.utils import floatToGoString
+
+from openlora_otel.exporters.otlp import temporality_for
 
 __all__ = ["Format", "PullReader", "negotiate", "render"]
 
@@ -251,11 +245,8 @@ class Exposition:
 
     # -- translation -----------------------------------------------------------------------
     def _scope_labels(self, scope: Any) -> tuple[tuple[str, str], ...]:
-        try:
-            key: Any = (scope.name, scope.version, scope.schema_url, _typed(scope.attributes or {}))
-            labels = self._scopes.get(key)
-        except TypeError:  # an unhashable attribute value: worked out again each scrape
-            key, labels = None, None
+        key = (scope.name, scope.version, scope.schema_url, _typed(scope.attributes or {}))
+        labels = self._scopes.get(key)
         if labels is None:
             attributes: dict[str, Any] = {}
             for name, value in (scope.attributes or {}).items():
@@ -263,9 +254,7 @@ class Exposition:
             attributes["otel_scope_name"] = scope.name or ""
             attributes["otel_scope_version"] = scope.version or ""
             attributes["otel_scope_schema_url"] = scope.schema_url or ""
-            labels = tuple(attributes.items())
-            if key is not None:
-                self._scopes[key] = labels
+            labels = self._scopes[key] = tuple(attributes.items())
         return labels
 
     def _kind(self, metric: Metric) -> str | None:
@@ -384,16 +373,7 @@ class PullReader(MetricReader):
     """
 
     def __init__(self) -> None:
-        super().__init__(
-            preferred_temporality={
-                Counter: AggregationTemporality.CUMULATIVE,
-                UpDownCounter: AggregationTemporality.CUMULATIVE,
-                Histogram: AggregationTemporality.CUMULATIVE,
-                ObservableCounter: AggregationTemporality.CUMULATIVE,
-                ObservableUpDownCounter: AggregationTemporality.CUMULATIVE,
-                ObservableGauge: AggregationTemporality.CUMULATIVE,
-            }
-        )
+        super().__init__(preferred_temporality=temporality_for("cumulative"))
         self._scrape_lock = threading.Lock()
         self._received: MetricsData | None = None
         self._exposition = Exposition()
