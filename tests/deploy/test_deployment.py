@@ -90,6 +90,19 @@ def test_promtool_test_rules_fire_and_stay_quiet(major: int) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.process
+def test_promtool_native_histogram_rule_tests() -> None:
+    """tests/rules/native/: the inference records and alerts on native histograms with
+    deploy/prometheus/native-histograms.yml (promtool 3: 2.42's test input has no native histograms)."""
+    tests = sorted((ROOT / "tests" / "rules" / "native").glob("*.yml"))
+    assert [p.name for p in tests] == ["native_histograms_test.yml"]
+    order = [group["name"] for group in yaml.safe_load(RULES.read_text())["groups"]]
+    for path in tests:
+        assert yaml.safe_load(path.read_text())["group_eval_order"] == ["openlora-native-histograms", *order]
+    result = promtool("test", "rules", *(str(p.relative_to(ROOT)) for p in tests), major=3)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_rule_tests_evaluate_the_groups_in_the_rules_files_order() -> None:
     """promtool's order of the groups at one evaluation time is not fixed; several groups read a record
     of openlora-training (instance:openlora_run:current), so a case at a run's start or end passed or
