@@ -27,7 +27,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel.inference import InferenceMetrics, inference_views
 from openlora_otel.inference.asgi import OpenAIMetricsMiddleware
-from openlora_otel.views import observed_total_views
+from openlora_otel.views import observable_views
 
 BODY = json.dumps({"model": "support-v2", "messages": [{"role": "user", "content": "hello " * 20}], "stream": True,
                    "stream_options": {"include_usage": True}}).encode()  # fmt: skip
@@ -69,7 +69,7 @@ def make_app(chunks: int, streamed: bool, stamps: list[float]) -> Any:
 
 
 def measured(app: Any) -> Any:
-    provider = MeterProvider(metric_readers=[InMemoryMetricReader()], views=[*inference_views(), *observed_total_views()])
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()], views=[*inference_views(), *observable_views()])
     inference = InferenceMetrics(provider.get_meter("bench"), model="base", window_histogram=True)
     return OpenAIMetricsMiddleware(app, inference)
 

@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from openlora_otel.inference import InferenceMetrics, inference_views
 from openlora_otel.names import REQUEST_DURATION_BUCKETS, TOKEN_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
-from openlora_otel.views import observed_total_views
+from openlora_otel.views import observable_views
 
 ADAPTERS = ("support-v2", "sql-v1", "base")
 
@@ -118,7 +118,7 @@ def naive_otel():
 
 def openlora(merged: bool = True):
     reader = InMemoryMetricReader()
-    views = [*inference_views(), *observed_total_views()] if merged else []
+    views = [*inference_views(), *observable_views()] if merged else []
     provider = MeterProvider(metric_readers=[reader], views=views)
     metrics = InferenceMetrics(provider.get_meter("bench"), model="tiny-llama", window_histogram=merged)
     for adapter in ADAPTERS[:2]:

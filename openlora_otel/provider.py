@@ -23,7 +23,7 @@ from openlora_otel.inference.metrics import inference_views
 from openlora_otel.names import LOCAL_RANK_ATTRIBUTE, RUN_ID_ATTRIBUTE
 from openlora_otel.run.resource import build_resource
 from openlora_otel.training.metrics import collecting_for, step_duration_view
-from openlora_otel.views import observed_total_views
+from openlora_otel.views import observable_views
 
 __all__ = ["Hardware", "build_provider", "current_global_provider", "start_nvml"]
 
@@ -91,7 +91,7 @@ def build_provider(
             views=[
                 step_duration_view(exponential=config.exponential_histograms),
                 *inference_views(exponential=config.exponential_histograms),
-                *observed_total_views(),
+                *observable_views(),
             ],
         )
     except BaseException:

@@ -1,10 +1,19 @@
-"""Views ``setup_telemetry()`` installs so that an aborted collection never double-counts a total.
+"""Views ``setup_telemetry()`` installs on every observable instrument: totals an aborted collection never
+double-counts, and no exemplar reservoir.
 
 The SDK adds each observation of an observable counter to what it holds until a collection
-completes, so an aborted collection leaves a total reported doubled once. :func:`observed_total_views`
+completes, so an aborted collection leaves a total reported doubled once. :func:`observable_views`
 makes the latest observation the value, for every observable counter and up-down counter of the
 provider. It subclasses the SDK's private ``_SumAggregation``: a self-test runs once per process, and
-on an SDK whose internals moved the views are left out. See docs/concepts/windows.md.
+on an SDK whose internals moved that aggregation is left out. See docs/concepts/windows.md.
+
+An observable instrument's callbacks run on the collecting thread, outside any request's span, so the
+default (trace-based) exemplar filter never samples them; the SDK still gives each of their data points
+a reservoir to offer to and collect from at every collection. These views give them one that keeps
+nothing, as the OpenTelemetry Ruby SDK does for every asynchronous instrument: about 1 µs less per
+data point and collection, of the 11 µs the SDK spends on each (30 observed gauges, in process). Under
+``OTEL_METRICS_EXEMPLAR_FILTER=always_on`` they carry no exemplars (an exemplar of an observed value
+would repeat the value itself).
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import logging
 from functools import cache
 from typing import Any
 
-__all__ = ["observed_total_views"]
+__all__ = ["observable_views"]
 
 _logger = logging.getLogger(__name__)
 
@@ -74,15 +83,42 @@ def _works(latest_total: type) -> bool:
         return False
 
 
-def observed_total_views() -> list[Any]:
-    """Views giving every observable counter and up-down counter the latest-observation rule (or none)."""
-    aggregation = _aggregation_class()
-    if aggregation is None:
-        return []
-    from opentelemetry.sdk.metrics import ObservableCounter, ObservableUpDownCounter
+@cache
+def _no_exemplars() -> type:
+    from opentelemetry.sdk.metrics import ExemplarReservoir
+
+    class _NoExemplars(ExemplarReservoir):  # type: ignore[misc, valid-type]
+        """The reservoir of an observable instrument: it keeps nothing (a callback runs outside any request's span)."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def offer(self, value: Any, time_unix_nano: int, attributes: Any, context: Any) -> None:
+            pass
+
+        def collect(self, point_attributes: Any) -> list[Any]:
+            return []
+
+    return _NoExemplars
+
+
+def _no_exemplars_factory(aggregation_type: type) -> Any:
+    return _no_exemplars()
+
+
+def observable_views() -> list[Any]:
+    """Views for every observable instrument: no exemplar reservoir, and for counters and up-down
+    counters the latest-observation rule (where this SDK can have it)."""
+    from opentelemetry.sdk.metrics import ObservableCounter, ObservableGauge, ObservableUpDownCounter
     from opentelemetry.sdk.metrics.view import View
 
-    return [
-        View(instrument_type=kind, aggregation=aggregation())
+    aggregation = _aggregation_class()
+    totals = [
+        View(
+            instrument_type=kind,
+            exemplar_reservoir_factory=_no_exemplars_factory,
+            **({"aggregation": aggregation()} if aggregation is not None else {}),
+        )
         for kind in (ObservableCounter, ObservableUpDownCounter)
     ]
+    return [*totals, View(instrument_type=ObservableGauge, exemplar_reservoir_factory=_no_exemplars_factory)]

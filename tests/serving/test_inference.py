@@ -24,7 +24,7 @@ from openlora_otel.inference import (
     InferenceMetrics,
     inference_views,
 )
-from openlora_otel.views import observed_total_views
+from openlora_otel.views import observable_views
 from tests.support.clock import FakeClock
 from tests.support.readings import points
 
@@ -56,7 +56,7 @@ class Rig:
 
     def __init__(self, merged: bool, **kwargs: object) -> None:
         self.reader = InMemoryMetricReader()
-        views = [*inference_views(), *observed_total_views()] if merged else []
+        views = [*inference_views(), *observable_views()] if merged else []
         self.provider = MeterProvider(metric_readers=[self.reader], views=views)
         self.metrics = InferenceMetrics(
             self.provider.get_meter("test"), model="tiny-llama", window_histogram=merged, **kwargs

@@ -11,7 +11,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from openlora_otel import TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import nvml
-from openlora_otel.views import observed_total_views
+from openlora_otel.views import observable_views
 from tests.support.fake_nvml import FakeNvml, h100s
 from tests.support.gpu import CLOCKED
 from tests.support.readings import SlowOnce, value
@@ -25,7 +25,12 @@ def _totals(meter) -> dict[str, float]:
 
 
 def test_views_are_available_on_this_sdk() -> None:
-    assert len(observed_total_views()) == 2  # the self-test passed: the fix is active here
+    from opentelemetry.sdk.metrics.view import DefaultAggregation
+
+    views = observable_views()
+    assert len(views) == 3
+    # The self-test passed: the latest-total fix is active here, on both kinds of observed totals.
+    assert [type(view._aggregation) is DefaultAggregation for view in views] == [False, False, True]
 
 
 def test_an_aborted_collection_does_not_double_observed_totals(memory_reader: InMemoryMetricReader) -> None:
@@ -87,3 +92,26 @@ def test_gpu_energy_is_not_doubled_after_an_aborted_collection(
     ]
     assert energy == pytest.approx(fake.gpus[0].energy_j)
     telemetry.shutdown()
+
+
+def test_observable_instruments_keep_no_exemplars_and_synchronous_ones_still_do() -> None:
+    from opentelemetry.sdk.metrics import AlwaysOnExemplarFilter
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], views=observable_views(), exemplar_filter=AlwaysOnExemplarFilter())
+    try:
+        meter = provider.get_meter("test")
+        meter.create_observable_gauge("test.gauge", callbacks=[lambda o: [Observation(3.0, {"a": "b"})]])
+        meter.create_observable_counter("test.total", callbacks=[lambda o: [Observation(7)]])
+        meter.create_counter("test.added").add(2)
+        data = reader.get_metrics_data()
+        exemplars = {
+            metric.name: [len(point.exemplars) for point in metric.data.data_points]
+            for rm in data.resource_metrics
+            for sm in rm.scope_metrics
+            for metric in sm.metrics
+        }
+        assert exemplars == {"test.gauge": [0], "test.total": [0], "test.added": [1]}
+        assert value(data, "test.total") == 7  # and the latest-total rule still holds
+    finally:
+        provider.shutdown()
