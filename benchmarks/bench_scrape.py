@@ -14,7 +14,12 @@ matters less. Printed: samples and bytes per scrape, median per-scrape CPU of ea
 ratio ours / reference (target: at most 1.0), with and without host metrics
 (``OPENLORA_HOST_METRICS``). ``--openmetrics`` scrapes with Prometheus's OpenMetrics Accept header.
 
+``--connection``: ``new`` opens a connection per scrape; ``kept`` keeps one open per server, as
+Prometheus 2 and 3 and vmagent do where the target allows it (ours answers HTTP/1.1 and keeps it;
+prometheus_client's server answers HTTP/1.0 and closes it, so its scrapes connect anew either way).
+
     python benchmarks/bench_scrape.py [--rounds 5] [--scrapes 200] [--host both|on|off] [--openmetrics]
+                                      [--connection both|new|kept]
 """
 
 from __future__ import annotations
@@ -94,12 +99,19 @@ def _start(args: list[str]) -> tuple[subprocess.Popen, int]:
     return process, int(process.stdout.readline())
 
 
-def _get(port: int, openmetrics: bool) -> bytes:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def _get(port: int, openmetrics: bool, kept: dict[int, http.client.HTTPConnection] | None = None) -> bytes:
+    """One scrape; with ``kept``, on the connection kept for ``port`` (reopened when the server closed it)."""
+    connection = kept.get(port) if kept is not None else None
+    if connection is None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        if kept is not None:
+            kept[port] = connection
     headers = {"Accept": OPENMETRICS_ACCEPT} if openmetrics else {}
     connection.request("GET", "/metrics", headers=headers)
-    body = connection.getresponse().read()
-    connection.close()
+    response = connection.getresponse()
+    body = response.read()
+    if kept is None or response.will_close:
+        connection.close()  # http.client reconnects on the next request
     return body
 
 
@@ -112,7 +124,7 @@ def _samples(text: bytes) -> int:
     return sum(1 for line in text.decode().splitlines() if line and not line.startswith("#"))
 
 
-def compare(host: bool, rounds: int, scrapes: int, openmetrics: bool) -> dict:
+def compare(host: bool, rounds: int, scrapes: int, openmetrics: bool, keep: bool = False) -> dict:
     import psutil
 
     ours, ours_port = _start(["--serve", "ours", "--host", "on" if host else "off"])
@@ -127,18 +139,23 @@ def compare(host: bool, rounds: int, scrapes: int, openmetrics: bool) -> dict:
         servers = {"ours": (psutil.Process(ours.pid), ours_port), "reference": (psutil.Process(reference.pid), reference_port)}
         sizes = {name: len(_get(port, openmetrics)) for name, (_, port) in servers.items()}
         per_scrape: dict[str, list[float]] = {"ours": [], "reference": []}
+        kept: dict[int, http.client.HTTPConnection] | None = {} if keep else None
         for round_ in range(rounds):
             order = ["ours", "reference"] if round_ % 2 == 0 else ["reference", "ours"]
             for name in order:
                 process, port = servers[name]
+                _get(port, openmetrics, kept)  # a kept connection is open before the batch, as between scrapes
                 before = _cpu(process)
                 for _ in range(scrapes):
-                    _get(port, openmetrics)
+                    _get(port, openmetrics, kept)
                 per_scrape[name].append((_cpu(process) - before) / scrapes)
+        for connection in (kept or {}).values():
+            connection.close()
         ours_ms = statistics.median(per_scrape["ours"]) * 1e3
         reference_ms = statistics.median(per_scrape["reference"]) * 1e3
         return {
             "host": host,
+            "connection": "kept" if keep else "new",
             "samples": _samples(text),
             "kib": sizes["ours"] / 1024,
             "reference_kib": sizes["reference"] / 1024,
@@ -163,6 +180,12 @@ def main() -> None:
         "--host", choices=("both", "on", "off"), default="both", help="host metrics on, off, or both cases (default both)"
     )
     parser.add_argument("--openmetrics", action="store_true", help="scrape with Prometheus's OpenMetrics Accept header")
+    parser.add_argument(
+        "--connection",
+        choices=("both", "new", "kept"),
+        default="both",
+        help="a new connection per scrape, one kept open per server (as Prometheus scrapes), or both (default)",
+    )
     parser.add_argument("--json", action="store_true", help="also print each case as a JSON line")
     parser.add_argument("--serve", choices=("ours", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--exposition", help=argparse.SUPPRESS)
@@ -174,15 +197,17 @@ def main() -> None:
         serve_reference(args.exposition)
         return
     cases = {"both": (False, True), "on": (True,), "off": (False,)}[args.host]
+    connections = {"both": (False, True), "new": (False,), "kept": (True,)}[args.connection]
     fmt = "OpenMetrics" if args.openmetrics else "text 0.0.4"
     print(f"{args.rounds} rounds x {args.scrapes} scrapes per server, {fmt}, server process CPU per scrape (median of rounds)")
-    print(f"{'host metrics':<13} {'samples':>7} {'KiB':>6} {'ours ms':>8} {'prom_client ms':>14} {'ratio':>6}")
-    for host in cases:
-        result = compare(host, args.rounds, args.scrapes, args.openmetrics)
-        print(
-            f"{'on' if host else 'off':<13} {result['samples']:>7} {result['kib']:>6.1f} "
-            f"{result['ours_ms']:>8.3f} {result['reference_ms']:>14.3f} {result['ratio']:>6.2f}"
-        )
+    print(f"{'connection':<11} {'host metrics':<13} {'samples':>7} {'KiB':>6} {'ours ms':>8} {'prom_client ms':>14} {'ratio':>6}")
+    for keep in connections:
+        for host in cases:
+            result = compare(host, args.rounds, args.scrapes, args.openmetrics, keep)
+            print(
+                f"{result['connection']:<11} {'on' if host else 'off':<13} {result['samples']:>7} {result['kib']:>6.1f} "
+                f"{result['ours_ms']:>8.3f} {result['reference_ms']:>14.3f} {result['ratio']:>6.2f}"
+            )
         if args.json:
             print(json.dumps(result))
 

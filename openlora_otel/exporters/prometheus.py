@@ -17,6 +17,7 @@ import gzip
 import itertools
 import logging
 import os
+import selectors
 import socket
 import socketserver
 import threading
@@ -40,24 +41,37 @@ from openlora_otel.names import LOCAL_RANK_ATTRIBUTE
 if TYPE_CHECKING:
     from openlora_otel.exporters.discovery import FileSdRegistration
 
-__all__ = ["CONNECTION_TIMEOUT_S", "IDLE_THREADS", "IDLE_WAIT_S", "MAX_CONNECTIONS", "PortInUseError", "PrometheusEndpoint", "build_prometheus"]
+__all__ = [
+    "CONNECTION_TIMEOUT_S",
+    "IDLE_THREADS",
+    "IDLE_WAIT_S",
+    "KEEP_ALIVE_IDLE_S",
+    "KEEP_ALIVE_MAX",
+    "MAX_CONNECTIONS",
+    "PortInUseError",
+    "PrometheusEndpoint",
+    "build_prometheus",
+]
 
 _logger = logging.getLogger(__name__)
 
 # A scrape request arrives within milliseconds of connecting; anything slower is
 # a stuck or idle client, and holding its thread longer buys nothing.
 CONNECTION_TIMEOUT_S = 10.0
-# Prometheus opens one connection per scrape; a few scrapers, curl and a browser
-# fit well within this. Connections beyond it are closed at once.
+# Prometheus 2 and 3 and vmagent keep a target's connection open between scrapes (HTTP/1.1
+# keep-alive), which halves what a scrape costs the endpoint's process (docs/benchmarks.md). A kept
+# connection waits this long for the next request (Prometheus's default interval is 1 min; vmagent
+# keeps its connections two intervals), on a thread of its own that sleeps meanwhile...
+KEEP_ALIVE_IDLE_S = 120.0
+# ...and at most this many are kept: with more connections open, each answer closes its connection,
+# so idle ones can never hold every slot below.
+KEEP_ALIVE_MAX = 8
+# A few scrapers, curl and a browser fit well within this. Connections beyond it are closed at once.
 MAX_CONNECTIONS = 32
 # A thread that served a connection waits this long for the next one, and at most this many wait:
 # a scraper's next scrape (every 15 s or so) then finds one; more threads end with their connection.
 IDLE_WAIT_S = 60.0
 IDLE_THREADS = 2
-# How often the accept loop checks for shutdown (socketserver's default, 0.5 s,
-# would let close() overrun a 2 s shutdown bound by that much).
-_POLL_INTERVAL_S = 0.05
-
 
 class PortInUseError(ConfigError):
     """The Prometheus port cannot be bound; the message says which setting chose it and what to do."""
@@ -106,15 +120,34 @@ class _Handler(BaseHTTPRequestHandler):
     """Serves the metrics on every GET path, as prometheus_client's handler does."""
 
     server: _Server
-    # StreamRequestHandler applies it to the socket: every read waits at most this long.
+    # StreamRequestHandler applies it to the socket: every read waits at most this long (between
+    # requests on a kept connection, KEEP_ALIVE_IDLE_S).
     timeout = CONNECTION_TIMEOUT_S
     server_version = "openlora-otel"
+    # Persistent connections, as HTTP/1.1 clients expect; HTTP/1.0 clients are answered and closed.
+    protocol_version = "HTTP/1.1"
+
+    def handle(self) -> None:
+        """Answer requests until the connection closes, waiting up to KEEP_ALIVE_IDLE_S for each next one."""
+        self.close_connection = True
+        self.handle_one_request()
+        while not self.close_connection and self._next_request_came():
+            self.handle_one_request()
+
+    def _next_request_came(self) -> bool:
+        try:
+            self.connection.settimeout(KEEP_ALIVE_IDLE_S)
+            came = bool(self.rfile.peek(1))  # b"" when the client closed
+            self.connection.settimeout(CONNECTION_TIMEOUT_S)  # the rest of the request: as the first
+        except OSError:  # timed out, reset, or shut by close()
+            return False
+        return came
 
     def do_GET(self) -> None:
         started = time.monotonic()
         try:
-            params = parse_qs(urlparse(self.path).query)
-            output, content_type = self.server.reader.scrape(self.headers.get("Accept"), params.get("name[]"))
+            names = parse_qs(urlparse(self.path).query).get("name[]") if "?" in self.path else None
+            output, content_type = self.server.reader.scrape(self.headers.get("Accept"), names)
         except Exception:
             # A collection that fails must not take the server down or print a
             # traceback per scrape: answer 500 and say why once.
@@ -134,14 +167,36 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.scraped(started)
 
     def _send(self, status: int, content_type: str, body: bytes, headers: list[tuple[str, str]] = ()) -> bool:  # type: ignore[assignment]
+        """The status line, the headers and the body in one write (``send_response`` and ``end_headers``
+        would send the headers and the body in two system calls); False when the client went away.
+
+        The connection stays open for the client's next request only after a 200, to a request without
+        a body (none is read), while the server holds at most KEEP_ALIVE_MAX connections."""
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in headers:
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
+            if self.request_version == "HTTP/0.9":  # no status line, no headers
+                self.wfile.write(body)
+                return True
+            if (
+                status != 200
+                or self.request_version == "HTTP/1.0"  # closed unless told otherwise: told nothing
+                or self.headers.get("Content-Length", "0") != "0"
+                or "Transfer-Encoding" in self.headers
+                or not self.server.keeps_connections()
+            ):
+                self.close_connection = True
+            if self.close_connection and self.request_version != "HTTP/1.0":
+                headers = [*headers, ("Connection", "close")]
+            head = [
+                f"{self.protocol_version} {status} {self.responses[status][0]}",
+                f"Server: {self.version_string()}",
+                f"Date: {self.date_time_string()}",
+                f"Content-Type: {content_type}",
+                f"Content-Length: {len(body)}",
+                *(f"{name}: {value}" for name, value in headers),
+                "",
+                "",
+            ]
+            self.wfile.write("\r\n".join(head).encode("latin-1") + body)
             return True
         except OSError:  # the client went away or timed out: nothing to tell anyone
             return False
@@ -185,11 +240,20 @@ class _Server(HTTPServer):
         self._threads: list[threading.Thread] = []
         self._closing = False
         self._scrapes = 0
+        self._accepted = 0  # connections taken (not rejected), for the keep-alive tests
         self._last_scrape_started: float | None = None
         self._scrape_starts: list[float] = []
         self._scraped = threading.Condition(self._lock)
         self._warned_collection = False
-        super().__init__(address, _Handler)
+        # The accept loop sleeps until a connection or shutdown() (which writes to this pair) wakes it.
+        self._stop_requested = False
+        self._loop_done = threading.Event()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        try:
+            super().__init__(address, _Handler)
+        except BaseException:
+            self._close_wake()
+            raise
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind also resolves the host's FQDN, a DNS lookup that can
@@ -197,6 +261,46 @@ class _Server(HTTPServer):
         socketserver.TCPServer.server_bind(self)
         self.server_name = str(self.server_address[0])
         self.server_port = self.server_address[1]
+
+    # -- the accept loop -------------------------------------------------------
+    def serve_forever(self, poll_interval: float | None = None) -> None:
+        """Accept connections until :meth:`shutdown`; sleeps in between (socketserver's loop wakes every
+        ``poll_interval`` to check for shutdown: at 50 ms that cost about 2 ms of CPU a second, idle).
+        Called once, on the endpoint's thread."""
+        try:
+            if self._stop_requested:
+                return
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_reader, selectors.EVENT_READ)
+                while not self._stop_requested:
+                    ready = selector.select()
+                    if self._stop_requested:
+                        break
+                    if any(key.fileobj is self for key, _ in ready):
+                        self._handle_request_noblock()
+        finally:
+            self._loop_done.set()
+
+    def shutdown(self) -> None:
+        """Stop the accept loop and wait until it has returned (at once: it is woken, not polled).
+
+        As socketserver's, only once :meth:`serve_forever` has been started: the wake byte stays in the
+        pair until the loop reads its selector, so a loop that starts after this call returns at once.
+        """
+        self._stop_requested = True
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
+        self._loop_done.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        for sock in (self._wake_reader, self._wake_writer):
+            with contextlib.suppress(OSError):
+                sock.close()
 
     # -- connections ---------------------------------------------------------
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -209,6 +313,7 @@ class _Server(HTTPServer):
                 reject = True
             else:
                 reject = False
+                self._accepted += 1
                 self._active[request] = None
                 self._pending.append((request, client_address))
                 if len(self._pending) <= self._idle:
@@ -297,12 +402,16 @@ class _Server(HTTPServer):
         self._pending = collections.deque()
         self._idle = 0
         self._threads = []
-        for sock in (self.socket, *active):
+        for sock in (self.socket, self._wake_reader, self._wake_writer, *active):
             # close(), never shutdown(): the parent's sockets must keep working.
             with contextlib.suppress(OSError):
                 sock.close()
 
     # -- scrapes ---------------------------------------------------------------
+    def keeps_connections(self) -> bool:
+        """Whether a connection may stay open after its answer: at most KEEP_ALIVE_MAX are open."""
+        return len(self._active) <= KEEP_ALIVE_MAX
+
     def scrape_started(self, started: float) -> None:
         """A scraper's collection is done and its answer about to be sent."""
         with self._lock:
@@ -340,7 +449,6 @@ class PrometheusEndpoint:
         self._pid = os.getpid()
         self._thread = threading.Thread(
             target=server.serve_forever,
-            kwargs={"poll_interval": _POLL_INTERVAL_S},
             name="openlora-otel-prometheus",
             daemon=True,
         )
@@ -411,7 +519,7 @@ class PrometheusEndpoint:
             return True
         deadline = time.monotonic() + timeout_s
         try:
-            server.shutdown()  # returns within one poll interval
+            server.shutdown()  # returns as soon as the accept loop has woken and returned
         except Exception:  # pragma: no cover - defensive: closing must never raise
             _logger.debug("stopping the Prometheus accept loop failed", exc_info=True)
         threads = server.drop_connections()

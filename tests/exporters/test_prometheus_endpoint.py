@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from openlora_otel.exporters import prometheus as prometheus_module
 from tests.support.otlp_receiver import HangingEndpoint
 from tests.support.polling import wait_until
 from tests.support.processes import child_env, wait_for_child
+from tests.support.prometheus_server import PROMETHEUS_MAJORS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -255,6 +258,123 @@ def test_where_the_metrics_are_is_said_once(mode: str, quiet: str, expected: int
     assert result.stderr.count(url) == expected, result.stderr
 
 
+def _raw_exchange(port: int, request: bytes) -> tuple[bytes, bool]:
+    """Send ``request`` on a new connection; the answer's head, and whether the server then closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        while len(body) < length:
+            body += sock.recv(65536)
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+    return head, closed
+
+
+def test_scrapes_reuse_one_kept_connection() -> None:
+    # Prometheus 2 and 3 keep a target's connection between scrapes when it answers HTTP/1.1.
+    telemetry = setup_telemetry(config=_config())
+    endpoint = telemetry._prometheus
+    server = endpoint._server
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=5)
+        for _ in range(5):
+            connection.request("GET", "/metrics", headers={"Accept": "text/plain;version=0.0.4"})
+            response = connection.getresponse()
+            assert response.status == 200 and response.version == 11 and not response.will_close
+            assert b"target_info" in response.read()
+        assert server._accepted == 1 and endpoint.scrapes == 5
+        connection.close()
+    finally:
+        telemetry.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "why"),
+    [
+        (b"GET /metrics HTTP/1.0\r\n\r\n", "HTTP/1.0"),
+        (b"GET /metrics HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", "HTTP/1.0 asking to keep it: not told it is"),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "asked to close"),
+        (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", "a body it does not read"),
+    ],
+)
+def test_a_connection_is_closed_after_its_answer_when(request_bytes: bytes, why: str) -> None:
+    endpoint = prometheus_module.build_prometheus(_config())
+    try:
+        head, closed = _raw_exchange(endpoint.port, request_bytes)
+        assert head.startswith(b"HTTP/1.1 200 OK"), why
+        assert closed, why
+        assert (b"Connection: close" in head) == request_bytes.startswith(b"GET /metrics HTTP/1.1"), why
+    finally:
+        assert endpoint.close(timeout_s=2.0)
+
+
+def test_kept_connections_are_bounded_and_end_after_the_idle_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prometheus_module, "KEEP_ALIVE_MAX", 2)
+    monkeypatch.setattr(prometheus_module, "KEEP_ALIVE_IDLE_S", 0.5)
+    endpoint = prometheus_module.build_prometheus(_config())
+    server = endpoint._server
+    try:
+        connections = [http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=5) for _ in range(3)]
+        kept = []
+        for connection in connections:  # one scrape each, all three open at once
+            connection.request("GET", "/metrics")
+            response = connection.getresponse()
+            response.read()
+            kept.append(not response.will_close)
+        assert kept == [True, True, False]  # the third would have been a third kept connection
+        # Nobody asks again: the kept ones are closed after the idle wait, and their threads end.
+        assert wait_until(lambda: not server._active, 5, interval=0.05)
+        assert wait_until(lambda: len(_endpoint_threads()) <= 1 + prometheus_module.IDLE_THREADS, 5, interval=0.05)
+        for connection in connections:
+            connection.close()
+    finally:
+        assert endpoint.close(timeout_s=2.0)
+
+
+def test_close_ends_kept_connections_at_once() -> None:
+    endpoint = prometheus_module.build_prometheus(_config())
+    connection = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=5)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        response.read()
+        assert not response.will_close
+        started = time.monotonic()
+        assert endpoint.close(timeout_s=2.0)  # the kept connection's thread waits for the next request
+        assert time.monotonic() - started < 1.0
+        assert _endpoint_threads() == []
+    finally:
+        connection.close()
+
+
+@pytest.mark.e2e
+@PROMETHEUS_MAJORS
+def test_prometheus_keeps_one_connection_for_its_scrapes(tmp_path: Path, major: int) -> None:
+    from tests.support.prometheus_server import Prometheus, prometheus_binary
+
+    prometheus_binary(major)
+    telemetry = setup_telemetry(config=_config(final_scrape_timeout_s=0.0))
+    endpoint = telemetry._prometheus
+    prometheus = None
+    try:
+        prometheus = Prometheus(tmp_path, [f"127.0.0.1:{endpoint.port}"], scrape_interval="500ms", major=major)
+        assert wait_until(lambda: endpoint.scrapes >= 6, 30, interval=0.1), endpoint.scrapes
+        # Six scrapes or more (with up, its samples in Prometheus) on the first connection Prometheus opened.
+        assert endpoint._server._accepted == 1, (endpoint._server._accepted, endpoint.scrapes)
+        assert prometheus.wait_for("up == 1")
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        telemetry.shutdown()
+
+
 def test_closing_the_endpoint_does_not_wait_for_a_poll_interval() -> None:
     # socketserver's default accept loop checks for shutdown every 0.5 s: closing took up to that.
     durations = []
@@ -264,6 +384,32 @@ def test_closing_the_endpoint_does_not_wait_for_a_poll_interval() -> None:
         assert endpoint.close(timeout_s=2.0)
         durations.append(time.monotonic() - started)
     assert min(durations) < 0.2, durations
+
+
+def test_an_idle_endpoint_sleeps_until_a_connection_or_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    # socketserver's loop woke every poll interval to look for a shutdown: at 50 ms about 2 ms of CPU a
+    # second in every training process, with nobody scraping. Ours waits on the socket and a wake pair.
+    waits: list[float | None] = []
+    real = prometheus_module.selectors.DefaultSelector
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def select(self, timeout: float | None = None):  # type: ignore[override]
+            waits.append(timeout)
+            return super().select(timeout)
+
+    monkeypatch.setattr(prometheus_module.selectors, "DefaultSelector", Counting)
+    endpoint = prometheus_module.build_prometheus(_config())
+    try:
+        time.sleep(0.5)
+        assert waits == [None]  # one wait, without a timeout, all along
+        with urllib.request.urlopen(endpoint.url, timeout=10) as response:
+            assert response.status == 200
+        assert wait_until(lambda: len(waits) == 2, 5)  # woken by the connection, then waiting again
+        assert waits == [None, None]
+    finally:
+        started = time.monotonic()
+        assert endpoint.close(timeout_s=2.0)
+    assert time.monotonic() - started < 0.5
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
