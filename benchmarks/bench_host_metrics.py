@@ -7,11 +7,12 @@ Four comparisons, each with ``OPENLORA_HOST_METRICS`` true vs false in one run:
 2. one scrape of the pull endpoint (``GET /metrics``, collection plus text
    exposition): time and bytes;
 3. each host metric alone on a bare provider, minus an empty provider's
-   collection: which psutil read costs what;
-4. ``setup_telemetry()`` in fresh interpreters: the one-off import of psutil.
+   collection: which read costs what;
+4. ``setup_telemetry()`` in fresh interpreters.
 
-Then a loop calls ``record_step`` on the main thread while another thread
-collects, and every psutil call made is attributed to its thread.
+Then the reads of one collection from each source side by side (``/proc`` read directly, on Linux,
+and psutil), and a loop that calls ``record_step`` on the main thread while another thread
+collects, every read attributed to its thread.
 
     python benchmarks/bench_host_metrics.py [--repeat 200] [--rounds 5]
 """
@@ -152,7 +153,13 @@ print(json.dumps({"import": t1 - t0, "setup": t2 - t1}))
 
 def setup_cost(host: bool, repeat: int) -> float:
     times = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "OPENLORA_"))}
+    # Bytecode written and reused, as an installed package has it: under PYTHONDONTWRITEBYTECODE every
+    # module imported at setup would be compiled again in each interpreter (a few ms for the host modules).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("OTEL_", "OPENLORA_")) and k != "PYTHONDONTWRITEBYTECODE"
+    }
     for _ in range(repeat):
         out = subprocess.run(
             [sys.executable, "-c", SETUP, "on" if host else "off"],
@@ -167,27 +174,45 @@ def setup_cost(host: bool, repeat: int) -> float:
     return statistics.median(times)
 
 
-def threads_that_read_psutil(seconds: float) -> Counter:
-    """Run record_step on the main thread while another thread collects; count psutil calls per thread."""
+def source_reads(repeat: int) -> list[tuple[str, float]]:
+    """(source, median thread-CPU ms) of every host callback called once, for each source this platform has."""
     import psutil
 
+    from openlora_otel.hardware import host
+    from openlora_otel.hardware.procfs import open_procfs
+
+    sources = [source for source in (open_procfs(), host.PsutilSource(psutil)) if source is not None]
+    rows = []
+    for source in sources:
+        readings = host._Readings(source, selection(system=True))
+        callbacks = [readings.callback(name) for name in selection(system=True)]
+        _, cpu = _timed(lambda callbacks=callbacks: [callback(None) for callback in callbacks], repeat)
+        rows.append((source.name, cpu * 1e3))
+    return rows
+
+
+def threads_that_read(seconds: float) -> Counter:
+    """Run record_step on the main thread while another thread collects; count the host reads per thread."""
+    from openlora_otel.hardware import host
+
     calls: Counter = Counter()
-    wrapped = {}
+    real = host._source
 
-    def wrap(owner: object, name: str) -> None:
-        original = getattr(owner, name)
+    class Counting:
+        def __init__(self, inner) -> None:
+            self.name = inner.name
+            self._inner = inner
 
-        def counting(*args, **kwargs):
-            calls[threading.current_thread().name] += 1
-            return original(*args, **kwargs)
+        def __getattr__(self, method: str):
+            original = getattr(self._inner, method)
 
-        wrapped[(owner, name)] = original
-        setattr(owner, name, counting)
+            def counting(*args, **kwargs):
+                calls[threading.current_thread().name] += 1
+                return original(*args, **kwargs)
 
-    for name in ("cpu_times_percent", "virtual_memory", "disk_io_counters", "net_io_counters"):
-        wrap(psutil, name)
-    for name in ("cpu_times", "memory_info", "io_counters"):
-        wrap(psutil.Process, name)
+            return counting
+
+    host._source = lambda: Counting(real())
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(config=_config(True, exporters=("none",)), metric_readers=[reader])
     stop = threading.Event()
@@ -210,8 +235,7 @@ def threads_that_read_psutil(seconds: float) -> Counter:
         stop.set()
         collector.join(10)
         telemetry.shutdown()
-        for (owner, name), original in wrapped.items():
-            setattr(owner, name, original)
+        host._source = real
     return calls
 
 
@@ -258,8 +282,13 @@ def main() -> None:
     off, on = setup_cost(False, args.setup_repeat) * 1e3, setup_cost(True, args.setup_repeat) * 1e3
     print(f"{'setup ms':>22}{off:>12.1f}{on:>12.1f}{on / off:>10.2f}{on - off:>12.1f}")
 
-    print("\n5. psutil calls by thread while record_step runs on the main thread (2 s)")
-    for thread, count in sorted(threads_that_read_psutil(2.0).items()):
+    print("\n5. the reads of one collection, by source (every host callback once; thread CPU, median)")
+    rows = source_reads(args.repeat)
+    for name, cpu in rows:
+        print(f"{name:>22}{cpu:>12.3f} ms" + (f"{cpu / rows[0][1]:>10.2f}x" if len(rows) > 1 else ""))
+
+    print("\n6. host reads by thread while record_step runs on the main thread (2 s)")
+    for thread, count in sorted(threads_that_read(2.0).items()):
         print(f"{thread:>40}: {count}")
 
 

@@ -1,11 +1,14 @@
-"""Host and process metrics (CPU, memory, disk and network I/O), read with psutil, named by the semantic conventions.
+"""Host and process metrics (CPU, memory, disk and network I/O), named by the semantic conventions.
 
 A bounded selection (:data:`SYSTEM_SELECTION`, :data:`PROCESS_SELECTION`; specs in
 :data:`openlora_otel.names.host.HOST_METRICS`) of observable instruments on the provider
 ``setup_telemetry()`` built, under :data:`SCOPE_NAME`: ``system.*`` from local rank 0 only,
 ``process.*`` from every process, every value read on the collecting thread, never on the step path.
-Not through opentelemetry-instrumentation-system-metrics, whose keys are the old ones; psutil is
-imported by :func:`start_host_metrics` alone. See docs/reference/host-metrics.md.
+The values come from one source: ``/proc`` read directly on Linux
+(:class:`~openlora_otel.hardware.procfs.ProcfsSource`), psutil elsewhere (:class:`PsutilSource`,
+imported by :func:`start_host_metrics` alone); the process's CPU time from ``os.times()`` on both.
+Not through opentelemetry-instrumentation-system-metrics, whose keys are the old ones. See
+docs/reference/host-metrics.md.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from typing import Any
 from openlora_otel.names.host import HOST_METRICS
 
 __all__ = [
+    "NOT_LINK",
+    "NOT_STORAGE",
     "PROCESS_SELECTION",
     "SCOPE_NAME",
     "SYSTEM_SELECTION",
     "CpuIdle",
     "HostMetrics",
+    "PsutilSource",
     "reports_system",
     "selection",
     "start_host_metrics",
@@ -65,6 +71,12 @@ PROCESS_SELECTION: Mapping[str, tuple[str, ...] | None] = {
 # the partitions of the disks named past sdz (sdaa1), as the dashboards' whole-disk selector reads them.
 NOT_STORAGE = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]+|nvme\d+n\d+p)\d+$")
 
+# Network interfaces that are not the node's own links, left out as the dashboards' queries leave them out:
+# containers' veth pairs and docker bridges (a container's traffic is counted again on the node's own
+# interface), and traffic-shaping ifb devices (a mirror of another interface's traffic). On a Kubernetes
+# node the veth pairs come and go with the pods, two series each. Loopback stays.
+NOT_LINK = re.compile(r"^(veth|docker|br-|ifb)")
+
 _missing_warned = False
 _missing_lock = threading.Lock()
 
@@ -88,66 +100,122 @@ def selection(*, system: bool, excluded: Sequence[str] = ()) -> dict[str, list[s
 class CpuIdle:
     """``system.cpu.utilization`` from one process-wide previous reading, whichever thread collects.
 
-    Each call measures the share of time per logical CPU (``cpu.logical_number``, from 0, as
-    psutil lists them) in each of ``modes`` (``cpu.mode``) since the previous call, in any thread
-    (two readers, pull and push: each covers the time since the other one), or since construction
-    for the first. The total is psutil's: every field of ``cpu_times``, less ``guest`` and
-    ``guest_nice`` (Linux counts them in ``user`` and ``nice`` already). A CPU whose counters did
-    not move (two calls within one clock tick) repeats its previous shares, or has none yet. psutil
-    lists online CPUs only: when their number changed between two readings (a CPU taken off or on
-    line), positions no longer pair the same CPUs, and that one collection reports nothing.
+    ``cpu_times()`` returns (field names, logical CPU number -> times in those fields, any one unit)
+    for the online CPUs. Each call measures the share of time per logical CPU
+    (``cpu.logical_number``) in each of ``modes`` (``cpu.mode``) since the previous call, in any
+    thread (two readers, pull and push: each covers the time since the other one), or since
+    construction for the first. The total is every field less ``guest`` and ``guest_nice`` (Linux
+    counts them in ``user`` and ``nice`` already). A CPU whose counters did not move (two calls
+    within one clock tick) repeats its previous shares, or has none yet. When the set of CPUs changed
+    between two readings (a CPU taken off or on line), that one collection reports nothing.
     """
 
-    def __init__(self, modes: Sequence[str], cpu_times: Callable[..., Any]) -> None:
+    def __init__(self, modes: Sequence[str], cpu_times: Callable[[], tuple[Sequence[str], Mapping[int, Sequence[float]]]]) -> None:
         self._modes = tuple(modes)
-        self._cpu_times = cpu_times  # psutil.cpu_times, handed in so tests can script it
+        self._cpu_times = cpu_times
         self._lock = threading.Lock()
-        self._previous = cpu_times(percpu=True)
+        self._previous = cpu_times()[1]
         self._shares: dict[tuple[int, str], float] = {}
+        self._attributes: dict[tuple[int, str], dict[str, Any]] = {}
 
     def __call__(self, options: Any = None) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
         observations = []
         with self._lock:
-            current = self._cpu_times(percpu=True)
+            fields, current = self._cpu_times()
             previous, self._previous = self._previous, current
-            if len(previous) != len(current):
+            if previous.keys() != current.keys():
                 self._shares.clear()
                 return observations
-            for cpu, (before, after) in enumerate(zip(previous, current, strict=True)):
-                deltas = {field: max(getattr(after, field) - getattr(before, field), 0.0) for field in after._fields}
-                total = sum(deltas.values()) - deltas.get("guest", 0.0) - deltas.get("guest_nice", 0.0)
-                for mode in self._modes:
-                    if mode not in deltas:
+            positions = [(mode, fields.index(mode)) for mode in self._modes if mode in fields]
+            guests = [fields.index(field) for field in ("guest", "guest_nice") if field in fields]
+            for cpu, after in current.items():
+                before = previous[cpu]
+                deltas = [max(a - b, 0) for a, b in zip(after, before, strict=False)]
+                total = sum(deltas) - sum(deltas[i] for i in guests if i < len(deltas))
+                for mode, index in positions:
+                    if index >= len(deltas):
                         continue
+                    key = (cpu, mode)
                     if total > 0:
-                        self._shares[cpu, mode] = min(deltas[mode] / total, 1.0)
-                    share = self._shares.get((cpu, mode))
+                        self._shares[key] = min(deltas[index] / total, 1.0)
+                    share = self._shares.get(key)
                     if share is not None:
-                        observations.append(Observation(share, {"cpu.logical_number": cpu, "cpu.mode": mode}))
+                        attributes = self._attributes.get(key)
+                        if attributes is None:
+                            attributes = self._attributes[key] = {"cpu.logical_number": cpu, "cpu.mode": mode}
+                        observations.append(Observation(share, attributes))
         return observations
 
 
-class _Readings:
-    """The psutil reads behind each instrument, one callback per metric; all observe nothing once stopped."""
+class PsutilSource:
+    """The host metrics' readings from psutil: where :func:`~openlora_otel.hardware.procfs.open_procfs` has no ``/proc``.
 
-    # Our direction values -> the field suffix of psutil's net_io_counters (bytes_sent, bytes_recv).
-    _NETWORK_FIELDS = {"transmit": "sent", "receive": "recv"}
+    The same interface as :class:`~openlora_otel.hardware.procfs.ProcfsSource`; CPUs are numbered by
+    their position in psutil's list of online CPUs.
+    """
 
-    def __init__(self, psutil: Any, chosen: Mapping[str, list[str] | None]) -> None:
+    name = "psutil"
+
+    def __init__(self, psutil: Any) -> None:
         self._psutil = psutil
+        self._process: Any = None
+
+    def cpu_times(self) -> tuple[tuple[str, ...], Mapping[int, Sequence[float]]]:
+        times = self._psutil.cpu_times(percpu=True)
+        return (tuple(times[0]._fields) if times else ()), dict(enumerate(times))
+
+    def memory(self) -> tuple[int, int]:
+        memory = self._psutil.virtual_memory()
+        return memory.used, memory.available
+
+    def disks(self) -> Mapping[str, tuple[int, int]]:
+        counters = self._psutil.disk_io_counters(perdisk=True) or {}
+        return {name: (c.read_bytes, c.write_bytes) for name, c in counters.items()}
+
+    def interfaces(self) -> Mapping[str, tuple[int, int]]:
+        counters = self._psutil.net_io_counters(pernic=True) or {}
+        return {name: (c.bytes_recv, c.bytes_sent) for name, c in counters.items()}
+
+    def _own_process(self) -> Any:
+        # psutil.Process keeps the pid it was made for: a forked child reads its own.
+        pid = os.getpid()
+        if self._process is None or self._process.pid != pid:
+            self._process = self._psutil.Process(pid)
+        return self._process
+
+    def process_memory(self) -> int | None:
+        return self._own_process().memory_info().rss
+
+    def process_io(self) -> tuple[int, int] | None:
+        try:
+            counters = self._own_process().io_counters()
+        except (AttributeError, NotImplementedError, PermissionError, self._psutil.AccessDenied):
+            return None  # io_counters() is not on every platform (macOS) nor always readable
+        return counters.read_bytes, counters.write_bytes
+
+
+class _Readings:
+    """The reads behind each instrument, one callback per metric, from one source; all observe nothing once stopped."""
+
+    # The position of each direction in a source's (read, write) and (receive, transmit) pairs.
+    _DISK = {"read": 0, "write": 1}
+    _NETWORK = {"receive": 0, "transmit": 1}
+    _PROCESS_CPU = {"user": 0, "system": 1}
+
+    def __init__(self, source: Any, chosen: Mapping[str, list[str] | None]) -> None:
+        self._source = source
         self._chosen = chosen
         self._stopped = False
-        self._process: Any = None
-        # system.memory.usage's reading of /proc/meminfo, left for system.memory.linux.available, whose
+        # system.memory.usage's reading of memory, left for system.memory.linux.available, whose
         # callback runs next in the same collection (instruments are called in the order they were made).
-        self._memory: Any = None
+        self._available: int | None = None
         # Attribute sets, made once per device, interface or value (the SDK copies what it keeps).
         self._attributes: dict[tuple[str, ...], dict[str, str]] = {}
         modes = chosen.get("system.cpu.utilization")
         # The first CPU-times reading, the base of the first collection's shares, is taken now.
-        self._cpu_idle = CpuIdle(modes, psutil.cpu_times) if modes else None
+        self._cpu_idle = CpuIdle(modes, source.cpu_times) if modes else None
 
     def stop(self) -> None:
         self._stopped = True
@@ -163,27 +231,6 @@ class _Readings:
 
         return observe
 
-    def _own_process(self) -> Any:
-        # psutil.Process keeps the pid it was made for: a forked child reads its own.
-        pid = os.getpid()
-        if self._process is None or self._process.pid != pid:
-            self._process = self._psutil.Process(pid)
-        return self._process
-
-    def _system_memory_usage(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        memory = self._memory = self._psutil.virtual_memory()
-        for state in self._chosen["system.memory.usage"] or ():
-            if hasattr(memory, state):
-                yield Observation(getattr(memory, state), self._attributes_of("system.memory.state", state))
-
-    def _system_memory_linux_available(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        memory, self._memory = self._memory, None
-        yield Observation((memory or self._psutil.virtual_memory()).available)
-
     def _attributes_of(self, *pairs: str) -> dict[str, str]:
         attributes = self._attributes.get(pairs)
         if attributes is None:
@@ -192,59 +239,75 @@ class _Readings:
             attributes = self._attributes[pairs] = dict(zip(pairs[::2], pairs[1::2], strict=True))
         return attributes
 
+    def _system_memory_usage(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        used, self._available = self._source.memory()
+        if "used" in (self._chosen["system.memory.usage"] or ()):
+            yield Observation(used, self._attributes_of("system.memory.state", "used"))
+
+    def _system_memory_linux_available(self, options: Any) -> Iterable[Any]:
+        from opentelemetry.metrics import Observation
+
+        available, self._available = self._available, None
+        yield Observation(available if available is not None else self._source.memory()[1])
+
     def _system_disk_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        for device, counters in (self._psutil.disk_io_counters(perdisk=True) or {}).items():
+        directions = [(d, self._DISK[d]) for d in self._chosen["system.disk.io"] or ()]
+        for device, values in self._source.disks().items():
             if NOT_STORAGE.match(device):
                 continue
-            for direction in self._chosen["system.disk.io"] or ():
-                value = getattr(counters, f"{direction}_bytes", None)
-                if value is not None:
-                    yield Observation(value, self._attributes_of("system.device", device, "disk.io.direction", direction))
+            for direction, index in directions:
+                yield Observation(values[index], self._attributes_of("system.device", device, "disk.io.direction", direction))
 
     def _system_network_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        for interface, counters in (self._psutil.net_io_counters(pernic=True) or {}).items():
-            for direction in self._chosen["system.network.io"] or ():
-                value = getattr(counters, f"bytes_{self._NETWORK_FIELDS[direction]}", None)
-                if value is not None:
-                    yield Observation(
-                        value, self._attributes_of("network.interface.name", interface, "network.io.direction", direction)
-                    )
+        directions = [(d, self._NETWORK[d]) for d in self._chosen["system.network.io"] or ()]
+        for interface, values in self._source.interfaces().items():
+            if NOT_LINK.match(interface):
+                continue
+            for direction, index in directions:
+                yield Observation(
+                    values[index], self._attributes_of("network.interface.name", interface, "network.io.direction", direction)
+                )
 
     def _process_cpu_time(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        times = self._own_process().cpu_times()
+        # os.times(): this process's user and system CPU seconds, what psutil's Process.cpu_times reads
+        # from /proc/<pid>/stat, from one system call; always the calling process, so right after a fork.
+        times = os.times()
         for mode in self._chosen["process.cpu.time"] or ():
-            if hasattr(times, mode):
-                yield Observation(getattr(times, mode), self._attributes_of("cpu.mode", mode))
+            yield Observation(times[self._PROCESS_CPU[mode]], self._attributes_of("cpu.mode", mode))
 
     def _process_memory_usage(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        yield Observation(self._own_process().memory_info().rss)
+        rss = self._source.process_memory()
+        if rss is not None:
+            yield Observation(rss)
 
     def _process_disk_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        try:
-            counters = self._own_process().io_counters()
-        except (AttributeError, NotImplementedError, PermissionError, self._psutil.AccessDenied):
-            return  # io_counters() is not on every platform (macOS) nor always readable
+        counters = self._source.process_io()
+        if counters is None:
+            return
         for direction in self._chosen["process.disk.io"] or ():
-            yield Observation(getattr(counters, f"{direction}_bytes"), self._attributes_of("disk.io.direction", direction))
+            yield Observation(counters[self._DISK[direction]], self._attributes_of("disk.io.direction", direction))
 
 
 class HostMetrics:
     """What :func:`start_host_metrics` turned on; :meth:`stop` makes its instruments observe nothing."""
 
-    def __init__(self, readings: _Readings, metrics: tuple[str, ...], system: bool) -> None:
+    def __init__(self, readings: _Readings, metrics: tuple[str, ...], system: bool, source: str = "psutil") -> None:
         self._readings: _Readings | None = readings
         self._metrics = metrics
         self._system = system
+        self._source = source
         self._lock = threading.Lock()
 
     @property
@@ -256,6 +319,11 @@ class HostMetrics:
     def system(self) -> bool:
         """True when this process reports the node-wide ``system.*`` series."""
         return self._system
+
+    @property
+    def source(self) -> str:
+        """Where the values are read: ``procfs`` (``/proc`` directly, on Linux) or ``psutil``."""
+        return self._source
 
     @property
     def running(self) -> bool:
@@ -270,7 +338,7 @@ class HostMetrics:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"<HostMetrics {state} system={self._system} metrics={list(self._metrics)}>"
+        return f"<HostMetrics {state} source={self._source} system={self._system} metrics={list(self._metrics)}>"
 
 
 _CREATE = {
@@ -280,34 +348,50 @@ _CREATE = {
 }
 
 
+def _source() -> Any:
+    """Where the values come from: ``/proc`` read directly on Linux (see :mod:`~openlora_otel.hardware.procfs`),
+    psutil elsewhere or where ``/proc`` is not as expected; None (one warning per process) when that needs
+    psutil and it is not installed."""
+    if _LINUX:
+        from openlora_otel.hardware.procfs import open_procfs
+
+        source = open_procfs()
+        if source is not None:
+            return source
+    try:
+        import psutil
+    except ImportError as exc:
+        _warn_missing(exc)
+        return None
+    return PsutilSource(psutil)
+
+
 def start_host_metrics(
     meter_provider: Any, *, local_rank: object = None, excluded: Sequence[str] = ()
 ) -> HostMetrics | None:
     """Start the host and process selection on ``meter_provider``; None when nothing was started.
 
-    Nothing is started when every metric is excluded or when psutil is not
-    installed (one warning per process).
+    Nothing is started when every metric is excluded, or when there is no ``/proc`` to read
+    and psutil is not installed (one warning per process).
     """
     system = reports_system(local_rank)
     chosen = selection(system=system, excluded=excluded)
     if not chosen:
         _logger.info("host metrics: every metric is excluded by OTEL_PYTHON_SYSTEM_METRICS_EXCLUDED_METRICS")
         return None
-    try:
-        import psutil
-    except ImportError as exc:
-        _warn_missing(exc)
+    source = _source()
+    if source is None:
         return None
     from openlora_otel._version import __version__
 
-    readings = _Readings(psutil, chosen)
+    readings = _Readings(source, chosen)
     meter = meter_provider.get_meter(SCOPE_NAME, __version__)
     for spec in HOST_METRICS:
         if spec.name in chosen:
             create = getattr(meter, _CREATE[spec.kind])
             create(spec.name, callbacks=[readings.callback(spec.name)], unit=spec.unit, description=spec.description)
-    _logger.debug("host metrics on: %s", ", ".join(chosen))
-    return HostMetrics(readings, tuple(chosen), system)
+    _logger.debug("host metrics on (%s): %s", source.name, ", ".join(chosen))
+    return HostMetrics(readings, tuple(chosen), system, source.name)
 
 
 def _warn_missing(exc: ImportError) -> None:

@@ -1,5 +1,6 @@
 """Host and process metrics (openlora_otel.hardware.host): the selection of system.* and process.*
-metrics it observes with psutil, in the semantic conventions' names, kinds, units and attribute keys."""
+metrics it observes (from /proc on Linux, psutil elsewhere), in the semantic conventions' names, kinds,
+units and attribute keys."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ HOST_METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "By",
         "Bytes received and transmitted (`network.io.direction`) per network interface "
-        "(`network.interface.name`, `lo` included). Node only.",
+        "(`network.interface.name`: `lo` and the node's own links; containers' veth pairs, docker bridges "
+        "and ifb devices left out). Node only.",
     ),
     MetricSpec(
         "process.cpu.time", "counter", "s", "CPU seconds of this process by `cpu.mode` (`user`, `system`)."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import enum
 import inspect
 import logging
@@ -29,12 +28,14 @@ from opentelemetry.semconv._incubating.metrics import process_metrics, system_me
 from openlora_otel import ConfigError, TelemetryConfig, setup_telemetry
 from openlora_otel.hardware import host
 from openlora_otel.hardware.host import (
+    NOT_LINK,
     NOT_STORAGE,
     PROCESS_SELECTION,
     SCOPE_NAME,
     SYSTEM_SELECTION,
     start_host_metrics,
 )
+from openlora_otel.hardware.procfs import open_procfs
 from openlora_otel.names import HOST_ATTRIBUTES, HOST_METRICS
 from tests.support import docs_text
 from tests.support.processes import child_env, free_port
@@ -72,8 +73,57 @@ def collect(env: dict[str, str] | None = None) -> tuple[dict[str, object], objec
         telemetry.shutdown()
 
 
-def test_default_selection_reports_the_documented_names_kinds_and_units() -> None:
+class Recorded:
+    """A source that passes every read to ``inner`` (or to what ``replaced`` names) and records which
+    read ran on which thread."""
+
+    name = "recorded"
+
+    def __init__(self, inner: object, **replaced: object) -> None:
+        self._inner = inner
+        self._replaced = replaced
+        self.reads: list[tuple[str, str]] = []
+
+    def __getattr__(self, method: str) -> object:
+        real = self._replaced.get(method) or getattr(self._inner, method)
+
+        def read(*args: object, **kwargs: object) -> object:
+            self.reads.append((method, threading.current_thread().name))
+            return real(*args, **kwargs)
+
+        return read
+
+
+def real_source() -> object:
+    """What setup_telemetry() reads here: /proc on Linux, psutil elsewhere."""
+    return host._source()
+
+
+@pytest.fixture(params=["procfs", "psutil"])
+def source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each source in turn, as setup_telemetry() would have chosen it (procfs on Linux only)."""
+    if request.param == "procfs":
+        if not sys.platform.startswith("linux"):
+            pytest.skip("/proc is Linux's")
+        monkeypatch.setattr(host, "_source", open_procfs)
+    else:
+        monkeypatch.setattr(host, "_source", lambda: host.PsutilSource(psutil))
+    return request.param
+
+
+def _links() -> list[str]:
+    return [nic for nic in psutil.net_io_counters(pernic=True) if not NOT_LINK.match(nic)]
+
+
+def test_setup_reads_proc_on_linux_and_psutil_elsewhere() -> None:
+    _, handle = collect()
+    assert handle.source == ("procfs" if sys.platform.startswith("linux") else "psutil")
+    assert "source=" + handle.source in repr(handle)
+
+
+def test_default_selection_reports_the_documented_names_kinds_and_units(source: str) -> None:
     found, handle = collect()
+    assert handle.source == source
     assert set(found) == SYSTEM_NAMES | PROCESS_NAMES
     assert handle is not None and handle.system
     for spec in HOST_METRICS:
@@ -86,7 +136,7 @@ def test_default_selection_reports_the_documented_names_kinds_and_units() -> Non
         assert metric.unit == spec.unit, spec.name
     cpus = found["system.cpu.utilization"].data.data_points
     assert {p.attributes["cpu.mode"] for p in cpus} == {"idle"}
-    # Numbered from 0, as psutil lists the logical CPUs (the package numbered them from 1).
+    # Numbered from 0 (the package numbered them from 1): cpuN of /proc/stat, psutil's position in its list.
     assert sorted(p.attributes["cpu.logical_number"] for p in cpus) == list(range(psutil.cpu_count()))
     assert [p.attributes for p in found["system.memory.usage"].data.data_points] == [{"system.memory.state": "used"}]
     assert [p.attributes for p in found["system.memory.linux.available"].data.data_points] == [{}]
@@ -98,7 +148,7 @@ def test_default_selection_reports_the_documented_names_kinds_and_units() -> Non
     assert {
         (p.attributes["network.interface.name"], p.attributes["network.io.direction"])
         for p in found["system.network.io"].data.data_points
-    } == {(nic, direction) for nic in psutil.net_io_counters(pernic=True) for direction in ("receive", "transmit")}
+    } == {(nic, direction) for nic in _links() for direction in ("receive", "transmit")}
     assert {p.attributes["disk.io.direction"] for p in found["process.disk.io"].data.data_points} == {"read", "write"}
     assert [p.attributes for p in found["process.memory.usage"].data.data_points] == [{}]
 
@@ -209,35 +259,45 @@ def test_disks_are_the_storage_devices_node_exporter_reports(monkeypatch: pytest
     # partitions of whole disks (counted again on the disk); device-mapper and md devices stay.
     names = ["loop0", "loop12", "ram0", "zram0", "fd0", "sda", "sda1", "sdab", "sdab3", "vda", "vda15", "xvda",
              "xvda1", "hda", "hda2", "nvme0n1", "nvme0n1p1", "nvme12n1", "nvme12n1p15", "dm-0", "md127", "sr0"]  # fmt: skip
-    counters = psutil._ntp.sdiskio(1, 2, 3, 4, 5, 6, 7, 8, 9)
-    monkeypatch.setattr(psutil, "disk_io_counters", lambda **kwargs: dict.fromkeys(names, counters))
+    scripted = Recorded(real_source(), disks=lambda: dict.fromkeys(names, (3, 4)))
+    monkeypatch.setattr(host, "_source", lambda: scripted)
     found, _ = collect()
     devices = {p.attributes["system.device"] for p in found["system.disk.io"].data.data_points}
     assert devices == {"sda", "sdab", "vda", "xvda", "hda", "nvme0n1", "nvme12n1", "dm-0", "md127", "sr0"}
 
 
-def test_meminfo_is_read_once_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
-    reads: list[int] = []
-    original = psutil.virtual_memory
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: (reads.append(1), original())[1])
+def test_interfaces_are_the_nodes_own_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Containers' veth pairs and docker bridges (their traffic is counted again on the node's own
+    # interface) and ifb mirrors are left out, as the dashboards' queries leave them out; loopback stays.
+    names = ["lo", "eth0", "ens5", "ib0", "bond0", "veth1a2b3c", "docker0", "br-0f1e2d", "ifb0", "cni0", "tailscale0"]
+    scripted = Recorded(real_source(), interfaces=lambda: dict.fromkeys(names, (5, 6)))
+    monkeypatch.setattr(host, "_source", lambda: scripted)
+    found, _ = collect()
+    interfaces = {p.attributes["network.interface.name"] for p in found["system.network.io"].data.data_points}
+    assert interfaces == {"lo", "eth0", "ens5", "ib0", "bond0", "cni0", "tailscale0"}
+
+
+def test_memory_is_read_once_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded = Recorded(real_source())
+    monkeypatch.setattr(host, "_source", lambda: recorded)
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader])
     try:
         for collection in range(1, 4):
             data = reader.get_metrics_data()
-            assert len(reads) == collection
+            assert [method for method, _ in recorded.reads].count("memory") == collection
             (available,) = points(data, "system.memory.linux.available")
             (used,) = points(data, "system.memory.usage")
-            assert available.value + used.value == original().total
+            assert abs(available.value + used.value - psutil.virtual_memory().total) < 0.001 * psutil.virtual_memory().total
     finally:
         telemetry.shutdown()
 
 
-def test_series_count_is_the_documented_formula() -> None:
+def test_series_count_is_the_documented_formula(source: str) -> None:
     found, _ = collect()
     cpus = psutil.cpu_count()
     disks = len(_storage_devices())
-    nics = len(psutil.net_io_counters(pernic=True))
+    nics = len(_links())
     counted = {name: len(metric.data.data_points) for name, metric in found.items()}
     assert counted == {
         "system.cpu.utilization": cpus,
@@ -253,7 +313,7 @@ def test_series_count_is_the_documented_formula() -> None:
     assert "`C + 2 + 2D + 2N` system series" in section and "and 5 per process" in section
 
 
-def test_values_are_this_process_and_this_node() -> None:
+def test_values_are_this_process_and_this_node(source: str) -> None:
     found, _ = collect()
     used = found["system.memory.usage"].data.data_points[0].value
     available = found["system.memory.linux.available"].data.data_points[0].value
@@ -423,6 +483,7 @@ def test_without_psutil_one_warning_and_no_crash(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "psutil", None)
+    monkeypatch.setattr(host, "_LINUX", False)  # where psutil is the only source
     monkeypatch.setattr(host, "_missing_warned", False)
     with caplog.at_level(logging.WARNING, logger="openlora_otel"):
         for _ in range(2):
@@ -439,13 +500,23 @@ def test_without_psutil_one_warning_and_no_crash(
     assert len(warnings) == 1 and "pip install psutil" in warnings[0].getMessage()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_on_linux_they_need_no_psutil(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    with caplog.at_level(logging.WARNING, logger="openlora_otel"):
+        found, handle = collect()
+    assert set(found) == SYSTEM_NAMES | PROCESS_NAMES and handle.source == "procfs"
+    assert "host metrics off" not in caplog.text
+
+
 def test_a_failing_start_leaves_telemetry_working(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(percpu: bool = False) -> None:
-        raise OSError("psutil cannot read /proc")
+    def broken() -> None:
+        raise OSError("cannot read /proc/stat")
 
-    monkeypatch.setattr(psutil, "cpu_times", broken)  # the first CPU reading is taken at start
+    broken_source = Recorded(real_source(), cpu_times=broken)  # the first CPU reading is taken at start
+    monkeypatch.setattr(host, "_source", lambda: broken_source)
     reader = InMemoryMetricReader()
     with caplog.at_level(logging.WARNING, logger="openlora_otel"):
         telemetry = setup_telemetry(
@@ -457,45 +528,40 @@ def test_a_failing_start_leaves_telemetry_working(
     telemetry.shutdown()
 
 
-def test_psutil_is_read_on_the_collecting_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    readers: list[str] = []
-    for name in ("virtual_memory", "cpu_times", "disk_io_counters", "net_io_counters"):
-        original = getattr(psutil, name)
-        monkeypatch.setattr(
-            psutil,
-            name,
-            lambda *a, _o=original, **k: (readers.append(threading.current_thread().name), _o(*a, **k))[1],
-        )
-    original_memory_info = psutil.Process.memory_info
-    monkeypatch.setattr(
-        psutil.Process,
-        "memory_info",
-        lambda self: (readers.append(threading.current_thread().name), original_memory_info(self))[1],
-    )
+def test_every_read_is_on_the_collecting_thread_only(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded = Recorded(host._source())
+    monkeypatch.setattr(host, "_source", lambda: recorded)
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(
         config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader]
     )
-    readers.clear()  # setup took the first CPU-times reading, the base of the first collection's shares
+    # Setup took the first CPU-times reading, the base of the first collection's shares.
+    assert recorded.reads == [("cpu_times", threading.current_thread().name)]
+    recorded.reads.clear()
     try:
         for _ in range(200):
             telemetry.training.record_step(loss=1.0, tokens=4, step_time_s=0.01)
-        assert readers == []
+        assert recorded.reads == []
         collector = threading.Thread(target=reader.get_metrics_data, name="collector")
         collector.start()
         collector.join(30)
-        assert readers and set(readers) == {"collector"}
+        assert {method for method, _ in recorded.reads} == {
+            "cpu_times", "memory", "disks", "interfaces", "process_memory", "process_io"
+        }  # fmt: skip
+        assert {thread for _, thread in recorded.reads} == {"collector"}
     finally:
         telemetry.shutdown()
 
 
-CpuTimes = collections.namedtuple(
-    "CpuTimes", "user nice system idle iowait irq softirq steal guest guest_nice"
-)
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal", "guest", "guest_nice")
 
 
-def _cpu(user: float, idle: float, guest: float = 0.0) -> CpuTimes:
-    return CpuTimes(user, 0.0, 0.0, idle, 0.0, 0.0, 0.0, 0.0, guest, 0.0)
+def _cpu(user: float, idle: float, guest: float = 0.0) -> tuple[float, ...]:
+    return (user, 0.0, 0.0, idle, 0.0, 0.0, 0.0, 0.0, guest, 0.0)
+
+
+def _cpus(*times: tuple[float, ...]) -> tuple[tuple[str, ...], dict[int, tuple[float, ...]]]:
+    return CPU_FIELDS, dict(enumerate(times))
 
 
 def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever_thread_collects(
@@ -505,18 +571,18 @@ def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever
     (every scrape of the pull endpoint) read every CPU 0 % idle. The shares come from one reading
     to the next, whichever thread takes them; the first from the reading taken at setup."""
     readings = [
-        [_cpu(100, 100, guest=5), _cpu(50, 50)],  # at setup
-        [_cpu(140, 160, guest=15), _cpu(150, 50)],  # cpu 0: 60 idle of 100 (guest is in user); cpu 1: busy
-        [_cpu(140, 160, guest=15), _cpu(150, 150)],  # cpu 0 did not move: repeats; cpu 1: all idle
+        _cpus(_cpu(100, 100, guest=5), _cpu(50, 50)),  # at setup
+        _cpus(_cpu(140, 160, guest=15), _cpu(150, 50)),  # cpu 0: 60 idle of 100 (guest is in user); cpu 1: busy
+        _cpus(_cpu(140, 160, guest=15), _cpu(150, 150)),  # cpu 0 did not move: repeats; cpu 1: all idle
     ]
     calls: list[str] = []
 
-    def cpu_times(percpu: bool = False) -> list[CpuTimes]:
-        assert percpu
+    def cpu_times() -> tuple[tuple[str, ...], dict[int, tuple[float, ...]]]:
         calls.append(threading.current_thread().name)
         return readings[min(len(calls), len(readings)) - 1]
 
-    monkeypatch.setattr(psutil, "cpu_times", cpu_times)
+    scripted = Recorded(real_source(), cpu_times=cpu_times)
+    monkeypatch.setattr(host, "_source", lambda: scripted)
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(config=TelemetryConfig(exporters=("none",), quiet=True), metric_readers=[reader])
     try:
@@ -536,17 +602,32 @@ def test_cpu_utilization_covers_the_time_since_the_previous_collection_whichever
 
 
 def test_cpu_idle_has_no_value_before_a_cpu_moved() -> None:
-    readings = iter([[_cpu(10, 10)], [_cpu(10, 10)], [_cpu(10, 30)]])
-    idle = host.CpuIdle(["idle", "user"], lambda percpu: next(readings))
+    readings = iter([_cpus(_cpu(10, 10)), _cpus(_cpu(10, 10)), _cpus(_cpu(10, 30))])
+    idle = host.CpuIdle(["idle", "user"], lambda: next(readings))
     assert list(idle()) == []  # within one clock tick of the first reading: nothing measured yet
     assert {(o.attributes["cpu.mode"], o.value) for o in idle()} == {("idle", 1.0), ("user", 0.0)}
 
 
 def test_cpu_idle_reports_nothing_for_the_interval_in_which_a_cpu_went_offline() -> None:
-    readings = iter([[_cpu(10, 10), _cpu(10, 10)], [_cpu(20, 30)], [_cpu(30, 30)]])
-    idle = host.CpuIdle(["idle"], lambda percpu: next(readings))
-    assert list(idle()) == []  # two CPUs, then one: positions no longer pair the same CPUs
+    readings = iter([_cpus(_cpu(10, 10), _cpu(10, 10)), _cpus(_cpu(20, 30)), _cpus(_cpu(30, 30))])
+    idle = host.CpuIdle(["idle"], lambda: next(readings))
+    assert list(idle()) == []  # two CPUs, then one: that interval is not measured
     assert [(o.attributes["cpu.logical_number"], o.value) for o in idle()] == [(0, 0.0)]
+
+
+def test_cpu_idle_numbers_cpus_as_the_source_does() -> None:
+    # /proc/stat names each online CPU (cpu0, cpu2 with cpu1 offline): the number is the CPU's, not a position.
+    readings = iter([(CPU_FIELDS, {0: _cpu(10, 10), 2: _cpu(10, 10)}), (CPU_FIELDS, {0: _cpu(20, 10), 2: _cpu(10, 30)})])
+    idle = host.CpuIdle(["idle"], lambda: next(readings))
+    assert {o.attributes["cpu.logical_number"]: o.value for o in idle()} == {0: 0.0, 2: 1.0}
+
+
+def test_cpu_idle_takes_the_fields_an_older_kernel_has() -> None:
+    # Before guest_nice (Linux 2.6.33) /proc/stat has nine columns; before steal, seven.
+    fields = CPU_FIELDS[:7]
+    readings = iter([(fields, {0: (10, 0, 0, 10, 0, 0, 0)}), (fields, {0: (20, 0, 0, 40, 0, 0, 0)})])
+    idle = host.CpuIdle(["idle", "steal"], lambda: next(readings))
+    assert [(o.attributes["cpu.mode"], o.value) for o in idle()] == [("idle", 0.75)]
 
 
 @pytest.mark.process
