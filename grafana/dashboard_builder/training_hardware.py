@@ -303,10 +303,10 @@ def gpu_health(grid: Grid, gpu_legend: str) -> list[dict[str, Any]]:
 
 
 # Whole disks only: a partition's bytes are also its disk's, and loop or RAM devices are not
-# storage. Interfaces that are not the node's own links: loopback, containers' veth pairs and
-# bridges, traffic-shaping ifb. Both as in the host metrics page's queries (tests/hardware/test_host.py).
+# storage. Interfaces that are not the node's own links: loopback, containers' veth pairs (Calico's
+# cali*, Cilium's lxc*) and bridges, traffic-shaping ifb (the host metrics leave all but loopback out). Both as in the host metrics page's queries (tests/hardware/test_host.py).
 WHOLE_DISKS = 'system_device=~"(sd|vd|xvd|hd)[a-z]+|nvme[0-9]+n[0-9]+"'
-NODE_LINKS = 'network_interface_name!~"lo|veth.*|docker.*|br-.*|ifb.*"'
+NODE_LINKS = 'network_interface_name!~"lo|veth.*|cali.*|lxc.*|docker.*|br-.*|ifb.*"'
 
 
 def host(grid: Grid) -> list[dict[str, Any]]:
@@ -423,8 +423,8 @@ def host(grid: Grid) -> list[dict[str, Any]]:
         panel(
             "timeseries",
             "Node network I/O",
-            "Bytes per second received and transmitted through the node's own interfaces, loopback, veth, "
-            "docker, bridge and ifb interfaces left out (rate of system_network_io_bytes_total by network_io_direction): "
+            "Bytes per second received and transmitted through the node's own interfaces, loopback, veth "
+            "(cali, lxc), docker, bridge and ifb interfaces left out (rate of system_network_io_bytes_total by network_io_direction): "
             "remote data, checkpoints, NCCL's socket transport (RDMA bypasses the kernel and does not show). "
             "Reported by LOCAL_RANK 0 only.",
             "Bps",

@@ -138,7 +138,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.connection.settimeout(KEEP_ALIVE_IDLE_S)
             came = bool(self.rfile.peek(1))  # b"" when the client closed
-            self.connection.settimeout(CONNECTION_TIMEOUT_S)  # the rest of the request: as the first
+            self.connection.settimeout(self.timeout)  # the rest of the request: as the first
         except OSError:  # timed out, reset, or shut by close()
             return False
         return came
@@ -184,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
                 or not self.server.keeps_connections()
             ):
                 self.close_connection = True
-            if self.close_connection and self.request_version != "HTTP/1.0":
+            if self.close_connection:  # said whatever the version: an HTTP/1.1 answer is kept otherwise
                 headers = [*headers, ("Connection", "close")]
             head = [
                 f"{self.protocol_version} {status} {self.responses[status][0]}",
@@ -199,6 +199,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write("\r\n".join(head).encode("latin-1") + body)
             return True
         except OSError:  # the client went away or timed out: nothing to tell anyone
+            # Part of the answer may have gone out: nothing more may follow it on this connection.
+            self.close_connection = True
             return False
 
     def log_message(self, format: str, *args: Any) -> None:

@@ -72,10 +72,11 @@ PROCESS_SELECTION: Mapping[str, tuple[str, ...] | None] = {
 NOT_STORAGE = re.compile(r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]+|nvme\d+n\d+p)\d+$")
 
 # Network interfaces that are not the node's own links, left out as the dashboards' queries leave them out:
-# containers' veth pairs and docker bridges (a container's traffic is counted again on the node's own
-# interface), and traffic-shaping ifb devices (a mirror of another interface's traffic). On a Kubernetes
-# node the veth pairs come and go with the pods, two series each. Loopback stays.
-NOT_LINK = re.compile(r"^(veth|docker|br-|ifb)")
+# containers' veth pairs (`veth*`; Calico names the host end `cali*`, Cilium `lxc*`) and docker bridges
+# (a container's traffic is counted again on the node's own interface), and traffic-shaping ifb devices (a
+# mirror of another interface's traffic). On a Kubernetes node the veth pairs come and go with the pods,
+# two series each. Loopback stays.
+NOT_LINK = re.compile(r"^(veth|cali|lxc|docker|br-|ifb)")
 
 _missing_warned = False
 _missing_lock = threading.Lock()
@@ -242,7 +243,10 @@ class _Readings:
     def _system_memory_usage(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
 
-        used, self._available = self._source.memory()
+        memory = self._source.memory()
+        if memory is None:  # nothing usable to report (see ProcfsSource.memory)
+            return
+        used, self._available = memory
         if "used" in (self._chosen["system.memory.usage"] or ()):
             yield Observation(used, self._attributes_of("system.memory.state", "used"))
 
@@ -250,7 +254,12 @@ class _Readings:
         from opentelemetry.metrics import Observation
 
         available, self._available = self._available, None
-        yield Observation(available if available is not None else self._source.memory()[1])
+        if available is None:
+            memory = self._source.memory()
+            if memory is None:
+                return
+            available = memory[1]
+        yield Observation(available)
 
     def _system_disk_io(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation

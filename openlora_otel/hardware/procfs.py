@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 __all__ = [
     "CPU_FIELDS",
@@ -168,7 +168,8 @@ def _read(path: str) -> bytes:
 class _NoWrap:
     """psutil's ``nowrap`` rule for a table of counters: a value below the previous one adds the previous one from then on.
 
-    Names not in a reading are forgotten (interfaces and devices come and go), so it holds what one reading holds.
+    Names not in a reading are forgotten (interfaces and devices come and go), so it holds what one
+    reading holds, and a name that comes back starts again from its own value, as with psutil.
     """
 
     def __init__(self) -> None:
@@ -176,24 +177,32 @@ class _NoWrap:
         self._last: dict[str, tuple[int, int]] = {}
         self._offset: dict[str, tuple[int, int]] = {}
 
+    def read(self, read: Callable[[], Mapping[str, tuple[int, int]]]) -> dict[str, tuple[int, int]]:
+        """``read()`` and the rule applied to it, under one lock: readings are judged in the order they were taken."""
+        with self._lock:
+            return self._apply(read())
+
     def __call__(self, reading: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
         with self._lock:
-            last, offsets = self._last, self._offset
-            out: dict[str, tuple[int, int]] = {}
-            kept: dict[str, tuple[int, int]] = {}
-            for name, (first, second) in reading.items():
-                offset = offsets.get(name, (0, 0))
-                before = last.get(name)
-                if before is not None and (first < before[0] or second < before[1]):
-                    offset = (
-                        offset[0] + (before[0] if first < before[0] else 0),
-                        offset[1] + (before[1] if second < before[1] else 0),
-                    )
-                if offset != (0, 0):
-                    kept[name] = offset
-                out[name] = (first + offset[0], second + offset[1])
-            self._last = dict(reading)
-            self._offset = kept
+            return self._apply(reading)
+
+    def _apply(self, reading: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        last, offsets = self._last, self._offset
+        out: dict[str, tuple[int, int]] = {}
+        kept: dict[str, tuple[int, int]] = {}
+        for name, (first, second) in reading.items():
+            offset = offsets.get(name, (0, 0))
+            before = last.get(name)
+            if before is not None and (first < before[0] or second < before[1]):
+                offset = (
+                    offset[0] + (before[0] if first < before[0] else 0),
+                    offset[1] + (before[1] if second < before[1] else 0),
+                )
+            if offset != (0, 0):
+                kept[name] = offset
+            out[name] = (first + offset[0], second + offset[1])
+        self._last = dict(reading)
+        self._offset = kept
         return out
 
 
@@ -213,13 +222,16 @@ class ProcfsSource:
         """(field names, logical CPU number -> times in those fields): online CPUs, in ticks."""
         return CPU_FIELDS, parse_cpus(_read(f"{self._root}/stat"))
 
-    def memory(self) -> tuple[int, int]:
-        """(used, available) bytes: used is total minus available, as ``free`` and psutil 7 have it."""
+    def memory(self) -> tuple[int, int] | None:
+        """(used, available) bytes: used is total minus available, as ``free`` and psutil 7 have it; None
+        when MemAvailable is not usable and psutil, which works it out from the other fields, is not installed."""
         parsed = parse_meminfo(_read(f"{self._root}/meminfo"))
         if parsed is None:
             if self._psutil is None:
-                import psutil
-
+                try:
+                    import psutil
+                except ImportError:
+                    return None
                 self._psutil = psutil
             memory = self._psutil.virtual_memory()
             return memory.used, memory.available
@@ -228,21 +240,23 @@ class ProcfsSource:
 
     def disks(self) -> Mapping[str, tuple[int, int]]:
         """Block device -> (bytes read, bytes written), every device of ``/proc/diskstats``."""
-        return self._disks(parse_diskstats(_read(f"{self._root}/diskstats")))
+        return self._disks.read(lambda: parse_diskstats(_read(f"{self._root}/diskstats")))
 
     def interfaces(self) -> Mapping[str, tuple[int, int]]:
         """Network interface -> (bytes received, bytes transmitted)."""
-        return self._interfaces(parse_net_dev(_read(f"{self._root}/net/dev")))
+        return self._interfaces.read(lambda: parse_net_dev(_read(f"{self._root}/net/dev")))
 
     def process_memory(self) -> int | None:
         """This process's resident set size in bytes."""
         return parse_statm(_read(f"{self._root}/self/statm"), self._page_size)
 
     def process_io(self) -> tuple[int, int] | None:
-        """This process's (bytes read, bytes written) from and to storage; None where ``io`` cannot be read."""
+        """This process's (bytes read, bytes written) from and to storage; None where ``io`` cannot be read:
+        a kernel without task I/O accounting has no such file, hidepid or a sandbox may refuse it (psutil
+        has no ``io_counters`` then)."""
         try:
             return parse_io(_read(f"{self._root}/self/io"))
-        except PermissionError:  # hidepid, or a sandbox's /proc
+        except OSError:
             return None
 
 

@@ -58,8 +58,8 @@ HOST_METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "By",
         "Bytes received and transmitted (`network.io.direction`) per network interface "
-        "(`network.interface.name`: `lo` and the node's own links; containers' veth pairs, docker bridges "
-        "and ifb devices left out). Node only.",
+        "(`network.interface.name`: `lo` and the node's own links; containers' veth pairs, Calico's and "
+        "Cilium's pod interfaces, docker bridges and ifb devices left out). Node only.",
     ),
     MetricSpec(
         "process.cpu.time", "counter", "s", "CPU seconds of this process by `cpu.mode` (`user`, `system`)."
