@@ -23,7 +23,7 @@ pair with :func:`start` and wait for it with :func:`finish`. From step
 - ``overfit``: every rank evaluates every 10 steps; the evaluation loss falls to its best at step 30
   and rises from there, while the training loss falls throughout.
 - ``busy-host``: each rank on a node of its own (``host.name`` node-0 and node-1, both ``LOCAL_RANK`` 0,
-  so each reports its node's CPUs), rank 1's node 92 % busy (psutil's CPU times scripted), rank 0's
+  so each reports its node's CPUs), rank 1's node 92 % busy (the host metrics' CPU times scripted), rank 0's
   15 %: rank 1's steps take twice as long.
 - ``none``: a healthy rank.
 """
@@ -155,18 +155,27 @@ def finish(processes: list[subprocess.Popen], fault: str, timeout_s: float = 120
 
 
 def _busy_cpus(busy: float) -> None:
-    """psutil's CPU times of a 4-CPU node whose CPUs are ``busy`` (a share) of the time, from now on."""
-    import psutil
+    """The CPU times of a 4-CPU node whose CPUs are ``busy`` (a share) of the time, from now on, as the
+    host metrics read them (their source's ``cpu_times``; the rest of the node is read as it is)."""
+    from openlora_otel.hardware import host
 
-    kind = type(psutil.cpu_times())
+    real = host._source
     began = time.monotonic()
+    fields = ("user", "nice", "system", "idle")
 
-    def cpu_times(percpu: bool = False) -> object:
-        elapsed = 1000.0 + time.monotonic() - began
-        one = kind(**{**dict.fromkeys(kind._fields, 0.0), "user": elapsed * busy, "idle": elapsed * (1.0 - busy)})
-        return [one] * 4 if percpu else one
+    class Busy:
+        def __init__(self, inner: object) -> None:
+            self._inner = inner
+            self.name = inner.name  # type: ignore[attr-defined]
 
-    psutil.cpu_times = cpu_times
+        def __getattr__(self, method: str) -> object:
+            return getattr(self._inner, method)
+
+        def cpu_times(self) -> tuple[tuple[str, ...], dict[int, tuple[float, ...]]]:
+            elapsed = 1000.0 + time.monotonic() - began
+            return fields, dict.fromkeys(range(4), (elapsed * busy, 0.0, 0.0, elapsed * (1.0 - busy)))
+
+    host._source = lambda: Busy(real())
 
 
 def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:
