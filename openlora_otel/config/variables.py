@@ -409,7 +409,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "OPENLORA_HOST_METRICS",
         HARDWARE,
-        "`true`: host and process metrics (CPU, memory, disk and network I/O) read with psutil and named by the semantic conventions, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
+        "`true`: host and process metrics (CPU, memory, disk and network I/O) read from `/proc` on Linux (psutil elsewhere) and named by the semantic conventions, the system-wide ones only from `LOCAL_RANK` 0 (or a process without `LOCAL_RANK`); `false`: none.",
         default=True,
         field="host_metrics",
         read=boolean,
