@@ -485,7 +485,13 @@ def test_metrics_per_adapter_ttft_tokens_loaded_and_http(server: ServeProcess) -
     def ok(text: str, adapter: str) -> float:
         return total(text, "gen_ai_server_request_duration_seconds_count", openlora_adapter_name=adapter, error_type="")
 
-    before = server.metrics()
+    def settled() -> str | None:
+        # A request is counted once its last piece went out, after the client may have read it: the
+        # earlier test's last request must be counted before, not after (it ends running and counts at once).
+        text = server.metrics()
+        return text if total(text, "openlora_inference_requests_running") == 0 else None
+
+    before = wait_until(settled, 10, "the earlier requests counted", interval=0.05)
     for model in ("a1", "a1", "a2", "tiny-llama"):
         assert server.complete({"model": model, "prompt": PROMPT, "max_tokens": 3})[0] == 200
     assert server.complete({"model": "nope", "prompt": PROMPT})[0] == 404
