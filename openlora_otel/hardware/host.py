@@ -208,6 +208,16 @@ class _Readings:
     def __init__(self, source: Any, chosen: Mapping[str, list[str] | None]) -> None:
         self._source = source
         self._chosen = chosen
+        # Each counter's chosen values with their position in what the source returns, worked out once.
+        self._positions = {
+            name: [(value, table[value]) for value in chosen.get(name) or ()]
+            for name, table in (
+                ("system.disk.io", self._DISK),
+                ("system.network.io", self._NETWORK),
+                ("process.cpu.time", self._PROCESS_CPU),
+                ("process.disk.io", self._DISK),
+            )
+        }
         self._stopped = False
         # system.memory.usage's reading of memory, left for system.memory.linux.available, whose
         # callback runs next in the same collection (instruments are called in the order they were made).
@@ -261,27 +271,26 @@ class _Readings:
             available = memory[1]
         yield Observation(available)
 
-    def _system_disk_io(self, options: Any) -> Iterable[Any]:
+    def _per_device(
+        self, name: str, table: Mapping[str, Sequence[int]], left_out: re.Pattern[str], device_key: str, direction_key: str
+    ) -> Iterable[Any]:
+        """A (first, second) counter pair per device or interface, less those ``left_out`` matches."""
         from opentelemetry.metrics import Observation
 
-        directions = [(d, self._DISK[d]) for d in self._chosen["system.disk.io"] or ()]
-        for device, values in self._source.disks().items():
-            if NOT_STORAGE.match(device):
+        positions = self._positions[name]
+        for device, values in table.items():
+            if left_out.match(device):
                 continue
-            for direction, index in directions:
-                yield Observation(values[index], self._attributes_of("system.device", device, "disk.io.direction", direction))
+            for direction, index in positions:
+                yield Observation(values[index], self._attributes_of(device_key, device, direction_key, direction))
+
+    def _system_disk_io(self, options: Any) -> Iterable[Any]:
+        return self._per_device("system.disk.io", self._source.disks(), NOT_STORAGE, "system.device", "disk.io.direction")
 
     def _system_network_io(self, options: Any) -> Iterable[Any]:
-        from opentelemetry.metrics import Observation
-
-        directions = [(d, self._NETWORK[d]) for d in self._chosen["system.network.io"] or ()]
-        for interface, values in self._source.interfaces().items():
-            if NOT_LINK.match(interface):
-                continue
-            for direction, index in directions:
-                yield Observation(
-                    values[index], self._attributes_of("network.interface.name", interface, "network.io.direction", direction)
-                )
+        return self._per_device(
+            "system.network.io", self._source.interfaces(), NOT_LINK, "network.interface.name", "network.io.direction"
+        )
 
     def _process_cpu_time(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -289,8 +298,8 @@ class _Readings:
         # os.times(): this process's user and system CPU seconds, what psutil's Process.cpu_times reads
         # from /proc/<pid>/stat, from one system call; always the calling process, so right after a fork.
         times = os.times()
-        for mode in self._chosen["process.cpu.time"] or ():
-            yield Observation(times[self._PROCESS_CPU[mode]], self._attributes_of("cpu.mode", mode))
+        for mode, index in self._positions["process.cpu.time"]:
+            yield Observation(times[index], self._attributes_of("cpu.mode", mode))
 
     def _process_memory_usage(self, options: Any) -> Iterable[Any]:
         from opentelemetry.metrics import Observation
@@ -305,14 +314,14 @@ class _Readings:
         counters = self._source.process_io()
         if counters is None:
             return
-        for direction in self._chosen["process.disk.io"] or ():
-            yield Observation(counters[self._DISK[direction]], self._attributes_of("disk.io.direction", direction))
+        for direction, index in self._positions["process.disk.io"]:
+            yield Observation(counters[index], self._attributes_of("disk.io.direction", direction))
 
 
 class HostMetrics:
     """What :func:`start_host_metrics` turned on; :meth:`stop` makes its instruments observe nothing."""
 
-    def __init__(self, readings: _Readings, metrics: tuple[str, ...], system: bool, source: str = "psutil") -> None:
+    def __init__(self, readings: _Readings, metrics: tuple[str, ...], system: bool, source: str) -> None:
         self._readings: _Readings | None = readings
         self._metrics = metrics
         self._system = system

@@ -38,6 +38,7 @@ from openlora_otel.hardware.host import (
 from openlora_otel.hardware.procfs import open_procfs
 from openlora_otel.names import HOST_ATTRIBUTES, HOST_METRICS
 from tests.support import docs_text
+from tests.support.host_sources import Recorded
 from tests.support.processes import child_env, free_port
 from tests.support.readings import points
 
@@ -71,27 +72,6 @@ def collect(env: dict[str, str] | None = None) -> tuple[dict[str, object], objec
         return host_metrics(reader.get_metrics_data()), telemetry.host
     finally:
         telemetry.shutdown()
-
-
-class Recorded:
-    """A source that passes every read to ``inner`` (or to what ``replaced`` names) and records which
-    read ran on which thread."""
-
-    name = "recorded"
-
-    def __init__(self, inner: object, **replaced: object) -> None:
-        self._inner = inner
-        self._replaced = replaced
-        self.reads: list[tuple[str, str]] = []
-
-    def __getattr__(self, method: str) -> object:
-        real = self._replaced.get(method) or getattr(self._inner, method)
-
-        def read(*args: object, **kwargs: object) -> object:
-            self.reads.append((method, threading.current_thread().name))
-            return real(*args, **kwargs)
-
-        return read
 
 
 def real_source() -> object:

@@ -194,13 +194,17 @@ def test_process_files() -> None:
 
 def test_a_counter_read_below_its_previous_value_keeps_counting_up() -> None:
     # psutil's nowrap rule: a wrap or a reset adds what the counter had, so totals never go down.
-    nowrap = procfs._NoWrap()
+    rule = procfs._NoWrap()
+
+    def nowrap(reading: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        return rule.read(lambda: reading)
+
     assert nowrap({"eth0": (100, 50)}) == {"eth0": (100, 50)}
     assert nowrap({"eth0": (10, 60)}) == {"eth0": (110, 60)}  # received wrapped at 100
     assert nowrap({"eth0": (30, 5)}) == {"eth0": (130, 65)}  # then transmitted at 60
     assert nowrap({"eth1": (1, 1)}) == {"eth1": (1, 1)}  # eth0 gone: forgotten
     assert nowrap({"eth0": (2, 2)}) == {"eth0": (2, 2)}  # back: from the kernel's value, as with psutil
-    assert nowrap.read(lambda: {"eth0": (1, 3)}) == {"eth0": (3, 3)}  # read under the same lock
+    assert rule.read(lambda: {"eth0": (1, 3)}) == {"eth0": (3, 3)}  # read under the same lock
 
 
 def _fake_proc(root: Path, **replaced: str | None) -> None:

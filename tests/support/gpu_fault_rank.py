@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from openlora_otel import setup_telemetry  # noqa: E402
 from openlora_otel.hardware import gpu, nvml  # noqa: E402
 from tests.support.fake_nvml import FakeNvml, h100s  # noqa: E402
+from tests.support.host_sources import Recorded  # noqa: E402
 
 FAULTS = ("none", "off-bus", "ecc", "remap-pending", "thermal", "narrow-link", "memory-growth", "oom", "slowdown", "overfit",
           "busy-host")  # fmt: skip
@@ -163,19 +164,11 @@ def _busy_cpus(busy: float) -> None:
     began = time.monotonic()
     fields = ("user", "nice", "system", "idle")
 
-    class Busy:
-        def __init__(self, inner: object) -> None:
-            self._inner = inner
-            self.name = inner.name  # type: ignore[attr-defined]
+    def cpu_times() -> tuple[tuple[str, ...], dict[int, tuple[float, ...]]]:
+        elapsed = 1000.0 + time.monotonic() - began
+        return fields, dict.fromkeys(range(4), (elapsed * busy, 0.0, 0.0, elapsed * (1.0 - busy)))
 
-        def __getattr__(self, method: str) -> object:
-            return getattr(self._inner, method)
-
-        def cpu_times(self) -> tuple[tuple[str, ...], dict[int, tuple[float, ...]]]:
-            elapsed = 1000.0 + time.monotonic() - began
-            return fields, dict.fromkeys(range(4), (elapsed * busy, 0.0, 0.0, elapsed * (1.0 - busy)))
-
-    host._source = lambda: Busy(real())
+    host._source = lambda: Recorded(real(), cpu_times=cpu_times)
 
 
 def _when_watched(fake: FakeNvml, card: object, timeout_s: float = 10.0) -> None:
